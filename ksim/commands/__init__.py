@@ -1,0 +1,1 @@
+"""One module per ksim subcommand; each exposes register(subparsers)."""

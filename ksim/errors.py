@@ -1,0 +1,197 @@
+"""ksim's error hierarchy: one base class, one subclass per cause.
+
+Every refusal names its cause with its own class so that callers (and the live
+daemon, which carries these causes over the wire by class name) can react to a
+specific failure.  ``code`` is the stable wire name of each cause.
+"""
+
+from __future__ import annotations
+
+
+class KsimError(Exception):
+    """Base of every error ksim raises on purpose."""
+
+    code = "ksim"
+
+
+# --- images -----------------------------------------------------------------
+class ImageError(KsimError):
+    """An image (ELF kernel, module, kallsyms file) cannot be used."""
+
+    code = "image"
+
+
+class MalformedImage(ImageError):
+    """The file is not a well-formed ELF (or kallsyms) file: truncated, corrupt, wrong magic."""
+
+    code = "malformed-image"
+
+
+class UnsupportedImage(ImageError):
+    """A well-formed file ksim cannot handle (wrong machine, class or byte order)."""
+
+    code = "unsupported-image"
+
+
+class ImageBuildError(ImageError):
+    """Building a bundled image from source failed."""
+
+    code = "image-build"
+
+
+class UnknownImage(ImageError):
+    code = "unknown-image"
+
+
+class UnknownSymbol(KsimError):
+    """No function or symbol by that name; ``suggestions`` holds close names."""
+
+    code = "unknown-symbol"
+
+    def __init__(self, name: str, suggestions: list[str] | tuple[str, ...] = ()) -> None:
+        self.name = name
+        self.suggestions = list(suggestions)
+        hint = f"; did you mean {', '.join(self.suggestions)}?" if self.suggestions else ""
+        super().__init__(f"unknown function or symbol {name!r}{hint}")
+
+
+# --- analysis -----------------------------------------------------------------
+class AnalysisError(KsimError):
+    code = "analysis"
+
+
+class DecodeError(AnalysisError):
+    """Bytes that do not decode as an instruction."""
+
+    code = "decode"
+
+
+# --- snippets / codegen ---------------------------------------------------------
+class SnippetError(KsimError):
+    """An ill-formed snippet, rejected before any code is generated."""
+
+    code = "snippet"
+
+
+class CodegenError(KsimError):
+    code = "codegen"
+
+
+# --- splicing -------------------------------------------------------------------
+class SpliceError(KsimError):
+    """A point cannot be spliced (or unspliced) as asked.  Nothing was changed."""
+
+    code = "splice"
+
+
+class NotOnBoundary(SpliceError):
+    """The address is not the start of an instruction of its function."""
+
+    code = "not-on-boundary"
+
+
+class OutsideText(SpliceError):
+    """The address is not inside kernel text (or not inside a known function)."""
+
+    code = "outside-text"
+
+
+class OutOfRange(SpliceError):
+    """A branch cannot reach its destination with the encoding asked for."""
+
+    code = "out-of-range"
+
+
+class Blacklisted(SpliceError):
+    """The point lies in code that must never be instrumented (the trap path itself, ...)."""
+
+    code = "blacklisted"
+
+
+class NoSafeTactic(SpliceError):
+    """No tactic the policy allows can splice this point; ``reasons`` says why, per tactic."""
+
+    code = "no-safe-tactic"
+
+    def __init__(self, address: int, reasons: dict[str, str]) -> None:
+        self.address = address
+        self.reasons = dict(reasons)
+        why = "; ".join(f"{t}: {r}" for t, r in self.reasons.items())
+        super().__init__(f"no safe tactic at {address:#x} ({why})")
+
+
+class AlreadySpliced(SpliceError):
+    """The point, or bytes a splice would overwrite, are already spliced incompatibly."""
+
+    code = "already-spliced"
+
+
+class RelocationError(SpliceError):
+    """An instruction cannot be moved to the patch (e.g. a rel32 that no longer reaches)."""
+
+    code = "relocation"
+
+
+class UnknownHandle(KsimError):
+    code = "unknown-handle"
+
+
+# --- targets ----------------------------------------------------------------------
+class TargetError(KsimError):
+    code = "target"
+
+
+class TargetFault(TargetError):
+    """Reading or writing target memory failed (bad address)."""
+
+    code = "target-fault"
+
+
+class StaleText(TargetError):
+    """A poke's expected old bytes do not match what is in memory; nothing was written."""
+
+    code = "stale-text"
+
+
+class OutOfMemory(TargetError):
+    """The patch area or data heap has no room left."""
+
+    code = "out-of-memory"
+
+
+class TargetDied(TargetError):
+    """The target (an emulator process, a connection) went away."""
+
+    code = "target-died"
+
+
+class TargetTimeout(TargetError):
+    code = "target-timeout"
+
+
+class EmulationError(TargetError):
+    """The emulated kernel faulted (unmapped access, invalid instruction...)."""
+
+    code = "emulation"
+
+
+# --- wire (live) -----------------------------------------------------------------
+class ProtocolError(KsimError):
+    """A malformed or unexpected message on the wire."""
+
+    code = "protocol"
+
+
+class AuthError(KsimError):
+    code = "auth"
+
+
+def all_error_classes() -> dict[str, type[KsimError]]:
+    """Map each wire code to its class (used by the daemon and the live client)."""
+    out: dict[str, type[KsimError]] = {}
+    stack: list[type[KsimError]] = [KsimError]
+    while stack:
+        cls = stack.pop()
+        out[cls.code] = cls
+        stack.extend(cls.__subclasses__())
+    return out

@@ -1,0 +1,48 @@
+"""The planner's output: plain data, applied by a target, undone by its inverse."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Write:
+    """Replace ``old`` by ``new`` at ``address`` (same length)."""
+
+    address: int
+    old: bytes
+    new: bytes
+
+    def __post_init__(self) -> None:
+        if len(self.old) != len(self.new):
+            raise ValueError("a Write must keep the length of the bytes it replaces")
+
+    def inverse(self) -> Write:
+        return Write(self.address, self.new, self.old)
+
+    @property
+    def end(self) -> int:
+        return self.address + len(self.new)
+
+
+@dataclass(frozen=True, slots=True)
+class Patch:
+    """Everything needed to splice one point, and to take the splice out again.
+
+    ``code`` goes at ``code_address`` (patch area) before ``writes`` are poked; a
+    trap tactic also routes ``trap_site`` to ``code_address``.  ``undo`` restores
+    the original text exactly.
+    """
+
+    point: int
+    tactic: str
+    code_address: int
+    code: bytes
+    writes: tuple[Write, ...]
+    trap_site: int | None = None
+    #: extra code placed elsewhere (a springboard's long jump in padding): (address, old, new)
+    extra: tuple[Write, ...] = field(default=())
+
+    @property
+    def undo(self) -> tuple[Write, ...]:
+        return tuple(w.inverse() for w in reversed(self.writes))

@@ -1,0 +1,106 @@
+"""The target contract: what the engine needs of a running kernel.
+
+A target is a kernel ksim can read and change: the toy kernel in unicorn, the toy
+kernel in QEMU, a live Linux kernel behind kerninstd.  The planner never talks to
+a target; the Manager asks the target for memory, asks the planner for a Patch,
+and hands the Patch's writes to the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from ksim.arch.base import Arch
+    from ksim.image.model import Image
+    from ksim.splice.patch import Write
+
+
+@dataclass(frozen=True, slots=True)
+class MemRef:
+    """A memory location as the kernel's code reaches it.
+
+    ``segment`` is None for an absolute address, or "gs" for a per-cpu offset
+    (Linux x86-64 reaches per-cpu data as gs:offset).
+    """
+
+    address: int
+    segment: str | None = None
+    size: int = 8
+
+
+@dataclass(frozen=True, slots=True)
+class KernelABI:
+    """What snippets need to know about the kernel's data layout."""
+
+    #: where the pointer to the current task lives
+    current_task: MemRef
+    #: offset and size of the pid field in the task structure
+    task_pid_offset: int
+    task_pid_size: int = 4
+    #: where the current cpu's number lives (None: a uniprocessor kernel, cpu is 0)
+    cpu_number: MemRef | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    start: int
+    end: int
+
+    def __contains__(self, address: object) -> bool:
+        return isinstance(address, int) and self.start <= address < self.end
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+class Target(Protocol):
+    """Implemented by ksim.targets.unicorn, ksim.targets.qemu and live.client."""
+
+    #: "unicorn:toy", "qemu:toy", "live://127.0.0.1:7070"
+    name: str
+    arch: Arch
+    image: Image
+    abi: KernelABI
+
+    def read(self, address: int, size: int) -> bytes:
+        """Read kernel memory (text or data); TargetFault on a bad address."""
+        ...
+
+    def poke(self, writes: Sequence[Write]) -> None:
+        """Apply text writes, all or nothing.
+
+        Each write's ``old`` bytes are checked against memory first; if any differ,
+        StaleText is raised and nothing is written.  Targets that run while being
+        changed use the int3 -> sync -> tail -> sync -> head protocol (ksim.poke).
+        """
+        ...
+
+    def alloc_code(self, size: int, near: int) -> int:
+        """Executable memory for a patch, reachable by a jmp from ``near``."""
+        ...
+
+    def free_code(self, address: int) -> None: ...
+
+    def alloc_data(self, size: int, align: int = 8) -> int:
+        """Zeroed kernel data memory (counters, timers)."""
+        ...
+
+    def free_data(self, address: int) -> None: ...
+
+    def write(self, address: int, data: bytes) -> None:
+        """Write kernel *data* memory (never text: text changes go through poke)."""
+        ...
+
+    def set_trap(self, site: int, patch: int) -> None:
+        """Route a trap instruction at ``site`` to ``patch`` (before the trap is poked)."""
+        ...
+
+    def clear_trap(self, site: int) -> None:
+        """Forget a trap route (after the trap bytes are gone)."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,1 @@
+"""kerninstd, its wire protocol, the live client target and the Linux testbed."""
