@@ -103,4 +103,20 @@ class Target(Protocol):
         """Forget a trap route (after the trap bytes are gone)."""
         ...
 
+    def run(self, **options: object) -> RunResult:
+        """Let the kernel run: the emulators run the seeded workload to its end
+        (options: seed, iterations, progress callback); a live kernel runs a
+        command in the guest while instrumented (option: while_cmd)."""
+        ...
+
     def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class RunResult:
+    """What a run reports; fields a target cannot know stay None."""
+
+    checksum: int | None = None
+    instructions: int | None = None
+    output: str = ""
+    seconds: float = 0.0
