@@ -109,6 +109,22 @@ class Target(Protocol):
         command in the guest while instrumented (option: while_cmd)."""
         ...
 
+    def oracle_counter(self, address: int) -> OracleCounter:
+        """An independent count of executions of ``address`` that does not use
+        splicing (unicorn: an exact address hook; QEMU: gdbstub breakpoints or the
+        image's bookkeeping; live: the kernel's own kprobe).  Counts while the
+        returned object is open."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class OracleCounter(Protocol):
+    name: str  # "unicorn-address-hook", "gdbstub-breakpoint", "kprobe", ...
+
+    @property
+    def count(self) -> int: ...
+
     def close(self) -> None: ...
 
 
