@@ -1,0 +1,276 @@
+"""x86-64 instruction reader: bytes -> :class:`ksim.arch.base.Insn`.
+
+Decoding is capstone's.  Full capstone detail is slow (~0.09 M insn/s against
+~0.8 M insn/s for ``disasm_lite``), so the reader sweeps with ``disasm_lite`` and
+asks for detail only for what the mnemonic and operand text cannot give: the
+registers read and written.  Those depend only on the instruction's text (not on
+its address, once direct-branch targets are left out of the key), so they are
+computed once per distinct instruction text and cached.
+
+Register effects are reported the way a liveness analysis needs them:
+
+* sub-registers map to their 64-bit names (``eax``, ``ax``, ``al``, ``ah`` -> ``rax``);
+* a write to a 32-bit register zero-extends into the full register (Intel SDM vol. 1,
+  3.4.1.1), so it is a full write;
+* a write to an 8- or 16-bit register keeps the rest of the register, and
+  conditional writes (cmovcc, cmpxchg, bsf/bsr, ...) may not happen: such
+  registers are reported as read as well as written, so no analysis kills them;
+* ``flags`` stands for the status flags plus DF; an instruction that writes only
+  some of them (inc/dec, cld, shifts by ``cl``, which leave flags alone when the
+  count is zero) also reads ``flags``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import capstone
+from capstone import x86_const as X
+
+from ksim.arch.base import Flow, Insn
+from ksim.errors import DecodeError
+
+__all__ = [
+    "GPRS",
+    "ALL_REGS",
+    "canonical_reg",
+    "decode",
+    "decode_one",
+    "decode_lite",
+    "insn_lengths",
+]
+
+#: the sixteen general-purpose registers by their 64-bit names, in encoding order
+GPRS: tuple[str, ...] = (
+    "rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
+    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15",
+)
+ALL_REGS: frozenset[str] = frozenset(GPRS) | {"flags"}
+
+# Sub-register names -> (64-bit name, width in bits).  Data, not code.
+_LEGACY = {  # 64, 32, 16, low 8, high 8
+    "rax": ("eax", "ax", "al", "ah"),
+    "rcx": ("ecx", "cx", "cl", "ch"),
+    "rdx": ("edx", "dx", "dl", "dh"),
+    "rbx": ("ebx", "bx", "bl", "bh"),
+    "rsp": ("esp", "sp", "spl", None),
+    "rbp": ("ebp", "bp", "bpl", None),
+    "rsi": ("esi", "si", "sil", None),
+    "rdi": ("edi", "di", "dil", None),
+}
+_REG_WIDTH: dict[str, tuple[str, int]] = {}
+for _full, (_r32, _r16, _r8, _r8h) in _LEGACY.items():
+    _REG_WIDTH.update({_full: (_full, 64), _r32: (_full, 32), _r16: (_full, 16), _r8: (_full, 8)})
+    if _r8h:
+        _REG_WIDTH[_r8h] = (_full, 8)
+for _n in range(8, 16):
+    _REG_WIDTH.update({f"r{_n}": (f"r{_n}", 64), f"r{_n}d": (f"r{_n}", 32),
+                       f"r{_n}w": (f"r{_n}", 16), f"r{_n}b": (f"r{_n}", 8)})
+_REG_WIDTH["rflags"] = ("flags", 64)
+_REG_WIDTH["eflags"] = ("flags", 64)
+_REG_WIDTH["flags"] = ("flags", 64)
+
+
+def canonical_reg(name: str) -> str | None:
+    """The 64-bit name of a general-purpose (sub-)register, "flags", or None."""
+    hit = _REG_WIDTH.get(name)
+    return hit[0] if hit else None
+
+
+# --- control flow: tables by mnemonic (prefixes such as notrack/bnd/rep stripped) ---
+_JCC = frozenset({
+    "ja", "jae", "jb", "jbe", "je", "jg", "jge", "jl", "jle", "jne", "jno", "jnp", "jns",
+    "jo", "jp", "js", "jcxz", "jecxz", "jrcxz", "loop", "loope", "loopne",
+    "xbegin",  # falls through, or resumes at its abort address
+})
+_RET = frozenset({"ret", "retf", "retfq"})
+_STOP = frozenset({
+    "hlt", "ud0", "ud1", "ud2", "int3", "int1", "iret", "iretd", "iretq",
+    "sysret", "sysretq", "sysexit", "sysexitq", "sysenter", "vmlaunch", "vmresume",
+})
+_JMP = frozenset({"jmp", "ljmp"})
+_CALL = frozenset({"call", "lcall"})
+
+# --- register effects capstone 5 leaves out (checked against the SDM) --------------
+_EXTRA_READS: dict[str, frozenset[str]] = {
+    "cmpxchg": frozenset({"rax"}),
+    "monitor": frozenset({"rax", "rcx", "rdx"}),
+    "monitorx": frozenset({"rax", "rcx", "rdx"}),
+    "mwait": frozenset({"rax", "rcx"}),
+    "mwaitx": frozenset({"rax", "rcx", "rbx"}),
+    "wrpkru": frozenset({"rax", "rcx", "rdx"}),
+    "rdpkru": frozenset({"rcx"}),
+    # hypercalls pass their arguments in registers the decoder cannot know
+    "vmcall": frozenset(GPRS),
+    "vmmcall": frozenset(GPRS),
+}
+_EXTRA_WRITES: dict[str, frozenset[str]] = {
+    "cmpxchg": frozenset({"rax", "flags"}),
+    "syscall": frozenset({"rcx", "r11"}),
+    "rdpkru": frozenset({"rax", "rdx"}),
+}
+# Instructions whose register writes may not happen, or happen only in part.
+_CONDITIONAL_WRITE_PREFIXES = ("cmov", "cmpxchg", "bsf", "bsr", "xbegin")
+# Zeroing idioms: the result does not depend on the operand ("xor eax, eax").
+_ZEROING = frozenset({"xor", "sub"})
+
+_STATUS_FLAGS = ("AF", "CF", "SF", "ZF", "PF", "OF")
+_FLAGS_WRITE_KINDS = ("MODIFY", "RESET", "SET", "UNDEFINED")
+
+
+def _flag_mask(kinds: tuple[str, ...], flags: tuple[str, ...]) -> int:
+    mask = 0
+    for kind in kinds:
+        for flag in flags:
+            mask |= getattr(X, f"X86_EFLAGS_{kind}_{flag}", 0)
+    return mask
+
+
+_ALL_FLAGS = ("AF", "CF", "SF", "ZF", "PF", "OF", "DF", "IF", "TF", "NT", "RF", "AC", "0F")
+_FLAGS_TESTED = _flag_mask(("TEST", "PRIOR"), _ALL_FLAGS)
+_FLAGS_WRITTEN = _flag_mask(_FLAGS_WRITE_KINDS, _ALL_FLAGS)
+#: per status flag, the bits meaning "this instruction gives it a new value"
+_STATUS_WRITE_MASKS = tuple(_flag_mask(_FLAGS_WRITE_KINDS, (f,)) for f in _STATUS_FLAGS)
+
+_HEX = re.compile(r"^(?:0x[0-9a-f]+|[0-9]+)$")
+_RIP_DISP = re.compile(r"\[rip(?: ([+-]) (0x[0-9a-f]+|[0-9]+))?\]")
+
+
+def _make_cs(detail: bool) -> capstone.Cs:
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    cs.detail = detail
+    return cs
+
+
+_CS_LITE = _make_cs(False)
+_CS_FULL = _make_cs(True)
+
+# (mnemonic, operand text) -> (reads, writes); bounded so a whole-kernel sweep
+# cannot grow it without limit.
+_EFFECTS: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {}
+_EFFECTS_MAX = 400_000
+
+
+def _base(mnemonic: str) -> str:
+    """The operation without its prefixes ("notrack jmp" -> "jmp", "repz ret" -> "ret")."""
+    return mnemonic.rsplit(" ", 1)[-1]
+
+
+def _flow(base: str, op_str: str) -> tuple[Flow, int | None]:
+    direct = bool(_HEX.match(op_str))
+    if base in _JCC:
+        return Flow.JCC, int(op_str, 0) if direct else None
+    if base in _JMP:
+        return (Flow.JMP, int(op_str, 0)) if direct and base == "jmp" else (Flow.JMP_INDIRECT, None)
+    if base in _CALL:
+        return (Flow.CALL, int(op_str, 0)) if direct and base == "call" else (Flow.CALL_INDIRECT, None)
+    if base in _RET:
+        return Flow.RET, None
+    if base in _STOP:
+        return Flow.STOP, None
+    return Flow.SEQ, None
+
+
+def _pc_ref(op_str: str, end: int) -> int | None:
+    if "rip" not in op_str:
+        return None
+    m = _RIP_DISP.search(op_str)
+    if m is None:
+        return None
+    disp = int(m.group(2), 0) if m.group(2) else 0
+    return (end - disp if m.group(1) == "-" else end + disp) & 0xFFFFFFFFFFFFFFFF
+
+
+def _effects(raw: bytes, address: int, base: str, op_str: str) -> tuple[frozenset[str], frozenset[str]]:
+    """Registers read and written, from capstone's detail plus the rules above."""
+    insn = next(_CS_FULL.disasm(raw, address, 1))
+    regs_read, regs_write = insn.regs_access()
+    reads: set[str] = set()
+    writes: set[str] = set()
+    for reg in regs_read:
+        hit = _REG_WIDTH.get(insn.reg_name(reg))
+        if hit:
+            reads.add(hit[0])
+    for reg in regs_write:
+        hit = _REG_WIDTH.get(insn.reg_name(reg))
+        if hit:
+            writes.add(hit[0])
+            if hit[1] < 32:  # partial write: the rest of the register survives
+                reads.add(hit[0])
+    eflags = insn.eflags
+    if eflags & _FLAGS_TESTED:
+        reads.add("flags")
+    if eflags & _FLAGS_WRITTEN:
+        writes.add("flags")
+    reads |= _EXTRA_READS.get(base, frozenset())
+    writes |= _EXTRA_WRITES.get(base, frozenset())
+    if "flags" in writes:
+        partial = not all(eflags & m for m in _STATUS_WRITE_MASKS)
+        # a shift or rotate by cl leaves every flag alone when the count is zero
+        if partial or (base[:2] in ("sh", "sa", "ro", "rc") and "cl" in op_str):
+            reads.add("flags")
+    repeated = insn.mnemonic.startswith("rep") and " " in insn.mnemonic  # may run zero times
+    if base.startswith(_CONDITIONAL_WRITE_PREFIXES) or repeated:
+        reads |= writes
+    if base in _ZEROING:
+        ops = [o.strip() for o in op_str.split(",")]
+        # only 32/64-bit forms: "xor al, al" keeps the rest of rax
+        if len(ops) == 2 and ops[0] == ops[1] and _REG_WIDTH.get(ops[0], ("", 0))[1] >= 32:
+            reads.discard(_REG_WIDTH[ops[0]][0])
+    reads.discard("rip")
+    writes.discard("rip")
+    return frozenset(reads), frozenset(writes)
+
+
+def _build(code: bytes, offset: int, address: int, size: int, mnemonic: str, op_str: str) -> Insn:
+    base = _base(mnemonic)
+    flow, target = _flow(base, op_str)
+    raw = bytes(code[offset : offset + size])
+    key = (mnemonic, "" if target is not None else op_str)
+    effects = _EFFECTS.get(key)
+    if effects is None:
+        effects = _effects(raw, address, base, op_str)
+        if len(_EFFECTS) >= _EFFECTS_MAX:
+            _EFFECTS.clear()
+        _EFFECTS[key] = effects
+    return Insn(
+        address=address,
+        size=size,
+        raw=raw,
+        mnemonic=mnemonic,
+        op_str=op_str,
+        flow=flow,
+        target=target,
+        pc_ref=_pc_ref(op_str, address + size),
+        reads=effects[0],
+        writes=effects[1],
+    )
+
+
+def decode(code: bytes, address: int) -> Iterator[Insn]:
+    """Decode ``code`` (placed at ``address``) by linear sweep.
+
+    Stops silently at the first bytes that do not decode; callers that need to
+    know compare the last instruction's end with ``address + len(code)``.
+    """
+    for addr, size, mnemonic, op_str in _CS_LITE.disasm_lite(code, address):
+        yield _build(code, addr - address, addr, size, mnemonic, op_str)
+
+
+def decode_one(code: bytes, address: int) -> Insn:
+    """Decode the single instruction at the start of ``code``; DecodeError if there is none."""
+    for addr, size, mnemonic, op_str in _CS_LITE.disasm_lite(code[:15], address, 1):
+        return _build(code, 0, addr, size, mnemonic, op_str)
+    raise DecodeError(f"undecodable bytes at {address:#x}: {bytes(code[:15]).hex() or '(none)'}")
+
+
+def decode_lite(code: bytes, address: int) -> Iterator[tuple[int, int, str, str]]:
+    """Fast path: (address, size, mnemonic, op_str) only, no register effects."""
+    return _CS_LITE.disasm_lite(code, address)
+
+
+def insn_lengths(code: bytes, address: int) -> Iterator[tuple[int, int]]:
+    """Fastest path: (address, size) of each instruction of a linear sweep."""
+    for addr, size, _m, _o in _CS_LITE.disasm_lite(code, address):
+        yield addr, size
