@@ -1,0 +1,166 @@
+"""A loaded kernel image: sections, symbols, functions and lookups over them.
+
+Built by a loader (``ksim.image.elf.load_image``, ``ksim.image.kallsyms.load_kallsyms``);
+pure data afterwards.  Lookups by address use sorted tables and bisection so that a
+whole vmlinux (tens of thousands of functions) stays cheap.
+"""
+
+from __future__ import annotations
+
+import bisect
+import difflib
+from collections.abc import Callable, Iterable, Sequence
+
+from ksim.errors import ImageError, UnknownSymbol
+from ksim.image.model import Function, Section, Symbol
+
+#: reads ``size`` bytes at ``addr`` from a running kernel (raises on a bad address)
+MemoryReader = Callable[[int, int], bytes]
+
+_BINDING_RANK = {"global": 0, "weak": 1, "local": 2}
+
+
+class Image:
+    """A kernel (``module == "vmlinux"``) or a kernel module, ready for analysis."""
+
+    def __init__(
+        self,
+        path: str,
+        arch: str,
+        module: str,
+        sections: Iterable[Section],
+        symbols: Iterable[Symbol],
+        *,
+        bindings: dict[str, str] | None = None,
+        reader: MemoryReader | None = None,
+    ) -> None:
+        self.path = path
+        self.arch = arch
+        self.module = module
+        self.sections: tuple[Section, ...] = tuple(sorted(sections, key=lambda s: (s.address, -s.size)))
+        self.symbols: tuple[Symbol, ...] = tuple(sorted(symbols, key=lambda s: (s.address, s.name)))
+        self._reader = reader
+        self._by_name: dict[str, Symbol] = {}
+        for sym in self.symbols:
+            self._by_name.setdefault(sym.name, sym)
+        self.functions, self._func_by_name = _functions(self.symbols, bindings or {})
+        self._func_starts = [f.address for f in self.functions]
+        self._sec_starts = [s.address for s in self.sections]
+        self.text_regions: tuple[tuple[int, int], ...] = _merge(
+            (s.address, s.end) for s in self.sections if s.executable and s.size
+        )
+
+    def __repr__(self) -> str:
+        return (f"<Image {self.module} {self.path!r}: {len(self.sections)} sections, "
+                f"{len(self.functions)} functions>")
+
+    # --- names ---------------------------------------------------------------
+    def function(self, name: str) -> Function:
+        """The function called ``name`` (or one of its aliases); UnknownSymbol otherwise."""
+        func = self._func_by_name.get(name)
+        if func is None:
+            raise UnknownSymbol(name, difflib.get_close_matches(name, self._func_by_name, n=5))
+        return func
+
+    def has_function(self, name: str) -> bool:
+        return name in self._func_by_name
+
+    def symbol(self, name: str) -> Symbol:
+        """Any symbol (function, object, absolute constant) by name."""
+        sym = self._by_name.get(name)
+        if sym is None:
+            raise UnknownSymbol(name, difflib.get_close_matches(name, self._by_name, n=5))
+        return sym
+
+    def address_of(self, name: str) -> int:
+        return self.symbol(name).address
+
+    def aliases(self, func: Function) -> list[str]:
+        """Every name under which ``func`` is known (its own first)."""
+        others = sorted(n for n, f in self._func_by_name.items() if f == func and n != func.name)
+        return [func.name, *others]
+
+    # --- addresses -------------------------------------------------------------
+    def function_at(self, addr: int) -> Function | None:
+        """The function whose bytes contain ``addr``, or None."""
+        i = bisect.bisect_right(self._func_starts, addr) - 1
+        # functions may nest (a larger one listed before a smaller one at a later
+        # address); look back a little rather than assume they are disjoint
+        for j in range(i, max(i - 8, -1), -1):
+            if addr in self.functions[j]:
+                return self.functions[j]
+        return None
+
+    def section_at(self, addr: int) -> Section | None:
+        i = bisect.bisect_right(self._sec_starts, addr) - 1
+        for j in range(i, max(i - 8, -1), -1):
+            sec = self.sections[j]
+            if sec.address <= addr < sec.end:
+                return sec
+        return None
+
+    def is_text(self, addr: int) -> bool:
+        return any(start <= addr < end for start, end in self.text_regions)
+
+    def read(self, addr: int, size: int) -> bytes:
+        """``size`` bytes at ``addr`` (zeros for NOBITS sections such as .bss)."""
+        if size < 0:
+            raise ValueError(f"negative size {size}")
+        if self._reader is not None:
+            return bytes(self._reader(addr, size))
+        sec = self.section_at(addr)
+        if sec is None or addr + size > sec.end:
+            raise ImageError(f"{self.module}: [{addr:#x}, {addr + size:#x}) is not inside one section")
+        if not sec.data:
+            return bytes(size)
+        off = addr - sec.address
+        chunk = sec.data[off : off + size]
+        return chunk + bytes(size - len(chunk))
+
+    def code(self, func: Function | str) -> bytes:
+        """The bytes of a function."""
+        if isinstance(func, str):
+            func = self.function(func)
+        return self.read(func.address, func.size)
+
+
+def _merge(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(regions):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(end, out[-1][1]))
+        else:
+            out.append((start, end))
+    return tuple(out)
+
+
+def _name_rank(name: str, bindings: dict[str, str]) -> tuple[int, int, int, str]:
+    """Which alias names a function: global over weak over local, then fewer
+    leading underscores (``sys_foo`` over ``__sys_foo``), then the shortest."""
+    stripped = len(name) - len(name.lstrip("_"))
+    return (_BINDING_RANK.get(bindings.get(name, "global"), 0), stripped, len(name), name)
+
+
+def _functions(
+    symbols: Sequence[Symbol], bindings: dict[str, str]
+) -> tuple[tuple[Function, ...], dict[str, Function]]:
+    """Functions from STT_FUNC symbols with a size, one per start address.
+
+    Symbols at the same address are aliases of one function (``SYM_FUNC_ALIAS``,
+    ``__x64_sys_*`` pairs); the largest size wins, so that the function covers
+    every alias's bytes.
+    """
+    groups: dict[tuple[str, int], list[Symbol]] = {}
+    for sym in symbols:
+        if sym.kind == "func" and sym.size > 0:
+            groups.setdefault((sym.module, sym.address), []).append(sym)
+    functions: list[Function] = []
+    by_name: dict[str, Function] = {}
+    for (module, address), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
+        size = max(s.size for s in group)
+        names = sorted({s.name for s in group}, key=lambda n: _name_rank(n, bindings))
+        func = Function(names[0], address, size, module)
+        functions.append(func)
+        for name in names:
+            by_name.setdefault(name, func)
+    return tuple(functions), by_name

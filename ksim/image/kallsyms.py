@@ -1,0 +1,145 @@
+"""Images from a symbol list in /proc/kallsyms format plus code from elsewhere.
+
+A line is ``ffffffff81000000 T _stext`` with an optional ``\\t[module]``.  The code
+bytes come from a stripped ELF image (section headers kept, symbols gone) or from
+a ``reader(addr, size)`` callback (a running kernel, through the live target).
+
+kallsyms has no sizes: a text symbol's function runs up to the next symbol of the
+same module (any type, since data placed inside text ends code too), bounded by the
+end of its executable section when the sections are known.  Sizes inferred this way
+include the padding that follows a function.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import re
+from collections.abc import Iterable
+
+from ksim.errors import ImageError, MalformedImage
+from ksim.image.elf import load_image
+from ksim.image.image import Image, MemoryReader
+from ksim.image.model import Section, Symbol
+
+_LINE = re.compile(r"^([0-9a-fA-F]{1,16})\s+([A-Za-z?])\s+(\S+)(?:\s+\[(\S+)\])?\s*$")
+#: kallsyms type letters that mark code (upper case: global; lower case: local)
+_TEXT_TYPES = frozenset("TtWw")
+_ABS_TYPES = frozenset("Aa")
+
+
+def parse_kallsyms(text: str, source: str = "<kallsyms>") -> list[tuple[int, str, str, str]]:
+    """(address, type letter, name, module) per line; module is "vmlinux" for the kernel."""
+    entries = []
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        m = _LINE.match(line)
+        if m is None:
+            raise MalformedImage(f"{source}:{lineno}: not a kallsyms line: {line[:80]!r}")
+        entries.append((int(m.group(1), 16), m.group(2), m.group(3), m.group(4) or "vmlinux"))
+    if not entries:
+        raise MalformedImage(f"{source}: no symbols")
+    if all(addr == 0 for addr, *_ in entries):
+        raise MalformedImage(f"{source}: every address is zero (kallsyms read without privilege?)")
+    return entries
+
+
+def load_kallsyms(
+    symbols_path: str | os.PathLike[str],
+    image_path: str | os.PathLike[str] | None = None,
+    reader: MemoryReader | None = None,
+) -> Image:
+    """An Image from a kallsyms-format file, with code from ``image_path`` or ``reader``."""
+    source = str(symbols_path)
+    try:
+        with open(symbols_path, "rb") as f:
+            text = f.read().decode("utf-8")
+    except OSError as exc:
+        raise ImageError(f"cannot read symbol file {source!r}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise MalformedImage(f"{source}: not text ({exc})") from exc
+    entries = parse_kallsyms(text, source)
+    if image_path is not None:
+        base = load_image(image_path)
+        sections = base.sections
+    else:
+        sections = _synthetic_text(entries)
+    symbols = list(_with_sizes(entries, sections))
+    return Image(
+        str(image_path if image_path is not None else symbols_path),
+        "x86_64",
+        "vmlinux",
+        sections,
+        symbols,
+        bindings={name: "global" if t.isupper() else "local" for _a, t, name, _m in entries},
+        reader=reader,
+    )
+
+
+def to_kallsyms(image: Image) -> str:
+    """The image's symbols in kallsyms format (the inverse of :func:`load_kallsyms`)."""
+    lines = []
+    for sym in image.symbols:
+        sec = image.section_at(sym.address)
+        if sym.kind == "func" or (sec is not None and sec.executable):
+            letter = "T"
+        elif sec is None:
+            letter = "A"
+        elif not sec.data:
+            letter = "B"
+        else:
+            letter = "D" if sec.writable else "R"
+        suffix = f"\t[{sym.module}]" if sym.module != "vmlinux" else ""
+        lines.append(f"{sym.address:016x} {letter} {sym.name}{suffix}")
+    return "\n".join(lines) + "\n"
+
+
+def _synthetic_text(entries: list[tuple[int, str, str, str]]) -> tuple[Section, ...]:
+    """Without an ELF: one executable region per module, spanning its text symbols.
+
+    The region's data stays empty; bytes come from the reader callback.
+    """
+    spans: dict[str, list[int]] = {}
+    for addr, letter, name, module in entries:
+        if letter in _TEXT_TYPES or (module == "vmlinux" and name in ("_etext", "__init_end")):
+            spans.setdefault(module, []).append(addr)
+    out = []
+    for module, addrs in spans.items():
+        start, end = min(addrs), max(addrs)
+        if end > start:
+            out.append(Section(f".text[{module}]", start, end - start, True, False))
+    return tuple(out)
+
+
+def _with_sizes(
+    entries: list[tuple[int, str, str, str]], sections: Iterable[Section]
+) -> Iterable[Symbol]:
+    exec_sections = sorted((s.address, s.end) for s in sections if s.executable)
+    by_module: dict[str, list[tuple[int, str, str]]] = {}
+    for addr, letter, name, module in entries:
+        by_module.setdefault(module, []).append((addr, letter, name))
+    for module, items in by_module.items():
+        items.sort()
+        starts = sorted({addr for addr, letter, _n in items if letter not in _ABS_TYPES})
+        for addr, letter, name in items:
+            if letter in _ABS_TYPES:
+                yield Symbol(name, addr, 0, "other", module)
+                continue
+            if letter not in _TEXT_TYPES:
+                yield Symbol(name, addr, 0, "object", module)
+                continue
+            section_end = _section_end(exec_sections, addr)
+            if section_end is None:
+                yield Symbol(name, addr, 0, "other", module)  # a text label outside text
+                continue
+            i = bisect.bisect_right(starts, addr)
+            end = starts[i] if i < len(starts) else section_end
+            yield Symbol(name, addr, min(end, section_end) - addr, "func", module)
+
+
+def _section_end(exec_sections: list[tuple[int, int]], addr: int) -> int | None:
+    for start, end in exec_sections:
+        if start <= addr < end:
+            return end
+    return None
