@@ -1,0 +1,28 @@
+"""Architecture plug-ins, found by name (one package per architecture)."""
+
+from __future__ import annotations
+
+import importlib
+
+from ksim.arch.base import Arch, Flow, Insn
+
+#: architecture name -> module that defines ``ARCH`` (and its aliases)
+REGISTRY: dict[str, str] = {
+    "x86_64": "ksim.arch.x86_64",
+    "x86-64": "ksim.arch.x86_64",
+    "amd64": "ksim.arch.x86_64",
+}
+
+
+def get_arch(name: str) -> Arch:
+    """The architecture object for ``name``; ValueError naming the known ones otherwise."""
+    try:
+        module = REGISTRY[name.lower()]
+    except KeyError:
+        known = ", ".join(sorted(set(REGISTRY)))
+        raise ValueError(f"unknown architecture {name!r} (known: {known})") from None
+    arch: Arch = importlib.import_module(module).ARCH
+    return arch
+
+
+__all__ = ["Arch", "Flow", "Insn", "REGISTRY", "get_arch"]

@@ -1,0 +1,103 @@
+"""The x86-64 architecture: the ``Arch`` object generic code is handed.
+
+Decoding is ``reader``; emitting is ``writer``; moving instructions is
+``relocator``; snippet code generation goes through ``emitter``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from ksim.arch.base import Insn
+from ksim.errors import OutOfRange
+
+from . import regs
+from .writer import INT8, INT32, fits
+
+if TYPE_CHECKING:
+    from ksim.snippets.ast import Snippet
+    from ksim.targets.base import KernelABI
+
+_MASK64 = (1 << 64) - 1
+
+
+def _distance(src_end: int, dst: int) -> int:
+    """dst - src_end as the CPU sees it: modulo 2**64, signed."""
+    d = (dst - src_end) & _MASK64
+    return d - (1 << 64) if d >> 63 else d
+
+
+class X86_64:
+    """x86-64 (System V / Linux kernel calling convention)."""
+
+    name = "x86_64"
+    trap = b"\xcc"                 # int3 (SDM "INT n/INTO/INT3/INT1")
+    jmp_size = 5                   # e9 rel32
+    short_jmp_size = 2             # eb rel8
+    pad_byte = 0xCC
+    arg_regs = regs.ARG_REGS
+    ret_reg = regs.RET_REG
+    all_regs = regs.ALL_REGS
+    callee_saved = regs.CALLEE_SAVED
+
+    def decode(self, code: bytes, address: int) -> Iterator[Insn]:
+        from .reader import decode
+
+        return decode(code, address)
+
+    def decode_one(self, code: bytes, address: int) -> Insn:
+        from .reader import decode_one
+
+        return decode_one(code, address)
+
+    # --- jumps ---------------------------------------------------------------------
+    def jmp_reaches(self, src: int, dst: int) -> bool:
+        return fits(_distance(src + self.jmp_size, dst), INT32)
+
+    def short_jmp_reaches(self, src: int, dst: int) -> bool:
+        return fits(_distance(src + self.short_jmp_size, dst), INT8)
+
+    def jmp(self, src: int, dst: int) -> bytes:
+        if not self.jmp_reaches(src, dst):
+            raise OutOfRange(f"jmp rel32 at {src:#x} cannot reach {dst:#x}")
+        return b"\xe9" + _distance(src + 5, dst).to_bytes(4, "little", signed=True)
+
+    def short_jmp(self, src: int, dst: int) -> bytes:
+        if not self.short_jmp_reaches(src, dst):
+            raise OutOfRange(f"jmp rel8 at {src:#x} cannot reach {dst:#x}")
+        return b"\xeb" + _distance(src + 2, dst).to_bytes(1, "little", signed=True)
+
+    # --- relocation and snippets -----------------------------------------------------
+    def relocate(self, insns: Sequence[Insn], new_address: int) -> bytes:
+        from .relocator import relocate
+
+        return relocate(insns, new_address)
+
+    def relocated_size(self, insns: Sequence[Insn]) -> int:
+        from .relocator import relocated_size
+
+        return relocated_size(insns)
+
+    def compile_snippets(
+        self,
+        snippets: Sequence[Snippet],
+        address: int,
+        *,
+        live: frozenset[str],
+        abi: KernelABI,
+        point_kind: str = "entry",
+    ) -> bytes:
+        from ksim.snippets.codegen import compile_snippets
+
+        from .emitter import X86Emitter
+
+        return compile_snippets(
+            self, snippets, X86Emitter(address, abi), live=live, point_kind=point_kind
+        )
+
+    def __repr__(self) -> str:
+        return "X86_64()"
+
+
+ARCH = X86_64()
