@@ -128,6 +128,8 @@ class GdbStub:
         self._buf = bytearray()
         self._ack = True
         self._running = False
+        #: breakpoints set through this client: address -> hardware?
+        self.breakpoints: dict[int, bool] = {}
         self.packet_size = _DEFAULT_PACKET_SIZE
         self.features: dict[str, str] = {}
         self.sock = self._connect(connect_timeout)
@@ -349,9 +351,11 @@ class GdbStub:
         """Z0 (software) or Z1 (hardware).  QEMU's TCG keeps both outside guest
         memory, so they never show up in bytes read back."""
         self._ok(f"Z{int(hardware)},{address:x},1", f"breakpoint at {address:#x}")
+        self.breakpoints[address] = hardware
 
     def remove_breakpoint(self, address: int, *, hardware: bool = False) -> None:
         self._ok(f"z{int(hardware)},{address:x},1", f"removing breakpoint at {address:#x}")
+        self.breakpoints.pop(address, None)
 
     # --- execution ----------------------------------------------------------
     @property
@@ -362,6 +366,7 @@ class GdbStub:
         """Continue ('c') without waiting; collect the stop with wait()."""
         if self._running:
             return
+        self._step_off_breakpoint()
         self._send_packet(b"c", time.monotonic() + self.timeout)
         self._running = True
 
@@ -387,9 +392,29 @@ class GdbStub:
         return self.wait(timeout)
 
     def step(self) -> StopReply:
-        self._running = False
-        reply = self.command("s")
-        return StopReply.parse(reply)
+        if self._running:
+            raise ProtocolError("the guest is running: stop it before stepping")
+        hardware = self.breakpoints.pop(self._pc_if_breakpoint(), None)
+        if hardware is None:
+            return StopReply.parse(self.command("s"))
+        address = self._pc
+        self._ok(f"z{int(hardware)},{address:x},1", "lifting a breakpoint to step")
+        try:
+            return StopReply.parse(self.command("s"))
+        finally:
+            self.set_breakpoint(address, hardware=hardware)
+
+    def _pc_if_breakpoint(self) -> int | None:
+        if not self.breakpoints:
+            return None
+        self._pc = self.read_register("rip")
+        return self._pc if self._pc in self.breakpoints else None
+
+    def _step_off_breakpoint(self) -> None:
+        # QEMU reports a breakpoint again at once when continued from its own
+        # address, so (as gdb does) lift it, step one instruction, put it back
+        if self._pc_if_breakpoint() is not None:
+            self.step()
 
     def interrupt(self, timeout: float | None = None) -> StopReply:
         """Stop a running guest (the out-of-band ^C byte) and return its stop reply."""
