@@ -1,0 +1,263 @@
+"""The splice planner: pure functions from code facts to a :class:`Patch`.
+
+Nothing here touches a target.  Given the instructions of the function around a
+point, the branch targets the CFG knows, the registers live at the point, the
+snippets and an address in the patch area, :func:`plan` returns the writes that
+splice the point and the patch code that goes with them.  Tactics are tried in
+order (as in e9patch), each returning a Patch or a reason why it cannot:
+
+``jmp``          a 5-byte ``jmp rel32`` over the instruction at the point (>= 5 bytes);
+``jmp+displace`` the same when the first instruction is shorter: the following
+                 instructions are displaced into the patch too, but only when no
+                 other branch lands inside the overwritten bytes and they stay in
+                 the function (KernInst's rule: a thread must never resume in the
+                 middle of a rewritten window);
+``springboard``  a 2-byte short jump to a 5-byte jump placed in nearby padding
+                 between functions (where the 5-byte window is not safe);
+``trap``         a 1-byte trap instruction; the target's trap dispatch sends the hit
+                 to the patch (always safe when the instruction can be relocated).
+
+The patch code is the same for every tactic: the snippets, then the displaced
+original instructions relocated, then a jump back after them.  A trap dispatch
+arrives at the patch with the registers, flags and stack of the interrupted
+code, exactly as a jump would, so one patch layout serves all tactics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ksim.arch.base import Arch, Flow, Insn
+from ksim.errors import (
+    AlreadySpliced,
+    KsimError,
+    NoSafeTactic,
+    NotOnBoundary,
+    OutsideText,
+)
+from ksim.splice.patch import Patch, Write
+
+#: the tactics, cheapest first (cost per hit: a jump, two jumps, a trap)
+JMP_TACTICS = ("jmp", "jmp+displace", "springboard")
+POLICIES: dict[str, tuple[str, ...]] = {
+    "jmp": JMP_TACTICS,
+    "trap": ("trap",),
+    "auto": JMP_TACTICS + ("trap",),
+}
+
+#: instruction kinds that may be displaced (moved into the patch) behind the point:
+#: a displaced call would leave a return address inside the patch, so a removal
+#: while the callee runs would return into freed memory; a displaced STOP/RET/JMP
+#: ends the run, so it may only be the last one.
+_DISPLACEABLE = frozenset({Flow.SEQ, Flow.JCC})
+_ENDS_RUN = frozenset({Flow.JMP, Flow.RET, Flow.JMP_INDIRECT, Flow.STOP})
+
+
+@dataclass(frozen=True)
+class FunctionCode:
+    """What the planner needs to know about the function around a point."""
+
+    name: str
+    start: int
+    end: int
+    insns: tuple[Insn, ...]
+    #: every address some branch (direct, jump table, or the entry itself) may reach
+    branch_targets: frozenset[int]
+    #: an indirect jump whose destinations are unknown: displacement is unsafe
+    unknown_indirect: bool = False
+
+    def index_of(self, address: int) -> int:
+        lo, hi = 0, len(self.insns)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.insns[mid].address < address:
+                lo = mid + 1
+            else:
+                hi = mid
+        if lo < len(self.insns) and self.insns[lo].address == address:
+            return lo
+        raise NotOnBoundary(f"{address:#x} is not on an instruction boundary of {self.name}")
+
+
+@dataclass(frozen=True)
+class SpliceRequest:
+    """One planning question: splice ``point`` of ``func`` with this code."""
+
+    point: int
+    func: FunctionCode
+    #: compile(address) -> the snippets' machine code placed at ``address``
+    compile: Callable[[int], bytes]
+    #: where the patch code goes
+    code_address: int
+    policy: str = "auto"
+    #: addresses already overwritten by other splices (their windows)
+    busy: frozenset[int] = frozenset()
+    #: free padding slots (start, end) usable for springboards
+    padding: tuple[tuple[int, int], ...] = ()
+    #: blacklisted ranges (start, end): never splice there
+    blacklist: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class Refusal:
+    tactic: str
+    reason: str
+
+
+@dataclass
+class PlanReport:
+    """What each tactic said; filled by :func:`plan` for error messages and coverage."""
+
+    refusals: list[Refusal] = field(default_factory=list)
+
+
+def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Patch:
+    """Return the Patch of the first tactic (in policy order) that can splice the point.
+
+    Raises NotOnBoundary / OutsideText / Blacklisted / AlreadySpliced before
+    trying tactics, and NoSafeTactic (with every tactic's reason) when none fits.
+    """
+    check_point(req)
+    tactics = POLICIES.get(req.policy)
+    if tactics is None:
+        raise KsimError(f"unknown splice policy {req.policy!r}; use one of {', '.join(POLICIES)}")
+    report = report if report is not None else PlanReport()
+    for tactic in tactics:
+        result = TACTICS[tactic](arch, req)
+        if isinstance(result, Patch):
+            return result
+        report.refusals.append(Refusal(tactic, result))
+    raise NoSafeTactic(req.point, {r.tactic: r.reason for r in report.refusals})
+
+
+def check_point(req: SpliceRequest) -> None:
+    """Every check that does not depend on the tactic (kprobes' check_kprobe_address_safe)."""
+    from ksim.errors import Blacklisted
+
+    func = req.func
+    if not (func.start <= req.point < func.end):
+        raise OutsideText(f"{req.point:#x} is outside {func.name} ({func.start:#x}..{func.end:#x})")
+    func.index_of(req.point)  # NotOnBoundary
+    for lo, hi in req.blacklist:
+        if lo <= req.point < hi:
+            raise Blacklisted(f"{req.point:#x} lies in code ksim must not instrument")
+    if req.point in req.busy:
+        raise AlreadySpliced(f"{req.point:#x} lies inside bytes another splice overwrote")
+
+
+# --- the window of instructions a tactic overwrites ----------------------------------
+def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
+    """The instructions that must move to the patch so that ``size`` bytes at the
+    point can be overwritten; or the reason why that is unsafe."""
+    func = req.func
+    i = func.index_of(req.point)
+    run: list[Insn] = []
+    covered = 0
+    while covered < size:
+        if i >= len(func.insns):
+            return f"the {size}-byte window runs past the end of {func.name}"
+        insn = func.insns[i]
+        if run:
+            if insn.address in func.branch_targets:
+                return f"a branch lands inside the {size}-byte window (at {insn.address:#x})"
+            if run[-1].flow in _ENDS_RUN:
+                return f"the {size}-byte window runs past an unconditional transfer at {run[-1].address:#x}"
+            if insn.flow not in _DISPLACEABLE and insn.flow not in _ENDS_RUN:
+                return f"cannot displace {insn.mnemonic} at {insn.address:#x}"
+        if insn.address != req.point and any(
+            a in req.busy for a in range(insn.address, insn.end)
+        ):
+            return f"the window overlaps another splice at {insn.address:#x}"
+        run.append(insn)
+        covered += insn.size
+        i += 1
+    if len(run) > 1 and func.unknown_indirect:
+        return "the function has an indirect jump whose targets are unknown"
+    if len(run) > 1 and any(insn.flow == Flow.CALL_INDIRECT or insn.flow == Flow.CALL for insn in run[:-1]):
+        return "a call would be displaced"
+    return tuple(run)
+
+
+def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes:
+    """snippets + relocated originals + jump back (the same for every tactic)."""
+    at = req.code_address
+    body = req.compile(at)
+    relocated = arch.relocate(moved, at + len(body))
+    back_from = at + len(body) + len(relocated)
+    return body + relocated + arch.jmp(back_from, moved[-1].end)
+
+
+def _overwrite(moved: Sequence[Insn], head: bytes, pad: int) -> Write:
+    """Replace the moved instructions by ``head`` followed by pad bytes (never executed)."""
+    old = b"".join(insn.raw for insn in moved)
+    return Write(moved[0].address, old, head + bytes([pad]) * (len(old) - len(head)))
+
+
+def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | str:
+    first = req.func.insns[req.func.index_of(req.point)]
+    if not displace and first.size < arch.jmp_size:
+        return f"the instruction at the point is {first.size} bytes, shorter than a {arch.jmp_size}-byte jmp"
+    if displace and first.size >= arch.jmp_size:
+        return "not needed: the instruction at the point is long enough"
+    if not arch.jmp_reaches(req.point, req.code_address):
+        return f"the patch area at {req.code_address:#x} is out of jmp range"
+    moved = _window(req, arch.jmp_size)
+    if isinstance(moved, str):
+        return moved
+    code = _patch_code(arch, req, moved)
+    write = _overwrite(moved, arch.jmp(req.point, req.code_address), arch.pad_byte)
+    tactic = "jmp+displace" if displace else "jmp"
+    return Patch(req.point, tactic, req.code_address, code, (write,))
+
+
+def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
+    moved = _window(req, arch.short_jmp_size)
+    if isinstance(moved, str):
+        return moved
+    slot = next(
+        (
+            lo
+            for lo, hi in req.padding
+            if hi - lo >= arch.jmp_size
+            and arch.short_jmp_reaches(req.point, lo)
+            and arch.jmp_reaches(lo, req.code_address)
+            and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
+        ),
+        None,
+    )
+    if slot is None:
+        return "no free padding within short-jump reach"
+    code = _patch_code(arch, req, moved)
+    board = Write(slot, bytes([arch.pad_byte]) * arch.jmp_size, arch.jmp(slot, req.code_address))
+    head = _overwrite(moved, arch.short_jmp(req.point, slot), arch.pad_byte)
+    # the board goes in first: the short jump must never land on padding
+    return Patch(req.point, "springboard", req.code_address, code, (board, head))
+
+
+def _tactic_trap(arch: Arch, req: SpliceRequest) -> Patch | str:
+    first = req.func.insns[req.func.index_of(req.point)]
+    code = _patch_code(arch, req, (first,))
+    write = Write(req.point, first.raw[: len(arch.trap)], arch.trap)
+    return Patch(req.point, "trap", req.code_address, code, (write,), trap_site=req.point)
+
+
+TACTICS: dict[str, Callable[[Arch, SpliceRequest], Patch | str]] = {
+    "jmp": lambda arch, req: _tactic_jmp(arch, req, displace=False),
+    "jmp+displace": lambda arch, req: _tactic_jmp(arch, req, displace=True),
+    "springboard": _tactic_springboard,
+    "trap": _tactic_trap,
+}
+
+
+def patch_size_bound(arch: Arch, req: SpliceRequest) -> int:
+    """An upper bound on the patch code size, to allocate before the final plan:
+    the snippets at a provisional address, plus generous room for relocation
+    (each displaced instruction can grow, e.g. jcc rel8 -> rel32) and the jump back."""
+    body = len(req.compile(req.code_address))
+    return body + 4 * 16 + 2 * arch.jmp_size + 16
+
+
+def overwritten(patch: Patch) -> frozenset[int]:
+    """Every text address a patch's writes change (its 'busy' footprint)."""
+    return frozenset(a for w in patch.writes for a in range(w.address, w.end))

@@ -1,0 +1,155 @@
+"""Golden tests of the splice planner: annotated input bytes, exact expected writes and patch code."""
+
+from __future__ import annotations
+
+import pytest
+
+from ksim.arch import get_arch
+from ksim.arch.base import Flow
+from ksim.errors import AlreadySpliced, Blacklisted, NoSafeTactic, NotOnBoundary, OutsideText
+from ksim.splice import planner
+from ksim.splice.patch import Write
+
+ARCH = get_arch("x86_64")
+F = 0xFFFFFFFF81000000        # the function under test
+P = 0xFFFFFFFF81400000        # the patch area
+SNIPPET = bytes([0x90])        # stands for compiled snippet code: one nop
+
+
+def func(code: bytes, *, targets: set[int] = frozenset(), name: str = "f", unknown=False):
+    insns = tuple(ARCH.decode(code, F))
+    assert sum(i.size for i in insns) == len(code), "test input must decode completely"
+    branch = {F} | set(targets) | {i.target for i in insns if i.flow in (Flow.JMP, Flow.JCC)
+                                   and i.target is not None and F <= i.target < F + len(code)}
+    return planner.FunctionCode(name, F, F + len(code), insns, frozenset(branch), unknown)
+
+
+def request(fc, point=F, policy="auto", **kw):
+    return planner.SpliceRequest(point=point, func=fc, compile=lambda at: SNIPPET,
+                                 code_address=P, policy=policy, **kw)
+
+
+def rel32(src_end: int, dst: int) -> bytes:
+    return (dst - src_end).to_bytes(4, "little", signed=True)
+
+
+NOP5_XOR_RET = bytes([
+    0x0F, 0x1F, 0x44, 0x00, 0x00,   # nop dword [rax+rax]   (5 bytes: the ftrace-style entry)
+    0x31, 0xC0,                     # xor eax, eax
+    0xC3,                           # ret
+])
+
+
+def test_jmp_over_a_five_byte_instruction():
+    patch = planner.plan(ARCH, request(func(NOP5_XOR_RET), policy="jmp"))
+    assert patch.tactic == "jmp"
+    assert patch.writes == (Write(F, NOP5_XOR_RET[:5], b"\xe9" + rel32(F + 5, P)),)
+    # snippet, the relocated nop, then jmp back to F+5
+    assert patch.code == SNIPPET + NOP5_XOR_RET[:5] + b"\xe9" + rel32(P + 6 + 5, F + 5)
+    assert patch.trap_site is None
+
+
+PUSH_MOV_XOR = bytes([
+    0x55,                           # push rbp
+    0x48, 0x89, 0xE5,               # mov rbp, rsp
+    0x31, 0xC0,                     # xor eax, eax
+    0x5D,                           # pop rbp
+    0xC3,                           # ret
+])
+
+
+def test_short_first_instruction_displaces_the_following_ones():
+    patch = planner.plan(ARCH, request(func(PUSH_MOV_XOR), policy="jmp"))
+    assert patch.tactic == "jmp+displace"
+    # push+mov+xor = 6 bytes move; the jmp takes 5 and one int3 pads the sixth
+    assert patch.writes == (Write(F, PUSH_MOV_XOR[:6], b"\xe9" + rel32(F + 5, P) + b"\xcc"),)
+    assert patch.code == SNIPPET + PUSH_MOV_XOR[:6] + b"\xe9" + rel32(P + 7 + 5, F + 6)
+
+
+LOOP_NEAR_ENTRY = bytes([
+    0x31, 0xC0,                     # F+0: xor eax, eax
+    0xFF, 0xC0,                     # F+2: inc eax          <- loop head, a branch target
+    0x83, 0xF8, 0x0A,               # F+4: cmp eax, 10
+    0x75, 0xF9,                     # F+7: jne F+2
+    0xC3,                           # F+9: ret
+])
+
+
+def test_branch_into_the_window_refuses_jmp_and_falls_back_to_trap():
+    fc = func(LOOP_NEAR_ENTRY)
+    report = planner.PlanReport()
+    patch = planner.plan(ARCH, request(fc), report)
+    assert patch.tactic == "trap"
+    assert patch.writes == (Write(F, b"\x31", b"\xcc"),)
+    assert patch.trap_site == F
+    assert patch.code == SNIPPET + b"\x31\xc0" + b"\xe9" + rel32(P + 3 + 5, F + 2)
+    reasons = {r.tactic: r.reason for r in report.refusals}
+    assert "branch lands inside" in reasons["jmp+displace"]
+    assert "no free padding" in reasons["springboard"]
+
+
+def test_springboard_uses_padding_within_short_reach():
+    fc = func(LOOP_NEAR_ENTRY)
+    pad = (F + 0x10, F + 0x20)
+    patch = planner.plan(ARCH, request(fc, padding=(pad,)))
+    assert patch.tactic == "springboard"
+    board, head = patch.writes
+    assert board == Write(F + 0x10, b"\xcc" * 5, b"\xe9" + rel32(F + 0x15, P))
+    assert head == Write(F, b"\x31\xc0", b"\xeb\x0e")          # jmp short F+0x10
+    assert [w.address for w in patch.undo] == [F, F + 0x10]     # head restored first
+
+
+def test_jmp_policy_refuses_with_every_reason():
+    with pytest.raises(NoSafeTactic) as exc:
+        planner.plan(ARCH, request(func(LOOP_NEAR_ENTRY), policy="jmp"))
+    assert set(exc.value.reasons) == {"jmp", "jmp+displace", "springboard"}
+
+
+def test_window_may_not_run_past_a_ret():
+    code = bytes([0x31, 0xC0, 0xC3,  # xor eax,eax; ret   (a 3-byte function)
+                  ])
+    with pytest.raises(NoSafeTactic) as exc:
+        planner.plan(ARCH, request(func(code), policy="jmp"))
+    assert "past" in exc.value.reasons["jmp+displace"]
+
+
+def test_rip_relative_first_instruction_is_relocated():
+    code = bytes([
+        0x8B, 0x05, 0x10, 0x00, 0x00, 0x00,   # mov eax, [rip+0x10]  -> F+0x16
+        0xC3,                                 # ret
+    ])
+    patch = planner.plan(ARCH, request(func(code), policy="jmp"))
+    moved = patch.code[len(SNIPPET):len(SNIPPET) + 6]
+    assert moved == bytes([0x8B, 0x05]) + rel32(P + 1 + 6, F + 0x16)
+
+
+def test_refusals_before_tactics():
+    fc = func(NOP5_XOR_RET)
+    with pytest.raises(NotOnBoundary):
+        planner.plan(ARCH, request(fc, point=F + 1))
+    with pytest.raises(OutsideText):
+        planner.plan(ARCH, request(fc, point=F + 100))
+    with pytest.raises(Blacklisted):
+        planner.plan(ARCH, request(fc, blacklist=((F, F + 8),)))
+    with pytest.raises(AlreadySpliced):
+        planner.plan(ARCH, request(fc, busy=frozenset({F})))
+
+
+def test_window_overlapping_another_splice_is_refused():
+    fc = func(PUSH_MOV_XOR)
+    report = planner.PlanReport()
+    patch = planner.plan(ARCH, request(fc, busy=frozenset({F + 4})), report)
+    assert patch.tactic in ("springboard", "trap")
+    assert "overlaps another splice" in {r.tactic: r.reason for r in report.refusals}["jmp+displace"]
+
+
+def test_unknown_indirect_jump_forbids_displacement_but_not_single_jmp():
+    assert planner.plan(ARCH, request(func(NOP5_XOR_RET, unknown=True), policy="jmp")).tactic == "jmp"
+    with pytest.raises(NoSafeTactic):
+        planner.plan(ARCH, request(func(PUSH_MOV_XOR, unknown=True), policy="jmp"))
+
+
+def test_same_request_same_bytes():
+    a = planner.plan(ARCH, request(func(PUSH_MOV_XOR)))
+    b = planner.plan(ARCH, request(func(PUSH_MOV_XOR)))
+    assert a == b
