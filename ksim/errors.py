@@ -73,6 +73,48 @@ class SnippetError(KsimError):
     code = "snippet"
 
 
+class SlotError(SnippetError):
+    """A node of the wrong kind in a slot (a non-node operand, a statement as a value)."""
+
+    code = "snippet-slot"
+
+
+class NotAssignable(SlotError):
+    """The target of an assignment is not a variable (e.g. a constant)."""
+
+    code = "not-assignable"
+
+
+class PointKindError(SnippetError):
+    """A node that has no meaning at this kind of point (Arg off entry, RetVal off exit)."""
+
+    code = "point-kind"
+
+
+class DivisionByZero(SnippetError):
+    """Division or modulo by a constant zero."""
+
+    code = "division-by-zero"
+
+
+class ArgIndexError(SnippetError):
+    """Arg(n) with n outside the registers that carry arguments."""
+
+    code = "arg-index"
+
+
+class TooManyCallArgs(SnippetError):
+    """A call with more arguments than the calling convention passes in registers."""
+
+    code = "too-many-call-args"
+
+
+class BadOperand(SnippetError):
+    """An operand out of its domain: a constant wider than 64 bits, a bad access size."""
+
+    code = "bad-operand"
+
+
 class CodegenError(KsimError):
     code = "codegen"
 

@@ -1,0 +1,52 @@
+"""Snippets: the AST users build (ast), its static check (check), and generic
+codegen through an architecture's Emitter (codegen)."""
+
+from ksim.snippets.ast import (
+    Arg,
+    Assign,
+    AtomicAssign,
+    BinOp,
+    Call,
+    Compare,
+    Const,
+    Cpu,
+    If,
+    Load,
+    LogicalAnd,
+    LogicalNot,
+    LogicalOr,
+    Node,
+    Pid,
+    RetVal,
+    Seq,
+    Snippet,
+    Tsc,
+    Unary,
+    Var,
+    arg,
+    call,
+    cpu,
+    if_,
+    land,
+    lnot,
+    load,
+    lor,
+    lshr,
+    pid,
+    retval,
+    same,
+    seq,
+    tsc,
+    uge,
+    ugt,
+    ule,
+    ult,
+)
+from ksim.snippets.check import POINT_KINDS, check
+
+__all__ = [
+    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "Compare", "Const", "Cpu", "If", "Load",
+    "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "RetVal", "Seq",
+    "Snippet", "Tsc", "Unary", "Var", "arg", "call", "check", "cpu", "if_", "land", "lnot",
+    "load", "lor", "lshr", "pid", "retval", "same", "seq", "tsc", "uge", "ugt", "ule", "ult",
+]

@@ -93,7 +93,7 @@ class X86_64:
         from .emitter import X86Emitter
 
         return compile_snippets(
-            self, snippets, X86Emitter(address, abi), live=live, point_kind=point_kind
+            self, snippets, X86Emitter(address), live=live, point_kind=point_kind, abi=abi
         )
 
     def __repr__(self) -> str:

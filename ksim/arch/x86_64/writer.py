@@ -321,6 +321,17 @@ class Writer:
         """Per-cpu load ``mov reg, gs:[offset]`` (65 prefix, SIB no-base disp32)."""
         self.put_mov_reg_mem(reg, absolute(offset, "gs"), size, signed)
 
+    def put_extend(self, dst: str, src: str, size: int, signed: bool) -> None:
+        """dst = low ``size`` bytes of src, zero- or sign-extended to 64 bits
+        (movzx/movsx/movsxd, or mov r32, r/m32 which zero-extends)."""
+        opcode, w = _LOAD[(size, signed)]
+        num = reg_num(src)
+        self._put_op(opcode, reg_num(dst), src, w=w, force_rex=size == 1 and 4 <= num < 8)
+
+    def put_xchg_reg_reg(self, a: str, b: str) -> None:
+        """xchg r/m64, r64: REX.W 87 /r."""
+        self._put_op(b"\x87", reg_num(b), a, w=True)
+
     def put_lea(self, reg: str, mem: Mem) -> None:
         """lea r64, m: REX.W 8d /r."""
         if mem.segment is not None:

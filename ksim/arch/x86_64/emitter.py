@@ -1,0 +1,242 @@
+"""The x86-64 Emitter for snippet codegen (see ksim.snippets.codegen).
+
+Register use: rax is the accumulator, rcx holds a popped left operand (and the
+shift count, cl), rdx is the address scratch and idiv's high half.  The code
+clobbers rax, rcx, rdx and the flags; a snippet that calls a function also
+clobbers every caller-saved register and rbx, which keeps the stack pointer of
+the frame while rsp is aligned to 16 for the call (System V ABI 3.2.2).
+
+Frame, from high to low addresses::
+
+    [flags]  pushfq first, before anything changes them (if "flags" is saved)
+    saved registers, in encoding order
+    (with calls: rbx = rsp here; rsp &= -16)
+    temporaries
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ksim.errors import CodegenError
+
+from .regs import ARG_REGS, CALLER_SAVED, GPR64
+from .writer import INT32, Label, Mem, Writer, abs32_reaches, absolute, fits, rel32_reaches, rip_relative
+
+ACC, LEFT, SCRATCH = "rax", "rcx", "rdx"
+BASE_CLOBBERS = frozenset({ACC, LEFT, SCRATCH, "flags"})
+CALL_CLOBBERS = BASE_CLOBBERS | CALLER_SAVED | {"rbx"}
+
+#: codegen comparison -> condition code after ``cmp left, right`` (SDM Vol. 1, B.1)
+COMPARE_CC = {
+    "eq": "e", "ne": "ne", "lt": "l", "le": "le", "gt": "g", "ge": "ge",
+    "ult": "b", "ule": "be", "ugt": "a", "uge": "ae",
+}
+#: operations done as ``op rax, rcx`` (commutative)
+COMMUTATIVE = {"add": "add", "and": "and", "or": "or", "xor": "xor"}
+SHIFTS = {"shl": "shl", "sar": "sar", "shr": "shr"}
+#: keep RIP-relative operands this far inside the ±2 GB reach (the instruction's own length)
+_RIP_MARGIN = 64
+
+
+class X86Emitter:
+    """Implements ksim.snippets.codegen.Emitter for code placed at ``address``."""
+
+    def __init__(self, address: int, abi: Any = None) -> None:
+        self.w = Writer(address)
+        self.abi = abi
+        self.depth = 0
+        self._saved: list[str] = []
+        self._frame_reg = False
+
+    # --- frame -----------------------------------------------------------------------
+    def clobbers(self, calls: bool) -> frozenset[str]:
+        return CALL_CLOBBERS if calls else BASE_CLOBBERS
+
+    def begin(self, save: frozenset[str], calls: bool) -> None:
+        self._saved = (["flags"] if "flags" in save else []) + [r for r in GPR64 if r in save]
+        for reg in self._saved:
+            self.w.put_pushfq() if reg == "flags" else self.w.put_push(reg)
+        if calls:
+            self._frame_reg = True
+            self.w.put_mov_reg_reg("rbx", "rsp")
+            self.w.put_and_reg_imm("rsp", -16)
+
+    def end(self) -> bytes:
+        if self._frame_reg:
+            self.w.put_mov_reg_reg("rsp", "rbx")
+        for reg in reversed(self._saved):
+            self.w.put_popfq() if reg == "flags" else self.w.put_pop(reg)
+        return self.w.flush()
+
+    def _slot(self, reg: str) -> Mem:
+        """Where the prologue saved ``reg``."""
+        above = 8 * (len(self._saved) - 1 - self._saved.index(reg))
+        if self._frame_reg:
+            return Mem(base="rbx", disp=above)
+        return Mem(base="rsp", disp=8 * self.depth + above)
+
+    def point_reg(self, reg: str) -> None:
+        if reg in self._saved:
+            self.w.put_mov_reg_mem(ACC, self._slot(reg))
+        elif reg in self.clobbers(self._frame_reg):
+            raise CodegenError(f"{reg} is clobbered but was not saved")
+        else:
+            self.w.put_mov_reg_reg(ACC, reg)
+
+    # --- memory ------------------------------------------------------------------------
+    def _mem(self, address: int, segment: str | None, scratch: str) -> Mem:
+        """The shortest operand reaching ``address``: absolute disp32, RIP-relative,
+        or through ``scratch`` loaded with the 64-bit address."""
+        if abs32_reaches(address):
+            return absolute(address, segment)
+        if segment is None and fits(address - self.w.pc, (INT32[0] + _RIP_MARGIN, INT32[1] - _RIP_MARGIN)):
+            return rip_relative(address)
+        self.w.put_mov_reg_imm(scratch, address)
+        return Mem(base=scratch, segment=segment)
+
+    def const(self, value: int) -> None:
+        self.w.put_mov_reg_imm(ACC, value)
+
+    def load(self, address: int, size: int, signed: bool, segment: str | None) -> None:
+        self.w.put_mov_reg_mem(ACC, self._mem(address, segment, ACC), size, signed)
+
+    def store(self, address: int, size: int, segment: str | None) -> None:
+        self.w.put_mov_mem_reg(self._mem(address, segment, SCRATCH), ACC, size)
+
+    def load_indirect(self, offset: int, size: int, signed: bool) -> None:
+        self.w.put_mov_reg_mem(ACC, Mem(base=ACC, disp=offset), size, signed)
+
+    def narrow(self, size: int, signed: bool) -> None:
+        if size != 8:
+            self.w.put_extend(ACC, ACC, size, signed)
+
+    # --- temporaries -----------------------------------------------------------------------
+    def push(self) -> None:
+        self.w.put_push(ACC)
+        self.depth += 1
+
+    def _pop(self, reg: str) -> None:
+        if self.depth == 0:
+            raise CodegenError("temporary stack underflow")
+        self.w.put_pop(reg)
+        self.depth -= 1
+
+    def pop_discard(self) -> None:
+        if self.depth == 0:
+            raise CodegenError("temporary stack underflow")
+        self.w.put_add_reg_imm("rsp", 8)
+        self.depth -= 1
+
+    def load_temp(self, index: int) -> None:
+        self.w.put_mov_reg_mem(ACC, Mem(base="rsp", disp=8 * (self.depth - 1 - index)))
+
+    # --- operations ------------------------------------------------------------------------
+    def binop(self, op: str) -> None:
+        self._pop(LEFT)
+        if op in COMMUTATIVE:
+            self.w.put_alu_reg_reg(COMMUTATIVE[op], ACC, LEFT)
+        elif op == "mul":
+            self.w.put_imul_reg_reg(ACC, LEFT)
+        elif op == "sub":
+            self.w.put_alu_reg_reg("sub", LEFT, ACC)
+            self.w.put_mov_reg_reg(ACC, LEFT)
+        elif op in SHIFTS:
+            self.w.put_xchg_reg_reg(ACC, LEFT)      # value in rax, count in cl
+            self.w.put_shift_cl(SHIFTS[op], ACC)
+        elif op in ("div", "mod"):
+            self.w.put_xchg_reg_reg(ACC, LEFT)      # dividend in rax, divisor in rcx
+            self._divide(op == "mod")
+        else:
+            raise CodegenError(f"unknown operator {op!r}")
+
+    def _divide(self, modulo: bool) -> None:
+        """Signed truncating division that never raises #DE (SDM "IDIV": divisor 0 and
+        MIN / -1 fault): x / 0 = -1, x % 0 = x, x / -1 = -x (wrapping), x % -1 = 0."""
+        w = self.w
+        zero, idiv, done = w.new_label(), w.new_label(), w.new_label()
+        w.put_test_reg_reg(LEFT, LEFT)
+        w.put_jcc_short("z", zero)
+        w.put_cmp_reg_imm(LEFT, -1)
+        w.put_jcc_short("ne", idiv)
+        if modulo:
+            w.put_mov_reg_imm(ACC, 0)
+        else:
+            w.put_unary("neg", ACC)
+        w.put_jmp_short(done)
+        w.put_label(idiv)
+        w.put_cqo()
+        w.put_unary("idiv", LEFT)
+        if modulo:
+            w.put_mov_reg_reg(ACC, SCRATCH)
+        w.put_jmp_short(done)
+        w.put_label(zero)
+        if not modulo:
+            w.put_mov_reg_imm(ACC, -1)
+        w.put_label(done)
+
+    def compare(self, op: str) -> None:
+        self._pop(LEFT)
+        self.w.put_alu_reg_reg("cmp", LEFT, ACC)
+        self._set_acc(COMPARE_CC[op])
+
+    def _set_acc(self, cond: str) -> None:
+        self.w.put_setcc(cond, ACC)
+        self.w.put_movzx_reg_reg8(ACC, ACC)
+
+    def unary(self, op: str) -> None:
+        if op == "lnot":
+            self.w.put_test_reg_reg(ACC, ACC)
+            self._set_acc("e")
+        else:
+            self.w.put_unary(op, ACC)
+
+    def counter(self) -> None:
+        self.w.put_rdtsc()                        # edx:eax, upper halves zeroed
+        self.w.put_shift_imm("shl", SCRATCH, 32)
+        self.w.put_alu_reg_reg("or", ACC, SCRATCH)
+
+    # --- control flow ----------------------------------------------------------------------
+    def new_label(self) -> Label:
+        return self.w.new_label()
+
+    def bind(self, label: Label) -> None:
+        self.w.put_label(label)
+
+    def jump(self, label: Label) -> None:
+        self.w.put_jmp(label)
+
+    def jump_if_zero(self, label: Label) -> None:
+        self.w.put_test_reg_reg(ACC, ACC)
+        self.w.put_jcc("z", label)
+
+    def call(self, address: int, nargs: int) -> None:
+        if not self._frame_reg:
+            raise CodegenError("a call needs the aligned frame: begin(..., calls=True)")
+        for reg in reversed(ARG_REGS[:nargs]):
+            self._pop(reg)
+        pad = self.depth % 2 == 1               # rsp was 16-aligned at depth 0
+        if pad:
+            self.w.put_sub_reg_imm("rsp", 8)
+        if rel32_reaches(self.w.pc + 5, address):
+            self.w.put_call(address)
+        else:
+            self.w.put_mov_reg_imm(ACC, address)
+            self.w.put_call_reg(ACC)
+        if pad:
+            self.w.put_add_reg_imm("rsp", 8)
+
+    # --- atomics (lock prefix: SDM Vol. 3A, 9.1.2.2) ------------------------------------
+    def atomic_add(self, address: int, size: int, segment: str | None) -> None:
+        mem = self._mem(address, segment, SCRATCH)
+        self.w.put_mov_reg_reg(LEFT, ACC)
+        self.w.put_lock_xadd(mem, ACC, size)     # rax = old value
+        self.w.put_alu_reg_reg("add", ACC, LEFT)
+
+    def compare_and_swap(self, address: int, size: int, segment: str | None, retry: Label) -> None:
+        self.w.put_mov_reg_reg(LEFT, ACC)        # new value
+        self._pop(ACC)                           # expected old value
+        mem = self._mem(address, segment, SCRATCH)
+        self.w.put_lock_cmpxchg(mem, LEFT, size)
+        self.w.put_jcc("nz", retry)
+        self.w.put_mov_reg_reg(ACC, LEFT)

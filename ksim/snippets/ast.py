@@ -1,0 +1,368 @@
+"""Snippet AST: the public API that only builds nodes (KAPI's ``kapi_snippet``).
+
+Nodes are immutable.  Python operators build nodes, so a counter increment is
+``counter.assign(counter + 1)`` and a predicate is ``(pid() == 42)``; logical
+operators, which Python does not let a class overload, are the functions
+:func:`land`, :func:`lor` and :func:`lnot`.  Because ``==`` builds a node,
+nodes have no truth value (``if node:`` raises TypeError) and hash by identity;
+compare trees structurally with :func:`same`.
+
+Semantics (what the generated code computes, on every architecture)
+-------------------------------------------------------------------
+* Every value is a 64-bit two's-complement integer; arithmetic wraps modulo 2**64.
+* ``/`` and ``%`` are *signed and truncating* like C99: the quotient is rounded
+  toward zero and the remainder has the sign of the dividend.  Neither traps (a
+  kernel cannot afford a #DE): ``x / 0 == -1`` and ``x % 0 == x``; ``MIN / -1 ==
+  MIN`` and ``MIN % -1 == 0`` (the RISC-V convention, RISC-V ISA Vol. I, "M"
+  extension, Table 7.1).
+* ``<``, ``<=``, ``>``, ``>=`` compare signed; :func:`ult` and friends compare
+  unsigned; ``==``/``!=`` compare bits.  Comparisons and logical operators yield 0 or 1.
+* ``<<`` and ``>>`` take the count modulo 64; ``>>`` is arithmetic (signed),
+  :func:`lshr` is the logical shift.
+* ``land``/``lor`` short-circuit: the right operand is evaluated only if needed.
+* A variable or load of fewer than 8 bytes is zero-extended, or sign-extended
+  when ``signed=True``; assignment stores the low bytes and yields the value
+  the variable then holds (read back with the same extension).
+* ``If`` yields the value of the branch taken, 0 when the condition is false and
+  there is no else branch; ``Seq`` yields its last value (0 when empty).
+* ``AtomicAssign`` is atomic on SMP: ``v.atomic_assign(v + e)`` (or ``- e``)
+  becomes one locked add; anything else a compare-and-swap loop in which every
+  read of ``v`` inside the value sees the same snapshot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Union
+
+_MASK64 = (1 << 64) - 1
+
+
+def lift(value: Any) -> Node:
+    """A node as is; a Python int as a Const; anything else is left for the check to refuse."""
+    if isinstance(value, Node):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Const(value)
+    return value  # type: ignore[no-any-return]
+
+
+class Node:
+    """Base of every snippet node."""
+
+    __slots__ = ()
+
+    # arithmetic
+    def __add__(self, o: Any) -> BinOp: return BinOp("add", self, lift(o))
+    def __radd__(self, o: Any) -> BinOp: return BinOp("add", lift(o), self)
+    def __sub__(self, o: Any) -> BinOp: return BinOp("sub", self, lift(o))
+    def __rsub__(self, o: Any) -> BinOp: return BinOp("sub", lift(o), self)
+    def __mul__(self, o: Any) -> BinOp: return BinOp("mul", self, lift(o))
+    def __rmul__(self, o: Any) -> BinOp: return BinOp("mul", lift(o), self)
+    def __truediv__(self, o: Any) -> BinOp: return BinOp("div", self, lift(o))
+    def __rtruediv__(self, o: Any) -> BinOp: return BinOp("div", lift(o), self)
+    def __mod__(self, o: Any) -> BinOp: return BinOp("mod", self, lift(o))
+    def __rmod__(self, o: Any) -> BinOp: return BinOp("mod", lift(o), self)
+    def __and__(self, o: Any) -> BinOp: return BinOp("and", self, lift(o))
+    def __rand__(self, o: Any) -> BinOp: return BinOp("and", lift(o), self)
+    def __or__(self, o: Any) -> BinOp: return BinOp("or", self, lift(o))
+    def __ror__(self, o: Any) -> BinOp: return BinOp("or", lift(o), self)
+    def __xor__(self, o: Any) -> BinOp: return BinOp("xor", self, lift(o))
+    def __rxor__(self, o: Any) -> BinOp: return BinOp("xor", lift(o), self)
+    def __lshift__(self, o: Any) -> BinOp: return BinOp("shl", self, lift(o))
+    def __rlshift__(self, o: Any) -> BinOp: return BinOp("shl", lift(o), self)
+    def __rshift__(self, o: Any) -> BinOp: return BinOp("sar", self, lift(o))
+    def __rrshift__(self, o: Any) -> BinOp: return BinOp("sar", lift(o), self)
+    def __neg__(self) -> Unary: return Unary("neg", self)
+    def __invert__(self) -> Unary: return Unary("not", self)
+
+    # comparisons build nodes (signed)
+    def __eq__(self, o: object) -> Compare: return Compare("eq", self, lift(o))  # type: ignore[override]
+    def __ne__(self, o: object) -> Compare: return Compare("ne", self, lift(o))  # type: ignore[override]
+    def __lt__(self, o: Any) -> Compare: return Compare("lt", self, lift(o))
+    def __le__(self, o: Any) -> Compare: return Compare("le", self, lift(o))
+    def __gt__(self, o: Any) -> Compare: return Compare("gt", self, lift(o))
+    def __ge__(self, o: Any) -> Compare: return Compare("ge", self, lift(o))
+
+    __hash__ = object.__hash__
+
+    def __bool__(self) -> bool:
+        raise TypeError("a snippet node has no truth value; use land/lor/lnot to combine conditions")
+
+    # assignment
+    def assign(self, value: Any) -> Assign:
+        return Assign(self, lift(value))
+
+    def atomic_assign(self, value: Any) -> AtomicAssign:
+        return AtomicAssign(self, lift(value))
+
+    def children(self) -> tuple[Any, ...]:
+        """The operands (child slots) of this node, in evaluation order."""
+        return ()
+
+
+def _node(cls: type) -> type:
+    """Immutable node dataclass keeping Node's operator methods (eq=False)."""
+    return dataclass(frozen=True, eq=False, slots=True, repr=True)(cls)
+
+
+@_node
+class Const(Node):
+    value: int
+
+
+@_node
+class Var(Node):
+    """An integer variable in kernel memory (absolute, or per-cpu when segment="gs")."""
+
+    address: int
+    size: int = 8
+    signed: bool = False
+    segment: str | None = None
+
+    @property
+    def key(self) -> tuple[int, str | None]:
+        return (self.address & _MASK64, self.segment)
+
+
+@_node
+class BinOp(Node):
+    """add sub mul div mod and or xor shl sar shr"""
+
+    op: str
+    left: Any
+    right: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.left, self.right)
+
+
+@_node
+class Unary(Node):
+    """neg (two's complement) or not (bitwise)"""
+
+    op: str
+    operand: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.operand,)
+
+
+@_node
+class Compare(Node):
+    """eq ne lt le gt ge (signed), ult ule ugt uge (unsigned); yields 0 or 1."""
+
+    op: str
+    left: Any
+    right: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.left, self.right)
+
+
+@_node
+class LogicalAnd(Node):
+    left: Any
+    right: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.left, self.right)
+
+
+@_node
+class LogicalOr(Node):
+    left: Any
+    right: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.left, self.right)
+
+
+@_node
+class LogicalNot(Node):
+    operand: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.operand,)
+
+
+@_node
+class Assign(Node):
+    target: Any
+    value: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.target, self.value)
+
+
+@_node
+class AtomicAssign(Node):
+    target: Any
+    value: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.target, self.value)
+
+
+@_node
+class If(Node):
+    cond: Any
+    then: Any
+    orelse: Any = None
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.cond, self.then) if self.orelse is None else (self.cond, self.then, self.orelse)
+
+
+@_node
+class Seq(Node):
+    body: tuple[Any, ...] = ()
+
+    def children(self) -> tuple[Any, ...]:
+        return tuple(self.body)
+
+
+@_node
+class Call(Node):
+    """Call a kernel function at ``address`` (already resolved) with up to 6 arguments."""
+
+    address: int
+    args: tuple[Any, ...] = ()
+
+    def children(self) -> tuple[Any, ...]:
+        return tuple(self.args)
+
+
+@_node
+class Tsc(Node):
+    """The processor's cycle counter (KAPI's HWC_TICKS)."""
+
+
+@_node
+class Pid(Node):
+    """The pid of the current task (KAPI's kapi_pid_expr), via the KernelABI."""
+
+
+@_node
+class Cpu(Node):
+    """The number of the cpu running the snippet, via the KernelABI."""
+
+
+@_node
+class Arg(Node):
+    """The n-th argument (from 0) of the function, at its entry point."""
+
+    n: int
+
+
+@_node
+class RetVal(Node):
+    """The function's return value, at an exit point."""
+
+
+@_node
+class Load(Node):
+    """``size`` bytes read through the pointer ``ptr`` (zero- or sign-extended)."""
+
+    ptr: Any
+    size: int = 8
+    signed: bool = False
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.ptr,)
+
+
+Snippet = Node
+Expr = Union[Node, int]
+
+
+# --- builders that Python operators cannot express -------------------------------------
+def land(a: Expr, b: Expr) -> LogicalAnd:
+    return LogicalAnd(lift(a), lift(b))
+
+
+def lor(a: Expr, b: Expr) -> LogicalOr:
+    return LogicalOr(lift(a), lift(b))
+
+
+def lnot(a: Expr) -> LogicalNot:
+    return LogicalNot(lift(a))
+
+
+def lshr(a: Expr, b: Expr) -> BinOp:
+    return BinOp("shr", lift(a), lift(b))
+
+
+def ult(a: Expr, b: Expr) -> Compare:
+    return Compare("ult", lift(a), lift(b))
+
+
+def ule(a: Expr, b: Expr) -> Compare:
+    return Compare("ule", lift(a), lift(b))
+
+
+def ugt(a: Expr, b: Expr) -> Compare:
+    return Compare("ugt", lift(a), lift(b))
+
+
+def uge(a: Expr, b: Expr) -> Compare:
+    return Compare("uge", lift(a), lift(b))
+
+
+def if_(cond: Expr, then: Expr, orelse: Expr | None = None) -> If:
+    return If(lift(cond), lift(then), None if orelse is None else lift(orelse))
+
+
+def seq(*body: Expr) -> Seq:
+    return Seq(tuple(lift(b) for b in body))
+
+
+def call(address: int, *args: Expr) -> Call:
+    return Call(address, tuple(lift(a) for a in args))
+
+
+def tsc() -> Tsc:
+    return Tsc()
+
+
+def pid() -> Pid:
+    return Pid()
+
+
+def cpu() -> Cpu:
+    return Cpu()
+
+
+def arg(n: int) -> Arg:
+    return Arg(n)
+
+
+def retval() -> RetVal:
+    return RetVal()
+
+
+def load(ptr: Expr, size: int = 8, signed: bool = False) -> Load:
+    return Load(lift(ptr), size, signed)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Structural equality of two trees (``==`` builds a Compare node instead)."""
+    if type(a) is not type(b):
+        return False
+    if not isinstance(a, Node):
+        return bool(a == b)
+    return all(_same_field(getattr(a, f.name), getattr(b, f.name)) for f in fields(a))  # type: ignore[arg-type]
+
+
+def _same_field(x: Any, y: Any) -> bool:
+    if isinstance(x, tuple) and isinstance(y, tuple):
+        return len(x) == len(y) and all(same(p, q) for p, q in zip(x, y, strict=True))
+    return same(x, y)
+
+
+def walk(node: Any) -> Any:
+    """Every node of a tree, parents before children."""
+    yield node
+    if isinstance(node, Node):
+        for child in node.children():
+            yield from walk(child)

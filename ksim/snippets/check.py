@@ -1,0 +1,138 @@
+"""The static check every snippet passes before any code is generated.
+
+Like kprobes' ``check_kprobe_address_safe()``, one function runs every check and
+refuses with a cause-specific error; codegen may then assume a well-formed tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from ksim.errors import (
+    ArgIndexError,
+    BadOperand,
+    DivisionByZero,
+    NotAssignable,
+    PointKindError,
+    SlotError,
+    TooManyCallArgs,
+)
+
+from . import ast
+
+#: kinds of instrumentation points
+POINT_KINDS = frozenset({"entry", "exit", "block", "callsite", "insn"})
+#: how many arguments travel in registers (System V; what Arg and Call can reach)
+MAX_ARGS = 6
+ACCESS_SIZES = frozenset({1, 2, 4, 8})
+BINOPS = frozenset({"add", "sub", "mul", "div", "mod", "and", "or", "xor", "shl", "sar", "shr"})
+UNOPS = frozenset({"neg", "not"})
+COMPARES = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "ult", "ule", "ugt", "uge"})
+SEGMENTS = frozenset({None, "gs"})
+
+
+def check(snippet: Any, point_kind: str = "entry") -> None:
+    """Raise a SnippetError subclass if ``snippet`` cannot be compiled for ``point_kind``."""
+    if point_kind not in POINT_KINDS:
+        raise PointKindError(f"unknown point kind {point_kind!r} (known: {sorted(POINT_KINDS)})")
+    _check(snippet, point_kind, "snippet")
+
+
+def _check(node: Any, kind: str, slot: str) -> None:
+    if not isinstance(node, ast.Node):
+        raise SlotError(f"{slot}: expected a snippet node or an int, got {node!r}")
+    rule = _RULES.get(type(node))
+    if rule is not None:
+        rule(node, kind)
+    for i, child in enumerate(node.children()):
+        _check(child, kind, f"{type(node).__name__} operand {i}")
+
+
+def _const(node: ast.Const, kind: str) -> None:
+    if isinstance(node.value, bool) or not isinstance(node.value, int):
+        raise SlotError(f"Const holds {node.value!r}, not an int")
+    if not -(1 << 63) <= node.value < (1 << 64):
+        raise BadOperand(f"constant {node.value:#x} does not fit 64 bits")
+
+
+def _size(size: Any, what: str) -> None:
+    if size not in ACCESS_SIZES:
+        raise BadOperand(f"{what}: access size {size!r} is not one of 1, 2, 4, 8")
+
+
+def _var(node: ast.Var, kind: str) -> None:
+    _size(node.size, f"Var at {node.address:#x}")
+    if node.segment not in SEGMENTS:
+        raise BadOperand(f"Var segment {node.segment!r} is not None or 'gs'")
+    if not isinstance(node.address, int) or not 0 <= node.address < (1 << 64):
+        raise BadOperand(f"Var address {node.address!r} is not a 64-bit address")
+
+
+def _binop(node: ast.BinOp, kind: str) -> None:
+    if node.op not in BINOPS:
+        raise BadOperand(f"unknown arithmetic operator {node.op!r}")
+    if node.op in ("div", "mod") and isinstance(node.right, ast.Const) and node.right.value == 0:
+        raise DivisionByZero(f"{node.op} by the constant 0")
+
+
+def _unary(node: ast.Unary, kind: str) -> None:
+    if node.op not in UNOPS:
+        raise BadOperand(f"unknown unary operator {node.op!r}")
+
+
+def _compare(node: ast.Compare, kind: str) -> None:
+    if node.op not in COMPARES:
+        raise BadOperand(f"unknown comparison {node.op!r}")
+
+
+def _assign(node: ast.Assign | ast.AtomicAssign, kind: str) -> None:
+    if not isinstance(node.target, ast.Var):
+        what = type(node.target).__name__ if isinstance(node.target, ast.Node) else repr(node.target)
+        raise NotAssignable(f"cannot assign to {what}: only a Var can be assigned")
+
+
+def _seq(node: ast.Seq, kind: str) -> None:
+    if not isinstance(node.body, tuple | list):
+        raise SlotError(f"Seq body must be a sequence of nodes, got {node.body!r}")
+
+
+def _call(node: ast.Call, kind: str) -> None:
+    if not isinstance(node.address, int) or not 0 <= node.address < (1 << 64):
+        raise BadOperand(f"call address {node.address!r} is not a 64-bit address")
+    if not isinstance(node.args, tuple | list):
+        raise SlotError(f"Call args must be a sequence of nodes, got {node.args!r}")
+    if len(node.args) > MAX_ARGS:
+        raise TooManyCallArgs(f"call to {node.address:#x} with {len(node.args)} arguments; at most {MAX_ARGS}")
+
+
+def _arg(node: ast.Arg, kind: str) -> None:
+    if isinstance(node.n, bool) or not isinstance(node.n, int) or not 0 <= node.n < MAX_ARGS:
+        raise ArgIndexError(f"Arg({node.n!r}): only arguments 0..{MAX_ARGS - 1} are in registers")
+    if kind != "entry":
+        raise PointKindError(f"Arg({node.n}) at a {kind} point: arguments are known at entry only")
+
+
+def _retval(node: ast.RetVal, kind: str) -> None:
+    if kind != "exit":
+        raise PointKindError(f"RetVal at a {kind} point: the return value is known at exit only")
+
+
+def _load(node: ast.Load, kind: str) -> None:
+    _size(node.size, "Load")
+
+
+_RULES: dict[type, Callable[[Any, str], None]] = {
+    ast.Const: _const,
+    ast.Var: _var,
+    ast.BinOp: _binop,
+    ast.Unary: _unary,
+    ast.Compare: _compare,
+    ast.Assign: _assign,
+    ast.AtomicAssign: _assign,
+    ast.Seq: _seq,
+    ast.Call: _call,
+    ast.Arg: _arg,
+    ast.RetVal: _retval,
+    ast.Load: _load,
+}

@@ -1,0 +1,359 @@
+"""Generic snippet code generation: walk the AST, drive an architecture's Emitter.
+
+The model is a stack machine with one accumulator (Dyninst's layering: nodes
+know *what* to compute, the Emitter knows *how* on its architecture).  Every
+node leaves its value in the accumulator; a binary node evaluates its left
+operand, pushes it, evaluates the right operand, and asks the Emitter to
+combine the popped left with the accumulator.  Nothing here knows a register
+name except those the Arch contract names (argument and return registers).
+
+The frame (prologue/epilogue) saves exactly the registers the generated code
+clobbers that are live at the point, plus any clobbered register a snippet
+reads as it was at the point (Arg, RetVal), and the flags when live.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ksim.errors import CodegenError
+
+from . import ast
+from .check import check
+
+if TYPE_CHECKING:
+    from ksim.arch.base import Arch
+    from ksim.targets.base import MemRef
+
+
+class Emitter(ABC):
+    """What codegen asks of an architecture.  ``acc`` is the accumulator.
+
+    Temporaries live on a stack the Emitter manages; ``depth`` counts them.
+    Labels are opaque objects from ``new_label``.
+    """
+
+    depth: int
+
+    # --- frame -----------------------------------------------------------------------
+    @abstractmethod
+    def clobbers(self, calls: bool) -> frozenset[str]:
+        """Registers (and "flags") the generated code may change, with or without calls."""
+
+    @abstractmethod
+    def begin(self, save: frozenset[str], calls: bool) -> None:
+        """Prologue: save ``save``; prepare for calls (stack alignment) if ``calls``."""
+
+    @abstractmethod
+    def end(self) -> bytes:
+        """Epilogue (restore what ``begin`` saved) and the finished code."""
+
+    # --- values -------------------------------------------------------------------------
+    @abstractmethod
+    def const(self, value: int) -> None: ...
+
+    @abstractmethod
+    def load(self, address: int, size: int, signed: bool, segment: str | None) -> None:
+        """acc = memory at ``address`` (``segment``-relative when given)."""
+
+    @abstractmethod
+    def store(self, address: int, size: int, segment: str | None) -> None:
+        """memory at ``address`` = low ``size`` bytes of acc; acc unchanged."""
+
+    @abstractmethod
+    def load_indirect(self, offset: int, size: int, signed: bool) -> None:
+        """acc = memory at acc + offset."""
+
+    @abstractmethod
+    def narrow(self, size: int, signed: bool) -> None:
+        """acc = acc's low ``size`` bytes, zero- or sign-extended."""
+
+    @abstractmethod
+    def point_reg(self, reg: str) -> None:
+        """acc = the value ``reg`` had when the point was reached."""
+
+    @abstractmethod
+    def push(self) -> None:
+        """Push acc as a temporary (depth += 1)."""
+
+    @abstractmethod
+    def pop_discard(self) -> None: ...
+
+    @abstractmethod
+    def load_temp(self, index: int) -> None:
+        """acc = the temporary pushed when depth was ``index``."""
+
+    @abstractmethod
+    def binop(self, op: str) -> None:
+        """acc = popped-left ``op`` acc (ops of ksim.snippets.check.BINOPS)."""
+
+    @abstractmethod
+    def compare(self, op: str) -> None:
+        """acc = 1 if popped-left ``op`` acc else 0."""
+
+    @abstractmethod
+    def unary(self, op: str) -> None:
+        """acc = neg/not/lnot acc (lnot: 1 if acc == 0 else 0)."""
+
+    @abstractmethod
+    def counter(self) -> None:
+        """acc = the cycle counter."""
+
+    # --- control flow -----------------------------------------------------------------------
+    @abstractmethod
+    def new_label(self) -> Any: ...
+
+    @abstractmethod
+    def bind(self, label: Any) -> None: ...
+
+    @abstractmethod
+    def jump(self, label: Any) -> None: ...
+
+    @abstractmethod
+    def jump_if_zero(self, label: Any) -> None:
+        """Branch if acc == 0 (acc unchanged)."""
+
+    @abstractmethod
+    def call(self, address: int, nargs: int) -> None:
+        """Call ``address`` with the top ``nargs`` temporaries (first pushed = first
+        argument), popping them; acc = the return value."""
+
+    # --- atomics ---------------------------------------------------------------------------
+    @abstractmethod
+    def atomic_add(self, address: int, size: int, segment: str | None) -> None:
+        """Atomically add acc to memory; acc = the new value (not yet narrowed)."""
+
+    @abstractmethod
+    def compare_and_swap(self, address: int, size: int, segment: str | None, retry: Any) -> None:
+        """acc is the new value, the top temporary the expected old one (popped).
+        Atomically store acc if memory still holds the old value, else go to ``retry``."""
+
+
+def memref_load(emitter: Emitter, ref: MemRef) -> None:
+    emitter.load(ref.address, ref.size, False, ref.segment)
+
+
+class Codegen:
+    """Lowers a checked tree onto an Emitter."""
+
+    def __init__(self, arch: Arch, emitter: Emitter, abi: Any) -> None:
+        self.arch = arch
+        self.e = emitter
+        self.abi = abi
+        #: Var key -> temporary holding its snapshot (inside a compare-and-swap loop)
+        self.bound: dict[tuple[int, str | None], int] = {}
+        self._gen: dict[type, Callable[[Any], None]] = {
+            ast.Const: lambda n: self.e.const(n.value),
+            ast.Var: self._var,
+            ast.BinOp: self._binop,
+            ast.Unary: self._unary,
+            ast.Compare: self._compare,
+            ast.LogicalAnd: self._land,
+            ast.LogicalOr: self._lor,
+            ast.LogicalNot: self._lnot,
+            ast.Assign: self._assign,
+            ast.AtomicAssign: self._atomic_assign,
+            ast.If: self._if,
+            ast.Seq: self._seq,
+            ast.Call: self._call,
+            ast.Tsc: lambda n: self.e.counter(),
+            ast.Pid: self._pid,
+            ast.Cpu: self._cpu,
+            ast.Arg: lambda n: self.e.point_reg(self.arch.arg_regs[n.n]),
+            ast.RetVal: lambda n: self.e.point_reg(self.arch.ret_reg),
+            ast.Load: self._load,
+        }
+
+    def gen(self, node: ast.Node) -> None:
+        self._gen[type(node)](node)
+
+    def _var(self, n: ast.Var) -> None:
+        if n.key in self.bound:
+            self.e.load_temp(self.bound[n.key])
+        else:
+            self.e.load(n.address, n.size, n.signed, n.segment)
+
+    def _binary_operands(self, left: ast.Node, right: ast.Node) -> None:
+        self.gen(left)
+        self.e.push()
+        self.gen(right)
+
+    def _binop(self, n: ast.BinOp) -> None:
+        self._binary_operands(n.left, n.right)
+        self.e.binop(n.op)
+
+    def _compare(self, n: ast.Compare) -> None:
+        self._binary_operands(n.left, n.right)
+        self.e.compare(n.op)
+
+    def _unary(self, n: ast.Unary) -> None:
+        self.gen(n.operand)
+        self.e.unary(n.op)
+
+    def _lnot(self, n: ast.LogicalNot) -> None:
+        self.gen(n.operand)
+        self.e.unary("lnot")
+
+    def _land(self, n: ast.LogicalAnd) -> None:
+        false, done = self.e.new_label(), self.e.new_label()
+        for side in (n.left, n.right):
+            self.gen(side)
+            self.e.jump_if_zero(false)
+        self.e.const(1)
+        self.e.jump(done)
+        self.e.bind(false)
+        self.e.const(0)
+        self.e.bind(done)
+
+    def _lor(self, n: ast.LogicalOr) -> None:
+        right, true, done = self.e.new_label(), self.e.new_label(), self.e.new_label()
+        self.gen(n.left)
+        self.e.jump_if_zero(right)
+        self.e.jump(true)
+        self.e.bind(right)
+        self.gen(n.right)
+        self.e.jump_if_zero(done)       # acc is already 0
+        self.e.bind(true)
+        self.e.const(1)
+        self.e.bind(done)
+
+    def _if(self, n: ast.If) -> None:
+        orelse, done = self.e.new_label(), self.e.new_label()
+        self.gen(n.cond)
+        self.e.jump_if_zero(orelse)
+        self.gen(n.then)
+        self.e.jump(done)
+        self.e.bind(orelse)
+        if n.orelse is None:
+            self.e.const(0)
+        else:
+            self.gen(n.orelse)
+        self.e.bind(done)
+
+    def _seq(self, n: ast.Seq) -> None:
+        if not n.body:
+            self.e.const(0)
+        for stmt in n.body:
+            self.gen(stmt)
+
+    def _assign(self, n: ast.Assign) -> None:
+        t: ast.Var = n.target
+        self.gen(n.value)
+        self.e.store(t.address, t.size, t.segment)
+        self.e.narrow(t.size, t.signed)
+
+    def _atomic_assign(self, n: ast.AtomicAssign) -> None:
+        t: ast.Var = n.target
+        delta = _additive_delta(t, n.value)
+        if delta is not None:
+            term, negate = delta
+            self.gen(term)
+            if negate:
+                self.e.unary("neg")
+            self.e.atomic_add(t.address, t.size, t.segment)
+        else:
+            self._cas_loop(t, n.value)
+        self.e.narrow(t.size, t.signed)
+
+    def _cas_loop(self, t: ast.Var, value: ast.Node) -> None:
+        """Snapshot the variable, compute the value with every read of the variable
+        seeing the snapshot, store it if the variable still holds the snapshot."""
+        retry = self.e.new_label()
+        self.e.bind(retry)
+        self.e.load(t.address, t.size, t.signed, t.segment)
+        slot = self.e.depth
+        self.e.push()
+        outer = self.bound.get(t.key)
+        self.bound[t.key] = slot
+        self.gen(value)
+        if outer is None:
+            del self.bound[t.key]
+        else:
+            self.bound[t.key] = outer
+        self.e.compare_and_swap(t.address, t.size, t.segment, retry)
+
+    def _call(self, n: ast.Call) -> None:
+        for a in n.args:
+            self.gen(a)
+            self.e.push()
+        self.e.call(n.address, len(n.args))
+
+    def _pid(self, n: ast.Pid) -> None:
+        memref_load(self.e, self.abi.current_task)
+        self.e.load_indirect(self.abi.task_pid_offset, self.abi.task_pid_size, False)
+
+    def _cpu(self, n: ast.Cpu) -> None:
+        if self.abi.cpu_number is None:
+            self.e.const(0)
+        else:
+            memref_load(self.e, self.abi.cpu_number)
+
+    def _load(self, n: ast.Load) -> None:
+        self.gen(n.ptr)
+        self.e.load_indirect(0, n.size, n.signed)
+
+
+def _reads_var(node: Any, key: tuple[int, str | None]) -> bool:
+    return any(isinstance(x, ast.Var) and x.key == key for x in ast.walk(node))
+
+
+def _additive_delta(t: ast.Var, value: ast.Node) -> tuple[ast.Node, bool] | None:
+    """(term, negate) when ``value`` is ``t + term``, ``term + t`` or ``t - term`` and
+    the term does not read ``t`` (and has no side effects on it): one locked add."""
+    if not isinstance(value, ast.BinOp) or value.op not in ("add", "sub"):
+        return None
+    l, r = value.left, value.right
+    if isinstance(l, ast.Var) and l.key == t.key and l.size == t.size and not _reads_var(r, t.key):
+        return r, value.op == "sub"
+    if (value.op == "add" and isinstance(r, ast.Var) and r.key == t.key and r.size == t.size
+            and not _reads_var(l, t.key)):
+        return l, False
+    return None
+
+
+def uses_calls(node: Any) -> bool:
+    return any(isinstance(x, ast.Call) for x in ast.walk(node))
+
+
+def point_reads(arch: Arch, node: Any) -> frozenset[str]:
+    """Registers whose value at the point the snippet reads (Arg, RetVal)."""
+    out = set()
+    for x in ast.walk(node):
+        if isinstance(x, ast.Arg):
+            out.add(arch.arg_regs[x.n])
+        elif isinstance(x, ast.RetVal):
+            out.add(arch.ret_reg)
+    return frozenset(out)
+
+
+def compile_snippets(
+    arch: Arch,
+    snippets: Sequence[ast.Node],
+    emitter: Emitter,
+    *,
+    live: frozenset[str],
+    point_kind: str = "entry",
+    abi: Any = None,
+) -> bytes:
+    """Check, then generate code that runs ``snippets`` in order and falls through
+    with every live register (and the flags if live) as it found them."""
+    unknown = set(live) - set(arch.all_regs)
+    if unknown:
+        raise CodegenError(f"unknown registers in the live set: {sorted(unknown)}")
+    for s in snippets:
+        check(s, point_kind)
+    body = ast.Seq(tuple(snippets))
+    calls = uses_calls(body)
+    clobbered = emitter.clobbers(calls)
+    save = clobbered & (frozenset(live) | point_reads(arch, body))
+    emitter.begin(save, calls)
+    if abi is None and any(isinstance(x, ast.Pid | ast.Cpu) for x in ast.walk(body)):
+        raise CodegenError("Pid and Cpu need the kernel's ABI (abi=KernelABI(...))")
+    codegen = Codegen(arch, emitter, abi)
+    for s in snippets:
+        codegen.gen(s)
+    if emitter.depth != 0:
+        raise CodegenError(f"unbalanced temporaries after codegen (depth {emitter.depth})")
+    return emitter.end()
