@@ -112,9 +112,12 @@ class Arch(Protocol):
         *,
         live: frozenset[str],
         abi: KernelABI,
+        point_kind: str = "entry",
     ) -> bytes:
         """Machine code, to be placed at ``address``, that runs ``snippets`` in order
         and then falls through with every register in ``live`` (and the flags, when
         "flags" is live) exactly as it found them.  Deterministic: same input, same bytes.
+        ``point_kind`` ("entry", "exit", "block", "callsite", "insn") decides which
+        nodes are meaningful (Arg at entry, RetVal at exit).
         """
         ...
