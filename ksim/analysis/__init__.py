@@ -1,0 +1,31 @@
+"""Structural analysis of kernel code: CFG, points, call graph, liveness.
+
+``analyze(image, function)`` is the entry point; the result is cached per
+(image, function).
+"""
+
+from ksim.analysis.callgraph import CallGraph, call_graph, callees
+from ksim.analysis.cfg import CFG, Block, Edge, EdgeKind, JumpTable, build_cfg
+from ksim.analysis.function import CallSite, FunctionAnalysis, analyze, classify_target
+from ksim.analysis.liveness import Liveness
+from ksim.analysis.points import FunctionPoints, Point, PointKind
+
+__all__ = [
+    "CFG",
+    "Block",
+    "CallGraph",
+    "CallSite",
+    "Edge",
+    "EdgeKind",
+    "FunctionAnalysis",
+    "FunctionPoints",
+    "JumpTable",
+    "Liveness",
+    "Point",
+    "PointKind",
+    "analyze",
+    "build_cfg",
+    "call_graph",
+    "callees",
+    "classify_target",
+]

@@ -45,6 +45,8 @@ class Image:
             self._by_name.setdefault(sym.name, sym)
         self.functions, self._func_by_name = _functions(self.symbols, bindings or {})
         self._func_starts = [f.address for f in self.functions]
+        self._sym_starts = [s.address for s in self.symbols]
+        self._names_at: dict[int, list[str]] | None = None
         self._sec_starts = [s.address for s in self.sections]
         self.text_regions: tuple[tuple[int, int], ...] = _merge(
             (s.address, s.end) for s in self.sections if s.executable and s.size
@@ -71,6 +73,24 @@ class Image:
         if sym is None:
             raise UnknownSymbol(name, difflib.get_close_matches(name, self._by_name, n=5))
         return sym
+
+    def names_at(self, addr: int) -> list[str]:
+        """Every symbol name whose address is exactly ``addr``."""
+        if self._names_at is None:
+            table: dict[int, list[str]] = {}
+            for sym in self.symbols:
+                table.setdefault(sym.address, []).append(sym.name)
+            self._names_at = table
+        return list(self._names_at.get(addr, ()))
+
+    def symbol_containing(self, addr: int) -> Symbol | None:
+        """The sized symbol (object or function) whose extent contains ``addr``."""
+        i = bisect.bisect_right(self._sym_starts, addr) - 1
+        for j in range(i, max(i - 16, -1), -1):
+            sym = self.symbols[j]
+            if sym.address <= addr < sym.address + sym.size:
+                return sym
+        return None
 
     def address_of(self, name: str) -> int:
         return self.symbol(name).address

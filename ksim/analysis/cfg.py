@@ -1,0 +1,385 @@
+"""Basic blocks and control-flow graph of one function, with jump-table recovery.
+
+The function's bytes are decoded by linear sweep (compilers put no data inside
+kernel functions; padding is nops or int3).  Blocks start at the entry, at every
+direct branch target inside the function, at every jump-table target, and after
+every instruction that transfers control (jmp, jcc, call, ret, stop).  Calls end
+blocks: their return site is a block reached by a ``call-return`` edge.
+
+Blocks partition the function's bytes exactly: padding and code no edge reaches
+(after the last ret, after a call that never returns) are blocks too, with
+``reachable`` False, and bytes that do not decode form a final block with no
+instructions (``data`` True).
+
+Jump tables are recovered for what gcc emits for x86-64 kernels
+(``-mcmodel=kernel``, tables of absolute 8-byte addresses):
+
+* ``jmp qword ptr [idx*8 + TABLE]`` (``TABLE`` a sign-extended 32-bit address), or
+  ``notrack jmp`` of the same;
+* ``mov reg, qword ptr [idx*8 + TABLE]`` ... ``jmp reg``;
+
+with the number of entries taken from a dominating unsigned bound check on the
+index (``cmp idx, N`` then ``ja default`` falling through, or ``jbe``/``jb``
+taken) found by walking back through blocks with a single predecessor.  An
+indirect jump without such a bound is not a table (see ``unresolved``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import re
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from ksim.arch.base import Flow, Insn
+from ksim.errors import KsimError
+
+_MASK64 = (1 << 64) - 1
+_MAX_TABLE = 4096  # entries; a larger bound is not a switch statement
+
+
+class EdgeKind(str, enum.Enum):
+    FALLTHROUGH = "fallthrough"   # block ends because the next one starts here
+    JUMP = "jump"                 # unconditional direct jmp
+    TAKEN = "taken"               # jcc taken
+    NOT_TAKEN = "not-taken"       # jcc not taken
+    TABLE = "table"               # indirect jmp through a recovered jump table
+    CALL_RETURN = "call-return"   # from a call to its return site
+
+
+@dataclass(frozen=True, slots=True)
+class Edge:
+    src: int   # start of the source block
+    dst: int   # start of the destination block
+    kind: EdgeKind
+
+
+@dataclass(slots=True)
+class Block:
+    start: int
+    end: int
+    insns: tuple[Insn, ...]
+    succs: list[int] = field(default_factory=list)
+    preds: list[int] = field(default_factory=list)
+    #: some path from the function's entry reaches this block
+    reachable: bool = True
+    #: bytes that do not decode (no instructions)
+    data: bool = False
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    @property
+    def last(self) -> Insn | None:
+        return self.insns[-1] if self.insns else None
+
+    def __contains__(self, address: object) -> bool:
+        return isinstance(address, int) and self.start <= address < self.end
+
+
+@dataclass(frozen=True, slots=True)
+class JumpTable:
+    jump: int                    # address of the indirect jmp
+    table: int                   # address of the table
+    index_reg: str               # register holding the index
+    entries: tuple[int, ...]     # targets in table order (with repeats)
+
+    @property
+    def targets(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.entries)))
+
+
+@dataclass
+class CFG:
+    start: int
+    end: int
+    insns: tuple[Insn, ...]
+    blocks: dict[int, Block]          # by start address, in address order
+    edges: tuple[Edge, ...]
+    tables: dict[int, JumpTable]      # by address of the jmp
+    #: indirect jmps that are not recovered jump tables
+    unresolved: tuple[int, ...]
+    #: direct branch targets inside the function that are not instruction starts
+    misaligned: tuple[int, ...]
+
+    def block_at(self, address: int) -> Block | None:
+        """The block containing ``address``."""
+        starts = list(self.blocks)
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address in self.blocks[starts[i]]:
+            return self.blocks[starts[i]]
+        return None
+
+
+#: reads ``size`` bytes of the image at ``address`` (raises KsimError when it cannot)
+ImageReader = Callable[[int, int], bytes]
+
+
+def build_cfg(insns: Sequence[Insn], start: int, end: int, read: ImageReader | None = None) -> CFG:
+    """The CFG of the function ``[start, end)`` whose linear-sweep decode is ``insns``."""
+    insns = tuple(insns)
+    by_addr = {i.address: i for i in insns}
+    tables: dict[int, JumpTable] = {}
+    # Tables add leaders, which split blocks, which can expose more guards: iterate.
+    for _ in range(4):
+        blocks, edges = _blocks(insns, by_addr, start, end, tables)
+        _mark_reachable(blocks, start)
+        found = _recover_tables(blocks, by_addr, start, end, read, tables) if read else {}
+        if not found:
+            break
+        tables.update(found)
+    unresolved = tuple(i.address for i in insns if i.flow is Flow.JMP_INDIRECT and i.address not in tables)
+    misaligned = tuple(sorted({
+        i.target for i in insns
+        if i.flow in (Flow.JMP, Flow.JCC) and i.target is not None
+        and start <= i.target < end and i.target not in by_addr
+    }))
+    _mark_reachable(blocks, start)
+    return CFG(start, end, insns, blocks, tuple(edges), tables, unresolved, misaligned)
+
+
+# --- blocks and edges ---------------------------------------------------------------
+_ENDS_BLOCK = frozenset({Flow.JMP, Flow.JCC, Flow.JMP_INDIRECT, Flow.CALL, Flow.CALL_INDIRECT,
+                         Flow.RET, Flow.STOP})
+
+
+def _leaders(insns: tuple[Insn, ...], by_addr: dict[int, Insn], start: int, end: int,
+             tables: dict[int, JumpTable]) -> set[int]:
+    leaders = {start}
+    for insn in insns:
+        if insn.flow in _ENDS_BLOCK and insn.end < end:
+            leaders.add(insn.end)
+        if insn.flow in (Flow.JMP, Flow.JCC) and insn.target in by_addr:
+            leaders.add(insn.target)
+    for table in tables.values():
+        leaders.update(table.targets)
+    if insns and insns[-1].end < end:
+        leaders.add(insns[-1].end)  # undecodable tail
+    return leaders
+
+
+def _blocks(insns: tuple[Insn, ...], by_addr: dict[int, Insn], start: int, end: int,
+            tables: dict[int, JumpTable]) -> tuple[dict[int, Block], list[Edge]]:
+    leaders = sorted(_leaders(insns, by_addr, start, end, tables))
+    blocks: dict[int, Block] = {}
+    pos = 0
+    for n, lead in enumerate(leaders):
+        stop = leaders[n + 1] if n + 1 < len(leaders) else end
+        body = []
+        while pos < len(insns) and insns[pos].address < stop:
+            body.append(insns[pos])
+            pos += 1
+        blocks[lead] = Block(lead, stop, tuple(body), data=not body)
+    edges: list[Edge] = []
+    for block in blocks.values():
+        for dst, kind in _out_edges(block, blocks, tables):
+            edges.append(Edge(block.start, dst, kind))
+            if dst not in block.succs:
+                block.succs.append(dst)
+                blocks[dst].preds.append(block.start)
+    return blocks, edges
+
+
+def _out_edges(block: Block, blocks: dict[int, Block],
+               tables: dict[int, JumpTable]) -> Iterator[tuple[int, EdgeKind]]:
+    last = block.last
+    if last is None:
+        return
+    nxt = block.end if block.end in blocks else None
+    flow = last.flow
+    if flow is Flow.SEQ:
+        if nxt is not None:
+            yield nxt, EdgeKind.FALLTHROUGH
+    elif flow is Flow.JMP:
+        if last.target in blocks:
+            yield last.target, EdgeKind.JUMP
+    elif flow is Flow.JCC:
+        if last.target in blocks:
+            yield last.target, EdgeKind.TAKEN
+        if nxt is not None:
+            yield nxt, EdgeKind.NOT_TAKEN
+    elif flow in (Flow.CALL, Flow.CALL_INDIRECT):
+        if nxt is not None:
+            yield nxt, EdgeKind.CALL_RETURN
+    elif flow is Flow.JMP_INDIRECT and last.address in tables:
+        for target in tables[last.address].targets:
+            yield target, EdgeKind.TABLE
+
+
+def _mark_reachable(blocks: dict[int, Block], start: int) -> None:
+    seen = {start}
+    work = [start]
+    while work:
+        for succ in blocks[work.pop()].succs:
+            if succ not in seen:
+                seen.add(succ)
+                work.append(succ)
+    for block in blocks.values():
+        block.reachable = block.start in seen
+
+
+# --- jump tables ----------------------------------------------------------------------
+_TABLE_OPERAND = re.compile(r"^qword ptr \[(r\w+)\*8 ([+-]) (0x[0-9a-f]+|\d+)\]$")
+_REG = re.compile(r"^r\w+$|^e\w+$")
+# unsigned bound checks: (mnemonic, edge into the table path) -> entries for bound N
+_GUARDS: dict[tuple[str, EdgeKind], Callable[[int], int]] = {
+    ("ja", EdgeKind.NOT_TAKEN): lambda n: n + 1,
+    ("jae", EdgeKind.NOT_TAKEN): lambda n: n,
+    ("jbe", EdgeKind.TAKEN): lambda n: n + 1,
+    ("jb", EdgeKind.TAKEN): lambda n: n,
+}
+
+
+def _table_operand(op_str: str) -> tuple[str, int] | None:
+    """(index register, table address) of ``qword ptr [idx*8 +/- disp]``."""
+    m = _TABLE_OPERAND.match(op_str)
+    if m is None:
+        return None
+    disp = int(m.group(3), 0)
+    table = (-disp if m.group(2) == "-" else disp) & _MASK64
+    return _canonical(m.group(1)), table
+
+
+def _canonical(reg: str) -> str:
+    from ksim.arch.x86_64.reader import canonical_reg
+
+    return canonical_reg(reg) or reg
+
+
+def _walk_back(blocks: dict[int, Block], block: Block, pos: int
+               ) -> Iterator[tuple[Insn, Block, int] | tuple[None, Block, EdgeKind]]:
+    """Instructions before ``block.insns[pos]``, backwards, along single-predecessor
+    blocks.  At each block boundary yields (None, predecessor, edge kind)."""
+    seen = {block.start}
+    while True:
+        for i in range(pos - 1, -1, -1):
+            yield block.insns[i], block, i
+        # padding before an aligned label falls through into it without being code
+        # any path runs: only reachable predecessors count
+        preds = [p for p in block.preds if blocks[p].reachable]
+        if len(preds) != 1:
+            return
+        pred = blocks[preds[0]]
+        if pred.start in seen or pred.last is None:
+            return
+        seen.add(pred.start)
+        last = pred.last
+        if last.flow is Flow.JCC:
+            if last.target == block.start and pred.end == block.start:
+                return  # both edges reach us: no information
+            kind = EdgeKind.TAKEN if last.target == block.start else EdgeKind.NOT_TAKEN
+        else:
+            kind = EdgeKind.FALLTHROUGH
+        yield None, pred, kind
+        block, pos = pred, len(pred.insns)
+
+
+def _find_bound(blocks: dict[int, Block], block: Block, pos: int, reg: str) -> int | None:
+    """Entries allowed by the unsigned bound check that dominates ``block.insns[pos]``
+    for the index in ``reg`` (None if there is none)."""
+    for insn, where, extra in _walk_back(blocks, block, pos):
+        if insn is None:
+            kind = extra
+            jcc = where.last
+            assert jcc is not None
+            guard = _GUARDS.get((jcc.mnemonic, kind))  # type: ignore[arg-type]
+            if guard is not None:
+                n = _compared_bound(where, len(where.insns) - 1, reg)
+                if n is not None:
+                    return guard(n)
+            continue
+        if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT):
+            return None  # the call may change the index register
+        if reg in insn.writes:
+            renamed = _rename(insn, reg)
+            if renamed is None:
+                return None
+            reg = renamed
+    return None
+
+
+def _rename(insn: Insn, reg: str) -> str | None:
+    """For a register copy into ``reg`` (``mov edi, edi``, ``mov eax, esi``), the
+    register the index came from; None for any other write."""
+    if insn.mnemonic not in ("mov", "movzx", "movsxd") or "ptr" in insn.op_str:
+        return None
+    ops = [o.strip() for o in insn.op_str.split(",")]
+    if len(ops) != 2 or not _REG.match(ops[1]) or _canonical(ops[0]) != reg:
+        return None
+    return _canonical(ops[1])
+
+
+def _compared_bound(block: Block, jcc_pos: int, reg: str) -> int | None:
+    """N of the ``cmp reg, N`` that sets the flags the jcc at ``jcc_pos`` tests."""
+    for i in range(jcc_pos - 1, -1, -1):
+        insn = block.insns[i]
+        if reg in insn.writes and "flags" not in insn.writes:
+            return None
+        if "flags" not in insn.writes:
+            continue
+        if insn.mnemonic != "cmp":
+            return None
+        ops = [o.strip() for o in insn.op_str.split(",")]
+        if len(ops) != 2 or _canonical(ops[0]) != reg:
+            return None
+        try:
+            n = int(ops[1], 0)
+        except ValueError:
+            return None
+        return n if 0 <= n < _MAX_TABLE else None
+    return None
+
+
+def _recover_tables(blocks: dict[int, Block], by_addr: dict[int, Insn], start: int, end: int,
+                    read: ImageReader, known: dict[int, JumpTable]) -> dict[int, JumpTable]:
+    found: dict[int, JumpTable] = {}
+    for block in blocks.values():
+        jmp = block.last
+        if jmp is None or jmp.flow is not Flow.JMP_INDIRECT or jmp.address in known:
+            continue
+        table = _table_for(blocks, block, jmp, by_addr, start, end, read)
+        if table is not None:
+            found[jmp.address] = table
+    return found
+
+
+def _table_for(blocks: dict[int, Block], block: Block, jmp: Insn, by_addr: dict[int, Insn],
+               start: int, end: int, read: ImageReader) -> JumpTable | None:
+    pos = len(block.insns) - 1
+    operand = _table_operand(jmp.op_str)
+    where, at = block, pos
+    if operand is None:
+        # jmp reg: find the load of reg from the table
+        if not _REG.match(jmp.op_str):
+            return None
+        target_reg = _canonical(jmp.op_str)
+        for insn, blk, extra in _walk_back(blocks, block, pos):
+            if insn is None:
+                continue
+            if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT):
+                return None
+            if target_reg in insn.writes:
+                if insn.mnemonic != "mov":
+                    return None
+                dst, _, src = insn.op_str.partition(", ")
+                operand = _table_operand(src) if _canonical(dst) == target_reg else None
+                if operand is None:
+                    return None
+                where, at = blk, extra
+                break
+        if operand is None:
+            return None
+    index_reg, table = operand
+    count = _find_bound(blocks, where, at, index_reg)
+    if count is None or count == 0:
+        return None
+    try:
+        raw = read(table, 8 * count)
+    except KsimError:
+        return None
+    entries = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
+    if len(entries) != count or not all(start <= e < end and e in by_addr for e in entries):
+        return None
+    return JumpTable(jmp.address, table, index_reg, entries)

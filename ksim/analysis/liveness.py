@@ -1,0 +1,166 @@
+"""Registers live before each instruction of a function (backward dataflow).
+
+A register reported dead may be clobbered by instrumentation, so every
+uncertainty resolves towards "live":
+
+* at a call to a function that follows the calling convention: the argument
+  registers and the stack pointer are read, the caller-saved registers (and the
+  flags) are clobbered;
+* at a call to anything else (an assembly routine with its own register
+  interface, a label that is not a function, a paravirt op): every register is live;
+* at a return: the return registers, the callee-saved registers and the stack pointer;
+* at a tail call (a jump to another function's entry): the argument registers,
+  the callee-saved registers and the stack pointer;
+* at any other flow out of the function (a jump into another function's middle
+  or .cold part, an unrecovered indirect jump, a stop instruction, code running
+  off the end): every register is live.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ksim.analysis.abi import CallConvention
+from ksim.analysis.cfg import CFG, Block
+from ksim.arch.base import Flow, Insn
+
+
+class TargetKind(enum.Enum):
+    FUNCTION = "function"     # entry of a function that follows the convention
+    RETURN = "return"         # a return thunk: jumping there returns
+    THUNK = "thunk"           # an indirect-branch thunk through a register
+    UNKNOWN = "unknown"       # anything else
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    kind: TargetKind
+    #: for THUNK: the register the branch goes through
+    reg: str | None = None
+
+
+#: what an address outside the function is, as a branch or call destination
+TargetClassifier = Callable[[int], Target]
+#: whether an indirect call through this memory address follows the convention
+IndirectCallClassifier = Callable[[Insn], bool]
+
+
+class Liveness:
+    """Live registers before and after every instruction of one function."""
+
+    def __init__(self, cfg: CFG, convention: CallConvention, classify: TargetClassifier,
+                 standard_indirect: IndirectCallClassifier = lambda insn: True) -> None:
+        self.cfg = cfg
+        self.cc = convention
+        self._classify = classify
+        self._standard_indirect = standard_indirect
+        self._all = convention.all_regs
+        self.live_in: dict[int, frozenset[str]] = {}
+        self.before: dict[int, frozenset[str]] = {}
+        self.after: dict[int, frozenset[str]] = {}
+        self._solve()
+
+    def live_at(self, address: int) -> frozenset[str]:
+        """Registers live just before the instruction at ``address``."""
+        return self.before[address]
+
+    def live_after(self, address: int) -> frozenset[str]:
+        return self.after[address]
+
+    # --- the dataflow -----------------------------------------------------------------
+    def _solve(self) -> None:
+        blocks = self.cfg.blocks
+        live_in = {start: frozenset() for start in blocks}
+        work = list(blocks)
+        queued = set(work)
+        while work:
+            start = work.pop()
+            queued.discard(start)
+            new = self._through(blocks[start], live_in, record=False)
+            if new != live_in[start]:
+                live_in[start] = new
+                for pred in blocks[start].preds:
+                    if pred not in queued:
+                        queued.add(pred)
+                        work.append(pred)
+        self.live_in = live_in
+        for block in blocks.values():
+            self._through(block, live_in, record=True)
+
+    def _through(self, block: Block, live_in: dict[int, frozenset[str]], *, record: bool
+                 ) -> frozenset[str]:
+        if not block.insns:
+            return self._all  # bytes that do not decode: nothing is known
+        live = self._block_out(block, live_in)
+        sp = frozenset({self.cc.stack_reg})
+        for insn in reversed(block.insns):
+            if record:
+                self.after[insn.address] = live
+            live = self._transfer(insn, live, block, live_in) | sp
+            if record:
+                self.before[insn.address] = live
+        return live
+
+    def _block_out(self, block: Block, live_in: dict[int, frozenset[str]]) -> frozenset[str]:
+        """Live after the block's last instruction: successors plus flows out of the function."""
+        last = block.insns[-1]
+        out: frozenset[str] = frozenset()
+        for succ in block.succs:
+            out |= live_in[succ]
+        flow = last.flow
+        if flow is Flow.RET or flow is Flow.STOP:
+            return out  # handled in _transfer (nothing after them is used)
+        if flow in (Flow.JMP, Flow.JCC) and last.target is not None and last.target not in self.cfg.blocks:
+            out |= self._leaving(last.target)
+        elif flow is Flow.JMP_INDIRECT and last.address not in self.cfg.tables:
+            out |= self._all
+        elif flow in (Flow.CALL, Flow.CALL_INDIRECT):
+            if block.end not in self.cfg.blocks:
+                out |= self._all  # nothing known after a call at the function's end
+        elif flow is Flow.SEQ and not block.succs:
+            out |= self._all  # runs off the end of the function
+        return out
+
+    def _leaving(self, target: int) -> frozenset[str]:
+        """Live at a jump to ``target`` outside the function."""
+        if self.cfg.start <= target < self.cfg.end:
+            return self._all  # into the middle of an instruction of ours
+        what = self._classify(target)
+        if what.kind is TargetKind.FUNCTION:
+            return self.cc.at_tail_call
+        if what.kind is TargetKind.RETURN:
+            return self.cc.at_return
+        if what.kind is TargetKind.THUNK and what.reg:
+            return self.cc.at_tail_call | {what.reg}
+        return self._all
+
+    def _transfer(self, insn: Insn, after: frozenset[str], block: Block,
+                  live_in: dict[int, frozenset[str]]) -> frozenset[str]:
+        flow = insn.flow
+        if flow is Flow.RET:
+            return self.cc.at_return | insn.reads
+        if flow is Flow.STOP:
+            return self._all  # a trap handler may read or resume with any register
+        if flow is Flow.CALL or flow is Flow.CALL_INDIRECT:
+            if insn is not block.insns[-1]:
+                return self._all  # defensive: calls end blocks
+            return self._call(insn, after)
+        return (after - insn.writes) | insn.reads
+
+    def _call(self, insn: Insn, after: frozenset[str]) -> frozenset[str]:
+        if insn.flow is Flow.CALL:
+            assert insn.target is not None
+            what = self._classify(insn.target)
+            if what.kind is TargetKind.FUNCTION:
+                extra: frozenset[str] = frozenset()
+            elif what.kind is TargetKind.THUNK and what.reg:
+                extra = frozenset({what.reg})
+            else:
+                return self._all
+        else:
+            if not self._standard_indirect(insn):
+                return self._all
+            extra = frozenset()
+        return (after - self.cc.caller_saved) | self.cc.at_call() | insn.reads | extra
