@@ -11,6 +11,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from ksim.analysis.abi import ArchSupport, support_for
+from ksim.analysis.clobbers import function_clobbers, own_writes
 from ksim.analysis.cfg import CFG, Block, Edge, JumpTable, build_cfg
 from ksim.analysis.liveness import Liveness, Target, TargetKind
 from ksim.analysis.points import FunctionPoints, Point, PointKind, find_points
@@ -98,8 +99,10 @@ class FunctionAnalysis:
     @property
     def liveness(self) -> Liveness:
         if self._liveness is None:
+            preserved = self._support.convention.caller_saved - own_writes(
+                self.image, self._support, self.function)
             self._liveness = Liveness(self.cfg, self._support.convention, self._classify,
-                                      self._standard_indirect)
+                                      self._standard_indirect, preserved)
         return self._liveness
 
     def live_at(self, address: int) -> frozenset[str]:
@@ -141,7 +144,7 @@ def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
         return Target(TargetKind.UNKNOWN)
     if any(cc.special_callee.match(n) or ".cold" in n for n in names):
         return Target(TargetKind.UNKNOWN)
-    return Target(TargetKind.FUNCTION)
+    return Target(TargetKind.FUNCTION, clobbers=function_clobbers(image, support, func))
 
 
 _CACHE: weakref.WeakKeyDictionary[Image, dict[int, FunctionAnalysis]] = weakref.WeakKeyDictionary()

@@ -4,13 +4,15 @@ A register reported dead may be clobbered by instrumentation, so every
 uncertainty resolves towards "live":
 
 * at a call to a function that follows the calling convention: the argument
-  registers and the stack pointer are read, the caller-saved registers (and the
-  flags) are clobbered;
+  registers and the stack pointer are read, and the caller-saved registers (and
+  the flags) that the callee may write are clobbered (see ``clobbers``: gcc's
+  -fipa-ra keeps values in caller-saved registers across calls that spare them);
 * at a call to anything else (an assembly routine with its own register
   interface, a label that is not a function, a paravirt op): every register is live;
-* at a return: the return registers, the callee-saved registers and the stack pointer;
+* at a return: the return registers, the callee-saved registers, the stack
+  pointer, and every register the function never writes (``preserved``);
 * at a tail call (a jump to another function's entry): the argument registers,
-  the callee-saved registers and the stack pointer;
+  the callee-saved registers, the stack pointer and ``preserved``;
 * at any other flow out of the function (a jump into another function's middle
   or .cold part, an unrecovered indirect jump, a stop instruction, code running
   off the end): every register is live.
@@ -39,6 +41,8 @@ class Target:
     kind: TargetKind
     #: for THUNK: the register the branch goes through
     reg: str | None = None
+    #: for FUNCTION: the registers a call to it may change (None: the convention's)
+    clobbers: frozenset[str] | None = None
 
 
 #: what an address outside the function is, as a branch or call destination
@@ -51,9 +55,14 @@ class Liveness:
     """Live registers before and after every instruction of one function."""
 
     def __init__(self, cfg: CFG, convention: CallConvention, classify: TargetClassifier,
-                 standard_indirect: IndirectCallClassifier = lambda insn: True) -> None:
+                 standard_indirect: IndirectCallClassifier = lambda insn: True,
+                 preserved: frozenset[str] | None = None) -> None:
         self.cfg = cfg
         self.cc = convention
+        #: live at every return and tail call on top of the convention's registers
+        self.preserved = preserved if preserved is not None else convention.caller_saved
+        self._at_return = convention.at_return | self.preserved
+        self._at_tail_call = convention.at_tail_call | self.preserved
         self._classify = classify
         self._standard_indirect = standard_indirect
         self._all = convention.all_regs
@@ -129,18 +138,18 @@ class Liveness:
             return self._all  # into the middle of an instruction of ours
         what = self._classify(target)
         if what.kind is TargetKind.FUNCTION:
-            return self.cc.at_tail_call
+            return self._at_tail_call
         if what.kind is TargetKind.RETURN:
-            return self.cc.at_return
+            return self._at_return
         if what.kind is TargetKind.THUNK and what.reg:
-            return self.cc.at_tail_call | {what.reg}
+            return self._at_tail_call | {what.reg}
         return self._all
 
     def _transfer(self, insn: Insn, after: frozenset[str], block: Block,
                   live_in: dict[int, frozenset[str]]) -> frozenset[str]:
         flow = insn.flow
         if flow is Flow.RET:
-            return self.cc.at_return | insn.reads
+            return self._at_return | insn.reads
         if flow is Flow.STOP:
             return self._all  # a trap handler may read or resume with any register
         if flow is Flow.CALL or flow is Flow.CALL_INDIRECT:
@@ -155,6 +164,9 @@ class Liveness:
             what = self._classify(insn.target)
             if what.kind is TargetKind.FUNCTION:
                 extra: frozenset[str] = frozenset()
+                if what.clobbers is not None:
+                    killed = self.cc.caller_saved & what.clobbers
+                    return (after - killed) | self.cc.at_call() | insn.reads
             elif what.kind is TargetKind.THUNK and what.reg:
                 extra = frozenset({what.reg})
             else:
