@@ -96,17 +96,22 @@ def to_kallsyms(image: Image) -> str:
 
 
 def _synthetic_text(entries: list[tuple[int, str, str, str]]) -> tuple[Section, ...]:
-    """Without an ELF: one executable region per module, spanning its text symbols.
-
-    The region's data stays empty; bytes come from the reader callback.
+    """Without an ELF: one executable region per module, from its first text symbol
+    to the first non-text, non-absolute symbol after its last one (``_etext`` in a
+    real kallsyms).  The region's data stays empty; bytes come from the reader.
     """
-    spans: dict[str, list[int]] = {}
-    for addr, letter, name, module in entries:
-        if letter in _TEXT_TYPES or (module == "vmlinux" and name in ("_etext", "__init_end")):
-            spans.setdefault(module, []).append(addr)
+    text: dict[str, list[int]] = {}
+    other: dict[str, list[int]] = {}
+    for addr, letter, _name, module in entries:
+        if letter in _TEXT_TYPES:
+            text.setdefault(module, []).append(addr)
+        elif letter not in _ABS_TYPES:
+            other.setdefault(module, []).append(addr)
     out = []
-    for module, addrs in spans.items():
-        start, end = min(addrs), max(addrs)
+    for module, addrs in text.items():
+        start, last = min(addrs), max(addrs)
+        after = [a for a in other.get(module, ()) if a > last]
+        end = min(after) if after else last
         if end > start:
             out.append(Section(f".text[{module}]", start, end - start, True, False))
     return tuple(out)

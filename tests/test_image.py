@@ -1,0 +1,214 @@
+"""Image loading: ELF kernels and modules, kallsyms lists, and refusing bad input."""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from analysis_kernel import ABS_VALUE, fixture_kernel, fixture_module, toy_kernel
+from ksim.errors import ImageError, KsimError, MalformedImage, UnknownSymbol, UnsupportedImage
+from ksim.image import (
+    MODULE_BASE,
+    Image,
+    load_image,
+    load_image_bytes,
+    load_kallsyms,
+    parse_kallsyms,
+    to_kallsyms,
+)
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Image:
+    return load_image(fixture_kernel())
+
+
+@pytest.fixture(scope="module")
+def kernel_bytes() -> bytes:
+    return Path(fixture_kernel()).read_bytes()
+
+
+def test_kernel_basics(kernel: Image) -> None:
+    assert kernel.arch == "x86_64" and kernel.module == "vmlinux"
+    names = [f.name for f in kernel.functions]
+    assert {"classify", "add3", "keeps", "_start", "note"} <= set(names)
+    addrs = [f.address for f in kernel.functions]
+    assert addrs == sorted(addrs) and len(set(addrs)) == len(addrs)
+    assert all(f.size > 0 for f in kernel.functions)
+    assert kernel.text_regions and all(kernel.is_text(f.address) for f in kernel.functions)
+    assert not kernel.is_text(kernel.address_of("counter"))
+
+
+def test_function_lookup(kernel: Image) -> None:
+    add3 = kernel.function("add3")
+    assert kernel.function_at(add3.address) == add3
+    assert kernel.function_at(add3.end - 1) == add3
+    assert kernel.function_at(0x1000) is None
+    assert kernel.code(add3) == kernel.read(add3.address, add3.size)
+    assert kernel.code("add3").endswith(b"\xc3")
+
+
+def test_unknown_name_suggests(kernel: Image) -> None:
+    with pytest.raises(UnknownSymbol) as info:
+        kernel.function("clasify")
+    assert "classify" in info.value.suggestions
+    assert "did you mean" in str(info.value)
+    with pytest.raises(UnknownSymbol):
+        kernel.symbol("no_such_thing_at_all")
+
+
+def test_symbols_and_absolute(kernel: Image) -> None:
+    assert kernel.address_of("KSIM_TEST_ABS") == ABS_VALUE
+    counter = kernel.symbol("counter")
+    assert counter.kind == "object" and counter.size == 8
+    assert kernel.symbol("add3").kind == "func"
+
+
+def test_read_nobits_is_zero(kernel: Image) -> None:
+    tasks = kernel.symbol("tasks")  # .bss
+    assert kernel.read(tasks.address, tasks.size) == bytes(tasks.size)
+    with pytest.raises(ImageError):
+        kernel.read(0x10, 4)
+
+
+def test_aliases_are_one_function(tmp_path: Path) -> None:
+    src = tmp_path / "a.S"
+    src.write_text(".text\n.globl f\n.type f,@function\n.globl __f_alias\n.type __f_alias,@function\n"
+                   "f:\n__f_alias:\n ret\n.size f, 1\n.size __f_alias, 1\n")
+    elf = tmp_path / "a.elf"
+    subprocess.run(["gcc", "-c", str(src), "-o", str(tmp_path / "a.o")], check=True)
+    subprocess.run(["ld", "-Ttext=0xffffffff81000000", "-o", str(elf), str(tmp_path / "a.o")],
+                   check=True, capture_output=True)
+    image = load_image(elf)
+    assert [f.name for f in image.functions] == ["f"]
+    assert image.function("__f_alias") == image.function("f")
+    assert image.aliases(image.function("f")) == ["f", "__f_alias"]
+
+
+def test_module_layout() -> None:
+    module = load_image(fixture_module())
+    assert module.module == "module"
+    addrs = [f.address for f in module.functions]
+    assert len(set(addrs)) == len(addrs) and min(addrs) >= MODULE_BASE
+    spans = sorted((s.address, s.end) for s in module.sections)
+    assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:]))
+    note = module.function("note")
+    assert module.read(note.address, note.size)  # bytes come from the laid-out section
+
+
+@pytest.mark.skipif(shutil.which("objcopy") is None, reason="needs objcopy")
+def test_kallsyms_round_trip(kernel: Image, tmp_path: Path) -> None:
+    syms = tmp_path / "kallsyms"
+    syms.write_text(to_kallsyms(kernel))
+    stripped = tmp_path / "vmlinux.stripped"
+    subprocess.run(["objcopy", "--strip-all", fixture_kernel(), str(stripped)], check=True)
+    assert load_image(stripped).functions == ()  # no symbols left in it
+    for image in (load_kallsyms(syms, stripped), load_kallsyms(syms, reader=kernel.read)):
+        assert [f.address for f in image.functions] == [f.address for f in kernel.functions]
+        assert [f.name for f in image.functions] == [f.name for f in kernel.functions]
+        for ours, real in zip(image.functions, kernel.functions):
+            # sizes run to the next symbol: they include the padding after a function
+            assert ours.size >= real.size
+            assert image.read(real.address, real.size) == kernel.code(real)
+        assert image.address_of("KSIM_TEST_ABS") == ABS_VALUE
+
+
+def test_kallsyms_parsing(tmp_path: Path) -> None:
+    entries = parse_kallsyms("ffffffff81000000 T _stext\nffffffffc0001000 t e100_probe\t[e100]\n")
+    assert entries == [(0xFFFFFFFF81000000, "T", "_stext", "vmlinux"),
+                       (0xFFFFFFFFC0001000, "t", "e100_probe", "e100")]
+    with pytest.raises(MalformedImage, match="not a kallsyms line"):
+        parse_kallsyms("hello world\n")
+    with pytest.raises(MalformedImage, match="zero"):
+        parse_kallsyms("0000000000000000 T _stext\n0000000000000000 T foo\n")
+    bad = tmp_path / "bin"
+    bad.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(MalformedImage):
+        load_kallsyms(bad)
+
+
+def test_missing_file_is_an_image_error(tmp_path: Path) -> None:
+    with pytest.raises(ImageError, match="cannot read"):
+        load_image(tmp_path / "nope.elf")
+
+
+def test_not_elf_and_truncated(kernel_bytes: bytes) -> None:
+    with pytest.raises(MalformedImage, match="not an ELF"):
+        load_image_bytes(b"#!/bin/sh\necho hi\n")
+    with pytest.raises(MalformedImage):
+        load_image_bytes(kernel_bytes[:40])
+    with pytest.raises(MalformedImage):
+        load_image_bytes(kernel_bytes[: len(kernel_bytes) // 2])
+
+
+def test_wrong_machine_class_or_order(kernel_bytes: bytes) -> None:
+    aarch64 = bytearray(kernel_bytes)
+    struct.pack_into("<H", aarch64, 18, 183)  # EM_AARCH64
+    with pytest.raises(UnsupportedImage, match="x86-64"):
+        load_image_bytes(bytes(aarch64))
+    elf32 = bytearray(kernel_bytes)
+    elf32[4] = 1
+    with pytest.raises(UnsupportedImage):
+        load_image_bytes(bytes(elf32))
+    big = bytearray(kernel_bytes)
+    big[5] = 2
+    with pytest.raises(UnsupportedImage):
+        load_image_bytes(bytes(big))
+
+
+def _check_mutant(data: bytes) -> None:
+    from ksim.analysis import analyze
+
+    try:
+        image = load_image_bytes(data)
+    except (MalformedImage, UnsupportedImage):
+        return
+    for func in image.functions[:6]:
+        try:
+            analyze(image, func).points  # noqa: B018 - analysis of odd code may refuse, not crash
+        except KsimError:
+            pass
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_images_fail_cleanly(kernel_bytes: bytes, data: st.DataObject) -> None:
+    blob = bytearray(kernel_bytes)
+    kind = data.draw(st.sampled_from(["flip", "truncate", "insert", "header"]))
+    if kind == "truncate":
+        blob = blob[: data.draw(st.integers(0, len(blob) - 1))]
+    elif kind == "insert":
+        at = data.draw(st.integers(0, len(blob)))
+        blob[at:at] = data.draw(st.binary(min_size=1, max_size=64))
+    else:
+        hi = 64 if kind == "header" else len(blob) - 1
+        for _ in range(data.draw(st.integers(1, 8))):
+            at = data.draw(st.integers(0, hi))
+            blob[at] ^= data.draw(st.integers(1, 255))
+    _check_mutant(bytes(blob))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_mutated_section_headers_fail_cleanly(kernel_bytes: bytes, data: st.DataObject) -> None:
+    """Corrupt fields of the section header table and symbol table, where parsers break."""
+    blob = bytearray(kernel_bytes)
+    shoff, = struct.unpack_from("<Q", blob, 0x28)
+    shnum, = struct.unpack_from("<H", blob, 0x3C)
+    for _ in range(data.draw(st.integers(1, 4))):
+        at = shoff + data.draw(st.integers(0, shnum * 64 - 1))
+        blob[at] = data.draw(st.integers(0, 255))
+    _check_mutant(bytes(blob))
+
+
+@pytest.mark.skipif(toy_kernel() is None, reason="the toy kernel cannot be built yet")
+def test_toy_kernel_loads() -> None:
+    toy = load_image(toy_kernel())
+    assert toy.module == "vmlinux" and toy.functions
+    assert toy.symbol("KSIM_TASK_PID_OFFSET")
