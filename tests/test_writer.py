@@ -180,13 +180,15 @@ def test_rel32_out_of_reach():
     with pytest.raises(OutOfRange):
         emit(("put_jmp", AT + (1 << 31) + 5))
     with pytest.raises(OutOfRange):
-        emit(("put_call", 0x1000))
+        emit(("put_call", 0xFFFF888000000000))
+    # rip arithmetic wraps modulo 2**64: the top 2 GB reach the bottom 2 GB
+    assert emit(("put_call", 0x1000)) == bytes([0xE8]) + (0x1000 - AT - 5 + (1 << 64)).to_bytes(4, "little")
     assert emit(("put_jmp", AT + (1 << 31) + 4)) == bytes([0xE9, 0xFF, 0xFF, 0xFF, 0x7F])
 
 
 def test_rip_relative_out_of_reach():
     with pytest.raises(OutOfRange):
-        emit(("put_mov_reg_mem", "rax", rip_relative(0x1000)))
+        emit(("put_mov_reg_mem", "rax", rip_relative(0xFFFF888000000000)))
 
 
 def test_absolute_operand_must_fit_disp32():

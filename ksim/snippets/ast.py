@@ -33,7 +33,7 @@ Semantics (what the generated code computes, on every architecture)
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Union
+from typing import Any
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,17 +101,15 @@ class Node:
         return ()
 
 
-def _node(cls: type) -> type:
-    """Immutable node dataclass keeping Node's operator methods (eq=False)."""
-    return dataclass(frozen=True, eq=False, slots=True, repr=True)(cls)
+# Node dataclasses are frozen, and eq=False keeps Node's operator methods.
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Const(Node):
     value: int
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Var(Node):
     """An integer variable in kernel memory (absolute, or per-cpu when segment="gs")."""
 
@@ -125,7 +123,7 @@ class Var(Node):
         return (self.address & _MASK64, self.segment)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class BinOp(Node):
     """add sub mul div mod and or xor shl sar shr"""
 
@@ -137,7 +135,7 @@ class BinOp(Node):
         return (self.left, self.right)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Unary(Node):
     """neg (two's complement) or not (bitwise)"""
 
@@ -148,7 +146,7 @@ class Unary(Node):
         return (self.operand,)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Compare(Node):
     """eq ne lt le gt ge (signed), ult ule ugt uge (unsigned); yields 0 or 1."""
 
@@ -160,7 +158,7 @@ class Compare(Node):
         return (self.left, self.right)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class LogicalAnd(Node):
     left: Any
     right: Any
@@ -169,7 +167,7 @@ class LogicalAnd(Node):
         return (self.left, self.right)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class LogicalOr(Node):
     left: Any
     right: Any
@@ -178,7 +176,7 @@ class LogicalOr(Node):
         return (self.left, self.right)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class LogicalNot(Node):
     operand: Any
 
@@ -186,7 +184,7 @@ class LogicalNot(Node):
         return (self.operand,)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Assign(Node):
     target: Any
     value: Any
@@ -195,7 +193,7 @@ class Assign(Node):
         return (self.target, self.value)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class AtomicAssign(Node):
     target: Any
     value: Any
@@ -204,7 +202,7 @@ class AtomicAssign(Node):
         return (self.target, self.value)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class If(Node):
     cond: Any
     then: Any
@@ -214,7 +212,7 @@ class If(Node):
         return (self.cond, self.then) if self.orelse is None else (self.cond, self.then, self.orelse)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Seq(Node):
     body: tuple[Any, ...] = ()
 
@@ -222,7 +220,7 @@ class Seq(Node):
         return tuple(self.body)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Call(Node):
     """Call a kernel function at ``address`` (already resolved) with up to 6 arguments."""
 
@@ -233,34 +231,34 @@ class Call(Node):
         return tuple(self.args)
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Tsc(Node):
     """The processor's cycle counter (KAPI's HWC_TICKS)."""
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Pid(Node):
     """The pid of the current task (KAPI's kapi_pid_expr), via the KernelABI."""
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Cpu(Node):
     """The number of the cpu running the snippet, via the KernelABI."""
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Arg(Node):
     """The n-th argument (from 0) of the function, at its entry point."""
 
     n: int
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class RetVal(Node):
     """The function's return value, at an exit point."""
 
 
-@_node
+@dataclass(frozen=True, eq=False, slots=True)
 class Load(Node):
     """``size`` bytes read through the pointer ``ptr`` (zero- or sign-extended)."""
 
@@ -273,7 +271,7 @@ class Load(Node):
 
 
 Snippet = Node
-Expr = Union[Node, int]
+Expr = Node | int
 
 
 # --- builders that Python operators cannot express -------------------------------------

@@ -304,13 +304,18 @@ def _additive_delta(t: ast.Var, value: ast.Node) -> tuple[ast.Node, bool] | None
     the term does not read ``t`` (and has no side effects on it): one locked add."""
     if not isinstance(value, ast.BinOp) or value.op not in ("add", "sub"):
         return None
-    l, r = value.left, value.right
-    if isinstance(l, ast.Var) and l.key == t.key and l.size == t.size and not _reads_var(r, t.key):
-        return r, value.op == "sub"
-    if (value.op == "add" and isinstance(r, ast.Var) and r.key == t.key and r.size == t.size
-            and not _reads_var(l, t.key)):
-        return l, False
+    left, right = value.left, value.right
+    if _is_var(left, t) and not _reads_var(right, t.key):
+        return right, value.op == "sub"
+    if value.op == "add" and _is_var(right, t) and not _reads_var(left, t.key):
+        return left, False
     return None
+
+
+def _is_var(node: Any, t: ast.Var) -> bool:
+    """``node`` reads ``t`` exactly as stored (same address, size and extension)."""
+    return (isinstance(node, ast.Var) and node.key == t.key and node.size == t.size
+            and node.signed == t.signed)
 
 
 def uses_calls(node: Any) -> bool:

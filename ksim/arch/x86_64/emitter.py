@@ -19,9 +19,21 @@ from __future__ import annotations
 from typing import Any
 
 from ksim.errors import CodegenError
+from ksim.snippets.codegen import Emitter
 
 from .regs import ARG_REGS, CALLER_SAVED, GPR64
-from .writer import INT32, Label, Mem, Writer, abs32_reaches, absolute, fits, rel32_reaches, rip_relative
+from .writer import (
+    INT32,
+    Label,
+    Mem,
+    Writer,
+    abs32_reaches,
+    absolute,
+    fits,
+    rel32_reaches,
+    rip_relative,
+    signed64,
+)
 
 ACC, LEFT, SCRATCH = "rax", "rcx", "rdx"
 BASE_CLOBBERS = frozenset({ACC, LEFT, SCRATCH, "flags"})
@@ -39,7 +51,7 @@ SHIFTS = {"shl": "shl", "sar": "sar", "shr": "shr"}
 _RIP_MARGIN = 64
 
 
-class X86Emitter:
+class X86Emitter(Emitter):
     """Implements ksim.snippets.codegen.Emitter for code placed at ``address``."""
 
     def __init__(self, address: int, abi: Any = None) -> None:
@@ -90,7 +102,8 @@ class X86Emitter:
         or through ``scratch`` loaded with the 64-bit address."""
         if abs32_reaches(address):
             return absolute(address, segment)
-        if segment is None and fits(address - self.w.pc, (INT32[0] + _RIP_MARGIN, INT32[1] - _RIP_MARGIN)):
+        reach = (INT32[0] + _RIP_MARGIN, INT32[1] - _RIP_MARGIN)
+        if segment is None and fits(signed64(address - self.w.pc), reach):
             return rip_relative(address)
         self.w.put_mov_reg_imm(scratch, address)
         return Mem(base=scratch, segment=segment)

@@ -32,7 +32,7 @@ from capstone import x86 as cs_x86
 from ksim.arch.base import Insn
 from ksim.errors import OutOfRange, RelocationError
 
-from .writer import INT32, Writer, fits
+from .writer import INT32, Writer, fits, signed64
 
 #: legacy prefixes (SDM Vol. 2A, 2.1.1)
 _LEGACY_PREFIXES = frozenset({0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65, 0x66, 0x67})
@@ -171,7 +171,7 @@ class Relocator:
 
     @staticmethod
     def _write_riprel(w: Writer, insn: Insn, form: _Form) -> None:
-        disp = form.target - (w.pc + insn.size)
+        disp = signed64(form.target - (w.pc + insn.size))
         if not fits(disp, INT32):
             raise RelocationError(
                 f"{insn}: RIP-relative operand to {form.target:#x} out of reach from {w.pc:#x}"

@@ -40,7 +40,7 @@ def abs32_reaches(address: int) -> bool:
 
 
 def rel32_reaches(src_end: int, dst: int) -> bool:
-    return fits(dst - src_end, INT32)
+    return fits(signed64(dst - src_end), INT32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,7 +158,8 @@ class Writer:
             self._fixups.append((len(self._code) + len(opcode), size, end, target.id))
             self._code += opcode + bytes(size)
             return
-        rel = target - (self.address + end)
+        # rip arithmetic wraps modulo 2**64 (SDM Vol. 1, 3.3.7.1), so distances do too
+        rel = signed64(target - (self.address + end))
         if not fits(rel, INT8 if size == 1 else INT32):
             raise OutOfRange(
                 f"rel{size * 8} at {self.pc:#x} cannot reach {target:#x} (distance {rel:#x})"
@@ -197,16 +198,16 @@ class Writer:
             raise CodegenError(f"displacement {mem.disp:#x} does not fit a disp32")
         # rbp/r13 as a base with mod=00 would mean "no base": use a zero disp8 instead
         if mem.disp == 0 and base & 7 != 5:
-            mod, disp = 0b00, b""
+            mod, disp_bytes = 0b00, b""
         elif fits(mem.disp, INT8):
-            mod, disp = 0b01, struct.pack("<b", mem.disp)
+            mod, disp_bytes = 0b01, struct.pack("<b", mem.disp)
         else:
-            mod, disp = 0b10, struct.pack("<i", mem.disp)
+            mod, disp_bytes = 0b10, struct.pack("<i", mem.disp)
         if index is None and base & 7 != 4:
-            return 0, base, bytes([(mod << 6) | reg | (base & 7)]) + disp, None
+            return 0, base, bytes([(mod << 6) | reg | (base & 7)]) + disp_bytes, None
         # rsp/r12 as a base always needs a SIB byte (index=100: none)
         sib = (_SCALE_BITS[mem.scale] << 6) | (((4 if index is None else index) & 7) << 3) | (base & 7)
-        return index or 0, base, bytes([(mod << 6) | reg | 0b100, sib]) + disp, None
+        return index or 0, base, bytes([(mod << 6) | reg | 0b100, sib]) + disp_bytes, None
 
     def _put_op(
         self,
@@ -229,7 +230,7 @@ class Writer:
             modrm = bytes([0xC0 | ((reg_field & 7) << 3) | (b & 7)])
         insn = bytearray(prefixes + self._rex(w, reg_field, x, b, force_rex) + opcode + modrm + imm)
         if target is not None:
-            rel = target - (self.pc + len(insn))
+            rel = signed64(target - (self.pc + len(insn)))
             if not fits(rel, INT32):
                 raise OutOfRange(f"RIP-relative operand at {self.pc:#x} cannot reach {target:#x}")
             at = len(insn) - len(imm) - 4

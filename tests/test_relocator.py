@@ -1,0 +1,186 @@
+"""x86-64 relocator: annotated input bytes, exact relocated bytes, and equal effect in unicorn."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from snippet_machine import Machine
+
+from ksim.arch import Flow, Insn, get_arch
+from ksim.arch.x86_64.reader import decode
+from ksim.arch.x86_64.relocator import relocate, relocated_size
+from ksim.errors import RelocationError
+
+ARCH = get_arch("x86_64")
+OLD = 0xFFFFFFFF81000000
+NEW = 0xFFFFFFFFA0000000          # 0x1f000000 above: within ±2 GB
+
+
+def insns(code: bytes, at: int = OLD):
+    out = list(decode(code, at))
+    assert sum(i.size for i in out) == len(code), "test input must decode completely"
+    return out
+
+
+def rel32(value: int) -> bytes:
+    return value.to_bytes(4, "little", signed=True)
+
+
+def test_rip_relative_load():
+    code = bytes([0x48, 0x8B, 0x05, 0x10, 0x00, 0x00, 0x00])     # mov rax, [rip+0x10] -> OLD+0x17
+    expected = bytes([0x48, 0x8B, 0x05]) + rel32(OLD + 0x17 - (NEW + 7))
+    assert relocate(insns(code), NEW) == expected
+
+
+def test_rip_relative_store_with_immediate_after_the_displacement():
+    code = bytes([0xC7, 0x05, 0x08, 0x00, 0x00, 0x00,             # mov dword [rip+8], 0x11223344
+                  0x44, 0x33, 0x22, 0x11])
+    expected = bytes([0xC7, 0x05]) + rel32(OLD + 0x12 - (NEW + 10)) + bytes([0x44, 0x33, 0x22, 0x11])
+    assert relocate(insns(code), NEW) == expected
+
+
+def test_jcc_rel8_becomes_rel32():
+    code = bytes([0x75, 0x02])                                    # jnz +2 -> OLD+4
+    expected = bytes([0x0F, 0x85]) + rel32(OLD + 4 - (NEW + 6))  # jnz rel32
+    assert relocate(insns(code), NEW) == expected
+
+
+def test_jcc_rel32_recomputed():
+    code = bytes([0x0F, 0x8E, 0x00, 0x01, 0x00, 0x00])            # jle +0x100 -> OLD+0x106
+    assert relocate(insns(code), NEW) == bytes([0x0F, 0x8E]) + rel32(OLD + 0x106 - (NEW + 6))
+
+
+def test_jmp_rel8_becomes_rel32():
+    code = bytes([0xEB, 0x10])                                    # jmp +0x10 -> OLD+0x12
+    assert relocate(insns(code), NEW) == bytes([0xE9]) + rel32(OLD + 0x12 - (NEW + 5))
+
+
+def test_call_recomputed():
+    code = bytes([0xE8, 0x00, 0x10, 0x00, 0x00])                  # call +0x1000 -> OLD+0x1005
+    assert relocate(insns(code), NEW) == bytes([0xE8]) + rel32(OLD + 0x1005 - (NEW + 5))
+
+
+@pytest.mark.parametrize(
+    "code,head",
+    [
+        (bytes([0xE3, 0x10]), bytes([0xE3])),                     # jrcxz +0x10
+        (bytes([0x67, 0xE3, 0x10]), bytes([0x67, 0xE3])),         # jecxz +0x10
+        (bytes([0xE2, 0x10]), bytes([0xE2])),                     # loop +0x10
+        (bytes([0xE1, 0x10]), bytes([0xE1])),                     # loope +0x10
+        (bytes([0xE0, 0x10]), bytes([0xE0])),                     # loopne +0x10
+    ],
+)
+def test_rel8_only_loops_are_expanded(code, head):
+    target = OLD + len(code) + 0x10
+    tail = bytes([0x02, 0xEB, 0x05, 0xE9])                        # op +2; jmp short +5; jmp rel32
+    expected = head + tail + rel32(target - (NEW + len(head) + 8))
+    assert relocate(insns(code), NEW) == expected
+
+
+def test_other_instructions_are_copied():
+    code = bytes([0x55,                                           # push rbp
+                  0x48, 0x89, 0xE5,                               # mov rbp, rsp
+                  0x41, 0x54,                                     # push r12
+                  0x48, 0x8B, 0x47, 0x08,                         # mov rax, [rdi+8]
+                  0xC3])                                          # ret
+    assert relocate(insns(code), NEW) == code
+
+
+def test_branches_inside_the_run_go_to_the_copy():
+    code = bytes([0x31, 0xC0,                                     # 0: xor eax, eax
+                  0x74, 0x02,                                     # 2: jz +2 -> 6 (inside)
+                  0xEB, 0xFA,                                     # 4: jmp -6 -> 0 (inside)
+                  0xE3, 0xFA])                                    # 6: jrcxz -6 -> 2 (inside)
+    out = relocate(insns(code), NEW)
+    # new layout: xor @0 (2), jz @2 (6), jmp @8 (5), jrcxz expansion @13 (9)
+    expected = (bytes([0x31, 0xC0])
+                + bytes([0x0F, 0x84]) + rel32(13 - 8)             # -> copy of offset 6
+                + bytes([0xE9]) + rel32(0 - 13)                   # -> copy of offset 0
+                + bytes([0xE3, 0x02, 0xEB, 0x05, 0xE9]) + rel32(2 - 22))  # -> copy of offset 2
+    assert out == expected
+    assert relocated_size(insns(code)) == len(out)
+
+
+def test_branch_to_the_end_of_the_run_stays_in_place():
+    code = bytes([0x75, 0x00])                                    # jnz +0 -> OLD+2 (run end)
+    assert relocate(insns(code), NEW) == bytes([0x0F, 0x85]) + rel32(OLD + 2 - (NEW + 6))
+
+
+def test_out_of_range_rip_relative_is_refused():
+    code = bytes([0x48, 0x8B, 0x05, 0x10, 0x00, 0x00, 0x00])     # mov rax, [rip+0x10]
+    with pytest.raises(RelocationError):
+        relocate(insns(code), OLD - 0x9000_0000)
+
+
+def test_out_of_range_call_and_jcc_are_refused():
+    with pytest.raises(RelocationError):
+        relocate(insns(bytes([0xE8, 0, 0, 0, 0])), 0xFFFF888000000000)   # call +0
+    with pytest.raises(RelocationError):
+        relocate(insns(bytes([0x74, 0x00])), 0xFFFF888000000000)         # jz +0
+
+
+def test_branch_into_the_middle_of_an_instruction_is_refused():
+    code = bytes([0xEB, 0x01,                                     # jmp +1 -> OLD+3 (middle of mov)
+                  0x48, 0x89, 0xE5])                              # mov rbp, rsp
+    with pytest.raises(RelocationError, match="middle"):
+        relocate(insns(code), NEW)
+
+
+def test_non_consecutive_instructions_are_refused():
+    a = insns(bytes([0x90]))
+    b = insns(bytes([0x90]), OLD + 5)
+    with pytest.raises(RelocationError, match="consecutive"):
+        relocate(a + b, NEW)
+
+
+def test_operand_size_prefixed_branch_is_refused():
+    raw = bytes([0x66, 0xE9, 0x00, 0x00, 0x00, 0x00])            # o16 jmp (rel16 on AMD)
+    with pytest.raises(RelocationError):
+        relocate([Insn(OLD, len(raw), raw, "jmp", "", Flow.JMP, OLD + 6)], NEW)
+
+
+def test_arch_object_delegates():
+    code = bytes([0x75, 0x02])
+    assert ARCH.relocate(insns(code), NEW) == relocate(insns(code), NEW)
+    assert ARCH.jmp(OLD, NEW) == bytes([0xE9]) + rel32(NEW - OLD - 5)
+    assert ARCH.short_jmp(OLD, OLD + 0x81) == bytes([0xEB, 0x7F])
+    assert not ARCH.short_jmp_reaches(OLD, OLD + 0x82)
+    assert not ARCH.jmp_reaches(OLD, 0xFFFF888000000000)
+    assert ARCH.jmp_reaches(OLD, 0x1000)        # rip arithmetic wraps modulo 2**64
+
+
+# --- same effect, in unicorn ---------------------------------------------------------------------------
+CODE_OLD, CODE_NEW, DATA, STACK = 0x400000, 0x7FFF0000, 0x500000, 0x600000
+# A run with a RIP-relative load, a rel8 jcc and jmp, jrcxz and loop, all landing in
+# the run or at its end.  rax accumulates which paths were taken.
+RUN = bytes([
+    0x48, 0x8B, 0x05, 0xF9, 0xFF, 0x0F, 0x00,   # 00: mov rax, [rip+0xffff9] -> DATA
+    0x48, 0x85, 0xD2,                           # 07: test rdx, rdx
+    0x74, 0x04,                                 # 0a: jz +4 -> 10
+    0x48, 0x83, 0xC0, 0x01,                     # 0c: add rax, 1
+    0xE3, 0x06,                                 # 10: jrcxz +6 -> 18
+    0x48, 0x83, 0xC0, 0x10,                     # 12: add rax, 0x10
+    0xE2, 0xFA,                                 # 16: loop -6 -> 12
+    0x48, 0x83, 0xF2, 0x07,                     # 18: xor rdx, 7
+    0xEB, 0x00,                                 # 1c: jmp +0 -> 1e (end)
+])
+
+
+@settings(max_examples=40, deadline=None)
+@given(rcx=st.integers(0, 20), rdx=st.integers(0, 3), value=st.integers(0, 2**64 - 1))
+def test_relocated_run_has_the_same_effect(rcx, rdx, value):
+    m = Machine({CODE_OLD: 0x1000, CODE_NEW: 0x1000, DATA: 0x1000, STACK: 0x1000})
+    m.put64(DATA, value)
+    run_insns = insns(RUN, CODE_OLD)
+    end = CODE_OLD + len(RUN)
+    moved = relocate(run_insns, CODE_NEW)
+    moved += ARCH.jmp(CODE_NEW + len(moved), end)
+    results = []
+    for at, code in ((CODE_OLD, RUN), (CODE_NEW, moved)):
+        m.write(at, code)
+        m.set_regs({"rax": 0, "rcx": rcx, "rdx": rdx, "rsp": STACK + 0x800})
+        m.uc.emu_start(at, end, count=10_000)
+        regs = m.regs()
+        results.append((regs["rax"], regs["rcx"], regs["rdx"]))
+    assert results[0] == results[1]
