@@ -1,0 +1,136 @@
+"""Bundled kernel images: a registry, and builds from source into a cache.
+
+``build(name)`` runs the image's Makefile into
+``$KSIM_CACHE/images/<name>-<hash>/`` (``~/.cache/ksim`` when KSIM_CACHE is
+unset), where the hash covers every source file and the compiler's version:
+changing a source file gives a new directory, so a stale build is never used.
+A file lock makes concurrent builds (parallel tests, several processes) wait
+for one another instead of racing.  ksim builds an image on first use
+(``path(name)``).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from ksim.errors import ImageBuildError, UnknownImage
+
+#: images/ at the top of the source tree (next to the ksim package)
+IMAGES_DIR = Path(__file__).resolve().parent.parent.parent / "images"
+
+
+@dataclass(frozen=True, slots=True)
+class ImageSpec:
+    name: str
+    arch: str
+    #: directory holding the Makefile and sources
+    source_dir: Path
+    #: file name of the built ELF inside the build directory
+    elf_name: str
+    description: str = ""
+
+
+_REGISTRY: dict[str, ImageSpec] = {
+    "toy": ImageSpec(
+        name="toy",
+        arch="x86_64",
+        source_dir=IMAGES_DIR / "toy",
+        elf_name="toy.elf",
+        description="the toy x86-64 kernel (C, gcc -mcmodel=kernel), bootable by QEMU (PVH)",
+    ),
+}
+
+
+def names() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get(name: str) -> ImageSpec:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UnknownImage(f"unknown image {name!r}; known images: {', '.join(names())}") from None
+
+
+def cache_root() -> Path:
+    root = os.environ.get("KSIM_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "ksim"
+
+
+def _sources(spec: ImageSpec) -> list[Path]:
+    if not (spec.source_dir / "Makefile").is_file():
+        raise ImageBuildError(f"image {spec.name!r}: no Makefile in {spec.source_dir}")
+    out = []
+    for p in sorted(spec.source_dir.rglob("*")):
+        rel = p.relative_to(spec.source_dir)
+        if p.is_file() and rel.parts[0] != "build" and p.suffix in {".c", ".h", ".S", ".ld", ""}:
+            out.append(p)
+    return out
+
+
+def _compiler_version() -> str:
+    try:
+        return subprocess.run(["gcc", "--version"], capture_output=True, text=True,
+                              check=False).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        return "gcc: not found"
+
+
+def source_hash(name: str) -> str:
+    """Hash of the image's sources (paths and contents) and the compiler's version."""
+    spec = get(name)
+    h = hashlib.sha256(_compiler_version().encode())
+    for p in _sources(spec):
+        h.update(str(p.relative_to(spec.source_dir)).encode() + b"\0")
+        h.update(p.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def build_dir(name: str) -> Path:
+    return cache_root() / "images" / f"{name}-{source_hash(name)}"
+
+
+def build(name: str, force: bool = False) -> Path:
+    """Build the image (if not already built for these sources) and return its ELF path."""
+    spec = get(name)
+    out = build_dir(name)
+    elf = out / spec.elf_name
+    if elf.is_file() and not force:
+        return elf
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if elf.is_file() and not force:
+            return elf  # another process built it while we waited
+        obj = out / "obj"
+        if force and obj.exists():
+            shutil.rmtree(obj)
+        obj.mkdir(parents=True, exist_ok=True)
+        cmd = ["make", "-C", str(spec.source_dir), f"O={obj}", "-j2"]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        except OSError as exc:
+            raise ImageBuildError(f"cannot run make for image {name!r}: {exc}") from exc
+        built = obj / spec.elf_name
+        if proc.returncode != 0 or not built.is_file():
+            err = ImageBuildError(
+                f"building image {name!r} failed (make exited {proc.returncode}):\n"
+                f"{(proc.stdout + proc.stderr)[-4000:]}")
+            err.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
+            raise err
+        # Publish atomically: an ELF at the final path is always complete.
+        tmp = out / f".{spec.elf_name}.tmp"
+        shutil.copyfile(built, tmp)
+        os.replace(tmp, elf)
+    return elf
+
+
+def path(name: str) -> Path:
+    """The built ELF of an image, building it first if needed."""
+    return build(name)

@@ -1,0 +1,463 @@
+"""A bundled kernel image (the toy kernel) emulated in unicorn.
+
+The machine maps the ELF's PT_LOAD segments at their physical addresses and
+translates the kernel's virtual addresses onto them with unicorn's virtual TLB
+(``UC_TLB_VIRTUAL`` plus a ``UC_HOOK_TLB_FILL`` hook): in unicorn's default mode
+a fetch at 0xffffffff81000000 fails even when the page is mapped (see
+EMULATION_FACTS.md).  The patch area and the data heap are part of the loaded
+segments, so they have the same addresses here as under QEMU.
+
+A run starts at ``ksim_entry64`` with RSP = ``init_stack_top`` and ends when
+execution reaches ``ksim_halt``.  Port I/O is handled by IN/OUT hooks: COM1
+output is captured, the debug-exit port ends the run, the PIT and PIC are
+ignored (no interrupt is ever delivered, so runs are deterministic).
+
+Every Python callback runs through one wrapper: an exception raised inside a
+hook is kept, emulation is stopped, and the exception is re-raised after
+``emu_start`` returns -- never swallowed.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import capstone
+import unicorn
+from elftools.elf.elffile import ELFFile
+from unicorn import x86_const as X
+
+from ksim.errors import EmulationError, MalformedImage, TargetTimeout
+from ksim.images import toy
+
+PAGE = 0x1000
+
+#: register names accepted by reg()/set_reg()
+_REGS: dict[str, int] = {
+    name[len("UC_X86_REG_"):].lower(): value
+    for name, value in vars(X).items()
+    if name.startswith("UC_X86_REG_") and isinstance(value, int)
+}
+
+_UNMAPPED = {
+    unicorn.UC_ERR_READ_UNMAPPED: "read of unmapped memory",
+    unicorn.UC_ERR_WRITE_UNMAPPED: "write to unmapped memory",
+    unicorn.UC_ERR_FETCH_UNMAPPED: "fetch from unmapped memory",
+    unicorn.UC_ERR_READ_PROT: "read of protected memory",
+    unicorn.UC_ERR_WRITE_PROT: "write to protected memory",
+    unicorn.UC_ERR_FETCH_PROT: "fetch from non-executable memory",
+    unicorn.UC_ERR_READ_UNALIGNED: "unaligned read",
+    unicorn.UC_ERR_WRITE_UNALIGNED: "unaligned write",
+    unicorn.UC_ERR_FETCH_UNALIGNED: "unaligned fetch",
+}
+
+_ACCESS = {
+    unicorn.UC_MEM_READ_UNMAPPED: "read",
+    unicorn.UC_MEM_WRITE_UNMAPPED: "write",
+    unicorn.UC_MEM_FETCH_UNMAPPED: "fetch",
+    unicorn.UC_MEM_READ_PROT: "read",
+    unicorn.UC_MEM_WRITE_PROT: "write",
+    unicorn.UC_MEM_FETCH_PROT: "fetch",
+}
+
+# Ports (the toy kernel's drivers: drivers/tty/serial_8250.c, arch/x86/traps.c)
+COM1 = 0x3F8
+UART_LSR_READY = 0x60  # THR empty | transmitter empty: the UART is never busy
+DEBUG_EXIT_PORT = 0xF4
+
+
+@dataclass(frozen=True, slots=True)
+class MachineResult:
+    """What one run produced."""
+
+    #: ksim_workload_checksum (0 in benchmark mode)
+    checksum: int
+    #: everything the kernel wrote to COM1
+    serial: str
+    #: instructions emulated (None unless run(count_instructions=True))
+    instructions: int | None
+    #: True when execution reached ksim_halt
+    halted: bool
+    #: QEMU-style exit status if the kernel wrote the debug-exit port, else None
+    exit_status: int | None
+    #: ksim_bench_cycles (benchmark mode) else 0
+    bench_cycles: int
+    seconds: float
+
+
+class UnicornMachine:
+    """The toy kernel (or any image following its ABI) in unicorn."""
+
+    def __init__(self, elf_path: str | Path) -> None:
+        self.path = Path(elf_path)
+        self.symbols, self.functions, segments = _read_elf(self.path)
+        for name in (toy.ENTRY, toy.HALT, toy.INIT_STACK_TOP):
+            if name not in self.symbols:
+                raise MalformedImage(f"{self.path}: no symbol {name!r}: not a ksim image")
+        offsets = {vaddr - paddr for vaddr, paddr, _, _, _ in segments}
+        if len(offsets) != 1:
+            raise MalformedImage(f"{self.path}: segments do not share one virtual-physical offset")
+        self._offset = offsets.pop()
+        lo = min(paddr for _, paddr, _, _, _ in segments) & ~(PAGE - 1)
+        hi = -(-max(paddr + memsz for _, paddr, memsz, _, _ in segments) // PAGE) * PAGE
+        self._phys = (lo, hi)
+        self._virt = (lo + self._offset, hi + self._offset)
+        pristine = bytearray(hi - lo)
+        self._text: list[tuple[int, int]] = []
+        for vaddr, paddr, memsz, data, executable in segments:
+            pristine[paddr - lo:paddr - lo + len(data)] = data
+            if executable:
+                self._text.append((vaddr, vaddr + memsz))
+        self._pristine = bytes(pristine)
+
+        self._uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
+        self._uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)
+        self._uc.mem_map(lo, hi - lo, unicorn.UC_PROT_ALL)
+        self._uc.mem_write(lo, self._pristine)
+
+        self._pending: BaseException | None = None
+        self._fault: tuple[str, int] | None = None
+        self._serial = bytearray()
+        self._lcr = 0
+        self._exit_value: int | None = None
+        self._dirty = False
+        self._interrupt_fns: list[Callable[[UnicornMachine, int], None]] = []
+        self._block_sizes: dict[tuple[int, int], int] = {}
+        self._icount = 0
+        self._md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+        self._hooks: list[int] = []
+
+        self._add(unicorn.UC_HOOK_TLB_FILL, self._on_tlb_fill)
+        self._add(unicorn.UC_HOOK_MEM_INVALID, self._on_mem_invalid)
+        self._add(unicorn.UC_HOOK_INSN, self._on_in, arg1=X.UC_X86_INS_IN)
+        self._add(unicorn.UC_HOOK_INSN, self._on_out, arg1=X.UC_X86_INS_OUT)
+        self._add(unicorn.UC_HOOK_INTR, self._on_interrupt)
+        self._count_hook: int | None = None
+
+    # --- symbols ---------------------------------------------------------------
+    def address_of(self, name: str) -> int:
+        try:
+            return self.symbols[name]
+        except KeyError:
+            raise EmulationError(f"{self.path.name} has no symbol {name!r}") from None
+
+    def symbolize(self, address: int) -> str:
+        """``name+0xoff`` for an address inside a function, else the hex address."""
+        for name, start, size in self.functions:
+            if start <= address < start + max(size, 1):
+                return f"{name}+{address - start:#x}"
+        return f"{address:#x}"
+
+    # --- memory and registers ---------------------------------------------------
+    def _phys_of(self, address: int, size: int) -> int:
+        lo, hi = self._virt
+        if size < 0 or not (lo <= address and address + size <= hi):
+            raise EmulationError(f"{address:#x}..+{size:#x} is outside the image's memory "
+                                 f"({lo:#x}..{hi:#x})")
+        return address - self._offset
+
+    def read(self, address: int, size: int) -> bytes:
+        return bytes(self._uc.mem_read(self._phys_of(address, size), size))
+
+    def write(self, address: int, data: bytes) -> None:
+        self._uc.mem_write(self._phys_of(address, len(data)), bytes(data))
+        end = address + len(data)
+        if any(address < t_hi and t_lo < end for t_lo, t_hi in self._text):
+            # Changed code: drop translated blocks and cached instruction counts.
+            self._uc.ctl_remove_cache(address, end)
+            self._block_sizes.clear()
+
+    def read_u64(self, address: int) -> int:
+        return int.from_bytes(self.read(address, 8), "little")
+
+    def write_u64(self, address: int, value: int) -> None:
+        self.write(address, (value & (2**64 - 1)).to_bytes(8, "little"))
+
+    def reg(self, name: str) -> int:
+        return int(self._uc.reg_read(_reg_id(name)))
+
+    def set_reg(self, name: str, value: int) -> None:
+        self._uc.reg_write(_reg_id(name), value)
+
+    # --- hooks ------------------------------------------------------------------
+    def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Run a hook; keep the first exception and stop instead of losing it."""
+
+        def guarded(uc: unicorn.Uc, *args: Any) -> Any:
+            try:
+                return fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - re-raised after emu_start
+                if self._pending is None:
+                    self._pending = exc
+                uc.emu_stop()
+                return False
+
+        return guarded
+
+    def _add(self, kind: int, fn: Callable[..., Any], begin: int = 1, end: int = 0,
+             arg1: int = 0) -> int:
+        handle = self._uc.hook_add(kind, self._guard(fn), None, begin, end, arg1)
+        self._hooks.append(handle)
+        return handle
+
+    def hook_code(self, address: int, fn: Callable[[UnicornMachine, int], Any]) -> Callable[[], None]:
+        """Call ``fn(machine, address)`` each time the instruction at ``address`` runs.
+
+        Returns a function that removes the hook.
+        """
+        handle = self._add(unicorn.UC_HOOK_CODE, lambda addr, size, _u: fn(self, addr),
+                           begin=address, end=address)
+        # A block translated before the hook existed would not call it.
+        self._uc.ctl_remove_cache(address, address + 1)
+
+        def remove() -> None:
+            if handle in self._hooks:
+                self._hooks.remove(handle)
+                self._uc.hook_del(handle)
+                self._uc.ctl_remove_cache(address, address + 1)
+
+        return remove
+
+    def hook_interrupt(self, fn: Callable[[UnicornMachine, int], None]) -> Callable[[], None]:
+        """Call ``fn(machine, vector)`` on each interrupt (int3 arrives as 3, RIP after it)."""
+        self._interrupt_fns.append(fn)
+        return lambda: self._interrupt_fns.remove(fn) if fn in self._interrupt_fns else None
+
+    def use_trap_table(self) -> Callable[[], None]:
+        """Dispatch int3 through the kernel's own ``ksim_trap_table``, as its #BP handler does.
+
+        Unicorn delivers int3 to a hook instead of the IDT; this hook does what
+        ``ksim_int3_entry`` does under QEMU: site = RIP - 1, look the site up in
+        entries [0, ksim_trap_count) and resume at its patch.
+        """
+        table, count = self.address_of(toy.TRAP_TABLE), self.address_of(toy.TRAP_COUNT)
+
+        def dispatch(machine: UnicornMachine, vector: int) -> None:
+            if vector != 3:
+                raise EmulationError(f"unexpected interrupt {vector} at "
+                                     f"{machine.symbolize(machine.reg('rip'))}")
+            site = machine.reg("rip") - 1
+            n = min(machine.read_u64(count), toy.TRAP_SLOTS)
+            raw = machine.read(table, 16 * n)
+            for i in range(n):
+                s, patch = struct.unpack_from("<QQ", raw, 16 * i)
+                if s == site:
+                    machine.set_reg("rip", patch)
+                    return
+            raise EmulationError(f"int3 at {machine.symbolize(site)} is not in ksim_trap_table")
+
+        return self.hook_interrupt(dispatch)
+
+    def _on_tlb_fill(self, vaddr: int, access: int, entry: Any, _user: Any) -> bool:
+        lo, hi = self._virt
+        if not lo <= vaddr < hi:
+            return False
+        entry.paddr = (vaddr - self._offset) & ~(PAGE - 1)
+        entry.perms = unicorn.UC_PROT_ALL
+        return True
+
+    def _on_mem_invalid(self, access: int, address: int, size: int, value: int, _user: Any) -> bool:
+        self._fault = (_ACCESS.get(access, "access"), address)
+        return False
+
+    def _on_in(self, port: int, size: int, _user: Any) -> int:
+        if port == COM1 + 5:
+            return UART_LSR_READY
+        return 0
+
+    def _on_out(self, port: int, size: int, value: int, _user: Any) -> None:
+        if port == COM1 + 3:
+            self._lcr = value & 0xFF
+        elif port == COM1 and not self._lcr & 0x80:  # DLAB clear: a character
+            self._serial.append(value & 0xFF)
+        elif port == DEBUG_EXIT_PORT:
+            self._exit_value = value
+            self._uc.emu_stop()
+
+    def _on_interrupt(self, vector: int, _user: Any) -> None:
+        if not self._interrupt_fns:
+            raise EmulationError(f"interrupt {vector} at {self.symbolize(self.reg('rip'))} "
+                                 "and no interrupt hook")
+        for fn in list(self._interrupt_fns):
+            fn(self, vector)
+
+    def _on_block(self, address: int, size: int, _user: Any) -> None:
+        key = (address, size)
+        n = self._block_sizes.get(key)
+        if n is None:
+            code = bytes(self._uc.mem_read(address - self._offset, size))
+            n = sum(1 for _ in self._md.disasm_lite(code, address))
+            self._block_sizes[key] = n
+        self._icount += n
+
+    # --- running ----------------------------------------------------------------
+    def reset(self) -> None:
+        """Reload pristine memory (text, data, patch area, heap); hooks stay."""
+        lo, _ = self._phys
+        self._uc.mem_write(lo, self._pristine)
+        self._uc.ctl_remove_cache(self._virt[0], self._virt[1])
+        self._block_sizes.clear()
+        self._dirty = False
+
+    def run(self, seed: int | None = None, iterations: int | None = None,
+            bench_calls: int | None = None, count_instructions: bool = False,
+            timeout: float = 60.0, progress: Callable[[], None] | None = None) -> MachineResult:
+        """Boot at ksim_entry64 and run until ksim_halt.
+
+        ``seed``, ``iterations`` and ``bench_calls`` are written to the ABI
+        globals first (None keeps the image's value).  A machine runs once per
+        reset(): the kernel's data is not pristine after a run.
+        """
+        if self._dirty:
+            raise EmulationError("the machine already ran: call reset() before running again")
+        self._dirty = True
+        for name, value in ((toy.WORKLOAD_SEED, seed), (toy.WORKLOAD_ITERATIONS, iterations),
+                            (toy.BENCH_CALLS, bench_calls)):
+            if value is not None:
+                self.write_u64(self.address_of(name), value)
+        self._serial.clear()
+        self._lcr = 0
+        self._exit_value = None
+        self._pending = None
+        self._fault = None
+        self._icount = 0
+        if count_instructions and self._count_hook is None:
+            self._count_hook = self._add(unicorn.UC_HOOK_BLOCK, self._on_block)
+            self._uc.ctl_remove_cache(self._virt[0], self._virt[1])
+        elif not count_instructions and self._count_hook is not None:
+            self._hooks.remove(self._count_hook)
+            self._uc.hook_del(self._count_hook)
+            self._count_hook = None
+
+        for name in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10",
+                     "r11", "r12", "r13", "r14", "r15"):
+            self.set_reg(name, 0)
+        self.set_reg("rflags", 0x2)
+        self.set_reg("rsp", self.address_of(toy.INIT_STACK_TOP))
+        halt = self.address_of(toy.HALT)
+        start = time.perf_counter()
+        pc = self.address_of(toy.ENTRY)
+        # Run in slices so a progress callback and the timeout get a chance.
+        slice_us = 250_000 if progress is not None else int(min(timeout, 3600) * 1e6)
+        while True:
+            self._emulate(pc, halt, slice_us)
+            pc = self.reg("rip")
+            if pc == halt or self._exit_value is not None:
+                break
+            elapsed = time.perf_counter() - start
+            if elapsed >= timeout:
+                raise TargetTimeout(f"no halt after {elapsed:.1f} s; rip at {self.symbolize(pc)}; "
+                                    f"serial: {self._serial_text()[-300:]!r}")
+            if progress is not None:
+                progress()
+        return MachineResult(
+            checksum=self.read_u64(self.address_of(toy.WORKLOAD_CHECKSUM)),
+            serial=self._serial_text(),
+            instructions=self._icount if count_instructions else None,
+            halted=pc == halt,
+            exit_status=None if self._exit_value is None else ((self._exit_value << 1) | 1) & 0xFF,
+            bench_cycles=self.read_u64(self.address_of(toy.BENCH_CYCLES)),
+            seconds=time.perf_counter() - start,
+        )
+
+    def _emulate(self, pc: int, until: int, timeout_us: int) -> None:
+        try:
+            self._uc.emu_start(pc, until, timeout=timeout_us)
+        except unicorn.UcError as exc:
+            if self._pending is not None:
+                raise self._take_pending() from exc
+            raise self._fault_error(exc) from None
+        if self._pending is not None:
+            raise self._take_pending()
+
+    def _take_pending(self) -> BaseException:
+        exc, self._pending = self._pending, None
+        assert exc is not None
+        return exc
+
+    def _fault_error(self, exc: unicorn.UcError) -> EmulationError:
+        rip = self.reg("rip")
+        where = self.symbolize(rip)
+        if exc.errno in _UNMAPPED:
+            kind, address = self._fault or (_UNMAPPED[exc.errno], rip)
+            err = EmulationError(f"{_UNMAPPED[exc.errno]}: {kind} at {address:#x} "
+                                 f"(rip {rip:#x}, {where})")
+        elif exc.errno == unicorn.UC_ERR_INSN_INVALID:
+            address = rip
+            err = EmulationError(f"invalid instruction at {rip:#x} ({where}): "
+                                 f"{self.read(rip, 8).hex() if self._in_image(rip) else '?'}")
+        else:
+            address = rip
+            err = EmulationError(f"{exc} at rip {rip:#x} ({where})")
+        err.address = address  # type: ignore[attr-defined]
+        return err
+
+    def _in_image(self, address: int) -> bool:
+        return self._virt[0] <= address < self._virt[1] - 8
+
+    def _serial_text(self) -> str:
+        return self._serial.decode("utf-8", "replace").replace("\r\n", "\n")
+
+    @property
+    def serial(self) -> str:
+        return self._serial_text()
+
+    def close(self) -> None:
+        for handle in self._hooks:
+            try:
+                self._uc.hook_del(handle)
+            except unicorn.UcError:
+                pass
+        self._hooks.clear()
+        self._interrupt_fns.clear()
+
+    def __enter__(self) -> UnicornMachine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _reg_id(name: str) -> int:
+    try:
+        return _REGS[name.lower()]
+    except KeyError:
+        raise EmulationError(f"unknown x86-64 register {name!r}") from None
+
+
+def _read_elf(path: Path) -> tuple[dict[str, int], list[tuple[str, int, int]],
+                                   list[tuple[int, int, int, bytes, bool]]]:
+    """Symbols, functions (sorted) and PT_LOAD segments (vaddr, paddr, memsz, data, exec)."""
+    try:
+        with open(path, "rb") as f:
+            elf = ELFFile(f)
+            if elf["e_machine"] != "EM_X86_64":
+                raise MalformedImage(f"{path}: not an x86-64 ELF ({elf['e_machine']})")
+            segments = [
+                (seg["p_vaddr"], seg["p_paddr"], seg["p_memsz"], seg.data(),
+                 bool(seg["p_flags"] & 1))
+                for seg in elf.iter_segments() if seg["p_type"] == "PT_LOAD"
+            ]
+            symbols: dict[str, int] = {}
+            functions: list[tuple[str, int, int]] = []
+            symtab = elf.get_section_by_name(".symtab")
+            for sym in symtab.iter_symbols() if symtab else ():
+                if not sym.name:
+                    continue
+                symbols.setdefault(sym.name, sym["st_value"])
+                if sym["st_info"]["type"] == "STT_FUNC":
+                    functions.append((sym.name, sym["st_value"], sym["st_size"]))
+    except OSError as exc:
+        raise MalformedImage(f"cannot read {path}: {exc}") from exc
+    except Exception as exc:  # pyelftools raises a variety of errors on bad input
+        if isinstance(exc, MalformedImage):
+            raise
+        raise MalformedImage(f"{path}: malformed ELF: {exc}") from exc
+    if not segments:
+        raise MalformedImage(f"{path}: no PT_LOAD segments")
+    functions.sort(key=lambda f: f[1])
+    return symbols, functions, segments
