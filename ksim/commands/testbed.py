@@ -1,0 +1,90 @@
+"""``ksim testbed up | status | exec -- CMD | down``: the live Linux testbed.
+
+A Debian 6.1 kernel in QEMU (KVM when it works, TCG otherwise) with the
+kerninst module and kerninstd inside; ksim reaches it as live://127.0.0.1:PORT.
+Downloads and builds are cached in ~/.cache/ksim/testbed/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from ksim.cli import add_json_flag, emit_json
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("testbed", help="boot, query or stop the live Linux testbed (QEMU)",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION")
+    actions.required = True
+    up = actions.add_parser("up", help="boot the testbed (reuses a running one)")
+    up.add_argument("--port", type=int, default=None, help="host port for kerninstd (default 7070)")
+    up.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
+    up.add_argument("--timeout", type=float, default=300.0, help="boot timeout in seconds")
+    st = actions.add_parser("status", help="is the testbed up, and where")
+    ex = actions.add_parser("exec", help="run a shell command in the guest")
+    ex.add_argument("--timeout", type=float, default=120.0)
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
+    dn = actions.add_parser("down", help="stop the testbed; leaves no process behind")
+    for q in (up, st, ex, dn):
+        add_json_flag(q)
+    p.set_defaults(func=run)
+
+
+def _progress(json_mode: bool) -> Any:
+    t0 = time.monotonic()
+
+    def show(message: str) -> None:
+        print(f"[{time.monotonic() - t0:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    return show
+
+
+def run(args: argparse.Namespace) -> int:
+    from live import testbed
+
+    progress = _progress(args.json)
+    if args.action == "up":
+        state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout, progress=progress)
+        if args.json:
+            emit_json(state)
+        else:
+            print(f"testbed up ({state['accel'].upper()}, kernel {state.get('kernel')}, "
+                  f"booted in {state.get('boot_seconds')} s)")
+            print(f"address: {state['address']}")
+            print(f"token:   {state['token_file']}")
+        return 0
+    if args.action == "status":
+        state = testbed.status()
+        if args.json:
+            emit_json(state)
+        elif state["up"]:
+            print(f"up: {state['address']} ({state['accel'].upper()}, kernel {state.get('kernel')}, "
+                  f"qemu pid {state['pid']}); token {state['token_file']}")
+        else:
+            print("down" + (" (qemu running but kerninstd not answering)"
+                            if state.get("qemu_running") else ""))
+        return 0 if state["up"] else 1
+    if args.action == "exec":
+        cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+        if not cmd:
+            print("ksim testbed exec: no command (ksim testbed exec -- CMD)", file=sys.stderr)
+            return 2
+        result = testbed.exec_(" ".join(cmd), timeout=args.timeout)
+        if args.json:
+            emit_json(result)
+        else:
+            sys.stdout.write(result["stdout"])
+            sys.stderr.write(result["stderr"])
+        return int(result["rc"])
+    if args.action == "down":
+        result = testbed.down(progress=progress)
+        if args.json:
+            emit_json(result)
+        else:
+            print("stopped" if result["stopped"] else "was not running")
+        return 0
+    return 2

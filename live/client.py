@@ -1,0 +1,346 @@
+"""The live target: a Linux kernel behind kerninstd, as a ksim ``Target``.
+
+    from ksim.targets import open_target
+    t = open_target("live://127.0.0.1:7070")          # token: the testbed's by default
+    t.read(addr, 16); t.poke([Write(addr, old, new)]); t.run(while_cmd="./workload")
+
+``Connection`` is the wire client (hello, HMAC auth, request/reply); ``LiveTarget``
+adds the Target contract on top of it; ``KprobeCounter`` is the oracle: the
+kernel's own kprobe on the same function, through tracefs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Sequence
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ksim.errors import (
+    KsimError,
+    OutOfRange,
+    ProtocolError,
+    TargetDied,
+    TargetError,
+    TargetTimeout,
+)
+from ksim.targets.base import KernelABI, MemRef, RunResult
+from live import protocol as wire
+
+if TYPE_CHECKING:
+    from ksim.arch.base import Arch
+    from ksim.image.image import Image
+    from ksim.splice.patch import Write
+
+REL32 = 1 << 31
+
+
+def default_token_file() -> str:
+    from live.testbed import token_path
+
+    return str(token_path())
+
+
+class Connection:
+    """One authenticated session with kerninstd."""
+
+    def __init__(self, host: str, port: int, *, token_file: str | None = None,
+                 token: bytes | None = None, timeout: float = 30.0) -> None:
+        self.host, self.port, self.timeout = host, port, timeout
+        self._ids = itertools.count(1)
+        try:
+            self.sock = socket.create_connection((host, port), timeout=timeout)
+        except OSError as exc:
+            raise TargetDied(f"cannot reach kerninstd at {host}:{port}: {exc}") from None
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            hello = self.request("hello")
+            if hello.get("protocol") != wire.VERSION:
+                raise ProtocolError(f"kerninstd speaks protocol {hello.get('protocol')}, "
+                                    f"this client {wire.VERSION}")
+            self.server = hello
+            if token is None:
+                token = Path(token_file or default_token_file()).read_bytes().strip()
+            self.request("auth", mac=wire.mac(token, hello["nonce"]))
+        except BaseException:
+            self.sock.close()
+            raise
+
+    def __enter__(self) -> Connection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send_raw(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_reply(self, timeout: float | None = None) -> dict[str, Any]:
+        self.sock.settimeout(timeout or self.timeout)
+        try:
+            header = self._recv_exact(wire.HEADER.size)
+            return wire.decode(self._recv_exact(wire.frame_length(header)))
+        except TimeoutError:
+            raise TargetTimeout(f"kerninstd at {self.host}:{self.port} did not answer") from None
+
+    def _recv_exact(self, n: int) -> bytes:
+        chunks, got = [], 0
+        while got < n:
+            chunk = self.sock.recv(min(n - got, 1 << 20))
+            if not chunk:
+                raise TargetDied(f"kerninstd at {self.host}:{self.port} closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def request(self, op: str, reply_timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        request_id = next(self._ids)
+        self.send_raw(wire.encode({"v": wire.VERSION, "id": request_id, "op": op, **args}))
+        reply = self.recv_reply(reply_timeout)
+        if reply.get("id") != request_id:
+            raise ProtocolError(f"reply id {reply.get('id')} to request {request_id}")
+        return wire.raise_for(reply)
+
+
+def parse_address(rest: str) -> tuple[str, int]:
+    host, sep, port = rest.rstrip("/").rpartition(":")
+    if not sep or not port.isdigit():
+        raise TargetError(f"live target {rest!r}: expected HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+class KprobeCounter:
+    """The kernel's own kprobe counting hits of one function (tracefs kprobe_profile).
+
+    Placed past the function's 5-byte ftrace nop when it has one: a kprobe at +0
+    would make ftrace rewrite the very bytes a jmp splice occupies (and the entry
+    nop runs exactly once per call, like the instruction after it).  Probe
+    optimisation is switched off while it exists so that it stays an int3 probe
+    and never jump-patches bytes near a splice (kernel/kprobes.c optimizes after
+    a delay; /proc/sys/debug/kprobes-optimization).
+    """
+
+    name = "kprobe"
+    FTRACE_NOP = bytes.fromhex("0f1f440000")
+    TRACEFS = "/sys/kernel/tracing"
+
+    def __init__(self, target: LiveTarget, address: int) -> None:
+        self.target = target
+        self.event = f"ksim_oracle_{os.getpid()}_{address & 0xffffffff:x}"
+        symbol, offset = target.symbolize(address)
+        head = target.read(address, 5)
+        if offset == 0 and (head == self.FTRACE_NOP or head[0] in (0xE9, 0xCC)
+                            and target.is_ftrace_entry(symbol)):
+            offset = 5
+        self.probe = f"{symbol}+{offset}"
+        t = self.TRACEFS
+        self._saved_opt = target.exec("cat /proc/sys/debug/kprobes-optimization").strip()
+        target.exec_checked(
+            "echo 0 > /proc/sys/debug/kprobes-optimization && "
+            f"echo 'p:{self.event} {self.probe}' >> {t}/kprobe_events && "
+            f"echo 1 > {t}/events/kprobes/{self.event}/enable")
+        self._closed = False
+
+    @property
+    def count(self) -> int:
+        out = self.target.exec_checked(f"cat {self.TRACEFS}/kprobe_profile")
+        for line in out.splitlines():
+            parts = line.split()
+            if parts and parts[0] == self.event:
+                return int(parts[1])
+        raise TargetError(f"kprobe {self.event} missing from kprobe_profile")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        t = self.TRACEFS
+        self.target.exec_checked(
+            f"echo 0 > {t}/events/kprobes/{self.event}/enable; "
+            f"echo '-:{self.event}' >> {t}/kprobe_events; "
+            f"echo {self._saved_opt or 1} > /proc/sys/debug/kprobes-optimization")
+
+    def __enter__(self) -> KprobeCounter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LiveTarget:
+    """ksim's Target protocol over a kerninstd connection."""
+
+    def __init__(self, host: str, port: int, *, token_file: str | None = None,
+                 timeout: float = 60.0) -> None:
+        self.name = f"live://{host}:{port}"
+        self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
+        reply = self.conn.request("info")
+        self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
+        i = self.info
+        self.text = (int(i["text_start"]), int(i["text_end"]))
+        self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
+        self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
+        self.abi = KernelABI(
+            current_task=MemRef(int(i["current_task"]), "gs", 8),
+            task_pid_offset=int(i["task_pid_offset"]),
+            task_pid_size=int(i["task_pid_size"]),
+            cpu_number=MemRef(int(i["cpu_number"]), "gs", 4),
+        )
+
+    # -- what the engine asks for lazily -------------------------------------------
+    @cached_property
+    def arch(self) -> Arch:
+        from ksim.arch import get_arch
+
+        return get_arch("x86_64")
+
+    @cached_property
+    def kallsyms_path(self) -> Path:
+        """The guest's /proc/kallsyms, cached per kernel release and text base."""
+        from live.testbed import cache_dir
+
+        path = cache_dir() / f"kallsyms-{self.info['kernel']}-{self.text[0]:x}.txt"
+        if not path.exists():
+            tmp = path.with_suffix(".tmp")
+            with open(tmp, "w") as f:
+                offset: int | None = 0
+                while offset is not None:
+                    page = self.conn.request("kallsyms", offset=offset)
+                    f.write(page["text"])
+                    offset = page["next"]
+            tmp.rename(path)
+        return path
+
+    @cached_property
+    def image(self) -> Image:
+        from ksim.image import load_kallsyms
+
+        return load_kallsyms(self.kallsyms_path, reader=self.read)
+
+    @cached_property
+    def _symbols(self) -> list[tuple[int, str]]:
+        out = []
+        with open(self.kallsyms_path) as f:
+            for line in f:
+                parts = line.split()
+                if len(parts) >= 3 and parts[1] in "tTwW" and len(parts) == 3:
+                    out.append((int(parts[0], 16), parts[2]))
+        out.sort()
+        return out
+
+    def symbolize(self, address: int) -> tuple[str, int]:
+        """(symbol, offset) of a core-kernel text address."""
+        import bisect
+
+        syms = self._symbols
+        i = bisect.bisect_right(syms, (address, "\x7f")) - 1
+        if i < 0:
+            raise TargetError(f"{address:#x} is below every kernel text symbol")
+        return syms[i][1], address - syms[i][0]
+
+    def is_ftrace_entry(self, symbol: str) -> bool:
+        out = self.exec(f"grep -qx '{symbol}' /sys/kernel/tracing/available_filter_functions "
+                        "&& echo yes")
+        return out.strip() == "yes"
+
+    # -- memory ---------------------------------------------------------------------
+    def read(self, address: int, size: int) -> bytes:
+        out = bytearray()
+        while len(out) < size:
+            n = min(wire.MAX_READ, size - len(out))
+            out += bytes.fromhex(self.conn.request("read", address=address + len(out), size=n)["data"])
+        return bytes(out)
+
+    def write(self, address: int, data: bytes) -> None:
+        for off in range(0, len(data), wire.MAX_WRITE):
+            chunk = data[off:off + wire.MAX_WRITE]
+            self.conn.request("write", address=address + off, data=chunk.hex())
+
+    def poke(self, writes: Sequence[Write]) -> None:
+        if not writes:
+            return
+        self.conn.request("poke", writes=[[w.address, w.old.hex(), w.new.hex()] for w in writes])
+
+    def alloc_code(self, size: int, near: int | None = None) -> int:
+        address = int(self.conn.request("alloc_code", size=size)["address"])
+        if near is not None and not (-REL32 <= address - near and address + size - near < REL32):
+            self.free_code(address)
+            raise OutOfRange(f"patch area {address:#x} is beyond rel32 reach of {near:#x}")
+        return address
+
+    def free_code(self, address: int) -> None:
+        self.conn.request("free_code", address=address)
+
+    def alloc_data(self, size: int, align: int = 8) -> int:
+        return int(self.conn.request("alloc_data", size=size, align=align)["address"])
+
+    def free_data(self, address: int) -> None:
+        self.conn.request("free_data", address=address)
+
+    def set_trap(self, site: int, patch: int) -> None:
+        self.conn.request("set_trap", site=site, patch=patch)
+
+    def clear_trap(self, site: int) -> None:
+        self.conn.request("clear_trap", site=site)
+
+    def lookup(self, name: str) -> int:
+        return int(self.conn.request("lookup", name=name)["address"])
+
+    def keep(self, keep: bool = True) -> None:
+        """Leave this client's splices in the kernel after it disconnects."""
+        self.conn.request("keep", keep=keep)
+
+    # -- running things in the guest ---------------------------------------------------
+    def _exec(self, cmd: str, timeout: float) -> dict[str, Any]:
+        return self.conn.request("exec", cmd=cmd, timeout=float(timeout), reply_timeout=timeout + 30)
+
+    def exec(self, cmd: str, timeout: float = 120.0) -> str:
+        """Run a shell command in the guest; its stdout (any exit status)."""
+        return str(self._exec(cmd, timeout)["stdout"])
+
+    def exec_checked(self, cmd: str, timeout: float = 120.0) -> str:
+        r = self._exec(cmd, timeout)
+        if r["rc"] != 0:
+            raise TargetError(f"guest command failed ({r['rc']}): {cmd}\n{r['stderr'].strip()}")
+        return str(r["stdout"])
+
+    def run(self, while_cmd: str | None = None, timeout: float = 600.0,
+            **options: object) -> RunResult:
+        """Run ``while_cmd`` in the guest (instrumentation stays in while it runs)."""
+        if not while_cmd:
+            return RunResult()
+        r = self._exec(while_cmd, timeout)
+        if r["rc"] != 0:
+            raise TargetError(f"--while command failed ({r['rc']}): {while_cmd}\n"
+                              f"{(r['stderr'] or r['stdout']).strip()[-2000:]}")
+        return RunResult(output=r["stdout"], seconds=float(r["seconds"]))
+
+    def oracle_counter(self, address: int) -> KprobeCounter:
+        return KprobeCounter(self, address)
+
+    def close(self) -> None:
+        try:
+            self.conn.request("bye")
+        except KsimError:
+            pass
+        self.conn.close()
+
+    def __enter__(self) -> LiveTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def open(rest: str, token_file: str | None = None, **options: Any) -> LiveTarget:  # noqa: A001
+    """``open_target("live://HOST:PORT")`` lands here."""
+    host, port = parse_address(rest)
+    timeout = float(options.pop("timeout", 60.0))
+    return LiveTarget(host, port, token_file=token_file, timeout=timeout)
+

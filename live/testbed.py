@@ -1,0 +1,530 @@
+"""The Linux testbed: a Debian 6.1 kernel in QEMU with /dev/kerninst and kerninstd.
+
+    up()      install what is missing, fetch and unpack the kernel (cached), build
+              the module, make an initramfs, boot QEMU (KVM if it works, TCG
+              otherwise), start kerninstd in the guest, wait until it answers
+    status()  whether it is up, and where
+    exec_()   run a command in the guest (through kerninstd's exec op)
+    down()    stop QEMU; no process is left behind
+
+The guest has no root filesystem of its own: it mounts the host's / read-only
+over 9p and runs kerninstd with the host's Python in a chroot, so the daemon is
+the code in this tree.  Everything downloaded or built lives in
+~/.cache/ksim/testbed/ (KSIM_TESTBED_DIR overrides it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import lzma
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ksim.errors import TargetError, TargetTimeout
+
+REPO = Path(__file__).resolve().parent.parent
+KMOD_SOURCES = ("kerninst.c", "kerninst.h", "Makefile")
+DEFAULT_PORT = 7070
+# Modules the guest needs for 9p and the network, in insmod order after --show-depends.
+GUEST_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_net")
+BOOT_TIMEOUT = 300.0
+HOST_PACKAGES = ("qemu-system-x86", "busybox-static", "kmod", "gcc", "make")
+
+Progress = Callable[[str], None]
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("KSIM_TESTBED_DIR", Path.home() / ".cache" / "ksim" / "testbed"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def token_path() -> Path:
+    return cache_dir() / "token"
+
+
+def _state_path() -> Path:
+    return cache_dir() / "state.json"
+
+
+def _quiet(msg: str) -> None:
+    pass
+
+
+def _run(cmd: list[str], *, timeout: float = 600, cwd: Path | None = None,
+         env: dict[str, str] | None = None) -> str:
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=env, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise TargetTimeout(f"{' '.join(cmd)}: no result after {timeout:g} s") from None
+    except FileNotFoundError:
+        raise TargetError(f"{cmd[0]}: not installed (run scripts/testbed-deps)") from None
+    if proc.returncode:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
+        raise TargetError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n" + "\n".join(tail))
+    return proc.stdout
+
+
+# -- packages -------------------------------------------------------------------------
+def _installed(package: str) -> bool:
+    proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
+                          capture_output=True, text=True)
+    return proc.returncode == 0 and "install ok installed" in proc.stdout
+
+
+def _apt_env() -> dict[str, str]:
+    return {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+
+
+def resolve_abi(progress: Progress = _quiet) -> str:
+    """The newest bookworm kernel ABI (e.g. 6.1.0-56) with both headers and an unsigned image."""
+    pattern = r"^linux-(headers|image)-(6\.1\.0-\d+)-amd64(-unsigned)?$"
+
+    def search() -> list[str]:
+        out = subprocess.run(["apt-cache", "search", "--names-only",
+                              r"^linux-(headers|image)-6\.1\.0-[0-9]+-amd64(-unsigned)?$"],
+                             capture_output=True, text=True).stdout
+        headers, images = set(), set()
+        for line in out.splitlines():
+            m = re.match(pattern, line.split(" - ")[0].strip())
+            if m and m.group(1) == "headers" and not m.group(3):
+                headers.add(m.group(2))
+            elif m and m.group(1) == "image" and m.group(3):
+                images.add(m.group(2))
+        return sorted(headers & images, key=lambda v: int(v.rsplit("-", 1)[1]))
+
+    found = search()
+    if not found:
+        progress("apt-get update (no 6.1 kernel packages known yet)")
+        _run(["apt-get", "update"], env=_apt_env())
+        found = search()
+    if not found:
+        raise TargetError("no linux-headers-6.1.0-*-amd64 with a matching -unsigned image in apt")
+    return found[-1]
+
+
+def ensure_packages(abi: str, progress: Progress = _quiet) -> list[str]:
+    """Install (as root, with apt) whatever the testbed needs and is missing; return what was installed."""
+    wanted = [*HOST_PACKAGES, f"linux-headers-{abi}-amd64"]
+    missing = [p for p in wanted if not _installed(p)]
+    if missing:
+        if os.geteuid() != 0:
+            raise TargetError(f"missing packages {' '.join(missing)}; install them as root "
+                              "(scripts/testbed-deps)")
+        progress(f"installing {' '.join(missing)}")
+        _run(["apt-get", "install", "-y", "--no-install-recommends", *missing], env=_apt_env(),
+             timeout=900)
+    return missing
+
+
+# -- kernel, module, initramfs ------------------------------------------------------
+def kernel_root(abi: str, progress: Progress = _quiet) -> Path:
+    """The unpacked linux-image-ABI-amd64-unsigned package (vmlinuz and modules), cached."""
+    root = cache_dir() / f"linux-{abi}"
+    if (root / "boot" / f"vmlinuz-{abi}-amd64").exists() and (root / ".complete").exists():
+        return root
+    debs = cache_dir() / "debs"
+    debs.mkdir(exist_ok=True)
+    package = f"linux-image-{abi}-amd64-unsigned"
+    if not list(debs.glob(f"{package}_*.deb")):
+        progress(f"downloading {package}")
+        _run(["apt-get", "download", package], cwd=debs, timeout=900)
+    deb = sorted(debs.glob(f"{package}_*.deb"))[-1]
+    progress(f"unpacking {deb.name}")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    _run(["dpkg-deb", "-x", str(deb), str(root)])
+    # Debian generates modules.dep in postinst; do it here for modprobe --show-depends.
+    _run(["depmod", "-b", str(root), f"{abi}-amd64"])
+    (root / ".complete").touch()
+    return root
+
+
+def extract_vmlinux(vmlinuz: Path, out: Path) -> Path:
+    """Decompress the bzImage's xz payload to the ELF vmlinux (qemu boots it through its PVH note)."""
+    if out.exists():
+        return out
+    data = vmlinuz.read_bytes()
+    start = data.find(b"\xfd7zXZ\x00")
+    while start >= 0:
+        try:
+            elf = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data[start:])
+        except lzma.LZMAError:
+            elf = b""
+        if elf.startswith(b"\x7fELF"):
+            tmp = out.with_suffix(".tmp")
+            tmp.write_bytes(elf)
+            tmp.rename(out)
+            return out
+        start = data.find(b"\xfd7zXZ\x00", start + 1)
+    raise TargetError(f"{vmlinuz}: no xz-compressed ELF kernel inside")
+
+
+def build_module(abi: str, progress: Progress = _quiet) -> Path:
+    """Build kmod/ with kbuild against the ABI's headers, in the cache (rebuilt when sources change)."""
+    src = REPO / "kmod"
+    digest = hashlib.sha256(b"".join((src / n).read_bytes() for n in KMOD_SOURCES)).hexdigest()[:16]
+    build = cache_dir() / f"kmod-{abi}"
+    ko = build / "kerninst.ko"
+    stamp = build / ".source"
+    if ko.exists() and stamp.exists() and stamp.read_text() == digest:
+        return ko
+    progress("building kerninst.ko")
+    shutil.rmtree(build, ignore_errors=True)
+    build.mkdir()
+    for name in KMOD_SOURCES:
+        shutil.copy(src / name, build / name)
+    headers = Path(f"/usr/src/linux-headers-{abi}-amd64")
+    _run(["make", "-C", str(headers), f"M={build}", "modules"], timeout=300)
+    stamp.write_text(digest)
+    return ko
+
+
+def guest_modules(root: Path, abi: str) -> list[Path]:
+    out = _run(["modprobe", "-d", str(root), "-S", f"{abi}-amd64", "--show-depends", "-a",
+                *GUEST_MODULES])
+    seen: list[Path] = []
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) >= 2 and parts[0] == "insmod" and Path(parts[1]) not in seen:
+            seen.append(Path(parts[1]))
+    return seen
+
+
+class Cpio:
+    """A newc ("070701") archive, enough for an initramfs."""
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.ino = 1
+
+    def _entry(self, name: str, mode: int, body: bytes = b"") -> None:
+        name_b = name.encode() + b"\0"
+        fields = (self.ino, mode, 0, 0, 1, 0, len(body), 0, 0, 0, 0, len(name_b), 0)
+        self.data += b"070701" + b"".join(b"%08x" % f for f in fields) + name_b
+        self.data += b"\0" * (-len(self.data) % 4) + body
+        self.data += b"\0" * (-len(self.data) % 4)
+        self.ino += 1
+
+    def dir(self, name: str) -> None:
+        self._entry(name, stat.S_IFDIR | 0o755)
+
+    def file(self, name: str, body: bytes, mode: int = 0o644) -> None:
+        self._entry(name, stat.S_IFREG | mode, body)
+
+    def symlink(self, name: str, target: str) -> None:
+        self._entry(name, stat.S_IFLNK | 0o777, target.encode())
+
+    def finish(self) -> bytes:
+        self._entry("TRAILER!!!", 0)
+        return bytes(self.data) + b"\0" * (-len(self.data) % 512)
+
+
+INIT = r"""#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+echo "ksim-init: loading modules"
+for m in $(cat /modules.list); do insmod /modules/$m || echo "ksim-init: insmod $m failed"; done
+insmod /kerninst.ko || echo "ksim-init: insmod kerninst.ko FAILED"
+ip link set lo up
+ip link set eth0 up
+ip addr add 10.0.2.15/24 dev eth0
+ip route add default via 10.0.2.2
+echo 0 > /proc/sys/kernel/kptr_restrict
+mkdir -p /host
+mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /host || echo "ksim-init: 9p mount FAILED"
+mount -t proc proc /host/proc
+mount -t sysfs sys /host/sys
+mount -t tracefs tracefs /host/sys/kernel/tracing
+mount -t devtmpfs dev /host/dev
+mount -t tmpfs tmp /host/tmp
+echo "ksim-init: starting kerninstd"
+cd /
+chroot /host /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONPATH=@REPO@ @PYTHON@ -m live.daemon --listen 0.0.0.0:@PORT@ \
+    --token-file @TOKEN@ --device /dev/kerninst --allow-exec
+echo "ksim-init: kerninstd exited ($?)"
+poweroff -f
+"""
+
+
+def host_python() -> str:
+    """The real interpreter binary (a pyenv shim would not work inside the chroot)."""
+    return os.path.realpath(sys.executable)
+
+
+def make_initramfs(root: Path, abi: str, ko: Path, port: int, out: Path) -> Path:
+    archive = Cpio()
+    for d in ("bin", "dev", "proc", "sys", "host", "modules", "tmp"):
+        archive.dir(d)
+    busybox = shutil.which("busybox") or "/bin/busybox"
+    archive.file("bin/busybox", Path(busybox).read_bytes(), 0o755)
+    names = []
+    for path in guest_modules(root, abi):
+        body = path.read_bytes()
+        if path.suffix == ".xz":
+            body, path = lzma.decompress(body), path.with_suffix("")
+        archive.file(f"modules/{path.name}", body)
+        names.append(path.name)
+    archive.file("modules.list", ("\n".join(names) + "\n").encode())
+    archive.file("kerninst.ko", ko.read_bytes())
+    init = (INIT.replace("@REPO@", str(REPO)).replace("@PYTHON@", host_python())
+            .replace("@PORT@", str(port)).replace("@TOKEN@", str(token_path())))
+    archive.file("init", init.encode(), 0o755)
+    out.write_bytes(archive.finish())
+    return out
+
+
+def ensure_token() -> Path:
+    path = token_path()
+    if path.exists():
+        st = path.stat()
+        if st.st_uid == os.geteuid() and not st.st_mode & 0o077:
+            return path
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32) + "\n")
+    return path
+
+
+# -- qemu ---------------------------------------------------------------------------
+def kvm_usable() -> bool:
+    """KVM only when /dev/kvm opens and the CPU has hardware virtualisation (vmx/svm)."""
+    try:
+        os.close(os.open("/dev/kvm", os.O_RDWR))
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return bool(re.search(r"^flags\s*:.*\b(vmx|svm)\b", flags, re.M))
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def qemu_command(vmlinux: Path, initramfs: Path, port: int, accel: str) -> list[str]:
+    d = cache_dir()
+    return [
+        "qemu-system-x86_64", "-name", "ksim-testbed",
+        "-kernel", str(vmlinux), "-initrd", str(initramfs),
+        "-append", "console=ttyS0 panic=-1 oops=panic nokaslr quiet loglevel=4",
+        "-m", "1G", "-smp", "2",
+        "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+        "-display", "none", "-monitor", "none", "-no-reboot",
+        "-serial", f"file:{d / 'console.log'}",
+        "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",
+        "-virtfs", "local,path=/,mount_tag=hostroot,security_model=none,readonly=on,multidevs=remap",
+        "-netdev", f"user,id=n0,hostfwd=tcp:127.0.0.1:{port}-:{port}",
+        "-device", "virtio-net-pci,netdev=n0,romfile=",
+    ]
+
+
+def _pid_is_qemu(pid: int) -> bool:
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return bool(cmdline) and cmdline[0].endswith(b"qemu-system-x86_64") and b"ksim-testbed" in cmdline
+
+
+def _read_state() -> dict[str, Any] | None:
+    try:
+        return json.loads(_state_path().read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _ping(port: int, timeout: float = 3.0) -> dict[str, Any] | None:
+    from live.client import Connection
+
+    try:
+        with Connection("127.0.0.1", port, token_file=str(token_path()), timeout=timeout) as conn:
+            return conn.request("info")
+    except (OSError, Exception):
+        return None
+
+
+def _boot(vmlinux: Path, initramfs: Path, port: int, accel: str, timeout: float,
+          progress: Progress) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    d = cache_dir()
+    console = d / "console.log"
+    console.write_bytes(b"")
+    (d / "qmp.sock").unlink(missing_ok=True)
+    with open(d / "qemu.log", "wb") as qlog:
+        proc = subprocess.Popen(qemu_command(vmlinux, initramfs, port, accel), stdin=subprocess.DEVNULL,
+                                stdout=qlog, stderr=subprocess.STDOUT, start_new_session=True)
+    start = time.monotonic()
+    shown = 0
+    try:
+        while time.monotonic() - start < timeout:
+            if proc.poll() is not None:
+                raise TargetError(f"qemu ({accel}) exited with {proc.returncode}: "
+                                  + (d / "qemu.log").read_text(errors="replace")[-800:]
+                                  + _console_tail())
+            text = console.read_text(errors="replace")
+            for line in text.splitlines()[shown:]:
+                if line.startswith("ksim-init:") or "kerninst" in line or "kerninstd:" in line:
+                    progress(f"[{time.monotonic() - start:5.1f}s] guest: {line.strip()}")
+            shown = len(text.splitlines())
+            if "kerninstd exited" in text or "Kernel panic" in text:
+                raise TargetError("guest failed to start kerninstd" + _console_tail())
+            if "kerninstd: listening" in text:
+                info = _ping(port, timeout=10)
+                if info is not None:
+                    return proc, info
+            time.sleep(0.5)
+        raise TargetTimeout(f"kerninstd did not answer within {timeout:g} s ({accel})" + _console_tail())
+    except BaseException:
+        _stop_pid(proc.pid)
+        proc.wait(10)
+        raise
+
+
+def _console_tail(lines: int = 25) -> str:
+    try:
+        text = (cache_dir() / "console.log").read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\nguest console (last lines):\n" + "\n".join(text.splitlines()[-lines:])
+
+
+def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TIMEOUT,
+       progress: Progress = _quiet) -> dict[str, Any]:
+    """Boot the testbed (or return the running one) and return its state."""
+    current = status()
+    if current["up"]:
+        progress(f"already up at {current['address']}")
+        return current
+    down()
+    t0 = time.monotonic()
+    abi = resolve_abi(progress)
+    progress(f"kernel ABI {abi}")
+    ensure_packages(abi, progress)
+    root = kernel_root(abi, progress)
+    vmlinux = extract_vmlinux(root / "boot" / f"vmlinuz-{abi}-amd64", cache_dir() / f"vmlinux-{abi}")
+    ko = build_module(abi, progress)
+    ensure_token()
+    if port is None:
+        port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else _free_port()
+    elif not _port_free(port):
+        raise TargetError(f"port {port} on 127.0.0.1 is in use")
+    initramfs = make_initramfs(root, abi, ko, port, cache_dir() / f"initramfs-{abi}.cpio")
+    accels = ["kvm", "tcg"] if accel == "auto" and kvm_usable() else [
+        "tcg" if accel == "auto" else accel]
+    prepared = time.monotonic() - t0
+    last: Exception | None = None
+    for acc in accels:
+        progress(f"booting {abi} under {acc.upper()} (-smp 2 -m 1G), kerninstd on port {port}")
+        t1 = time.monotonic()
+        try:
+            proc, info = _boot(vmlinux, initramfs, port, acc, timeout, progress)
+        except TargetError as exc:
+            last = exc
+            progress(f"{acc.upper()} boot failed: {str(exc).splitlines()[0]}")
+            continue
+        state = {
+            "up": True, "pid": proc.pid, "port": port, "address": f"live://127.0.0.1:{port}",
+            "token_file": str(token_path()), "accel": acc, "abi": abi,
+            "kernel": info.get("kernel"), "boot_seconds": round(time.monotonic() - t1, 1),
+            "prepare_seconds": round(prepared, 1), "started": time.time(),
+            "console": str(cache_dir() / "console.log"), "qmp": str(cache_dir() / "qmp.sock"),
+        }
+        _state_path().write_text(json.dumps(state, indent=2))
+        progress(f"up in {state['boot_seconds']} s: {state['address']} (token {state['token_file']})")
+        return state
+    assert last is not None
+    raise last
+
+
+def status() -> dict[str, Any]:
+    state = _read_state()
+    if not state or not _pid_is_qemu(int(state.get("pid", 0))):
+        return {"up": False, "cache": str(cache_dir())}
+    info = _ping(int(state["port"]))
+    return {**state, "up": info is not None, "qemu_running": True, "responding": info is not None}
+
+
+def _stop_pid(pid: int, grace: float = 10.0) -> None:
+    if not _pid_is_qemu(pid):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if not _pid_is_qemu(pid):
+                return
+            try:  # reap it if it is our child
+                os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                pass
+            time.sleep(0.1)
+
+
+def _qmp_quit(path: Path) -> None:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(path))
+        f = s.makefile("rwb")
+        f.readline()
+        for cmd in ("qmp_capabilities", "quit"):
+            f.write(json.dumps({"execute": cmd}).encode() + b"\n")
+            f.flush()
+            f.readline()
+
+
+def down(progress: Progress = _quiet) -> dict[str, Any]:
+    state = _read_state()
+    stopped = False
+    if state and _pid_is_qemu(int(state.get("pid", 0))):
+        pid = int(state["pid"])
+        try:
+            _qmp_quit(Path(state["qmp"]))
+        except OSError:
+            pass
+        _stop_pid(pid, grace=5.0)
+        stopped = True
+        progress(f"stopped qemu (pid {pid})")
+    _state_path().unlink(missing_ok=True)
+    return {"up": False, "stopped": stopped}
+
+
+def exec_(cmd: str, timeout: float = 120.0) -> dict[str, Any]:
+    state = _read_state()
+    if not state:
+        raise TargetError("the testbed is not up (ksim testbed up)")
+    from live.client import Connection
+
+    with Connection("127.0.0.1", int(state["port"]), token_file=str(token_path()),
+                    timeout=timeout + 10) as conn:
+        return conn.request("exec", cmd=cmd, timeout=float(timeout), reply_timeout=timeout + 30)
