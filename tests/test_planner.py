@@ -90,11 +90,11 @@ def test_branch_into_the_window_refuses_jmp_and_falls_back_to_trap():
 
 def test_springboard_uses_padding_within_short_reach():
     fc = func(LOOP_NEAR_ENTRY)
-    pad = (F + 0x10, F + 0x20)
+    pad = (F + 0x10, bytes([0x66, 0x0F, 0x1F, 0x44, 0x00, 0x00]))   # nop word [rax+rax] filler
     patch = planner.plan(ARCH, request(fc, padding=(pad,)))
     assert patch.tactic == "springboard"
     board, head = patch.writes
-    assert board == Write(F + 0x10, b"\xcc" * 5, b"\xe9" + rel32(F + 0x15, P))
+    assert board == Write(F + 0x10, pad[1][:5], b"\xe9" + rel32(F + 0x15, P))
     assert head == Write(F, b"\x31\xc0", b"\xeb\x0e")          # jmp short F+0x10
     assert [w.address for w in patch.undo] == [F, F + 0x10]     # head restored first
 
@@ -153,3 +153,17 @@ def test_same_request_same_bytes():
     a = planner.plan(ARCH, request(func(PUSH_MOV_XOR)))
     b = planner.plan(ARCH, request(func(PUSH_MOV_XOR)))
     assert a == b
+
+
+def test_a_one_byte_function_takes_a_jmp_over_its_trailing_filler():
+    fc = func(bytes([0xC3]))                                    # ret
+    fc = planner.FunctionCode(fc.name, fc.start, fc.end, fc.insns, fc.branch_targets,
+                              tail=bytes([0x66, 0x0F, 0x1F, 0x44, 0x00, 0x00]))  # nop filler
+    patch = planner.plan(ARCH, request(fc, policy="jmp"))
+    assert patch.tactic == "jmp"
+    assert patch.writes == (Write(F, bytes([0xC3, 0x66, 0x0F, 0x1F, 0x44]),
+                                  b"\xe9" + rel32(F + 5, P)),)
+    assert patch.code == SNIPPET + b"\xc3" + b"\xe9" + rel32(P + 2 + 5, F + 1)
+    # ... but not when a springboard already uses that filler
+    with pytest.raises(NoSafeTactic):
+        planner.plan(ARCH, request(fc, policy="jmp", busy=frozenset({F + 3})))

@@ -7,7 +7,7 @@ plain globals (absolute addresses), and it exports the pid field's offset in
 
 from __future__ import annotations
 
-from ksim.image.model import Image
+from ksim.image import Image
 from ksim.targets.base import KernelABI, MemRef
 
 

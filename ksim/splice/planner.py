@@ -66,6 +66,9 @@ class FunctionCode:
     branch_targets: frozenset[int]
     #: an indirect jump whose destinations are unknown: displacement is unsafe
     unknown_indirect: bool = False
+    #: alignment filler right after the function (never executed, no symbol):
+    #: a window ending in a ret/jmp may spill over it
+    tail: bytes = b""
 
     def index_of(self, address: int) -> int:
         lo, hi = 0, len(self.insns)
@@ -93,8 +96,8 @@ class SpliceRequest:
     policy: str = "auto"
     #: addresses already overwritten by other splices (their windows)
     busy: frozenset[int] = frozenset()
-    #: free padding slots (start, end) usable for springboards
-    padding: tuple[tuple[int, int], ...] = ()
+    #: free padding slots usable for springboards: (address, current bytes)
+    padding: tuple[tuple[int, bytes], ...] = ()
     #: blacklisted ranges (start, end): never splice there
     blacklist: tuple[tuple[int, int], ...] = ()
 
@@ -149,13 +152,19 @@ def check_point(req: SpliceRequest) -> None:
 # --- the window of instructions a tactic overwrites ----------------------------------
 def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
     """The instructions that must move to the patch so that ``size`` bytes at the
-    point can be overwritten; or the reason why that is unsafe."""
+    point can be overwritten; or the reason why that is unsafe.  The window may
+    spill over the filler after the function when its last instruction never
+    falls through (a 1-byte ``ret`` function followed by padding)."""
     func = req.func
     i = func.index_of(req.point)
     run: list[Insn] = []
     covered = 0
     while covered < size:
         if i >= len(func.insns):
+            spill = size - covered
+            if run and run[-1].flow in _ENDS_RUN and len(func.tail) >= spill and not any(
+                    a in req.busy for a in range(func.end, func.end + spill)):
+                break
             return f"the {size}-byte window runs past the end of {func.name}"
         insn = func.insns[i]
         if run:
@@ -188,25 +197,27 @@ def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes:
     return body + relocated + arch.jmp(back_from, moved[-1].end)
 
 
-def _overwrite(moved: Sequence[Insn], head: bytes, pad: int) -> Write:
-    """Replace the moved instructions by ``head`` followed by pad bytes (never executed)."""
+def _overwrite(moved: Sequence[Insn], head: bytes, pad: int, tail: bytes = b"") -> Write:
+    """Replace the moved instructions (and, if they are too short, the start of the
+    filler after them) by ``head`` followed by pad bytes (never executed)."""
     old = b"".join(insn.raw for insn in moved)
+    if len(old) < len(head):
+        old += tail[: len(head) - len(old)]
     return Write(moved[0].address, old, head + bytes([pad]) * (len(old) - len(head)))
 
 
 def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | str:
-    first = req.func.insns[req.func.index_of(req.point)]
-    if not displace and first.size < arch.jmp_size:
-        return f"the instruction at the point is {first.size} bytes, shorter than a {arch.jmp_size}-byte jmp"
-    if displace and first.size >= arch.jmp_size:
-        return "not needed: the instruction at the point is long enough"
     if not arch.jmp_reaches(req.point, req.code_address):
         return f"the patch area at {req.code_address:#x} is out of jmp range"
     moved = _window(req, arch.jmp_size)
     if isinstance(moved, str):
         return moved
+    if displace != (len(moved) > 1):
+        return ("not needed: the instruction at the point suffices" if displace else
+                f"the instruction at the point is {moved[0].size} bytes, "
+                f"shorter than a {arch.jmp_size}-byte jmp")
     code = _patch_code(arch, req, moved)
-    write = _overwrite(moved, arch.jmp(req.point, req.code_address), arch.pad_byte)
+    write = _overwrite(moved, arch.jmp(req.point, req.code_address), arch.pad_byte, req.func.tail)
     tactic = "jmp+displace" if displace else "jmp"
     return Patch(req.point, tactic, req.code_address, code, (write,))
 
@@ -217,9 +228,9 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
         return moved
     slot = next(
         (
-            lo
-            for lo, hi in req.padding
-            if hi - lo >= arch.jmp_size
+            (lo, filler[: arch.jmp_size])
+            for lo, filler in req.padding
+            if len(filler) >= arch.jmp_size
             and arch.short_jmp_reaches(req.point, lo)
             and arch.jmp_reaches(lo, req.code_address)
             and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
@@ -229,8 +240,8 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
     if slot is None:
         return "no free padding within short-jump reach"
     code = _patch_code(arch, req, moved)
-    board = Write(slot, bytes([arch.pad_byte]) * arch.jmp_size, arch.jmp(slot, req.code_address))
-    head = _overwrite(moved, arch.short_jmp(req.point, slot), arch.pad_byte)
+    board = Write(slot[0], slot[1], arch.jmp(slot[0], req.code_address))
+    head = _overwrite(moved, arch.short_jmp(req.point, slot[0]), arch.pad_byte, req.func.tail)
     # the board goes in first: the short jump must never land on padding
     return Patch(req.point, "springboard", req.code_address, code, (board, head))
 
@@ -248,6 +259,8 @@ TACTICS: dict[str, Callable[[Arch, SpliceRequest], Patch | str]] = {
     "springboard": _tactic_springboard,
     "trap": _tactic_trap,
 }
+# a single tactic may be asked for by name too (re-planning keeps a point's tactic)
+POLICIES.update({name: (name,) for name in TACTICS if name not in POLICIES})
 
 
 def patch_size_bound(arch: Arch, req: SpliceRequest) -> int:

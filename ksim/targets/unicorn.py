@@ -1,0 +1,149 @@
+"""The unicorn target: a bundled kernel image emulated in-process.
+
+The image reserves its own patch area and data heap (``ksim_patch_area``,
+``ksim_heap``), so patches get the same addresses here as under QEMU.  Trap
+dispatch is unicorn's interrupt hook: an ``int3`` at a spliced site arrives as
+interrupt 3 with RIP just past it, and the hook resumes execution at the site's
+patch -- with the registers, flags and stack the kernel had, as a jump would.
+
+A run boots the kernel afresh (pristine data) but keeps what ksim put there:
+the spliced text, the patch area and the data heap (counters accumulate over
+runs, like KernInst's on a running kernel).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ksim import images, poke
+from ksim.arch import get_arch
+from ksim.errors import EmulationError, TargetFault
+from ksim.image.elf import load_image
+from ksim.images.abi import toy_abi
+from ksim.machine.unicorn import UnicornMachine
+from ksim.splice.alloc import RegionAllocator
+from ksim.splice.patch import Write
+from ksim.targets.base import RunResult
+
+TRAP_VECTOR = 3  # #BP
+
+
+@dataclass
+class _HookCounter:
+    """The unicorn oracle: an exact address hook, independent of splicing."""
+
+    name = "unicorn-address-hook"
+    _count: int
+    _remove: Callable[[], None]
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def close(self) -> None:
+        self._remove()
+
+
+class UnicornTarget:
+    def __init__(self, image_name: str = "toy") -> None:
+        path = images.path(image_name)
+        self.name = f"unicorn:{image_name}"
+        self.image = load_image(path)
+        self.arch = get_arch(self.image.arch)
+        self.abi = toy_abi(self.image)
+        self.machine = UnicornMachine(path)
+        sym = self.image.address_of
+        self._code = RegionAllocator(sym("ksim_patch_area"), sym("ksim_patch_area_end"),
+                                     name="patch area")
+        self._data = RegionAllocator(sym("ksim_heap"), sym("ksim_heap_end"), name="data heap")
+        self._traps: dict[int, int] = {}
+        self._text = [(s.address, s.size) for s in self.image.sections if s.executable]
+        self.trap_hits = 0
+        self.machine.hook_interrupt(self._on_interrupt)
+
+    # --- memory -------------------------------------------------------------------
+    def read(self, address: int, size: int) -> bytes:
+        try:
+            return self.machine.read(address, size)
+        except EmulationError as exc:
+            raise TargetFault(f"cannot read {size} bytes at {address:#x}: {exc}") from exc
+
+    def write(self, address: int, data: bytes) -> None:
+        if not any(lo <= address < lo + n for lo, n in self._heap_regions()):
+            raise TargetFault(f"{address:#x} is not kernel data ksim may write (text changes go through poke)")
+        self.machine.write(address, data)
+
+    def _heap_regions(self) -> list[tuple[int, int]]:
+        return [(self._data.start, self._data.end - self._data.start)]
+
+    def poke(self, writes: Sequence[Write]) -> None:
+        poke.apply(writes, read=self.read, write=self.machine.write, trap=self.arch.trap)
+
+    def alloc_code(self, size: int, near: int) -> int:
+        return self._code.alloc(size, 16)
+
+    def free_code(self, address: int) -> None:
+        size = self._code.size_of(address)
+        self.machine.write(address, bytes([self.arch.pad_byte]) * size)
+        self._code.free(address)
+
+    def alloc_data(self, size: int, align: int = 8) -> int:
+        address = self._data.alloc(size, align)
+        self.machine.write(address, bytes(size))
+        return address
+
+    def free_data(self, address: int) -> None:
+        self._data.free(address)
+
+    # --- traps -------------------------------------------------------------------
+    def set_trap(self, site: int, patch: int) -> None:
+        self._traps[site] = patch
+
+    def clear_trap(self, site: int) -> None:
+        self._traps.pop(site, None)
+
+    def _on_interrupt(self, machine: UnicornMachine, vector: int) -> None:
+        if vector != TRAP_VECTOR:
+            raise EmulationError(f"unexpected interrupt {vector} at {machine.reg('rip'):#x}")
+        site = machine.reg("rip") - len(self.arch.trap)
+        patch = self._traps.get(site)
+        if patch is None:
+            raise EmulationError(f"int3 at {site:#x} is not a ksim trap site")
+        self.trap_hits += 1
+        machine.set_reg("rip", patch)
+
+    # --- running -----------------------------------------------------------------
+    def run(self, *, seed: int | None = None, iterations: int | None = None,
+            bench_calls: int | None = None, count_instructions: bool = False,
+            progress: Callable[[], None] | None = None, **_: Any) -> RunResult:
+        keep = [(lo, hi - lo) for lo, hi in ((self._code.start, self._code.end),
+                                              (self._data.start, self._data.end))]
+        keep += self._text
+        saved = [(a, self.machine.read(a, n)) for a, n in keep]
+        self.machine.reset()
+        for a, data in saved:
+            self.machine.write(a, data)
+        start = time.perf_counter()
+        result = self.machine.run(seed=seed, iterations=iterations, bench_calls=bench_calls,
+                                  count_instructions=count_instructions, progress=progress)
+        return RunResult(checksum=result.checksum, instructions=result.instructions,
+                         output=result.serial, seconds=time.perf_counter() - start)
+
+    def oracle_counter(self, address: int) -> _HookCounter:
+        counter = _HookCounter(0, lambda: None)
+
+        def hit(*_: object) -> None:
+            counter._count += 1
+
+        counter._remove = self.machine.hook_code(address, hit)
+        return counter
+
+    def close(self) -> None:
+        self.machine.close()
+
+
+def open(rest: str, **options: Any) -> UnicornTarget:  # noqa: A001 - the registry's entry point
+    return UnicornTarget(rest, **options)

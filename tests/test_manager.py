@@ -1,0 +1,151 @@
+"""The Manager on unicorn:toy: refusals change nothing, handles, re-planning, data memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from ksim.errors import (
+    AlreadySpliced,
+    NoSafeTactic,
+    NotOnBoundary,
+    OutsideText,
+    SnippetError,
+    StaleText,
+    UnknownHandle,
+)
+from ksim.images.toy import HARD_CASES
+from ksim.snippets import ast
+
+SEED, ITER = 3, 200
+
+
+def text_of(m):
+    return {s.address: m.copy_from_kernel(s.address, s.size)
+            for s in m.target.image.sections if s.executable}
+
+
+def state(m):
+    """What a refused insert must leave untouched: text, routes, allocations."""
+    t = m.target
+    return (text_of(m), dict(t._traps), t._code.allocated(), t._data.allocated(), m.splices())
+
+
+def counter_snippet(m):
+    c = m.malloc(8)
+    return c, c.atomic_assign(c + 1)
+
+
+def test_refusals_are_specific_and_change_nothing(toy_manager):
+    m = toy_manager
+    fn = m.find_function("tcp_sync_mss")
+    c, snip = counter_snippet(m)
+    before = state(m)
+    with pytest.raises(NotOnBoundary):
+        m.point_at(fn.address + 1)
+    with pytest.raises(OutsideText):
+        m.point_at(m.target.image.address_of("ksim_heap"))
+    with pytest.raises(SnippetError):
+        m.insert_snippet(m.entry_point(fn), c.assign(ast.RetVal()))       # RetVal at an entry
+    with pytest.raises(SnippetError):
+        m.insert_snippet(m.entry_point(fn), c.assign(c / 0))              # division by zero
+    short = m.find_function(HARD_CASES["short"][0])
+    if m.can_insert(m.entry_point(short), "jmp") is not None:
+        with pytest.raises(NoSafeTactic):
+            m.insert_snippet(m.entry_point(short), snip, splice="jmp")
+    assert state(m) == before
+    m.free(c)
+
+
+def test_stale_text_refuses_the_insert_and_frees_its_patch(toy_manager):
+    m = toy_manager
+    fn = m.find_function("submit_bio")
+    point = m.entry_point(fn)
+    c, snip = counter_snippet(m)
+    original = m.copy_from_kernel(point.address, 1)
+    m.target.machine.write(point.address, b"\xf4")       # someone else changed the text
+    before = state(m)
+    with pytest.raises(StaleText):
+        m.insert_snippet(point, snip, splice="trap")
+    assert state(m) == before
+    m.target.machine.write(point.address, original)
+    m.free(c)
+
+
+def test_point_inside_another_splice_is_refused(toy_manager):
+    m = toy_manager
+    fn = m.find_function("tcp_sync_mss")
+    c, snip = counter_snippet(m)
+    h = m.insert_snippet(m.entry_point(fn), snip, splice="jmp")
+    patch = m.patch_of(h)
+    inside = [i.address for i in m.facts.analysis(fn).insns
+              if patch.writes[-1].address < i.address < patch.writes[-1].end]
+    try:
+        for address in inside:
+            before = state(m)
+            with pytest.raises(AlreadySpliced):
+                m.insert_snippet(m.point_at(address), snip)
+            assert state(m) == before
+        before = state(m)
+        with pytest.raises(AlreadySpliced):     # the point is jmp-spliced; trap excluded
+            m.insert_snippet(m.entry_point(fn), snip, splice="trap")
+        assert state(m) == before
+    finally:
+        m.remove_snippet(h)
+    with pytest.raises(UnknownHandle):
+        m.remove_snippet(h)
+    m.free(c)
+
+
+def test_removing_one_of_two_snippets_keeps_the_other_counting(toy_manager):
+    m = toy_manager
+    fn = m.find_function("kmem_cache_alloc")
+    point = m.entry_point(fn)
+    original = text_of(m)
+    a, sa = counter_snippet(m)
+    b, sb = counter_snippet(m)
+    ha = m.insert_snippet(point, sa)
+    hb = m.insert_snippet(point, sb)
+    with m.oracle(fn.address) as oracle:
+        m.run(seed=SEED, iterations=ITER)
+        first = oracle.count
+    assert m.read(a) == m.read(b) == first > 0
+    m.remove_snippet(ha)
+    m.write(a, 0)
+    m.write(b, 0)
+    with m.oracle(fn.address) as oracle:
+        m.run(seed=SEED, iterations=ITER)
+        second = oracle.count
+    assert (m.read(a), m.read(b)) == (0, second)
+    m.remove_snippet(hb)
+    assert text_of(m) == original
+    m.free(a)
+    m.free(b)
+
+
+def test_data_memory_round_trip(toy_manager):
+    m = toy_manager
+    v = m.malloc(8)
+    assert m.read(v) == 0
+    m.write(v, 0x1122334455667788)
+    assert m.copy_from_kernel(v.address, 8) == bytes.fromhex("8877665544332211")
+    m.copy_to_kernel(v.address, b"\x01" * 8)
+    assert m.read(v) == 0x0101010101010101
+    m.free(v)
+
+
+def test_an_exception_in_a_hook_is_reraised_after_the_run(toy_manager):
+    m = toy_manager
+    fn = m.find_function("schedule")
+
+    class Boom(Exception):
+        pass
+
+    def explode(*_):
+        raise Boom("from a hook")
+
+    remove = m.target.machine.hook_code(fn.address, explode)
+    try:
+        with pytest.raises(Boom):
+            m.run(seed=SEED, iterations=ITER)
+    finally:
+        remove()
