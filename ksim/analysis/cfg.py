@@ -221,8 +221,8 @@ def _mark_reachable(blocks: dict[int, Block], start: int) -> None:
 
 
 # --- jump tables ----------------------------------------------------------------------
-_TABLE_OPERAND = re.compile(r"^qword ptr \[(r\w+)\*8 ([+-]) (0x[0-9a-f]+|\d+)\]$")
-_REG = re.compile(r"^r\w+$|^e\w+$")
+# "notrack" is a ds prefix, which capstone shows as "ds:"
+_TABLE_OPERAND = re.compile(r"^qword ptr (?:ds:)?\[(r\w+)\*8 ([+-]) (0x[0-9a-f]+|\d+)\]$")
 # unsigned bound checks: (mnemonic, edge into the table path) -> entries for bound N
 _GUARDS: dict[tuple[str, EdgeKind], Callable[[int], int]] = {
     ("ja", EdgeKind.NOT_TAKEN): lambda n: n + 1,
@@ -243,6 +243,7 @@ def _table_operand(op_str: str) -> tuple[str, int] | None:
 
 
 def _canonical(reg: str) -> str:
+    """The full register name, or ``reg`` unchanged when it is not a register."""
     from ksim.arch.x86_64.reader import canonical_reg
 
     return canonical_reg(reg) or reg
@@ -277,58 +278,113 @@ def _walk_back(blocks: dict[int, Block], block: Block, pos: int
 
 
 def _find_bound(blocks: dict[int, Block], block: Block, pos: int, reg: str) -> int | None:
-    """Entries allowed by the unsigned bound check that dominates ``block.insns[pos]``
-    for the index in ``reg`` (None if there is none)."""
+    """Entries allowed by an unsigned bound check that dominates ``block.insns[pos]``
+    for the index in ``reg`` (None if there is none).
+
+    Walking backwards, ``index`` maps the registers that carry the index's value
+    at the current point to how many low bits of them it is (None: all).  A guard
+    (``cmp creg, N`` + ``ja``/``jbe``...) on the path counts once its compared
+    register is shown to carry the same value: gcc often copies the index
+    (``mov eax, esi``, ``movzx eax, al``) before comparing the original
+    (``cmp esi, 10``, ``cmp al, 0x20``), so the compared registers are tracked
+    backwards from the cmp as well, until the two meet.
+    """
+    index: dict[str, int | None] = {reg: None}
+    # (cmp address, compared registers once past the cmp, register, width, entries)
+    pending: list[tuple[int, dict[str, int | None] | None, str, int | None, int]] = []
     for insn, where, extra in _walk_back(blocks, block, pos):
         if insn is None:
-            kind = extra
             jcc = where.last
             assert jcc is not None
-            guard = _GUARDS.get((jcc.mnemonic, kind))  # type: ignore[arg-type]
-            if guard is not None:
-                n = _compared_bound(where, len(where.insns) - 1, reg)
-                if n is not None:
-                    return guard(n)
+            guard = _GUARDS.get((jcc.mnemonic, extra))  # type: ignore[arg-type]
+            found = _guard_compare(where, len(where.insns) - 1) if guard else None
+            if guard and found:
+                cmp_addr, creg, width, n = found
+                pending.append((cmp_addr, None, creg, width, guard(n)))
             continue
         if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT):
-            return None  # the call may change the index register
-        if reg in insn.writes:
-            renamed = _rename(insn, reg)
-            if renamed is None:
-                return None
-            reg = renamed
+            return None  # the call may change any of them
+        _step_back(index, insn)
+        if not index:
+            return None
+        for k, (cmp_addr, compared, creg, width, count) in enumerate(pending):
+            if compared is None and insn.address == cmp_addr:
+                compared = {creg: width}
+            elif compared is not None:
+                _step_back(compared, insn)
+            pending[k] = (cmp_addr, compared, creg, width, count)
+            for r, w in (compared or {}).items():
+                # the bound holds if it was checked on all the bits the index uses
+                if r in index and (w is None or index[r] == w):
+                    return count
     return None
 
 
-def _rename(insn: Insn, reg: str) -> str | None:
-    """For a register copy into ``reg`` (``mov edi, edi``, ``mov eax, esi``), the
-    register the index came from; None for any other write."""
+def _narrower(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
+def _step_back(regs: dict[str, int | None], insn: Insn) -> None:
+    """Update ``regs`` (registers holding one value after ``insn``, with the number
+    of low bits that hold it) to the point before ``insn``."""
+    for reg in [r for r in regs if r in insn.writes]:
+        bits = regs.pop(reg)
+        src = _copy_source(insn, reg)
+        if src is not None:
+            regs[src[0]] = _narrower(bits, src[1])
+
+
+_NARROW = {"b": 8, "w": 16}
+
+
+def _reg_bits(name: str) -> int | None:
+    """8 or 16 for a narrow register name, None for a 32/64-bit one."""
+    from ksim.arch.x86_64.reader import reg_width
+
+    width = reg_width(name) or 64
+    return width if width < 32 else None
+
+
+def _is_gpr(name: str) -> bool:
+    from ksim.arch.x86_64.reader import canonical_reg
+
+    return canonical_reg(name) not in (None, "flags")
+
+
+def _copy_source(insn: Insn, reg: str) -> tuple[str, int | None] | None:
+    """For a register copy into ``reg`` (``mov edi, edi``, ``mov eax, esi``,
+    ``movzx eax, al``, ``movsxd rax, esi``): the register copied and how many of
+    its low bits (None: all); None for any other write."""
     if insn.mnemonic not in ("mov", "movzx", "movsxd") or "ptr" in insn.op_str:
         return None
     ops = [o.strip() for o in insn.op_str.split(",")]
-    if len(ops) != 2 or not _REG.match(ops[1]) or _canonical(ops[0]) != reg:
+    if len(ops) != 2 or _canonical(ops[0]) != reg or not _is_gpr(ops[1]):
         return None
-    return _canonical(ops[1])
+    bits = _reg_bits(ops[1])
+    if bits is not None and insn.mnemonic != "movzx":
+        return None  # a narrow mov keeps the destination's upper bits
+    return _canonical(ops[1]), bits
 
 
-def _compared_bound(block: Block, jcc_pos: int, reg: str) -> int | None:
-    """N of the ``cmp reg, N`` that sets the flags the jcc at ``jcc_pos`` tests."""
+def _guard_compare(block: Block, jcc_pos: int) -> tuple[int, str, int | None, int] | None:
+    """(address, register, low bits compared or None for all, N) of the
+    ``cmp reg, N`` whose flags the jcc at ``jcc_pos`` tests."""
     for i in range(jcc_pos - 1, -1, -1):
         insn = block.insns[i]
-        if reg in insn.writes and "flags" not in insn.writes:
-            return None
         if "flags" not in insn.writes:
             continue
         if insn.mnemonic != "cmp":
             return None
         ops = [o.strip() for o in insn.op_str.split(",")]
-        if len(ops) != 2 or _canonical(ops[0]) != reg:
+        if len(ops) != 2 or not _is_gpr(ops[0]):
             return None
         try:
             n = int(ops[1], 0)
         except ValueError:
             return None
-        return n if 0 <= n < _MAX_TABLE else None
+        if not 0 <= n < _MAX_TABLE:
+            return None
+        return insn.address, _canonical(ops[0]), _reg_bits(ops[0]), n
     return None
 
 
@@ -352,7 +408,7 @@ def _table_for(blocks: dict[int, Block], block: Block, jmp: Insn, by_addr: dict[
     where, at = block, pos
     if operand is None:
         # jmp reg: find the load of reg from the table
-        if not _REG.match(jmp.op_str):
+        if not _is_gpr(jmp.op_str):
             return None
         target_reg = _canonical(jmp.op_str)
         for insn, blk, extra in _walk_back(blocks, block, pos):

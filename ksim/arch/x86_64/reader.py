@@ -35,6 +35,7 @@ __all__ = [
     "GPRS",
     "ALL_REGS",
     "canonical_reg",
+    "reg_width",
     "decode",
     "decode_one",
     "decode_lite",
@@ -76,6 +77,12 @@ def canonical_reg(name: str) -> str | None:
     """The 64-bit name of a general-purpose (sub-)register, "flags", or None."""
     hit = _REG_WIDTH.get(name)
     return hit[0] if hit else None
+
+
+def reg_width(name: str) -> int | None:
+    """Width in bits of a general-purpose (sub-)register name, or None."""
+    hit = _REG_WIDTH.get(name)
+    return hit[1] if hit else None
 
 
 # --- control flow: tables by mnemonic (prefixes such as notrack/bnd/rep stripped) ---
