@@ -1,0 +1,391 @@
+"""The QEMU target: a bundled kernel image booted in qemu-system-x86_64.
+
+How it works
+    QEMU starts stopped (``-S``) and boots the image through its PVH ELF note.
+    The target lets it run to a gdbstub breakpoint on ``ksim_entry64``, the
+    64-bit entry the PVH path reaches in long mode and where unicorn starts: by
+    then the boot page tables are live (so the gdbstub reads and writes kernel
+    *virtual* addresses) and no kernel code that ksim may instrument has run.
+    That stop is where ksim's changes go in, as unicorn puts them in before it
+    starts.
+    ``run()`` writes the workload globals (``ksim_workload_seed``...), lets the
+    kernel run, and stops it at a breakpoint on ``ksim_halt`` -- QEMU stays
+    alive, so memory can still be read after the run.
+
+Repeated runs
+    Like the unicorn target, every run boots the kernel afresh (pristine kernel
+    data: a new QEMU process) but keeps what ksim put there: the kernel text
+    (with its splices), the patch area, the data heap (counters accumulate over
+    runs) and the trap routes.  They are read back from the halted guest and
+    written into the new one at its ``ksim_entry64`` stop.  The Manager needs to
+    do nothing between runs.
+
+Trap dispatch
+    The toy kernel's own #BP handler: ``set_trap``/``clear_trap`` edit the dense
+    ``ksim_trap_table[0:ksim_trap_count]`` in guest memory (removal moves the
+    last entry into the hole), mirrored in Python so that a new boot gets the
+    same table.
+
+Oracle
+    ``oracle_counter(address)`` counts gdbstub breakpoint hits on ``address``
+    during runs.  QEMU's TCG breakpoints are checked on the guest's program
+    counter, outside guest memory: they neither change nor see the spliced text
+    (a jmp or int3 at the point still stops there first), so the count is
+    independent of splicing.  Every hit stops the VM and costs a gdbstub round
+    trip (about 0.1-1 ms here), so keep iteration counts small when counting.
+
+Cycles
+    ``run(bench_calls=N)`` returns in ``RunResult.bench_cycles`` what the image
+    measured with rdtsc around N calls of ``ksim_bench_target``.  Under TCG the
+    TSC is emulated (derived from the host clock, not from executed guest
+    instructions): treat the figures as emulated time, good for comparing
+    variants measured the same way, never as hardware cycles.
+
+Acceleration: KVM when it boots the kernel, TCG otherwise (``target.accel``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ksim import poke
+from ksim.arch import get_arch
+from ksim.errors import KsimError, TargetDied, TargetError, TargetFault, TargetTimeout
+from ksim.image.elf import load_image
+from ksim.images import toy
+from ksim.images.abi import toy_abi
+from ksim.machine.gdbstub import SIGTRAP
+from ksim.machine.qemu import QemuMachine
+from ksim.splice.alloc import RegionAllocator
+from ksim.splice.patch import Write
+from ksim.targets.base import RunResult
+
+#: where the target stops a fresh boot to put ksim's changes in (see module doc)
+BOOT_STOP = toy.ENTRY
+#: where a workload ends (it would exit QEMU); the target stops there so memory stays readable
+HALT = toy.HALT
+
+
+@dataclass(slots=True)
+class QemuRunResult(RunResult):
+    """RunResult plus what only this target knows."""
+
+    #: ksim_bench_cycles: rdtsc delta around the bench calls (emulated TSC under TCG)
+    bench_cycles: int | None = None
+    #: "kvm" or "tcg"
+    accel: str | None = None
+    #: seconds spent booting a new QEMU before this run (0 on the first run)
+    boot_seconds: float = 0.0
+
+
+class _BreakpointCounter:
+    """The QEMU oracle: gdbstub breakpoint hits on one address, counted by the target."""
+
+    name = "gdbstub-breakpoint"
+
+    def __init__(self, target: QemuTarget, address: int) -> None:
+        self._target, self.address, self._count = target, address, 0
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def close(self) -> None:
+        self._target._drop_counter(self)
+
+
+def _image_path(rest: str) -> Path:
+    path = Path(rest)
+    if path.is_file():
+        return path
+    from ksim import images
+
+    return Path(images.path(rest))
+
+
+class QemuTarget:
+    def __init__(self, image: str = "toy", *, accel: str = "auto", timeout: float = 10.0,
+                 boot_timeout: float = 60.0, qemu: str | None = None) -> None:
+        """Boot ``image`` (a bundled image name or an ELF path) to ``ksim_entry64``.
+
+        ``timeout`` bounds each gdbstub/QMP exchange, ``boot_timeout`` a boot."""
+        self.path = _image_path(image)
+        self.name = f"qemu:{image}"
+        self.image = load_image(self.path)
+        self.arch = get_arch(self.image.arch)
+        self.abi = toy_abi(self.image)
+        sym = self.image.address_of
+        self._sym = sym
+        self._code = RegionAllocator(sym(toy.PATCH_AREA), sym(toy.PATCH_AREA_END),
+                                     name="patch area")
+        self._data = RegionAllocator(sym(toy.HEAP), sym(toy.HEAP_END), name="data heap")
+        # kernel text proper; the patch area is carried over by its allocations
+        # (free patch memory holds int3 fill, as in a fresh image)
+        self._text = [(s.address, s.size) for s in self.image.sections
+                      if s.executable and not self._code.start <= s.address < self._code.end]
+        self._traps: list[tuple[int, int]] = []  # mirror of ksim_trap_table[0:count]
+        self._counters: list[_BreakpointCounter] = []
+        self._timeout, self._boot_timeout, self._accel_choice = timeout, boot_timeout, accel
+        self._qemu = qemu
+        self.machine: QemuMachine | None = None
+        self.halted = False  # stopped at ksim_halt after a run (the next run reboots)
+        self.boot_seconds = self._boot(accel)
+
+    # --- booting ----------------------------------------------------------------------
+    @property
+    def accel(self) -> str | None:
+        return self.machine.accel if self.machine else None
+
+    def _boot(self, accel: str) -> float:
+        start = time.monotonic()
+        self.machine = QemuMachine(self.path, accel=accel, timeout=self._timeout,
+                                   qemu=self._qemu, boot_check=self._boot_to_start)
+        gdb = self.machine.gdb
+        assert gdb is not None
+        gdb.set_breakpoint(self._sym(HALT))
+        for counter in self._counters:
+            gdb.set_breakpoint(counter.address)
+        self.halted = False
+        return time.monotonic() - start
+
+    def _boot_to_start(self, machine: QemuMachine) -> None:
+        """Run a fresh QEMU to the ksim_entry64 breakpoint (the boot check too:
+        an accelerator that cannot get there is given up)."""
+        gdb = machine.gdb
+        assert gdb is not None
+        where = self._sym(BOOT_STOP)
+        gdb.set_breakpoint(where)
+        try:
+            stop = gdb.cont(timeout=self._boot_timeout)
+        except TargetTimeout:
+            with contextlib.suppress(KsimError):
+                gdb.interrupt(timeout=2)
+            rip = _safe_rip(gdb)
+            raise TargetTimeout(machine._describe(
+                f"the kernel did not reach {BOOT_STOP} within {self._boot_timeout:.0f} s "
+                f"(rip {rip}); serial:\n{machine.serial_text()[-1000:]}")) from None
+        rip = gdb.read_register("rip")
+        if stop.exited or rip != where:
+            raise TargetError(machine._describe(
+                f"boot stopped at {rip:#x} ({stop.raw}), not at {BOOT_STOP} {where:#x}"))
+        gdb.remove_breakpoint(where)
+
+    def _reboot(self) -> float:
+        """A new QEMU with pristine kernel data and ksim's text, patch area,
+        heap and trap routes carried over."""
+        keep = [*self._text, *self._code.allocated().items(), *self._data.allocated().items()]
+        saved = [(a, self.read(a, n)) for a, n in keep]
+        old = self.machine
+        self.machine = None
+        if old is not None:
+            old.close()
+        seconds = self._boot(old.accel if old and old.accel else self._accel_choice)
+        gdb = self._gdb()
+        for a, data in saved:
+            gdb.write_memory(a, data)
+        self._write_trap_table()
+        return seconds
+
+    # --- memory -------------------------------------------------------------------------
+    def _gdb(self):  # -> GdbStub, stopped
+        if self.machine is None or self.machine.gdb is None:
+            raise TargetDied(f"{self.name} is closed")
+        gdb = self.machine.gdb
+        if gdb.running:
+            self.machine.stop()
+        return gdb
+
+    def read(self, address: int, size: int) -> bytes:
+        return self._gdb().read_memory(address, size)
+
+    def write(self, address: int, data: bytes) -> None:
+        if not (self._data.start <= address and address + len(data) <= self._data.end):
+            raise TargetFault(f"{address:#x} is not kernel data ksim may write "
+                              f"(text changes go through poke)")
+        self._gdb().write_memory(address, data)
+
+    def _write_raw(self, address: int, data: bytes) -> None:
+        self._gdb().write_memory(address, data)
+
+    def poke(self, writes: Sequence[Write]) -> None:
+        """Apply text writes with the VM stopped: every old byte is checked first
+        (StaleText, nothing written), then the writes go in (ksim.poke's order,
+        which for a stopped single CPU is simply all of them)."""
+        poke.apply(writes, read=self.read, write=self._write_raw, trap=self.arch.trap)
+
+    def alloc_code(self, size: int, near: int) -> int:
+        # the whole patch area is within rel32 reach of the kernel text
+        return self._code.alloc(size, 16)
+
+    def free_code(self, address: int) -> None:
+        size = self._code.size_of(address)
+        self._write_raw(address, bytes([self.arch.pad_byte]) * size)
+        self._code.free(address)
+
+    def alloc_data(self, size: int, align: int = 8) -> int:
+        address = self._data.alloc(size, align)
+        try:
+            self._write_raw(address, bytes(size))
+        except BaseException:
+            self._data.free(address)
+            raise
+        return address
+
+    def free_data(self, address: int) -> None:
+        self._data.free(address)
+
+    # --- traps ----------------------------------------------------------------------------
+    def set_trap(self, site: int, patch: int) -> None:
+        for i, (s, _) in enumerate(self._traps):
+            if s == site:
+                self._traps[i] = (site, patch)
+                self._write_trap_entry(i)
+                return
+        slots = self.image.symbol(toy.TRAP_TABLE).size // toy.TRAP_ENTRY_SIZE or toy.TRAP_SLOTS
+        if len(self._traps) >= slots:
+            raise TargetError(f"ksim_trap_table is full ({slots} trap sites)")
+        self._traps.append((site, patch))
+        # the entry first, then the count: the handler only looks below the count
+        self._write_trap_entry(len(self._traps) - 1)
+        self._write_trap_count()
+
+    def clear_trap(self, site: int) -> None:
+        for i, (s, _) in enumerate(self._traps):
+            if s == site:
+                break
+        else:
+            return
+        last = len(self._traps) - 1
+        # shrink first so the hole is never visible, then fill it with the last entry
+        self._traps[i] = self._traps[last]
+        self._traps.pop()
+        self._write_trap_count()
+        if i < last:
+            self._write_trap_entry(i)
+
+    def _write_trap_entry(self, i: int) -> None:
+        site, patch = self._traps[i]
+        self._write_raw(self._sym(toy.TRAP_TABLE) + i * toy.TRAP_ENTRY_SIZE,
+                        site.to_bytes(8, "little") + patch.to_bytes(8, "little"))
+
+    def _write_trap_count(self) -> None:
+        self._write_raw(self._sym(toy.TRAP_COUNT), len(self._traps).to_bytes(8, "little"))
+
+    def _write_trap_table(self) -> None:
+        for i in range(len(self._traps)):
+            self._write_trap_entry(i)
+        self._write_trap_count()
+
+    def traps_in_guest(self) -> list[tuple[int, int]]:
+        """ksim_trap_table[0:ksim_trap_count] as the guest holds it."""
+        count = int.from_bytes(self.read(self._sym(toy.TRAP_COUNT), 8), "little")
+        raw = self.read(self._sym(toy.TRAP_TABLE), count * toy.TRAP_ENTRY_SIZE) if count else b""
+        return [(int.from_bytes(raw[i:i + 8], "little"), int.from_bytes(raw[i + 8:i + 16], "little"))
+                for i in range(0, len(raw), toy.TRAP_ENTRY_SIZE)]
+
+    # --- running --------------------------------------------------------------------------
+    def _set_u64(self, name: str, value: int) -> None:
+        self._write_raw(self._sym(name), (value % (1 << 64)).to_bytes(8, "little"))
+
+    def _get_u64(self, name: str) -> int:
+        return int.from_bytes(self.read(self._sym(name), 8), "little")
+
+    def run(self, *, seed: int | None = None, iterations: int | None = None,
+            bench_calls: int | None = None, progress: Callable[[], None] | None = None,
+            timeout: float = 600.0, **_: Any) -> QemuRunResult:
+        """Run the workload to ``ksim_halt`` (see the module doc for repeated runs).
+
+        ``progress()`` is called about once a second while the kernel runs.
+        TargetTimeout after ``timeout`` seconds (the guest is stopped, QEMU kept);
+        TargetDied if QEMU ends (the kernel failed: the serial tail says why)."""
+        boot = self._reboot() if self.halted else 0.0
+        for name, value in ((toy.WORKLOAD_SEED, seed), (toy.WORKLOAD_ITERATIONS, iterations),
+                            (toy.BENCH_CALLS, bench_calls)):
+            if value is not None:
+                self._set_u64(name, value)
+        machine = self.machine
+        assert machine is not None and machine.gdb is not None
+        gdb, halt = machine.gdb, self._sym(HALT)
+        counters = {c.address: c for c in self._counters}
+        start = time.monotonic()
+        deadline, next_tick = start + timeout, start + 1.0
+        gdb.resume()
+        while True:
+            try:
+                stop = gdb.wait(timeout=max(0.01, min(next_tick, deadline) - time.monotonic()))
+            except TargetTimeout:
+                now = time.monotonic()
+                if now >= deadline:
+                    machine.stop()
+                    raise TargetTimeout(
+                        f"{self.name}: the workload did not reach {HALT} within {timeout:.0f} s "
+                        f"(stopped at {gdb.read_register('rip'):#x})") from None
+                if progress is not None and now >= next_tick:
+                    progress()
+                next_tick = now + 1.0
+                continue
+            except TargetDied as e:
+                raise TargetDied(f"{self.name}: QEMU ended during the run "
+                                 f"(exit status {machine.exit_status}); serial:\n"
+                                 f"{machine.serial_text()[-2000:]}") from e
+            if stop.exited:
+                raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
+                                 f"{machine.serial_text()[-2000:]}")
+            rip = gdb.read_register("rip")
+            if rip == halt:
+                break
+            counter = counters.get(rip)
+            if counter is not None and stop.signal == SIGTRAP:
+                counter._count += 1
+                gdb.resume()  # steps off the breakpoint first
+                continue
+            raise TargetError(f"{self.name}: unexpected stop at {rip:#x} ({stop.raw})")
+        seconds = time.monotonic() - start
+        self.halted = True
+        return QemuRunResult(
+            checksum=self._get_u64(toy.WORKLOAD_CHECKSUM),
+            output=machine.serial_text(), seconds=seconds,
+            bench_cycles=self._get_u64(toy.BENCH_CYCLES) if bench_calls else None,
+            accel=machine.accel, boot_seconds=boot)
+
+    def oracle_counter(self, address: int) -> _BreakpointCounter:
+        counter = _BreakpointCounter(self, address)
+        self._gdb().set_breakpoint(address)
+        self._counters.append(counter)
+        return counter
+
+    def _drop_counter(self, counter: _BreakpointCounter) -> None:
+        if counter not in self._counters:
+            return
+        self._counters.remove(counter)
+        if self.machine is not None and self.machine.gdb is not None and \
+                all(c.address != counter.address for c in self._counters) and \
+                counter.address != self._sym(HALT):
+            self._gdb().remove_breakpoint(counter.address)
+
+    def close(self) -> None:
+        machine, self.machine = self.machine, None
+        if machine is not None:
+            machine.close()
+
+    def __enter__(self) -> QemuTarget:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _safe_rip(gdb) -> str:
+    try:
+        return f"{gdb.read_register('rip'):#x}"
+    except KsimError:
+        return "unknown"
+
+
+def open(rest: str, **options: Any) -> QemuTarget:  # noqa: A001 - the registry's entry point
+    return QemuTarget(rest, **options)
