@@ -167,3 +167,16 @@ def test_a_one_byte_function_takes_a_jmp_over_its_trailing_filler():
     # ... but not when a springboard already uses that filler
     with pytest.raises(NoSafeTactic):
         planner.plan(ARCH, request(fc, policy="jmp", busy=frozenset({F + 3})))
+
+
+def test_a_moved_call_returns_to_the_original_text_not_the_patch():
+    code = bytes([
+        0xE8, 0x0B, 0x00, 0x00, 0x00,   # F+0: call F+0x10
+        0xC3,                           # F+5: ret
+    ])
+    patch = planner.plan(ARCH, request(func(code), policy="jmp"))
+    # push F+5 (sign-extended imm32); jmp F+0x10 -- and no jump back: the callee returns to F+5
+    assert patch.code == SNIPPET + b"\x68" + (F + 5 & 0xFFFFFFFF).to_bytes(4, "little") \
+        + b"\xe9" + rel32(P + 1 + 5 + 5, F + 0x10)
+    trap = planner.plan(ARCH, request(func(code), policy="trap"))
+    assert trap.code == patch.code

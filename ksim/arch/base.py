@@ -105,6 +105,12 @@ class Arch(Protocol):
         """
         ...
 
+    def call_returning_to(self, at: int, target: int, return_address: int) -> bytes | None:
+        """Code at ``at`` with the effect of a direct call to ``target`` whose return
+        lands on ``return_address`` (so a patch holding a moved call can be freed
+        while the callee still runs); None when the architecture cannot."""
+        ...
+
     def compile_snippets(
         self,
         snippets: Sequence[Snippet],

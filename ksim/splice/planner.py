@@ -189,12 +189,23 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
 
 
 def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes:
-    """snippets + relocated originals + jump back (the same for every tactic)."""
+    """snippets + relocated originals + jump back (the same for every tactic).
+
+    A direct call among the moved instructions (only ever the last) becomes
+    "push the original return address; jmp callee": the callee returns to the
+    original text, never into the patch, so the patch can be freed while the
+    callee still runs (a task asleep in schedule() when the splice is removed)."""
     at = req.code_address
     body = req.compile(at)
+    last = moved[-1]
+    if last.flow is Flow.CALL and last.target is not None:
+        head = arch.relocate(moved[:-1], at + len(body)) if len(moved) > 1 else b""
+        call = arch.call_returning_to(at + len(body) + len(head), last.target, last.end)
+        if call is not None:
+            return body + head + call
     relocated = arch.relocate(moved, at + len(body))
     back_from = at + len(body) + len(relocated)
-    return body + relocated + arch.jmp(back_from, moved[-1].end)
+    return body + relocated + arch.jmp(back_from, last.end)
 
 
 def _overwrite(moved: Sequence[Insn], head: bytes, pad: int, tail: bytes = b"") -> Write:
