@@ -176,19 +176,42 @@ def test_saves_exactly_the_clobbered_live_registers():
     assert code[-2:] == bytes([0x58, 0x9D])         # pop rax; popfq
 
 
+def test_point_register_read_directly_when_untouched():
+    """Arg(4) is r8, which code without calls never writes: no save, a plain mov."""
+    m = machine()
+    code = ARCH.compile_snippets([var(0x20).assign(arg(4))], CODE, live=frozenset({"r8"}), abi=ABI)
+    assert code[:3] == bytes([0x4C, 0x89, 0xC0])          # mov rax, r8
+    run([var(0x20).assign(arg(4))], regs={"r8": 1234}, live=frozenset({"r8"}))
+    assert m.u64(DATA + 0x20) == 1234
+
+
 def test_unknown_live_register_refused():
     with pytest.raises(CodegenError):
         ARCH.compile_snippets([var(0).assign(1)], CODE, live=frozenset({"xmm0"}), abi=ABI)
 
 
 # --- atomics ---------------------------------------------------------------------------------
-def test_atomic_increment_uses_lock_xadd():
+def test_atomic_increment_is_one_locked_add():
+    """KernInst's count_func: the whole patch is pushfq; lock add; popfq."""
     m = machine()
     m.put64(DATA, 41)
     c = var(0)
-    after, code = run([c.atomic_assign(c + 1)])
+    _, code = run([c.atomic_assign(c + 1)])
     assert m.u64(DATA) == 42
+    assert code == bytes([0x9C,                                   # pushfq
+                          0xF0, 0x48, 0x83, 0x04, 0x25]           # lock add qword [DATA], 1
+                         + list(DATA.to_bytes(4, "little")) + [0x01,
+                          0x9D])                                  # popfq
+
+
+def test_atomic_increment_whose_value_is_used_uses_lock_xadd():
+    m = machine()
+    m.put64(DATA, 41)
+    m.put64(DATA + 8, 0)
+    c = var(0)
+    _, code = run([var(8).assign(c.atomic_assign(c + var(0x10)))], live=frozenset())
     assert bytes([0xF0, 0x48, 0x0F, 0xC1]) in code     # lock xadd
+    assert m.u64(DATA) == m.u64(DATA + 8) == 41 + m.u64(DATA + 0x10)
 
 
 def test_atomic_subtract_and_reversed_add():
@@ -486,3 +509,13 @@ def test_seq_value_and_empty_seq():
     m = machine()
     run([var(0x1E8).assign(seq(1, 2, 3) + seq())])
     assert m.u64(DATA + 0x1E8) == 3
+
+
+def test_code_length_does_not_depend_on_the_address():
+    """The planner sizes a patch by compiling at a provisional address."""
+    far_data = 0xFFFF888000100000
+    s = [var(0).atomic_assign(var(0) + 1), Var(far_data).assign(call(CALLEE, 1, Var(far_data))),
+         var(8).assign(pid())]
+    near = ARCH.compile_snippets(s, CODE + 0x100, live=ALL_LIVE, abi=ABI)
+    far = ARCH.compile_snippets(s, 0xFFFFFFFFC0000000, live=ALL_LIVE, abi=ABI)
+    assert len(near) == len(far) and near != far

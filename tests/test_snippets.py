@@ -90,6 +90,7 @@ def test_nodes_hash_by_identity():
         (load(V, 16), "entry", BadOperand),
         (BinOp("pow", V, V), "entry", BadOperand),
         (V, "middle", PointKindError),
+        (V.atomic_assign(seq(V.assign(V + 1), 5)), "entry", SlotError),
     ],
 )
 def test_check_refuses(snippet, kind, error):

@@ -92,6 +92,16 @@ def _assign(node: ast.Assign | ast.AtomicAssign, kind: str) -> None:
         raise NotAssignable(f"cannot assign to {what}: only a Var can be assigned")
 
 
+def _atomic_assign(node: ast.AtomicAssign, kind: str) -> None:
+    _assign(node, kind)
+    key = node.target.key
+    for x in ast.walk(node.value):
+        if isinstance(x, ast.Assign | ast.AtomicAssign) and isinstance(x.target, ast.Var) \
+                and x.target.key == key:
+            # the compare-and-swap would see its own store as interference, forever
+            raise SlotError("the value of an atomic assignment must not assign its own target")
+
+
 def _seq(node: ast.Seq, kind: str) -> None:
     if not isinstance(node.body, tuple | list):
         raise SlotError(f"Seq body must be a sequence of nodes, got {node.body!r}")
@@ -129,7 +139,7 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.Unary: _unary,
     ast.Compare: _compare,
     ast.Assign: _assign,
-    ast.AtomicAssign: _assign,
+    ast.AtomicAssign: _atomic_assign,
     ast.Seq: _seq,
     ast.Call: _call,
     ast.Arg: _arg,

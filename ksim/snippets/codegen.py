@@ -50,6 +50,12 @@ class Emitter(ABC):
     def end(self) -> bytes:
         """Epilogue (restore what ``begin`` saved) and the finished code."""
 
+    @abstractmethod
+    def writes(self) -> frozenset[str]:
+        """After ``end``: every register (and "flags") the finished code may change
+        between the prologue's saves and the epilogue's restores, including what a
+        called function may change (the stack pointer excepted: it is rebalanced)."""
+
     # --- values -------------------------------------------------------------------------
     @abstractmethod
     def const(self, value: int) -> None: ...
@@ -93,6 +99,15 @@ class Emitter(ABC):
     def compare(self, op: str) -> None:
         """acc = 1 if popped-left ``op`` acc else 0."""
 
+    def binop_imm(self, op: str, value: int) -> bool:
+        """acc = acc ``op`` value with an immediate operand, if the architecture has
+        such a form for this op and value; False (nothing emitted) otherwise."""
+        return False
+
+    def compare_imm(self, op: str, value: int) -> bool:
+        """acc = 1 if acc ``op`` value else 0 with an immediate, if possible."""
+        return False
+
     @abstractmethod
     def unary(self, op: str) -> None:
         """acc = neg/not/lnot acc (lnot: 1 if acc == 0 else 0)."""
@@ -122,8 +137,13 @@ class Emitter(ABC):
 
     # --- atomics ---------------------------------------------------------------------------
     @abstractmethod
-    def atomic_add(self, address: int, size: int, segment: str | None) -> None:
-        """Atomically add acc to memory; acc = the new value (not yet narrowed)."""
+    def atomic_add(self, address: int, size: int, segment: str | None, fetch: bool = True) -> None:
+        """Atomically add acc to memory; if ``fetch``, acc = the new value (not yet
+        narrowed), else acc is undefined."""
+
+    def atomic_add_imm(self, address: int, size: int, segment: str | None, value: int) -> bool:
+        """Atomically add a constant to memory (result unused), if possible."""
+        return False
 
     @abstractmethod
     def compare_and_swap(self, address: int, size: int, segment: str | None, retry: Any) -> None:
@@ -167,7 +187,22 @@ class Codegen:
         }
 
     def gen(self, node: ast.Node) -> None:
+        """Code leaving ``node``'s value in the accumulator."""
         self._gen[type(node)](node)
+
+    def effect(self, node: ast.Node) -> None:
+        """Code for ``node``'s effects only (its value is discarded)."""
+        if isinstance(node, ast.Seq):
+            for stmt in node.body:
+                self.effect(stmt)
+        elif isinstance(node, ast.If):
+            self._if(node, value=False)
+        elif isinstance(node, ast.Assign):
+            self._assign(node, value=False)
+        elif isinstance(node, ast.AtomicAssign):
+            self._atomic_assign(node, value=False)
+        else:
+            self.gen(node)
 
     def _var(self, n: ast.Var) -> None:
         if n.key in self.bound:
@@ -175,17 +210,20 @@ class Codegen:
         else:
             self.e.load(n.address, n.size, n.signed, n.segment)
 
-    def _binary_operands(self, left: ast.Node, right: ast.Node) -> None:
-        self.gen(left)
-        self.e.push()
-        self.gen(right)
-
     def _binop(self, n: ast.BinOp) -> None:
-        self._binary_operands(n.left, n.right)
+        self.gen(n.left)
+        if isinstance(n.right, ast.Const) and self.e.binop_imm(n.op, n.right.value):
+            return
+        self.e.push()
+        self.gen(n.right)
         self.e.binop(n.op)
 
     def _compare(self, n: ast.Compare) -> None:
-        self._binary_operands(n.left, n.right)
+        self.gen(n.left)
+        if isinstance(n.right, ast.Const) and self.e.compare_imm(n.op, n.right.value):
+            return
+        self.e.push()
+        self.gen(n.right)
         self.e.compare(n.op)
 
     def _unary(self, n: ast.Unary) -> None:
@@ -219,17 +257,21 @@ class Codegen:
         self.e.const(1)
         self.e.bind(done)
 
-    def _if(self, n: ast.If) -> None:
+    def _if(self, n: ast.If, value: bool = True) -> None:
+        branch = self.gen if value else self.effect
         orelse, done = self.e.new_label(), self.e.new_label()
         self.gen(n.cond)
         self.e.jump_if_zero(orelse)
-        self.gen(n.then)
+        branch(n.then)
+        if n.orelse is None and not value:
+            self.e.bind(orelse)
+            return
         self.e.jump(done)
         self.e.bind(orelse)
         if n.orelse is None:
             self.e.const(0)
         else:
-            self.gen(n.orelse)
+            branch(n.orelse)
         self.e.bind(done)
 
     def _seq(self, n: ast.Seq) -> None:
@@ -238,24 +280,35 @@ class Codegen:
         for stmt in n.body:
             self.gen(stmt)
 
-    def _assign(self, n: ast.Assign) -> None:
+    def _assign(self, n: ast.Assign, value: bool = True) -> None:
         t: ast.Var = n.target
         self.gen(n.value)
         self.e.store(t.address, t.size, t.segment)
-        self.e.narrow(t.size, t.signed)
+        if value:
+            self.e.narrow(t.size, t.signed)
 
-    def _atomic_assign(self, n: ast.AtomicAssign) -> None:
+    def _atomic_assign(self, n: ast.AtomicAssign, value: bool = True) -> None:
         t: ast.Var = n.target
         delta = _additive_delta(t, n.value)
-        if delta is not None:
+        if delta is None:
+            self._cas_loop(t, n.value)
+        elif not value and self._atomic_add_const(t, *delta):
+            return
+        else:
             term, negate = delta
             self.gen(term)
             if negate:
                 self.e.unary("neg")
-            self.e.atomic_add(t.address, t.size, t.segment)
-        else:
-            self._cas_loop(t, n.value)
-        self.e.narrow(t.size, t.signed)
+            self.e.atomic_add(t.address, t.size, t.segment, fetch=value)
+        if value:
+            self.e.narrow(t.size, t.signed)
+
+    def _atomic_add_const(self, t: ast.Var, term: ast.Node, negate: bool) -> bool:
+        """``lock add``-style update by a constant whose result is not needed."""
+        if not isinstance(term, ast.Const):
+            return False
+        amount = -term.value if negate else term.value
+        return self.e.atomic_add_imm(t.address, t.size, t.segment, _signed(amount))
 
     def _cas_loop(self, t: ast.Var, value: ast.Node) -> None:
         """Snapshot the variable, compute the value with every read of the variable
@@ -293,6 +346,11 @@ class Codegen:
     def _load(self, n: ast.Load) -> None:
         self.gen(n.ptr)
         self.e.load_indirect(0, n.size, n.signed)
+
+
+def _signed(value: int) -> int:
+    value &= (1 << 64) - 1
+    return value - (1 << 64) if value >> 63 else value
 
 
 def _reads_var(node: Any, key: tuple[int, str | None]) -> bool:
@@ -336,29 +394,47 @@ def point_reads(arch: Arch, node: Any) -> frozenset[str]:
 def compile_snippets(
     arch: Arch,
     snippets: Sequence[ast.Node],
-    emitter: Emitter,
+    new_emitter: Callable[[], Emitter],
     *,
     live: frozenset[str],
     point_kind: str = "entry",
     abi: Any = None,
 ) -> bytes:
     """Check, then generate code that runs ``snippets`` in order and falls through
-    with every live register (and the flags if live) as it found them."""
+    with every live register (and the flags if live) as it found them.
+
+    Two passes: the first saves every live register the Emitter *may* clobber and
+    learns which ones the code really writes; the second saves exactly those (a
+    counter increment at a point where only the flags are live saves only the
+    flags).  The result is then verified: nothing live is written unsaved."""
     unknown = set(live) - set(arch.all_regs)
     if unknown:
         raise CodegenError(f"unknown registers in the live set: {sorted(unknown)}")
     for s in snippets:
         check(s, point_kind)
     body = ast.Seq(tuple(snippets))
-    calls = uses_calls(body)
-    clobbered = emitter.clobbers(calls)
-    save = clobbered & (frozenset(live) | point_reads(arch, body))
-    emitter.begin(save, calls)
     if abi is None and any(isinstance(x, ast.Pid | ast.Cpu) for x in ast.walk(body)):
         raise CodegenError("Pid and Cpu need the kernel's ABI (abi=KernelABI(...))")
+    calls = uses_calls(body)
+    needed = frozenset(live) | point_reads(arch, body)
+    first = new_emitter()
+    save = first.clobbers(calls) & needed
+    code = _generate(arch, snippets, first, save, calls, abi)
+    exact = first.writes() & needed
+    if exact != save:
+        second = new_emitter()
+        code = _generate(arch, snippets, second, exact, calls, abi)
+        if not second.writes() & needed <= exact:
+            raise CodegenError("generated code writes a live register it does not save")
+    return code
+
+
+def _generate(arch: Arch, snippets: Sequence[ast.Node], emitter: Emitter,
+              save: frozenset[str], calls: bool, abi: Any) -> bytes:
+    emitter.begin(save, calls)
     codegen = Codegen(arch, emitter, abi)
     for s in snippets:
-        codegen.gen(s)
+        codegen.effect(s)
     if emitter.depth != 0:
         raise CodegenError(f"unbalanced temporaries after codegen (depth {emitter.depth})")
     return emitter.end()

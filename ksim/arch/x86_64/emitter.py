@@ -31,7 +31,6 @@ from .writer import (
     absolute,
     fits,
     rel32_reaches,
-    rip_relative,
     signed64,
 )
 
@@ -47,8 +46,8 @@ COMPARE_CC = {
 #: operations done as ``op rax, rcx`` (commutative)
 COMMUTATIVE = {"add": "add", "and": "and", "or": "or", "xor": "xor"}
 SHIFTS = {"shl": "shl", "sar": "sar", "shr": "shr"}
-#: keep RIP-relative operands this far inside the ±2 GB reach (the instruction's own length)
-_RIP_MARGIN = 64
+#: movabs rax, imm64 (10) + call rax (2)
+_FAR_CALL_SIZE = 12
 
 
 class X86Emitter(Emitter):
@@ -60,6 +59,8 @@ class X86Emitter(Emitter):
         self.depth = 0
         self._saved: list[str] = []
         self._frame_reg = False
+        self._body_start = self._body_end = 0
+        self._code = b""
 
     # --- frame -----------------------------------------------------------------------
     def clobbers(self, calls: bool) -> frozenset[str]:
@@ -69,6 +70,7 @@ class X86Emitter(Emitter):
         self._saved = (["flags"] if "flags" in save else []) + [r for r in GPR64 if r in save]
         for reg in self._saved:
             self.w.put_pushfq() if reg == "flags" else self.w.put_push(reg)
+        self._body_start = self.w.offset
         if calls:
             self._frame_reg = True
             self.w.put_mov_reg_reg("rbx", "rsp")
@@ -77,9 +79,26 @@ class X86Emitter(Emitter):
     def end(self) -> bytes:
         if self._frame_reg:
             self.w.put_mov_reg_reg("rsp", "rbx")
+        self._body_end = self.w.offset
         for reg in reversed(self._saved):
             self.w.put_popfq() if reg == "flags" else self.w.put_pop(reg)
-        return self.w.flush()
+        self._code = self.w.flush()
+        return self._code
+
+    def writes(self) -> frozenset[str]:
+        """Decoded from the finished code (the reader's register effects), plus every
+        caller-saved register when the code calls out."""
+        from .reader import decode
+
+        body = self._code[self._body_start:self._body_end]
+        out: set[str] = set()
+        for insn in decode(body, self.w.address + self._body_start):
+            out |= insn.writes
+        if sum(len(i.raw) for i in decode(body, 0)) != len(body):
+            raise CodegenError("generated code does not decode")
+        if self._frame_reg:
+            out |= CALL_CLOBBERS
+        return frozenset(out - {"rsp"})
 
     def _slot(self, reg: str) -> Mem:
         """Where the prologue saved ``reg``."""
@@ -91,20 +110,20 @@ class X86Emitter(Emitter):
     def point_reg(self, reg: str) -> None:
         if reg in self._saved:
             self.w.put_mov_reg_mem(ACC, self._slot(reg))
-        elif reg in self.clobbers(self._frame_reg):
-            raise CodegenError(f"{reg} is clobbered but was not saved")
         else:
+            # not saved: the code never writes it (compile_snippets verifies this)
             self.w.put_mov_reg_reg(ACC, reg)
 
     # --- memory ------------------------------------------------------------------------
     def _mem(self, address: int, segment: str | None, scratch: str) -> Mem:
-        """The shortest operand reaching ``address``: absolute disp32, RIP-relative,
-        or through ``scratch`` loaded with the 64-bit address."""
+        """An absolute disp32 operand when ``address`` lies in the low or top 2 GB (the
+        kernel image), else through ``scratch`` loaded with the 64-bit address.
+
+        RIP-relative forms are deliberately not used: the choice, and so the code's
+        length, then depends on the data address only, never on where the code is
+        placed, and the planner can size a patch before it allocates it."""
         if abs32_reaches(address):
             return absolute(address, segment)
-        reach = (INT32[0] + _RIP_MARGIN, INT32[1] - _RIP_MARGIN)
-        if segment is None and fits(signed64(address - self.w.pc), reach):
-            return rip_relative(address)
         self.w.put_mov_reg_imm(scratch, address)
         return Mem(base=scratch, segment=segment)
 
@@ -188,6 +207,28 @@ class X86Emitter(Emitter):
             w.put_mov_reg_imm(ACC, -1)
         w.put_label(done)
 
+    def binop_imm(self, op: str, value: int) -> bool:
+        v = signed64(value)
+        if op in SHIFTS:
+            self.w.put_shift_imm(SHIFTS[op], ACC, value & 63)
+        elif not fits(v, INT32) or op in ("div", "mod"):
+            return False
+        elif op in COMMUTATIVE or op == "sub":
+            self.w.put_alu_reg_imm(op, ACC, v)
+        elif op == "mul":
+            self.w.put_imul_reg_imm(ACC, ACC, v)
+        else:
+            return False
+        return True
+
+    def compare_imm(self, op: str, value: int) -> bool:
+        v = signed64(value)
+        if not fits(v, INT32):
+            return False
+        self.w.put_cmp_reg_imm(ACC, v)
+        self._set_acc(COMPARE_CC[op])
+        return True
+
     def compare(self, op: str) -> None:
         self._pop(LEFT)
         self.w.put_alu_reg_reg("cmp", LEFT, ACC)
@@ -232,7 +273,10 @@ class X86Emitter(Emitter):
         if pad:
             self.w.put_sub_reg_imm("rsp", 8)
         if rel32_reaches(self.w.pc + 5, address):
+            # padded to the length of the far form so that the code's length does
+            # not depend on where it is placed
             self.w.put_call(address)
+            self.w.put_nop(_FAR_CALL_SIZE - 5)
         else:
             self.w.put_mov_reg_imm(ACC, address)
             self.w.put_call_reg(ACC)
@@ -240,11 +284,23 @@ class X86Emitter(Emitter):
             self.w.put_add_reg_imm("rsp", 8)
 
     # --- atomics (lock prefix: SDM Vol. 3A, 9.1.2.2) ------------------------------------
-    def atomic_add(self, address: int, size: int, segment: str | None) -> None:
+    def atomic_add(self, address: int, size: int, segment: str | None, fetch: bool = True) -> None:
         mem = self._mem(address, segment, SCRATCH)
+        if not fetch:
+            self.w.put_lock_add_mem_reg(mem, ACC, size)
+            return
         self.w.put_mov_reg_reg(LEFT, ACC)
         self.w.put_lock_xadd(mem, ACC, size)     # rax = old value
         self.w.put_alu_reg_reg("add", ACC, LEFT)
+
+    def atomic_add_imm(self, address: int, size: int, segment: str | None, value: int) -> bool:
+        bits = 8 * size
+        v = value & ((1 << bits) - 1)            # only the low bytes matter at this size
+        v = v - (1 << bits) if v >> (bits - 1) else v
+        if not fits(v, INT32):
+            return False
+        self.w.put_lock_add_mem_imm(self._mem(address, segment, SCRATCH), v, size)
+        return True
 
     def compare_and_swap(self, address: int, size: int, segment: str | None, retry: Label) -> None:
         self.w.put_mov_reg_reg(LEFT, ACC)        # new value

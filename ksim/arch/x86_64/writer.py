@@ -93,6 +93,21 @@ _LOAD = {
 }
 
 
+#: NOPS[n] is an n-byte no-op (SDM Vol. 2B, "NOP", Table 4-12)
+NOPS: tuple[bytes, ...] = (
+    b"",
+    bytes.fromhex("90"),
+    bytes.fromhex("6690"),
+    bytes.fromhex("0f1f00"),
+    bytes.fromhex("0f1f4000"),
+    bytes.fromhex("0f1f440000"),
+    bytes.fromhex("660f1f440000"),
+    bytes.fromhex("0f1f8000000000"),
+    bytes.fromhex("0f1f840000000000"),
+    bytes.fromhex("660f1f840000000000"),
+)
+
+
 def _cc(cond: str | int) -> int:
     if isinstance(cond, int):
         if not 0 <= cond < 16:
@@ -276,8 +291,13 @@ class Writer:
     def put_ret(self) -> None:
         self._code += b"\xc3"
 
-    def put_nop(self) -> None:
-        self._code += b"\x90"
+    def put_nop(self, size: int = 1) -> None:
+        """One ``size``-byte no-op: the SDM's recommended multi-byte NOP forms
+        (Vol. 2B, "NOP", Table 4-12), chained for sizes above 9."""
+        while size > 0:
+            chunk = min(size, len(NOPS) - 1)
+            self._code += NOPS[chunk]
+            size -= chunk
 
     def put_int3(self) -> None:
         self._code += b"\xcc"
@@ -389,6 +409,15 @@ class Writer:
     def put_imul_reg_reg(self, dst: str, src: str) -> None:
         """imul r64, r/m64: REX.W 0f af /r (low 64 bits of the product)."""
         self._put_op(b"\x0f\xaf", reg_num(dst), src, w=True)
+
+    def put_imul_reg_imm(self, dst: str, src: str, value: int) -> None:
+        """imul r64, r/m64, imm: REX.W 6b /r ib or REX.W 69 /r id (sign-extended)."""
+        if fits(value, INT8):
+            self._put_op(b"\x6b", reg_num(dst), src, w=True, imm=struct.pack("<b", value))
+        elif fits(value, INT32):
+            self._put_op(b"\x69", reg_num(dst), src, w=True, imm=struct.pack("<i", value))
+        else:
+            raise CodegenError(f"imul immediate {value:#x} does not fit a sign-extended imm32")
 
     def put_unary(self, op: str, reg: str) -> None:
         """not/neg/mul/imul/div/idiv r/m64: REX.W f7 /n (group 3)."""
