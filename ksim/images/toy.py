@@ -88,8 +88,9 @@ HARD_CASES: dict[str, list[str]] = {
     ],
     # ends in (or contains) a jmp to the start of another function
     "tail_call": [
-        "kmalloc", "memmove", "ip_fast_csum", "vfs_llseek", "vfs_fsync", "close_fd",
-        "ip_rcv", "ip_queue_xmit", "timer_checksum", "tcp_current_mss",
+        "kmalloc", "kfree", "memmove", "ip_fast_csum", "close_fd", "ip_rcv", "ip_queue_xmit",
+        "submit_bio", "schedule", "update_process_times", "tcp_current_mss", "__free_pages",
+        "brd_submit_bio", "__x64_sys_read",
     ],
     # an indirect jmp through a table of addresses (dense switch)
     "jump_table": ["vsnprintf", "e100_exec_cmd", "tcp_set_state", "workload_step"],

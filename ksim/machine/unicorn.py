@@ -64,6 +64,9 @@ _ACCESS = {
     unicorn.UC_MEM_FETCH_PROT: "fetch",
 }
 
+_TLB_ACCESS = {unicorn.UC_MEM_READ: "read", unicorn.UC_MEM_WRITE: "write",
+               unicorn.UC_MEM_FETCH: "fetch"}
+
 # Ports (the toy kernel's drivers: drivers/tty/serial_8250.c, arch/x86/traps.c)
 COM1 = 0x3F8
 UART_LSR_READY = 0x60  # THR empty | transmitter empty: the UART is never busy
@@ -255,6 +258,8 @@ class UnicornMachine:
     def _on_tlb_fill(self, vaddr: int, access: int, entry: Any, _user: Any) -> bool:
         lo, hi = self._virt
         if not lo <= vaddr < hi:
+            # No mapping: the CPU raises #PF (unicorn reports it as an exception).
+            self._fault = (_TLB_ACCESS.get(access, "access"), vaddr)
             return False
         entry.paddr = (vaddr - self._offset) & ~(PAGE - 1)
         entry.perms = unicorn.UC_PROT_ALL
@@ -279,6 +284,12 @@ class UnicornMachine:
             self._uc.emu_stop()
 
     def _on_interrupt(self, vector: int, _user: Any) -> None:
+        if vector == 14 and self._fault is not None:
+            kind, address = self._fault
+            err = EmulationError(f"page fault: {kind} at unmapped {address:#x} "
+                                 f"(rip {self.symbolize(self.reg('rip'))})")
+            err.address = address  # type: ignore[attr-defined]
+            raise err
         if not self._interrupt_fns:
             raise EmulationError(f"interrupt {vector} at {self.symbolize(self.reg('rip'))} "
                                  "and no interrupt hook")
@@ -382,7 +393,12 @@ class UnicornMachine:
     def _fault_error(self, exc: unicorn.UcError) -> EmulationError:
         rip = self.reg("rip")
         where = self.symbolize(rip)
-        if exc.errno in _UNMAPPED:
+        if exc.errno == unicorn.UC_ERR_EXCEPTION and self._fault is not None:
+            kind, address = self._fault
+            address = self._effective_address(rip, address)
+            err = EmulationError(f"page fault: {kind} at unmapped {address:#x} "
+                                 f"(rip {rip:#x}, {where})")
+        elif exc.errno in _UNMAPPED:
             kind, address = self._fault or (_UNMAPPED[exc.errno], rip)
             err = EmulationError(f"{_UNMAPPED[exc.errno]}: {kind} at {address:#x} "
                                  f"(rip {rip:#x}, {where})")
@@ -395,6 +411,29 @@ class UnicornMachine:
             err = EmulationError(f"{exc} at rip {rip:#x} ({where})")
         err.address = address  # type: ignore[attr-defined]
         return err
+
+    def _effective_address(self, rip: int, page: int) -> int:
+        """The exact address a faulting instruction used (the TLB only sees its page)."""
+        if not self._in_image(rip):
+            return page
+        md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+        md.detail = True
+        for insn in md.disasm(self.read(rip, 16), rip, 1):
+            for op in insn.operands:
+                if op.type != capstone.x86.X86_OP_MEM:
+                    continue
+                mem = op.mem
+                if mem.base == capstone.x86.X86_REG_RIP:
+                    ea = rip + insn.size + mem.disp
+                else:
+                    ea = mem.disp
+                    for reg, scale in ((mem.base, 1), (mem.index, mem.scale)):
+                        if reg:
+                            ea += scale * self.reg(insn.reg_name(reg))
+                ea &= 2**64 - 1
+                if ea & ~(PAGE - 1) == page:
+                    return ea
+        return page
 
     def _in_image(self, address: int) -> bool:
         return self._virt[0] <= address < self._virt[1] - 8

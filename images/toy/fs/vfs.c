@@ -58,13 +58,13 @@ noinline ssize_t vfs_write(struct file *f, const char *buf, size_t count, loff_t
 
 noinline loff_t vfs_llseek(struct file *f, loff_t off, int whence)
 {
-	return f->f_op->llseek(f, off, whence);	/* tail call */
+	return f->f_op->llseek(f, off, whence);	/* indirect tail call: jmp *%rax */
 }
 
 noinline int vfs_fsync(struct file *f)
 {
 	fsyncs++;
-	return f->f_op->fsync(f);	/* tail call */
+	return f->f_op->fsync(f);	/* indirect tail call: jmp *%rax */
 }
 
 noinline struct file *filp_open(const char *name, int flags)

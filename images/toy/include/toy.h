@@ -274,6 +274,7 @@ extern int cpu_number;
 void sched_init(void);
 struct task_struct *kernel_thread(void (*fn)(void *), void *arg, const char *name);
 void schedule(void);
+void do_sched_yield(void);
 void scheduler_tick(void);
 void wake_up_process(struct task_struct *p);
 int task_pid_nr(const struct task_struct *t);

@@ -27,7 +27,7 @@ _Static_assert(sizeof(struct task_struct) == TASK_struct_size, "TASK_struct_size
 static u8 task_stacks[NR_TASKS][THREAD_SIZE] __aligned(16);
 static struct kmem_cache *task_struct_cachep;
 static int last_pid;
-#define SCHED_GRANULARITY 3
+#define SCHED_GRANULARITY 96	/* vruntime units: about two ticks */
 
 noinline int task_pid_nr(const struct task_struct *t)
 {
@@ -43,6 +43,12 @@ static noinline void enqueue_task(struct rq *rq, struct task_struct *p)
 {
 	list_add_tail(&p->run_list, &rq->tasks);
 	rq->nr_running++;
+}
+
+static noinline void dequeue_task(struct rq *rq, struct task_struct *p)
+{
+	list_del(&p->run_list);
+	rq->nr_running--;
 }
 
 static noinline u64 min_vruntime(struct rq *rq)
@@ -139,8 +145,20 @@ noinline void schedule(void)
 static noinline void task_tick_fair(struct rq *rq, struct task_struct *curr)
 {
 	update_curr(rq);
-	if (curr != rq->idle && curr->vruntime > min_vruntime(rq) + SCHED_GRANULARITY * 1024)
+	if (curr != rq->idle && curr->vruntime > min_vruntime(rq) + SCHED_GRANULARITY)
 		curr->need_resched = 1;
+}
+
+/* sched_yield(): go behind every task of equal vruntime, then schedule. */
+noinline void do_sched_yield(void)
+{
+	struct task_struct *p = current;
+
+	if (p != runqueue.idle) {
+		dequeue_task(&runqueue, p);
+		enqueue_task(&runqueue, p);
+	}
+	schedule();
 }
 
 noinline void scheduler_tick(void)

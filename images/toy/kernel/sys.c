@@ -66,7 +66,7 @@ static long __x64_sys_fsync(const struct pt_regs *regs)
 
 static long __x64_sys_sched_yield(const struct pt_regs *regs)
 {
-	schedule();
+	do_sched_yield();
 	return 0;
 }
 

@@ -21,8 +21,9 @@
 
 	.section .head.text, "ax"
 	.code32
+	/* 32-bit code: deliberately not typed @function (as Linux's SYM_CODE), so that
+	 * tools listing STT_FUNC symbols never decode it as 64-bit code. */
 	.globl pvh_start32
-	.type pvh_start32, @function
 pvh_start32:
 	cli
 	cld
@@ -69,10 +70,8 @@ pvh_start32:
 	orl	$(X86_CR0_PG | X86_CR0_PE), %eax
 	movl	%eax, %cr0
 	ljmp	$__KERNEL_CS, $pa(pvh_start64)
-	.size pvh_start32, . - pvh_start32
 
 	.code64
-	.type pvh_start64, @function
 pvh_start64:
 	/* Still running at the identity-mapped address: go to the kernel map. */
 	movabsq	$1f, %rax
@@ -86,7 +85,6 @@ pvh_start64:
 	movabsq	$init_stack_top, %rsp
 	movabsq	$ksim_entry64, %rax
 	jmp	*%rax
-	.size pvh_start64, . - pvh_start64
 
 	.section .data..page_aligned, "aw"
 	.balign 4096

@@ -21,8 +21,12 @@ struct desc_ptr {
 #define NR_EXCEPTION_STUBS	22
 
 static struct gate_desc idt_table[256] __aligned(16);
-struct ksim_trap ksim_trap_table[KSIM_TRAP_SLOTS];
-u64 ksim_trap_count;
+/*
+ * In .data (not .bss) so that the table is in the ELF file: a loader can fill
+ * it in the image itself before booting, under QEMU as under unicorn.
+ */
+struct ksim_trap ksim_trap_table[KSIM_TRAP_SLOTS] __section(".data");
+u64 ksim_trap_count __section(".data");
 
 extern const u64 exception_stub_table[NR_EXCEPTION_STUBS];
 void ksim_int3_entry(void);
