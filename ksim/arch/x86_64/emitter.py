@@ -278,7 +278,7 @@ class X86Emitter(Emitter):
             self.w.put_call(address)
             self.w.put_nop(_FAR_CALL_SIZE - 5)
         else:
-            self.w.put_mov_reg_imm(ACC, address)
+            self.w.put_movabs(ACC, address)
             self.w.put_call_reg(ACC)
         if pad:
             self.w.put_add_reg_imm("rsp", 8)

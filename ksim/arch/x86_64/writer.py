@@ -318,8 +318,13 @@ class Writer:
         elif fits(signed, INT32):
             self._put_op(b"\xc7", 0, reg, w=True, imm=struct.pack("<i", signed))
         else:
-            self._code += self._rex(True, 0, 0, num) + bytes([0xB8 | (num & 7)])
-            self._code += struct.pack("<Q", value)
+            self.put_movabs(reg, value)
+
+    def put_movabs(self, reg: str, value: int) -> None:
+        """movabs r64, imm64 (REX.W b8+r io), always 10 bytes whatever the value."""
+        num = reg_num(reg)
+        self._code += self._rex(True, 0, 0, num) + bytes([0xB8 | (num & 7)])
+        self._code += struct.pack("<Q", value & ((1 << 64) - 1))
 
     def put_mov_reg_reg(self, dst: str, src: str) -> None:
         """mov r/m64, r64: REX.W 89 /r."""
