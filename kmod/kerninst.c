@@ -189,6 +189,20 @@ static bool ki_in_data(unsigned long addr, size_t len)
 	return ki_in(addr, len, (unsigned long)ki_data, (unsigned long)ki_data + KI_DATA_SIZE);
 }
 
+/*
+ * The CPU's own canonical-address rule, from the paging mode in use.  The
+ * kernel's check in copy_from_kernel_nofault_allowed (arch/x86/mm/maccess.c)
+ * uses boot_cpu_data.x86_virt_bits, which is 57 when the CPU offers LA57 even
+ * if the kernel runs 4-level paging; a non-canonical access then raises #GP and
+ * ex_handler_uaccess WARNs.  __VIRTUAL_MASK_SHIFT follows pgtable_l5_enabled().
+ */
+static bool ki_canonical(unsigned long addr)
+{
+	unsigned int shift = 64 - (__VIRTUAL_MASK_SHIFT + 1);
+
+	return (unsigned long)((long)(addr << shift) >> shift) == addr;
+}
+
 static bool ki_forbidden_text(unsigned long addr, size_t len)
 {
 	size_t i, k;
@@ -543,6 +557,9 @@ static long ki_ioc_read(struct kerninst_mem __user *uarg)
 		return -EFAULT;
 	if (!req.size || req.size > KERNINST_MAX_IO)
 		return -EINVAL;
+	if (req.address + req.size < req.address || !ki_canonical(req.address) ||
+	    !ki_canonical(req.address + req.size - 1))
+		return -EFAULT;
 	buf = kmalloc(req.size, GFP_KERNEL);
 	if (!buf)
 		return -ENOMEM;

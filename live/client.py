@@ -208,7 +208,7 @@ class LiveTarget:
         path = cache_dir() / f"kallsyms-{self.info['kernel']}-{self.text[0]:x}.txt"
         if not path.exists():
             tmp = path.with_suffix(".tmp")
-            with open(tmp, "w") as f:
+            with tmp.open("w") as f:
                 offset: int | None = 0
                 while offset is not None:
                     page = self.conn.request("kallsyms", offset=offset)
@@ -226,7 +226,7 @@ class LiveTarget:
     @cached_property
     def _symbols(self) -> list[tuple[int, str]]:
         out = []
-        with open(self.kallsyms_path) as f:
+        with self.kallsyms_path.open() as f:
             for line in f:
                 parts = line.split()
                 if len(parts) >= 3 and parts[1] in "tTwW" and len(parts) == 3:

@@ -317,6 +317,8 @@ def kvm_usable() -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as s:
+        # As qemu binds its hostfwd socket: connections in TIME_WAIT do not make the port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

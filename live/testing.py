@@ -1,0 +1,77 @@
+"""pytest fixtures and helpers for tests against the live testbed.
+
+Test modules import the fixtures they use (``from live.testing import testbed,
+target``).  ``testbed`` is session-scoped: the first test boots the testbed (or
+finds it already up), and the session ends by stopping it only if it started it.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from live import testbed as tb
+from live.client import LiveTarget
+
+GETPPID_LOOP = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+/* Calls getppid() exactly N times (glibc's getppid is a plain syscall, never cached). */
+int main(int argc, char **argv)
+{
+    long n = argc > 1 ? atol(argv[1]) : 1000, i, s = 0;
+    for (i = 0; i < n || n < 0; i++)
+        s += getppid();
+    printf("%ld\n", i);
+    return s == 0;
+}
+"""
+
+# Lines of dmesg that mean the kernel was hurt.
+BAD_DMESG = re.compile(r"Oops|BUG:|WARNING:|general protection|Kernel panic|kerninst: .*(cannot|changed)")
+
+
+def program(name: str, source: str) -> Path:
+    """Compile a static C program on the host, into the cache the guest sees through 9p."""
+    out = tb.cache_dir() / "bin" / name
+    src = out.with_suffix(".c")
+    out.parent.mkdir(exist_ok=True)
+    if not out.exists() or not src.exists() or src.read_text() != source:
+        src.write_text(source)
+        subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(src)], check=True)
+    return out
+
+
+def getppid_loop() -> Path:
+    return program("getppid_loop", GETPPID_LOOP)
+
+
+def dmesg_problems(target: LiveTarget) -> list[str]:
+    return [line for line in target.exec("dmesg").splitlines() if BAD_DMESG.search(line)]
+
+
+def read_u64(target: LiveTarget, address: int) -> int:
+    return int(struct.unpack("<Q", target.read(address, 8))[0])
+
+
+@pytest.fixture(scope="session")
+def testbed() -> Iterator[dict[str, Any]]:
+    already = tb.status()["up"]
+    state = tb.up(progress=lambda m: print(f"testbed: {m}", flush=True))
+    yield state
+    if not already:
+        tb.down()
+
+
+@pytest.fixture
+def target(testbed: dict[str, Any]) -> Iterator[LiveTarget]:
+    t = LiveTarget("127.0.0.1", int(testbed["port"]), token_file=testbed["token_file"])
+    yield t
+    t.close()
