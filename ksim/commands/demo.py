@@ -73,13 +73,13 @@ def demo(image: str = "toy", seed: int = 1, functions: list[str] | None = None,
     return rows
 
 
-_HEADER = f"{'function':<26}{'size':>5}  {'policy':<6}{'tactic':<14}{'count':>8}{'oracle':>8}  {'insns/hit':>9}"
+_HEADER = f"{'function':<26}{'size':>5}  {'policy':<7}{'tactic':<14}{'count':>8}{'oracle':>8}  {'insns/hit':>9}"
 
 
 def _print_row(row: dict[str, Any], out: Any) -> None:
     per_hit = "-" if row["insns_per_hit"] is None else f"{row['insns_per_hit']:.1f}"
     flag = "" if row["ok"] and row["checksum_unchanged"] else "   <-- MISMATCH"
-    print(f"{row['function']:<26}{row['size']:>5}  {row['policy']:<6}{row['tactic']:<14}"
+    print(f"{row['function']:<26}{row['size']:>5}  {row['policy']:<7}{row['tactic']:<14}"
           f"{row['count']:>8}{row['oracle']:>8}  {per_hit:>9}{flag}", file=out, flush=True)
 
 
