@@ -396,3 +396,26 @@ def test_trap_table_dispatch(machine):
     machine.reset()
     calls = _count(machine, ["kmem_cache_alloc"], 5)["kmem_cache_alloc"]
     assert len(hits) == calls > 0
+
+
+# --- the command line ---------------------------------------------------------------------------
+def test_cli_images_json(capsys, toy_path):
+    import json
+
+    from ksim.cli import main
+
+    assert main(["images", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    toy_row = next(r for r in rows if r["name"] == "toy")
+    assert toy_row["arch"] == "x86_64" and toy_row["functions"] >= 150
+    assert Path(toy_row["path"]) == toy_path
+
+
+def test_cli_images_build_table(capsys, toy_path):
+    from ksim.cli import main
+
+    assert main(["images", "build", "toy"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["NAME", "ARCH", "FUNCS", "PATH"]
+    assert str(toy_path) in out
+    assert main(["images", "build", "no-such-image", "--json"]) == 2
