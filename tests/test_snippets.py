@@ -25,6 +25,7 @@ from ksim.snippets.ast import (
     Const,
     Load,
     LogicalAnd,
+    Node,
     Var,
     arg,
     call,
@@ -91,6 +92,7 @@ def test_nodes_hash_by_identity():
         (BinOp("pow", V, V), "entry", BadOperand),
         (V, "middle", PointKindError),
         (V.atomic_assign(seq(V.assign(V + 1), 5)), "entry", SlotError),
+        (V + Node(), "entry", SlotError),
     ],
 )
 def test_check_refuses(snippet, kind, error):

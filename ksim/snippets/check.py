@@ -42,6 +42,8 @@ def check(snippet: Any, point_kind: str = "entry") -> None:
 def _check(node: Any, kind: str, slot: str) -> None:
     if not isinstance(node, ast.Node):
         raise SlotError(f"{slot}: expected a snippet node or an int, got {node!r}")
+    if type(node) not in _KNOWN:
+        raise SlotError(f"{slot}: {type(node).__name__} is not a snippet node codegen knows")
     rule = _RULES.get(type(node))
     if rule is not None:
         rule(node, kind)
@@ -146,3 +148,10 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.RetVal: _retval,
     ast.Load: _load,
 }
+
+#: every node class codegen can lower
+_KNOWN: frozenset[type] = frozenset({
+    ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
+    ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
+    ast.Cpu, ast.Arg, ast.RetVal, ast.Load,
+})
