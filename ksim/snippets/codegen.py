@@ -85,9 +85,6 @@ class Emitter(ABC):
         """Push acc as a temporary (depth += 1)."""
 
     @abstractmethod
-    def pop_discard(self) -> None: ...
-
-    @abstractmethod
     def load_temp(self, index: int) -> None:
         """acc = the temporary pushed when depth was ``index``."""
 

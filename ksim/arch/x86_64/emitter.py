@@ -2,9 +2,10 @@
 
 Register use: rax is the accumulator, rcx holds a popped left operand (and the
 shift count, cl), rdx is the address scratch and idiv's high half.  The code
-clobbers rax, rcx, rdx and the flags; a snippet that calls a function also
-clobbers every caller-saved register and rbx, which keeps the stack pointer of
-the frame while rsp is aligned to 16 for the call (System V ABI 3.2.2).
+may clobber rax, rcx, rdx and the flags (``writes()`` says which it does); a
+snippet that calls a function also clobbers every caller-saved register and
+rbx, which keeps the stack pointer of the frame while rsp is aligned to 16 for
+the call (System V ABI 3.2.2).
 
 Frame, from high to low addresses::
 
@@ -15,8 +16,6 @@ Frame, from high to low addresses::
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 from ksim.errors import CodegenError
 from ksim.snippets.codegen import Emitter
@@ -53,9 +52,8 @@ _FAR_CALL_SIZE = 12
 class X86Emitter(Emitter):
     """Implements ksim.snippets.codegen.Emitter for code placed at ``address``."""
 
-    def __init__(self, address: int, abi: Any = None) -> None:
+    def __init__(self, address: int) -> None:
         self.w = Writer(address)
-        self.abi = abi
         self.depth = 0
         self._saved: list[str] = []
         self._frame_reg = False
@@ -152,12 +150,6 @@ class X86Emitter(Emitter):
         if self.depth == 0:
             raise CodegenError("temporary stack underflow")
         self.w.put_pop(reg)
-        self.depth -= 1
-
-    def pop_discard(self) -> None:
-        if self.depth == 0:
-            raise CodegenError("temporary stack underflow")
-        self.w.put_add_reg_imm("rsp", 8)
         self.depth -= 1
 
     def load_temp(self, index: int) -> None:
