@@ -78,6 +78,11 @@ def test_rel8_only_loops_are_expanded(code, head):
     assert relocate(insns(code), NEW) == expected
 
 
+def test_xbegin_abort_address_recomputed():
+    code = bytes([0xC7, 0xF8, 0x00, 0x02, 0x00, 0x00])            # xbegin +0x200 -> OLD+0x206
+    assert relocate(insns(code), NEW) == bytes([0xC7, 0xF8]) + rel32(OLD + 0x206 - (NEW + 6))
+
+
 def test_other_instructions_are_copied():
     code = bytes([0x55,                                           # push rbp
                   0x48, 0x89, 0xE5,                               # mov rbp, rsp

@@ -8,6 +8,7 @@ written relocated:
 * ``jmp rel8/rel32``        -> ``jmp rel32``                (e9 cd)
 * ``jcc rel8/rel32``        -> ``jcc rel32``                (0f 80+cc cd)
 * ``call rel32``            -> ``call rel32``, recomputed   (e8 cd)
+* ``xbegin rel32``          -> ``xbegin rel32``, recomputed (c7 f8 cd)
 * ``jrcxz/jecxz/loop/loope/loopne rel8`` (no rel32 form exists, SDM "JCC" and
   "LOOP/LOOPcc") -> ``op +2; jmp short +5; jmp rel32 target``
 * RIP-relative memory operand -> same bytes, disp32 recomputed
@@ -55,7 +56,7 @@ class _Form:
     disp_offset: int = 0      # riprel: where the disp32 sits in the instruction
 
     def size(self, insn: Insn) -> int:
-        extra = {"jmp": 5, "jcc": 6, "call": 5, "loop": 2 + 2 + 5}
+        extra = {"jmp": 5, "jcc": 6, "call": 5, "xbegin": 6, "loop": 2 + 2 + 5}
         return len(self.prefixes) + extra[self.kind] if self.kind in extra else insn.size
 
 
@@ -92,6 +93,11 @@ def _branch_form(insn: Insn) -> _Form | None:
         return _Form("jcc", prefixes, rest[1] & 0xF, _rel(insn, rest[2:]))
     if op in _LOOPS and len(rest) == 2:
         return _Form("loop", prefixes, op, _rel(insn, rest[1:]))
+    if op == 0xC7 and len(rest) == 6 and rest[1] == 0xF8:
+        # xbegin rel32 (SDM Vol. 2D, "XBEGIN"): the abort address is a rel32 target
+        if 0x66 in prefixes:
+            raise RelocationError(f"{insn}: 16-bit xbegin is not relocatable")
+        return _Form("xbegin", prefixes, target=_rel(insn, rest[2:]))
     return None
 
 
@@ -160,6 +166,8 @@ class Relocator:
             w.put_jcc(form.opcode, self._dest(insn, form.target))
         elif form.kind == "call":
             w.put_call(self._dest(insn, form.target))
+        elif form.kind == "xbegin":
+            w.put_xbegin(self._dest(insn, form.target))
         elif form.kind == "loop":
             # op +2 (taken: to the long jmp); jmp short +5 (not taken: skip it)
             w.put_bytes(bytes([form.opcode, 0x02, 0xEB, 0x05]))

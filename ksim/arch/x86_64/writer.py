@@ -280,6 +280,10 @@ class Writer:
         """call rel32: e8 cd (SDM "CALL")."""
         self._put_rel(b"\xe8", target, 4)
 
+    def put_xbegin(self, target: int | Label) -> None:
+        """xbegin rel32: c7 f8 cd (SDM Vol. 2D, "XBEGIN"): abort to ``target``."""
+        self._put_rel(b"\xc7\xf8", target, 4)
+
     def put_call_reg(self, reg: str) -> None:
         """call r/m64: ff /2."""
         self._put_op(b"\xff", 2, reg)
