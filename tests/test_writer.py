@@ -208,3 +208,24 @@ def test_bad_operands_are_errors():
 def test_deterministic():
     calls = [("put_push", "rax"), ("put_mov_reg_imm", "rax", 5), ("put_call", AT + 0x40), ("put_pop", "rax")]
     assert emit(*calls) == emit(*calls)
+
+
+@given(reg=st.sampled_from(GPR64), base=st.sampled_from(GPR64),
+       index=st.sampled_from([r for r in GPR64 if r != "rsp"]), scale=st.sampled_from([1, 2, 4, 8]),
+       disp=st.integers(-(1 << 31), (1 << 31) - 1), size=st.sampled_from([1, 2, 4, 8]))
+def test_stores_every_addressing_form(reg, base, index, scale, disp, size):
+    sub = {1: "b", 2: "w", 4: "d", 8: ""}[size]
+    legacy = {"rax": "a", "rcx": "c", "rdx": "d", "rbx": "b"}
+    if reg.startswith("r") and reg[1:].isdigit():
+        name = reg + sub
+    elif size == 8:
+        name = reg
+    elif reg in legacy:
+        name = {1: f"{legacy[reg]}l", 2: f"{legacy[reg]}x", 4: f"e{legacy[reg]}x"}[size]
+    else:
+        name = {1: f"{reg[1:]}l", 2: reg[1:], 4: f"e{reg[1:]}"}[size]
+    width = {1: "byte", 2: "word", 4: "dword", 8: "qword"}[size]
+    mem = Mem(base=base, index=index, scale=scale, disp=disp)
+    assert emit(("put_mov_mem_reg", mem, reg, size)) == ks(
+        f"mov {width} ptr [{base} + {index}*{scale} + {disp}], {name}"
+    )
