@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from snippet_machine import GPRS, Machine, random_regs
 
 from ksim.arch import get_arch
-from ksim.errors import CodegenError
-from ksim.snippets import ast
+from ksim.errors import CodegenError, SnippetError
+from ksim.snippets import ast, check
 from ksim.snippets.ast import (
     Const,
     If,
@@ -398,9 +398,18 @@ CMP = {
 VARS = [var(0x100 + 8 * i) for i in range(3)]
 
 
+ARG_VALUES = [3, MASK, 1 << 63, 0, 12345, 7]
+ARG_REGS = dict(zip(ARCH.arg_regs, ARG_VALUES, strict=True))
+
+
 def evaluate(node, mem: dict[int, int]) -> int:
     """The documented semantics, in Python (variables are 8-byte)."""
     t = type(node)
+    if t is ast.Arg:
+        return ARG_VALUES[node.n]
+    if t is ast.AtomicAssign:
+        mem[node.target.address] = evaluate(node.value, mem)
+        return mem[node.target.address]
     if t is ast.Const:
         return node.value & MASK
     if t is ast.Var:
@@ -430,7 +439,7 @@ def evaluate(node, mem: dict[int, int]) -> int:
 
 interesting = st.sampled_from([0, 1, 2, 3, 7, 63, 64, MASK, 1 << 63, (1 << 63) - 1, 0x1234_5678_9ABC])
 consts = st.one_of(interesting, st.integers(0, MASK)).map(Const)
-leaves = st.one_of(consts, st.sampled_from(VARS))
+leaves = st.one_of(consts, st.sampled_from(VARS), st.integers(0, 5).map(arg))
 
 
 def _extend(children):
@@ -443,15 +452,21 @@ def _extend(children):
         st.builds(lnot, children),
         st.builds(If, children, children, st.one_of(st.none(), children)),
         st.builds(lambda v, e: v.assign(e), st.sampled_from(VARS), children),
+        st.builds(lambda v, e: v.atomic_assign(e), st.sampled_from(VARS), children),
     )
 
 
-def _no_const_zero_divisor(node) -> bool:
-    return not any(isinstance(x, ast.BinOp) and x.op in ("div", "mod")
-                   and isinstance(x.right, Const) and x.right.value == 0 for x in ast.walk(node))
+def _passes_check(node) -> bool:
+    """Trees the static check refuses (constant zero divisor, an atomic value that
+    assigns its own target) are not generated."""
+    try:
+        check(node, "entry")
+    except SnippetError:
+        return False
+    return True
 
 
-expressions = st.recursive(leaves, _extend, max_leaves=12).filter(_no_const_zero_divisor)
+expressions = st.recursive(leaves, _extend, max_leaves=12).filter(_passes_check)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -465,7 +480,7 @@ def test_expressions_match_python_semantics(expr, values):
         mem[v.address] = value
     result = var(0x180)
     expected = evaluate(expr, mem)
-    run([result.assign(expr)], live=frozenset({"rax", "rdx", "flags"}))
+    run([result.assign(expr)], live=frozenset({"rax", "rdx", "rdi", "rcx", "flags"}), regs=ARG_REGS)
     assert m.u64(DATA + 0x180) == expected
     for v in VARS:
         assert m.u64(v.address) == mem[v.address]
