@@ -124,6 +124,23 @@ def test_build_failure_carries_compiler_output(monkeypatch, tmp_path):
         images.build("broken")
 
 
+@pytest.mark.slow
+def test_concurrent_builds_share_one_result(tmp_path):
+    """Two processes building at once into an empty cache: one builds, the other
+    waits on the lock and takes the same ELF."""
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "KSIM_CACHE": str(tmp_path)}
+    code = "from ksim import images; print(images.build('toy'))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs[0] == outs[1] and Path(outs[0]).is_file()
+    assert len(list((tmp_path / "images").glob("toy-*/toy.elf"))) == 1
+
+
 # --- the ELF and its ABI -------------------------------------------------------------------
 def test_at_least_150_functions(elf):
     assert len(elf.funcs) >= 150
@@ -344,6 +361,29 @@ def test_invalid_instruction_raises_emulation_error(machine):
     with pytest.raises(EmulationError, match="ksim_entry64") as info:
         machine.run()
     assert info.value.address == entry
+
+
+def test_kernel_panic_raises_with_serial(machine):
+    # kmem_cache_create returning NULL makes kernel_thread fail: the kernel panics
+    machine.write(machine.address_of("kmem_cache_zalloc"), bytes.fromhex("31c0c3"))  # return NULL
+    with pytest.raises(EmulationError, match="kernel_thread failed"):
+        machine.run()
+
+
+def test_run_timeout(machine):
+    from ksim.errors import TargetTimeout
+
+    machine.write(machine.address_of("start_kernel"), b"\xeb\xfe")  # jmp . (a hang)
+    with pytest.raises(TargetTimeout, match="start_kernel"):
+        machine.run(timeout=0.3)
+
+
+def test_progress_callback_is_called(machine):
+    calls = []
+    machine.write(machine.address_of("start_kernel"), b"\xeb\xfe")
+    with pytest.raises(Exception):
+        machine.run(timeout=0.8, progress=lambda: calls.append(1))
+    assert calls
 
 
 def test_run_without_reset_is_refused(machine):

@@ -71,6 +71,7 @@ _TLB_ACCESS = {unicorn.UC_MEM_READ: "read", unicorn.UC_MEM_WRITE: "write",
 COM1 = 0x3F8
 UART_LSR_READY = 0x60  # THR empty | transmitter empty: the UART is never busy
 DEBUG_EXIT_PORT = 0xF4
+DEBUG_EXIT_SUCCESS = 0x10  # images/toy/include/toy.h
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,6 +366,9 @@ class UnicornMachine:
                                     f"serial: {self._serial_text()[-300:]!r}")
             if progress is not None:
                 progress()
+        if self._exit_value is not None and self._exit_value != DEBUG_EXIT_SUCCESS:
+            raise EmulationError(f"the kernel failed (debug-exit value {self._exit_value:#x} at "
+                                 f"{self.symbolize(pc)}); serial: {self._serial_text()[-500:]!r}")
         return MachineResult(
             checksum=self.read_u64(self.address_of(toy.WORKLOAD_CHECKSUM)),
             serial=self._serial_text(),
