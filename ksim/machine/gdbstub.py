@@ -170,8 +170,10 @@ class GdbStub:
                 raise TargetDied(f"gdbstub {self.host}:{self.port}: the emulator exited") from None
             return
         except OSError as e:
+            self._running = False
             raise TargetDied(f"gdbstub {self.host}:{self.port}: connection lost ({e})") from e
         if not chunk:
+            self._running = False
             raise TargetDied(f"gdbstub {self.host}:{self.port}: connection closed by the stub")
         self._buf += chunk
 
@@ -394,10 +396,10 @@ class GdbStub:
     def step(self) -> StopReply:
         if self._running:
             raise ProtocolError("the guest is running: stop it before stepping")
-        hardware = self.breakpoints.pop(self._pc_if_breakpoint(), None)
-        if hardware is None:
+        address = self._pc_if_breakpoint()
+        if address is None:
             return StopReply.parse(self.command("s"))
-        address = self._pc
+        hardware = self.breakpoints.pop(address)
         self._ok(f"z{int(hardware)},{address:x},1", "lifting a breakpoint to step")
         try:
             return StopReply.parse(self.command("s"))
@@ -407,8 +409,8 @@ class GdbStub:
     def _pc_if_breakpoint(self) -> int | None:
         if not self.breakpoints:
             return None
-        self._pc = self.read_register("rip")
-        return self._pc if self._pc in self.breakpoints else None
+        pc = self.read_register("rip")
+        return pc if pc in self.breakpoints else None
 
     def _step_off_breakpoint(self) -> None:
         # QEMU reports a breakpoint again at once when continued from its own

@@ -30,6 +30,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from ksim.errors import TargetDied, TargetError, TargetTimeout
 from ksim.machine.gdbstub import GdbStub, StopReply
@@ -114,7 +115,7 @@ class QemuMachine:
         self.accel_failures: dict[str, str] = {}
         self.proc: subprocess.Popen[bytes] | None = None
         self.gdb: GdbStub | None = None
-        self.qmp = None
+        self.qmp: Any = None  # qemu.qmp.legacy.QEMUMonitorProtocol once connected
         self.tmpdir = Path(tempfile.mkdtemp(prefix="ksim-qemu-"))
         self.boot_seconds = 0.0
         _LIVE.add(self)
@@ -233,6 +234,15 @@ class QemuMachine:
         if self.proc is not None and self.proc.poll() is not None:
             raise TargetDied(self._describe(
                 f"exited with status {self.proc.returncode} while {doing}"))
+
+    def wait_exit(self, timeout: float = 2.0) -> int | None:
+        """QEMU's exit status, waiting up to ``timeout`` for it to end (None if it does not)."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
 
     @property
     def exit_status(self) -> int | None:

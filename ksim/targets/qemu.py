@@ -16,7 +16,7 @@ Repeated runs
     Like the unicorn target, every run boots the kernel afresh (pristine kernel
     data: a new QEMU process) but keeps what ksim put there: the kernel text
     (with its splices), the patch area, the data heap (counters accumulate over
-    runs) and the trap routes.  They are read back from the halted guest and
+    runs) and the trap routes.  They are read back from the stopped guest and
     written into the new one at its ``ksim_entry64`` stop.  The Manager needs to
     do nothing between runs.
 
@@ -59,11 +59,20 @@ from ksim.errors import KsimError, TargetDied, TargetError, TargetFault, TargetT
 from ksim.image.elf import load_image
 from ksim.images import toy
 from ksim.images.abi import toy_abi
-from ksim.machine.gdbstub import SIGTRAP
+from ksim.machine.gdbstub import SIGTRAP, GdbStub
 from ksim.machine.qemu import QemuMachine
 from ksim.splice.alloc import RegionAllocator
 from ksim.splice.patch import Write
 from ksim.targets.base import RunResult
+
+#: the toy kernel's isa-debug-exit values (images/toy/include/toy.h)
+DEBUG_EXIT_SUCCESS, DEBUG_EXIT_FAILURE = 0x10, 0x11
+
+
+def toy_exit(value: int) -> int:
+    """QEMU's exit status for a value written to isa-debug-exit: (value << 1) | 1."""
+    return (value << 1) | 1
+
 
 #: where the target stops a fresh boot to put ksim's changes in (see module doc)
 BOOT_STOP = toy.ENTRY
@@ -133,7 +142,8 @@ class QemuTarget:
         self._timeout, self._boot_timeout, self._accel_choice = timeout, boot_timeout, accel
         self._qemu = qemu
         self.machine: QemuMachine | None = None
-        self.halted = False  # stopped at ksim_halt after a run (the next run reboots)
+        #: the kernel has run since its boot (so the next run boots a new QEMU)
+        self.ran = False
         self.boot_seconds = self._boot(accel)
 
     # --- booting ----------------------------------------------------------------------
@@ -150,7 +160,7 @@ class QemuTarget:
         gdb.set_breakpoint(self._sym(HALT))
         for counter in self._counters:
             gdb.set_breakpoint(counter.address)
-        self.halted = False
+        self.ran = False
         return time.monotonic() - start
 
     def _boot_to_start(self, machine: QemuMachine) -> None:
@@ -169,10 +179,10 @@ class QemuTarget:
             raise TargetTimeout(machine._describe(
                 f"the kernel did not reach {BOOT_STOP} within {self._boot_timeout:.0f} s "
                 f"(rip {rip}); serial:\n{machine.serial_text()[-1000:]}")) from None
-        rip = gdb.read_register("rip")
-        if stop.exited or rip != where:
+        pc = gdb.read_register("rip")
+        if stop.exited or pc != where:
             raise TargetError(machine._describe(
-                f"boot stopped at {rip:#x} ({stop.raw}), not at {BOOT_STOP} {where:#x}"))
+                f"boot stopped at {pc:#x} ({stop.raw}), not at {BOOT_STOP} {where:#x}"))
         gdb.remove_breakpoint(where)
 
     def _reboot(self) -> float:
@@ -192,15 +202,25 @@ class QemuTarget:
         return seconds
 
     # --- memory -------------------------------------------------------------------------
-    def _gdb(self):  # -> GdbStub, stopped
+    def _gdb(self) -> GdbStub:
+        """The gdbstub of a stopped guest."""
         if self.machine is None or self.machine.gdb is None:
             raise TargetDied(f"{self.name} is closed")
         gdb = self.machine.gdb
         if gdb.running:
-            self.machine.stop()
+            # only run() lets the guest run, and it owns the stop reply
+            raise TargetError(f"{self.name}: the kernel is running; during a run only "
+                              f"read() works")
         return gdb
 
     def read(self, address: int, size: int) -> bytes:
+        """Kernel memory.  While a run is in progress (a progress callback
+        reading a counter) kernel-map addresses are read through QMP's ``xp`` on
+        the physical address, without stopping the guest."""
+        machine = self.machine
+        if machine is not None and machine.gdb is not None and machine.gdb.running:
+            if address >= toy.START_KERNEL_MAP:
+                return machine.read_physical(address - toy.START_KERNEL_MAP, size)
         return self._gdb().read_memory(address, size)
 
     def write(self, address: int, data: bytes) -> None:
@@ -255,18 +275,18 @@ class QemuTarget:
         self._write_trap_count()
 
     def clear_trap(self, site: int) -> None:
-        for i, (s, _) in enumerate(self._traps):
-            if s == site:
-                break
-        else:
+        index = next((i for i, (s, _) in enumerate(self._traps) if s == site), None)
+        if index is None:
             return
         last = len(self._traps) - 1
-        # shrink first so the hole is never visible, then fill it with the last entry
-        self._traps[i] = self._traps[last]
+        # fill the hole with the last entry first, then shrink the count: at no
+        # moment is a routed site missing from [0, count) (the guest is stopped
+        # anyway, but the table stays valid for a kernel that would be running)
+        self._traps[index] = self._traps[last]
+        if index < last:
+            self._write_trap_entry(index)
         self._traps.pop()
         self._write_trap_count()
-        if i < last:
-            self._write_trap_entry(i)
 
     def _write_trap_entry(self, i: int) -> None:
         site, patch = self._traps[i]
@@ -303,7 +323,7 @@ class QemuTarget:
         ``progress()`` is called about once a second while the kernel runs.
         TargetTimeout after ``timeout`` seconds (the guest is stopped, QEMU kept);
         TargetDied if QEMU ends (the kernel failed: the serial tail says why)."""
-        boot = self._reboot() if self.halted else 0.0
+        boot = self._reboot() if self.ran else 0.0
         for name, value in ((toy.WORKLOAD_SEED, seed), (toy.WORKLOAD_ITERATIONS, iterations),
                             (toy.BENCH_CALLS, bench_calls)):
             if value is not None:
@@ -314,6 +334,7 @@ class QemuTarget:
         counters = {c.address: c for c in self._counters}
         start = time.monotonic()
         deadline, next_tick = start + timeout, start + 1.0
+        self.ran = True
         gdb.resume()
         while True:
             try:
@@ -330,9 +351,12 @@ class QemuTarget:
                 next_tick = now + 1.0
                 continue
             except TargetDied as e:
-                raise TargetDied(f"{self.name}: QEMU ended during the run "
-                                 f"(exit status {machine.exit_status}); serial:\n"
-                                 f"{machine.serial_text()[-2000:]}") from e
+                status = machine.wait_exit()
+                why = {toy_exit(DEBUG_EXIT_FAILURE): "the kernel panicked",
+                       toy_exit(DEBUG_EXIT_SUCCESS): "the kernel exited"}.get(
+                           status if status is not None else -1, "QEMU ended")
+                raise TargetDied(f"{self.name}: {why} during the run (QEMU exit status "
+                                 f"{status}); serial:\n{machine.serial_text()[-2000:]}") from e
             if stop.exited:
                 raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
                                  f"{machine.serial_text()[-2000:]}")
@@ -346,7 +370,6 @@ class QemuTarget:
                 continue
             raise TargetError(f"{self.name}: unexpected stop at {rip:#x} ({stop.raw})")
         seconds = time.monotonic() - start
-        self.halted = True
         return QemuRunResult(
             checksum=self._get_u64(toy.WORKLOAD_CHECKSUM),
             output=machine.serial_text(), seconds=seconds,
@@ -380,7 +403,7 @@ class QemuTarget:
         self.close()
 
 
-def _safe_rip(gdb) -> str:
+def _safe_rip(gdb: GdbStub) -> str:
     try:
         return f"{gdb.read_register('rip'):#x}"
     except KsimError:
