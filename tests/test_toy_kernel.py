@@ -11,6 +11,7 @@ from pathlib import Path
 import capstone
 import pytest
 from elftools.elf.elffile import ELFFile
+from toy_traps import first_insn, trap_patch
 
 from ksim import images
 from ksim.errors import EmulationError, ImageBuildError, UnknownImage
@@ -379,9 +380,11 @@ def test_run_timeout(machine):
 
 
 def test_progress_callback_is_called(machine):
+    from ksim.errors import TargetTimeout
+
     calls = []
     machine.write(machine.address_of("start_kernel"), b"\xeb\xfe")
-    with pytest.raises(Exception):
+    with pytest.raises(TargetTimeout):
         machine.run(timeout=0.8, progress=lambda: calls.append(1))
     assert calls
 
@@ -392,27 +395,6 @@ def test_run_without_reset_is_refused(machine):
         machine.run()
 
 
-def trap_patch(elf_or_machine_read, site: int, patch: int, first_len: int,
-               first: bytes, marker: bytes | None) -> bytes:
-    """Patch code for an int3 at ``site``: optional serial marker, the displaced
-    instruction, and a jmp back -- the shape of a ksim trap splice."""
-    code = b""
-    if marker is not None:
-        # push rax; push rdx; mov edx, 0x3f8; mov al, marker; out dx, al; pop rdx; pop rax
-        code += b"\x50\x52\xba\xf8\x03\x00\x00\xb0" + marker + b"\xee\x5a\x58"
-    code += first
-    rel = (site + first_len) - (patch + len(code) + 5)
-    return code + b"\xe9" + struct.pack("<i", rel)
-
-
-def first_insn(machine_or_bytes, address):
-    md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-    raw = machine_or_bytes.read(address, 16)
-    _a, size, mnem, ops = next(md.disasm_lite(raw, address))
-    assert "rip" not in ops and not mnem.startswith(BRANCH_PREFIXES)
-    return raw[:size]
-
-
 def test_trap_table_dispatch(machine):
     """int3 at kmem_cache_alloc's entry, routed through ksim_trap_table as the
     kernel's #BP handler would: same checksum, one hit per call."""
@@ -421,7 +403,7 @@ def test_trap_table_dispatch(machine):
     site = machine.address_of("kmem_cache_alloc")
     patch = machine.address_of(toy.PATCH_AREA)
     first = first_insn(machine, site)
-    machine.write(patch, trap_patch(None, site, patch, len(first), first, None))
+    machine.write(patch, trap_patch(site, patch, first, None))
     machine.write(machine.address_of(toy.TRAP_TABLE), struct.pack("<QQ", site, patch))
     machine.write_u64(machine.address_of(toy.TRAP_COUNT), 1)
     hits = []

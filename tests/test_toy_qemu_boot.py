@@ -14,11 +14,10 @@ from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from toy_traps import first_insn, trap_patch
 
 from ksim.images import toy
 from ksim.machine.unicorn import UnicornMachine
-
-from test_toy_kernel import first_insn, trap_patch
 
 pytestmark = [
     pytest.mark.slow,
@@ -116,7 +115,7 @@ def _trapped_elf(toy_path: Path, tmp_path: Path, function: str, in_table: bool) 
     f = ElfFile(toy_path)
     site, patch = f.syms[function], f.syms[toy.PATCH_AREA]
     first = first_insn(f, site)
-    f.write(patch, trap_patch(None, site, patch, len(first), first, b"#"))
+    f.write(patch, trap_patch(site, patch, first, b"#"))
     if in_table:
         f.write(f.syms[toy.TRAP_TABLE], struct.pack("<QQ", site, patch))
         f.write(f.syms[toy.TRAP_COUNT], struct.pack("<Q", 1))

@@ -30,12 +30,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def count_functions(elf_path: Path) -> int:
     """Number of STT_FUNC symbols in the ELF."""
     from elftools.elf.elffile import ELFFile
+    from elftools.elf.sections import SymbolTableSection
 
     with open(elf_path, "rb") as f:
         symtab = ELFFile(f).get_section_by_name(".symtab")
-        if symtab is None:
+        if not isinstance(symtab, SymbolTableSection):
             return 0
-        return sum(1 for s in symtab.iter_symbols() if s["st_info"]["type"] == "STT_FUNC")
+        return sum(s["st_info"]["type"] == "STT_FUNC" for s in symtab.iter_symbols())
 
 
 def _row(name: str, force: bool = False) -> dict:

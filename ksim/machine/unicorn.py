@@ -29,6 +29,7 @@ from typing import Any
 import capstone
 import unicorn
 from elftools.elf.elffile import ELFFile
+from elftools.elf.sections import SymbolTableSection
 from unicorn import x86_const as X
 
 from ksim.errors import EmulationError, MalformedImage, TargetTimeout
@@ -119,7 +120,7 @@ class UnicornMachine:
         self._pristine = bytes(pristine)
 
         self._uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
-        self._uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)
+        self._uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
         self._uc.mem_map(lo, hi - lo, unicorn.UC_PROT_ALL)
         self._uc.mem_write(lo, self._pristine)
 
@@ -488,7 +489,7 @@ def _read_elf(path: Path) -> tuple[dict[str, int], list[tuple[str, int, int]],
             symbols: dict[str, int] = {}
             functions: list[tuple[str, int, int]] = []
             symtab = elf.get_section_by_name(".symtab")
-            for sym in symtab.iter_symbols() if symtab else ():
+            for sym in symtab.iter_symbols() if isinstance(symtab, SymbolTableSection) else ():
                 if not sym.name:
                     continue
                 symbols.setdefault(sym.name, sym["st_value"])
