@@ -56,6 +56,8 @@ static noinline void brd_do_bvec(struct block_device *bdev, struct bio *bio)
 	u8 *mem = bdev->storage + (bio->bi_sector << SECTOR_SHIFT);
 
 	if (bio->bi_opf == REQ_OP_WRITE) {
+		if (!memcmp(mem, bio->bi_buf, bio->bi_size))
+			bdev->unchanged_writes++;
 		memcpy(mem, bio->bi_buf, bio->bi_size);
 		bdev->data_csum = ksim_mix64(bdev->data_csum,
 					     csum_partial(mem, bio->bi_size, (u32)bio->bi_sector));
@@ -137,7 +139,7 @@ noinline u64 blk_checksum(u64 h)
 	for (int i = 0; i < NR_BLKDEV; i++) {
 		h = ksim_mix64(h, blkdevs[i].sectors_read);
 		h = ksim_mix64(h, blkdevs[i].sectors_written);
-		h = ksim_mix64(h, blkdevs[i].ios);
+		h = ksim_mix64(h, blkdevs[i].ios ^ (blkdevs[i].unchanged_writes << 32));
 		h = ksim_mix64(h, blkdevs[i].data_csum);
 		/* the first sectors in full; the rest is covered by data_csum */
 		h = ksim_mix64(h, crc32_le(0, blkdevs[i].storage, 2 << SECTOR_SHIFT));

@@ -107,8 +107,13 @@ static const struct file_operations ramfs_file_operations = {
 noinline struct inode *ramfs_lookup(const char *name)
 {
 	struct bst_node *n = bst_find(ramfs_root, ramfs_name_hash(name));
+	struct inode *inode;
 
-	return n ? container_of(n, struct inode, node) : NULL;
+	if (!n)
+		return NULL;
+	inode = container_of(n, struct inode, node);
+	/* Equal hashes are not equal names. */
+	return strcmp(inode->name, name) ? NULL : inode;
 }
 
 noinline struct inode *ramfs_create(const char *name, int bdev)
@@ -116,7 +121,7 @@ noinline struct inode *ramfs_create(const char *name, int bdev)
 	struct inode *inode;
 	unsigned int ino = find_first_zero_bit(ino_bitmap, NR_INODES);
 
-	if (ino >= NR_INODES)
+	if (ino >= NR_INODES || !strchr(name, '/'))
 		return NULL;
 	bitmap_set(ino_bitmap, ino, 1);
 	inode = &inodes[ino];

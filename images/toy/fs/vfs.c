@@ -18,12 +18,12 @@ static noinline int rw_verify_area(struct file *f, loff_t *pos, size_t count)
 
 static noinline void file_accessed(struct file *f)
 {
-	f->f_inode->i_atime = jiffies;
+	f->f_inode->i_atime = get_jiffies_64();
 }
 
 static noinline void file_modified(struct file *f)
 {
-	f->f_inode->i_mtime = jiffies;
+	f->f_inode->i_mtime = get_jiffies_64();
 }
 
 noinline ssize_t vfs_read(struct file *f, char *buf, size_t count, loff_t *pos)
@@ -159,7 +159,7 @@ noinline u64 vfs_checksum(u64 h)
 	h = ksim_mix64(h, bytes_read ^ (bytes_written << 24));
 	h = ksim_mix64(h, fsyncs);
 	h = ksim_mix64(h, open_fds[0]);
-	for (unsigned int i = 0; i < NR_OPEN; i++)
-		h = ksim_mix64(h, fd_table[i] ? (u64)fd_table[i]->f_pos : ~0ULL);
+	for (int fd = vfs_next_open_fd(0); fd >= 0; fd = vfs_next_open_fd(fd + 1))
+		h = ksim_mix64(h, (u64)fd << 56 | (u64)fd_table[fd]->f_pos);
 	return ramfs_checksum(h);
 }

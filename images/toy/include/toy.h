@@ -382,6 +382,7 @@ struct block_device {
 	u64 sectors_read, sectors_written;
 	u64 ios;
 	u64 data_csum;	/* running checksum of everything written */
+	u64 unchanged_writes;
 	u8 *storage;
 	void (*submit)(struct bio *);
 };

@@ -93,7 +93,10 @@ static noinline void op_pages(struct worker *w)
 	unsigned int i = prandom_u32_max(WORKER_PAGES);
 
 	if (w->pages[i]) {
-		__free_pages(w->pages[i], w->page_order[i]);
+		if (prandom_u32() & 1)
+			__free_pages(w->pages[i], w->page_order[i]);
+		else
+			free_pages((unsigned long)page_address(w->pages[i]), w->page_order[i]);
 		w->pages[i] = NULL;
 	} else if (prandom_u32_max(8) == 0) {
 		unsigned long addr = get_zeroed_page();

@@ -108,6 +108,7 @@ noinline struct task_struct *__switch_to(struct task_struct *prev, struct task_s
 static noinline void finish_task_switch(struct task_struct *prev)
 {
 	prev->need_resched = 0;
+	local_irq_enable();
 }
 
 noinline void schedule_tail(struct task_struct *prev)
@@ -120,6 +121,9 @@ static noinline void context_switch(struct rq *rq, struct task_struct *prev,
 {
 	rq->curr = next;
 	rq->nr_switches++;
+	/* Interrupts stay off while the stack is being switched (back on below,
+	 * or in schedule_tail for a task's first run). */
+	local_irq_disable();
 	prev = __switch_to_asm(prev, next);
 	/* Now running on next's stack; "prev" is whoever switched to us. */
 	finish_task_switch(prev);

@@ -7,6 +7,7 @@
 
 u64 syscall_counts[NR_syscalls];
 static u64 hostname_gen;
+static char hostname[65] = "toy";
 static struct sock *const sys_socks = tcp_socks;
 
 static long __x64_sys_read(const struct pt_regs *regs)
@@ -129,7 +130,14 @@ static long __x64_sys_brk(const struct pt_regs *regs)
 
 static long __x64_sys_sethostname(const struct pt_regs *regs)
 {
-	hostname_gen = ksim_mix64(hostname_gen, crc32_le(0, (const void *)regs->di, regs->si));
+	size_t len = regs->si;
+
+	if (len > sizeof(hostname) - 1)
+		return -EINVAL;
+	/* The caller's buffer may be our own (uname output): copy overlap-safely. */
+	memmove(hostname, (const void *)regs->di, len);
+	hostname[len] = 0;
+	hostname_gen = ksim_mix64(hostname_gen, crc32_le(0, hostname, len));
 	return 0;
 }
 
@@ -141,8 +149,10 @@ static long __x64_sys_gettid(const struct pt_regs *regs)
 static long __x64_sys_uname(const struct pt_regs *regs)
 {
 	char *buf = (char *)regs->di;
+	int n = snprintf(buf, 48, "toy %d.%d #%lu ", 6, 1, (u64)jiffies);
 
-	return snprintf(buf, 64, "toy %d.%d #%lu", 6, 1, (u64)jiffies);
+	strcpy(buf + n, hostname);	/* hostname is at most 64 bytes; buf has 2 KiB */
+	return n;
 }
 
 const sys_call_ptr_t sys_call_table[NR_syscalls] = {

@@ -61,6 +61,7 @@ struct nic {
 	u64 cmds[11];
 	u64 stats_dumps, rnr_events, intr_count, intr_spurious, polls;
 	u32 base;
+	u16 hdr_crc;
 	struct timer_list watchdog;
 };
 
@@ -225,7 +226,8 @@ static int e100_open(struct net_device *dev)
 	e100_exec_cmd(nic, cuc_start, 0);
 	e100_enable_irq(nic);
 	timer_setup(&nic->watchdog, e100_watchdog);
-	mod_timer(&nic->watchdog, jiffies + 8);
+	nic->watchdog.expires = get_jiffies_64() + 8;
+	add_timer(&nic->watchdog);
 	return 0;
 }
 
@@ -235,6 +237,8 @@ static noinline void e100_xmit_prepare(struct nic *nic, struct cb *cb, struct sk
 	cb->status = 0;
 	cb->len = skb->len;
 	cb->skb = skb;
+	/* The 8255x computes a CRC over the frame; model it over its first bytes. */
+	nic->hdr_crc = crc16(nic->hdr_crc, skb->data, min(skb->len, 16U));
 }
 
 static int e100_xmit_frame(struct sk_buff *skb, struct net_device *dev)
@@ -377,5 +381,6 @@ noinline u64 e100_checksum(u64 h)
 	for (unsigned int i = 0; i < ARRAY_SIZE(nic->cmds); i++)
 		h = ksim_mix64(h, nic->cmds[i]);
 	h = ksim_mix64(h, nic->intr_count ^ (nic->intr_spurious << 20) ^ (nic->polls << 40));
+	h = ksim_mix64(h, nic->hdr_crc);
 	return ksim_mix64(h, nic->rnr_events ^ (nic->stats_dumps << 32));
 }
