@@ -296,6 +296,12 @@ def test_workload_functions_hit_a_seed_dependent_deterministic_number_of_times(m
     assert a1 != b
 
 
+def test_every_hard_case_is_reached_by_the_workload(machine):
+    names = sorted({n for kind in toy.HARD_CASES.values() for n in kind})
+    counts = _count(machine, names, toy.DEFAULT_SEED)
+    assert not [n for n, c in counts.items() if c == 0]
+
+
 def test_context_switches_between_distinct_pids(machine):
     pids = set()
     off = machine.address_of(toy.TASK_PID_OFFSET)
