@@ -21,8 +21,10 @@ from pathlib import Path
 
 from ksim.errors import ImageBuildError, UnknownImage
 
-#: images/ at the top of the source tree (next to the ksim package)
-IMAGES_DIR = Path(__file__).resolve().parent.parent.parent / "images"
+#: images/ at the top of the source tree (next to the ksim package); KSIM_IMAGES_DIR
+#: overrides it (an installed, non-editable ksim has no source tree beside it)
+IMAGES_DIR = Path(os.environ.get("KSIM_IMAGES_DIR")
+                  or Path(__file__).resolve().parent.parent.parent / "images")
 
 
 @dataclass(frozen=True, slots=True)

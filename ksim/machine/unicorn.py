@@ -157,6 +157,18 @@ class UnicornMachine:
                 return f"{name}+{address - start:#x}"
         return f"{address:#x}"
 
+    def region(self, start: str, end: str) -> tuple[int, int]:
+        """(start, end) addresses of a region delimited by two symbols."""
+        return self.address_of(start), self.address_of(end)
+
+    @property
+    def patch_area(self) -> tuple[int, int]:
+        return self.region(toy.PATCH_AREA, toy.PATCH_AREA_END)
+
+    @property
+    def heap(self) -> tuple[int, int]:
+        return self.region(toy.HEAP, toy.HEAP_END)
+
     # --- memory and registers ---------------------------------------------------
     def _phys_of(self, address: int, size: int) -> int:
         lo, hi = self._virt
