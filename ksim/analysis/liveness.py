@@ -12,7 +12,8 @@ uncertainty resolves towards "live":
 * at a return: the return registers, the callee-saved registers, the stack
   pointer, and every register the function never writes (``preserved``);
 * at a tail call (a jump to another function's entry): the argument registers,
-  the callee-saved registers, the stack pointer and ``preserved``;
+  the callee-saved registers, the stack pointer, ``preserved``, and the return
+  registers the callee does not write (their values reach our caller);
 * at any other flow out of the function (a jump into another function's middle
   or .cold part, an unrecovered indirect jump, a stop instruction, code running
   off the end): every register is live.
@@ -138,7 +139,9 @@ class Liveness:
             return self._all  # into the middle of an instruction of ours
         what = self._classify(target)
         if what.kind is TargetKind.FUNCTION:
-            return self._at_tail_call
+            # what the callee leaves alone reaches our caller: return registers included
+            passed = self.cc.ret_regs - (what.clobbers if what.clobbers is not None else self._all)
+            return self._at_tail_call | passed
         if what.kind is TargetKind.RETURN:
             return self._at_return
         if what.kind is TargetKind.THUNK and what.reg:
