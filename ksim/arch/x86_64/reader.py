@@ -164,19 +164,24 @@ def _base(mnemonic: str) -> str:
     return mnemonic.rsplit(" ", 1)[-1]
 
 
-def _flow(base: str, op_str: str) -> tuple[Flow, int | None]:
-    direct = bool(_HEX.match(op_str))
+def _branch_kinds(mnemonic: str) -> tuple[Flow | None, Flow]:
+    """(flow when the operand is an immediate target, flow otherwise) for a mnemonic."""
+    base = _base(mnemonic)
     if base in _JCC:
-        return Flow.JCC, int(op_str, 0) if direct else None
+        return Flow.JCC, Flow.JCC
     if base in _JMP:
-        return (Flow.JMP, int(op_str, 0)) if direct and base == "jmp" else (Flow.JMP_INDIRECT, None)
+        return (Flow.JMP if base == "jmp" else None), Flow.JMP_INDIRECT
     if base in _CALL:
-        return (Flow.CALL, int(op_str, 0)) if direct and base == "call" else (Flow.CALL_INDIRECT, None)
+        return (Flow.CALL if base == "call" else None), Flow.CALL_INDIRECT
     if base in _RET:
-        return Flow.RET, None
+        return None, Flow.RET
     if base in _STOP:
-        return Flow.STOP, None
-    return Flow.SEQ, None
+        return None, Flow.STOP
+    return None, Flow.SEQ
+
+
+# full mnemonic (with prefixes) -> _branch_kinds(mnemonic); filled as mnemonics are met
+_KINDS: dict[str, tuple[Flow | None, Flow]] = {}
 
 
 def _pc_ref(op_str: str, end: int) -> int | None:
@@ -231,28 +236,24 @@ def _effects(raw: bytes, address: int, base: str, op_str: str) -> tuple[frozense
 
 
 def _build(code: bytes, offset: int, address: int, size: int, mnemonic: str, op_str: str) -> Insn:
-    base = _base(mnemonic)
-    flow, target = _flow(base, op_str)
-    raw = bytes(code[offset : offset + size])
-    key = (mnemonic, "" if target is not None else op_str)
+    kinds = _KINDS.get(mnemonic)
+    if kinds is None:
+        kinds = _KINDS[mnemonic] = _branch_kinds(mnemonic)
+    direct, flow = kinds
+    target = None
+    key = (mnemonic, op_str)
+    if direct is not None and op_str[:2] == "0x" and _HEX.match(op_str):
+        # the effects of a direct branch do not depend on its target: one cache entry
+        flow, target, key = direct, int(op_str, 16), (mnemonic, "")
+    raw = code[offset : offset + size]
     effects = _EFFECTS.get(key)
     if effects is None:
-        effects = _effects(raw, address, base, op_str)
+        effects = _effects(bytes(raw), address, _base(mnemonic), op_str)
         if len(_EFFECTS) >= _EFFECTS_MAX:
             _EFFECTS.clear()
         _EFFECTS[key] = effects
-    return Insn(
-        address=address,
-        size=size,
-        raw=raw,
-        mnemonic=mnemonic,
-        op_str=op_str,
-        flow=flow,
-        target=target,
-        pc_ref=_pc_ref(op_str, address + size),
-        reads=effects[0],
-        writes=effects[1],
-    )
+    pc_ref = _pc_ref(op_str, address + size) if "rip" in op_str else None
+    return Insn(address, size, bytes(raw), mnemonic, op_str, flow, target, pc_ref, effects[0], effects[1])
 
 
 def decode(code: bytes, address: int) -> Iterator[Insn]:
