@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from analysis_kernel import TABLE_FUNCTIONS, fixture_kernel, kernels
+
 from ksim.analysis import EdgeKind, PointKind, analyze, build_cfg, call_graph, callees
 from ksim.arch.base import Flow
 from ksim.arch.x86_64.reader import decode
@@ -27,7 +27,7 @@ def test_blocks_partition_bytes(image: Image) -> None:
             assert block.start == cursor, func.name
             if block.insns:
                 assert block.insns[0].address == block.start
-                for x, y in zip(block.insns, block.insns[1:]):
+                for x, y in zip(block.insns, block.insns[1:], strict=False):
                     assert x.end == y.address
                 assert block.insns[-1].end == block.end
             else:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from analysis_kernel import fixture_kernel, toy_kernel
+
 from ksim.cli import main
 from ksim.image import load_image
 

@@ -8,10 +8,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from analysis_kernel import ABS_VALUE, fixture_kernel, fixture_module, toy_kernel
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analysis_kernel import ABS_VALUE, fixture_kernel, fixture_module, toy_kernel
 from ksim.errors import ImageError, KsimError, MalformedImage, UnknownSymbol, UnsupportedImage
 from ksim.image import (
     MODULE_BASE,
@@ -97,7 +97,7 @@ def test_module_layout() -> None:
     addrs = [f.address for f in module.functions]
     assert len(set(addrs)) == len(addrs) and min(addrs) >= MODULE_BASE
     spans = sorted((s.address, s.end) for s in module.sections)
-    assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:]))
+    assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:], strict=False))
     note = module.function("note")
     assert module.read(note.address, note.size)  # bytes come from the laid-out section
 
@@ -112,7 +112,7 @@ def test_kallsyms_round_trip(kernel: Image, tmp_path: Path) -> None:
     for image in (load_kallsyms(syms, stripped), load_kallsyms(syms, reader=kernel.read)):
         assert [f.address for f in image.functions] == [f.address for f in kernel.functions]
         assert [f.name for f in image.functions] == [f.name for f in kernel.functions]
-        for ours, real in zip(image.functions, kernel.functions):
+        for ours, real in zip(image.functions, kernel.functions, strict=True):
             # sizes run to the next symbol: they include the padding after a function
             assert ours.size >= real.size
             assert image.read(real.address, real.size) == kernel.code(real)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import random
 
 import pytest
+from analysis_kernel import fixture_kernel, kernels, toy_kernel
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from analysis_kernel import fixture_kernel, kernels, toy_kernel
 from ksim.analysis import analyze
 from ksim.analysis.abi import X86_64_LINUX as CC
 from ksim.arch.base import Flow
@@ -119,8 +119,15 @@ def _regs() -> dict[str, int]:
 
 class Machine:
     def __init__(self, image: Image) -> None:
-        from unicorn import (UC_ARCH_X86, UC_HOOK_CODE, UC_HOOK_TLB_FILL, UC_MODE_64, UC_PROT_ALL,
-                             UC_TLB_VIRTUAL, Uc)
+        from unicorn import (
+            UC_ARCH_X86,
+            UC_HOOK_CODE,
+            UC_HOOK_TLB_FILL,
+            UC_MODE_64,
+            UC_PROT_ALL,
+            UC_TLB_VIRTUAL,
+            Uc,
+        )
 
         self.image = image
         uc = Uc(UC_ARCH_X86, UC_MODE_64)
@@ -191,7 +198,7 @@ class Machine:
             if name not in ("flags", "rip"):
                 uc.reg_write(reg, rng.getrandbits(64))
         uc.reg_write(regs["flags"], 0x2)
-        for reg, value in zip(CC.arg_regs, args):
+        for reg, value in zip(CC.arg_regs, args, strict=True):
             uc.reg_write(regs[reg], value)
         rsp = SCRATCH + SCRATCH_SIZE - 0x2000
         uc.mem_write(rsp - KBASE, SENTINEL.to_bytes(8, "little"))

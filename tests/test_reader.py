@@ -5,10 +5,10 @@ from __future__ import annotations
 import subprocess
 
 import pytest
+from analysis_kernel import fixture_kernel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analysis_kernel import fixture_kernel
 from ksim.arch.base import Flow
 from ksim.arch.x86_64.reader import ALL_REGS, decode, decode_lite, decode_one, insn_lengths
 from ksim.errors import DecodeError

@@ -39,7 +39,7 @@ _MASK64 = (1 << 64) - 1
 _MAX_TABLE = 4096  # entries; a larger bound is not a switch statement
 
 
-class EdgeKind(str, enum.Enum):
+class EdgeKind(enum.StrEnum):
     FALLTHROUGH = "fallthrough"   # block ends because the next one starts here
     JUMP = "jump"                 # unconditional direct jmp
     TAKEN = "taken"               # jcc taken
@@ -423,6 +423,7 @@ def _table_for(blocks: dict[int, Block], block: Block, jmp: Insn, by_addr: dict[
                 operand = _table_operand(src) if _canonical(dst) == target_reg else None
                 if operand is None:
                     return None
+                assert isinstance(extra, int)
                 where, at = blk, extra
                 break
         if operand is None:

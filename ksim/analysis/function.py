@@ -11,8 +11,8 @@ import weakref
 from dataclasses import dataclass, field
 
 from ksim.analysis.abi import ArchSupport, support_for
-from ksim.analysis.clobbers import function_clobbers, own_writes
 from ksim.analysis.cfg import CFG, Block, Edge, JumpTable, build_cfg
+from ksim.analysis.clobbers import function_clobbers, own_writes
 from ksim.analysis.liveness import Liveness, Target, TargetKind
 from ksim.analysis.points import FunctionPoints, Point, PointKind, find_points
 from ksim.arch.base import Flow, Insn

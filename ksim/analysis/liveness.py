@@ -82,7 +82,7 @@ class Liveness:
     # --- the dataflow -----------------------------------------------------------------
     def _solve(self) -> None:
         blocks = self.cfg.blocks
-        live_in = {start: frozenset() for start in blocks}
+        live_in: dict[int, frozenset[str]] = {start: frozenset() for start in blocks}
         work = list(blocks)
         queued = set(work)
         while work:

@@ -16,7 +16,7 @@ from ksim.analysis.cfg import CFG, Block
 from ksim.arch.base import Flow
 
 
-class PointKind(str, enum.Enum):
+class PointKind(enum.StrEnum):
     ENTRY = "entry"
     EXIT = "exit"
     BLOCK = "block"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+from typing import Any
 
 from ksim.cli import add_json_flag, emit_json
 
@@ -27,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
     from ksim.image.resolve import open_image
 
     image = open_image(args.image)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for func in image.functions:
         if args.match and not fnmatch.fnmatchcase(func.name, args.match):
             continue

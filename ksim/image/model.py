@@ -42,3 +42,13 @@ class Function:
 
     def __contains__(self, address: object) -> bool:
         return isinstance(address, int) and self.address <= address < self.end
+
+
+def __getattr__(name: str):  # noqa: ANN202 - PEP 562 module attribute
+    # Image needs the types above, so it lives in ksim.image.image; it is
+    # reachable from here too for modules that import the image model by name.
+    if name == "Image":
+        from ksim.image.image import Image
+
+        return Image
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
