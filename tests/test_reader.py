@@ -154,3 +154,10 @@ def test_random_bytes_decode_safely(code: bytes) -> None:
         assert addr == BASE
     else:
         assert first.address == BASE
+
+
+def test_flow_scan_agrees_with_decode() -> None:
+    from ksim.arch.x86_64.reader import flows
+
+    code = bytes.fromhex("e8 00 00 00 00 74 02 ff e0 eb fe c3 ff d0 f4")
+    assert list(flows(code, BASE)) == [(i.address, i.size, i.flow, i.target) for i in decode(code, BASE)]

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ksim.arch.base import Insn
+from ksim.arch.base import Flow, Insn
 from ksim.errors import UnsupportedImage
 
 
@@ -93,14 +93,38 @@ X86_64_LINUX = CallConvention(
 CONVENTIONS: dict[str, CallConvention] = {"x86_64": X86_64_LINUX}
 
 
+#: (address, size, flow, direct target) per instruction: control flow without the
+#: cost of register effects
+FlowScan = Callable[[bytes, int], Iterator[tuple[int, int, Flow, int | None]]]
+
+
+def _x86_64_flows() -> FlowScan:
+    from ksim.arch.x86_64.reader import flows
+
+    return flows
+
+
+#: architecture name -> its fast control-flow scan, where it has one
+FLOW_SCANS: dict[str, Callable[[], FlowScan]] = {"x86_64": _x86_64_flows}
+
+
 @dataclass(frozen=True)
 class ArchSupport:
     name: str
     decode: Callable[[bytes, int], Iterator[Insn]]
     convention: CallConvention
+    flows: FlowScan
 
 
 _CACHE: dict[str, ArchSupport] = {}
+
+
+def _slow_flows(decode: Callable[[bytes, int], Iterator[Insn]]) -> FlowScan:
+    def scan(code: bytes, address: int) -> Iterator[tuple[int, int, Flow, int | None]]:
+        for insn in decode(code, address):
+            yield insn.address, insn.size, insn.flow, insn.target
+
+    return scan
 
 
 def support_for(arch_name: str) -> ArchSupport:
@@ -115,5 +139,7 @@ def support_for(arch_name: str) -> ArchSupport:
         convention = CONVENTIONS.get(arch.name)
         if convention is None:
             raise UnsupportedImage(f"no calling convention known for architecture {arch.name!r}")
-        _CACHE[arch_name] = ArchSupport(arch.name, arch.decode, convention)
+        scan = FLOW_SCANS.get(arch.name)
+        _CACHE[arch_name] = ArchSupport(arch.name, arch.decode, convention,
+                                        scan() if scan else _slow_flows(arch.decode))
     return _CACHE[arch_name]

@@ -53,26 +53,26 @@ class CallGraph:
 def call_graph(image: Image, functions: Iterable[Function] | None = None) -> CallGraph:
     """The call graph over ``functions`` (default: every function of the image).
 
-    Decodes each function by linear sweep only (no CFG), which is what a whole
-    kernel needs to stay affordable.
+    Scans each function's control flow by linear sweep only (no CFG, no register
+    effects), which is what a whole kernel needs to stay affordable.
     """
     from ksim.analysis.abi import support_for
 
-    decode = support_for(image.arch).decode
+    scan = support_for(image.arch).flows
     graph = CallGraph()
     for func in functions if functions is not None else image.functions:
         calls: set[str] = set()
         tails: set[str] = set()
         indirect = 0
-        for insn in decode(image.read(func.address, func.size), func.address):
-            if insn.flow is Flow.CALL_INDIRECT:
+        for _addr, _size, flow, target in scan(image.read(func.address, func.size), func.address):
+            if flow is Flow.CALL_INDIRECT:
                 indirect += 1
-            elif insn.flow in (Flow.CALL, Flow.JMP) and insn.target is not None:
-                if insn.target in func:
+            elif flow in (Flow.CALL, Flow.JMP) and target is not None:
+                if target in func:
                     continue
-                callee = image.function_at(insn.target)
-                if callee is not None and callee.address == insn.target:
-                    (calls if insn.flow is Flow.CALL else tails).add(callee.name)
+                callee = image.function_at(target)
+                if callee is not None and callee.address == target:
+                    (calls if flow is Flow.CALL else tails).add(callee.name)
         graph.calls[func.name] = calls
         if tails:
             graph.tail_calls[func.name] = tails

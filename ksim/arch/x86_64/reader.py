@@ -39,6 +39,7 @@ __all__ = [
     "decode",
     "decode_one",
     "decode_lite",
+    "flows",
     "insn_lengths",
 ]
 
@@ -276,6 +277,20 @@ def decode_one(code: bytes, address: int) -> Insn:
 def decode_lite(code: bytes, address: int) -> Iterator[tuple[int, int, str, str]]:
     """Fast path: (address, size, mnemonic, op_str) only, no register effects."""
     return _CS_LITE.disasm_lite(code, address)
+
+
+def flows(code: bytes, address: int) -> Iterator[tuple[int, int, Flow, int | None]]:
+    """Fast path for control flow only: (address, size, flow, direct target) of each
+    instruction of a linear sweep, without register effects (call graphs)."""
+    for addr, size, mnemonic, op_str in _CS_LITE.disasm_lite(code, address):
+        kinds = _KINDS.get(mnemonic)
+        if kinds is None:
+            kinds = _KINDS[mnemonic] = _branch_kinds(mnemonic)
+        direct, flow = kinds
+        if direct is not None and op_str[:2] == "0x" and _HEX.match(op_str):
+            yield addr, size, direct, int(op_str, 16)
+        else:
+            yield addr, size, flow, None
 
 
 def insn_lengths(code: bytes, address: int) -> Iterator[tuple[int, int]]:
