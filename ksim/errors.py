@@ -228,6 +228,50 @@ class AuthError(KsimError):
     code = "auth"
 
 
+# --- probes, timers, replacement, components ----------------------------------------
+class ProbeError(KsimError):
+    """A probe cannot be registered as asked.  Nothing was changed."""
+
+    code = "probe"
+
+
+class ProbeExists(ProbeError):
+    """A probe is already registered at that address (or this probe is registered)."""
+
+    code = "probe-exists"
+
+
+class HandlerUnsupported(ProbeError):
+    """A Python handler on a target that cannot call into Python at a trap, or a
+    post handler after an instruction that does not fall through."""
+
+    code = "handler-unsupported"
+
+
+class NoReturnPoint(ProbeError):
+    """A return probe on a function that leaves by a tail call (no ret to watch)."""
+
+    code = "no-return-point"
+
+
+class ReplacementError(SpliceError):
+    """A function or call site cannot be replaced as asked.  Nothing was changed."""
+
+    code = "replacement"
+
+
+class LinkError(KsimError):
+    """A component object cannot be loaded: unresolved symbol, unsupported relocation."""
+
+    code = "link"
+
+
+class ComponentBuildError(LinkError):
+    """Compiling a component from C failed."""
+
+    code = "component-build"
+
+
 def all_error_classes() -> dict[str, type[KsimError]]:
     """Map each wire code to its class (used by the daemon and the live client)."""
     out: dict[str, type[KsimError]] = {}

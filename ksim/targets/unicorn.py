@@ -60,6 +60,7 @@ class UnicornTarget:
                                      name="patch area")
         self._data = RegionAllocator(sym("ksim_heap"), sym("ksim_heap_end"), name="data heap")
         self._traps: dict[int, int] = {}
+        self._trap_hooks: dict[int, list[Callable[[UnicornMachine, int], int | None]]] = {}
         self._text = [(s.address, s.size) for s in self.image.sections if s.executable]
         self.trap_hits = 0
         self.machine.hook_interrupt(self._on_interrupt)
@@ -105,6 +106,23 @@ class UnicornTarget:
     def clear_trap(self, site: int) -> None:
         self._traps.pop(site, None)
 
+    def add_trap_hook(self, site: int, fn: Callable[[UnicornMachine, int], int | None]
+                      ) -> Callable[[], None]:
+        """Call ``fn(machine, site)`` each time the trap at ``site`` is taken, before
+        execution resumes at its patch (Python probe handlers).  RIP is still just past
+        the trap; ``fn`` may return an address to resume at instead of the patch.
+        Returns a function that removes the hook."""
+        self._trap_hooks.setdefault(site, []).append(fn)
+
+        def remove() -> None:
+            hooks = self._trap_hooks.get(site, [])
+            if fn in hooks:
+                hooks.remove(fn)
+            if not hooks:
+                self._trap_hooks.pop(site, None)
+
+        return remove
+
     def _on_interrupt(self, machine: UnicornMachine, vector: int) -> None:
         if vector != TRAP_VECTOR:
             raise EmulationError(f"unexpected interrupt {vector} at {machine.reg('rip'):#x}")
@@ -113,7 +131,12 @@ class UnicornTarget:
         if patch is None:
             raise EmulationError(f"int3 at {site:#x} is not a ksim trap site")
         self.trap_hits += 1
-        machine.set_reg("rip", patch)
+        resume = patch
+        for fn in list(self._trap_hooks.get(site, ())):
+            redirect = fn(machine, site)
+            if redirect is not None:
+                resume = redirect
+        machine.set_reg("rip", resume)
 
     # --- running -----------------------------------------------------------------
     def run(self, *, seed: int | None = None, iterations: int | None = None,

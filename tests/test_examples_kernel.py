@@ -1,0 +1,30 @@
+"""The KernInst and Kprobes example programs run on unicorn:toy; each checks its own
+result against an oracle (address hooks, workload bookkeeping) and exits non-zero
+on a mismatch."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_example(name: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / name), *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+@pytest.mark.parametrize("extra", [[], ["--python"]])
+def test_kprobe_count(toy_path, extra):
+    assert "oracle" in run_example("kprobe_count.py", "unicorn:toy", "300", *extra)
+
+
+@pytest.mark.parametrize("extra", [[], ["--python"]])
+def test_jprobe_args(toy_path, extra):
+    assert "dev 2:" in run_example("jprobe_args.py", "unicorn:toy", "300", *extra)
