@@ -15,9 +15,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from ksim.errors import KsimError
-
 import ksim.commands as commands_pkg
+from ksim.errors import KsimError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -136,7 +136,7 @@ class Manager:
     def can_insert(self, point: Point, splice: str = "auto") -> str | None:
         """None if a snippet could be spliced at ``point`` with ``splice``, else why not."""
         try:
-            self._plan(point, [ast.Seq([])], splice, dry_run=True)
+            self._plan(point, [ast.Seq(())], splice, dry_run=True)
         except KsimError as exc:
             return str(exc)
         return None

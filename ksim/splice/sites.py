@@ -102,7 +102,7 @@ class SiteFacts:
         size = self.arch.jmp_size
         funcs = sorted(self.image.functions, key=lambda f: f.address)
         slots: list[tuple[int, int]] = []
-        for f, g in zip(funcs, funcs[1:]):
+        for f, g in zip(funcs, funcs[1:], strict=False):
             lo, hi = f.end, g.address
             if hi - lo < size or hi - lo > 64 or not self.image.is_text(lo):
                 continue
