@@ -145,6 +145,8 @@ class NativePlanner:
 
     def script(self, v: Variant) -> tuple[str, dict[str, Any]]:
         """The harness commands for one variant, and what was planned."""
+        if not v.name or any(c.isspace() for c in v.name):
+            raise ValueError(f"a variant name is one word: {v.name!r}")
         from ksim.snippets import ast
         from ksim.splice import planner
         from ksim.targets.base import KernelABI, MemRef

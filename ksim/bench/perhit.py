@@ -1,0 +1,421 @@
+"""per-hit: what one hit of an instrumented function costs, jmp versus trap (the
+paper's Table 1, re-measured).
+
+The snippet is an entry counter (``v.atomic_assign(v + 1)``), spliced by ksim's
+Manager (unicorn, QEMU) or by the same planner and codegen in a user-mode build
+(native), next to the uninstrumented function in the same run:
+
+* **native** — real hardware: the toy kernel's C code as a process
+  (:mod:`ksim.bench.native`), ``ksim_bench_target`` called in a timed loop; TSC
+  cycles per call for uninstrumented, jmp, springboard and trap (a user-space
+  trap: int3 -> SIGTRAP handler -> sigreturn).
+* **unicorn** — the toy kernel emulated: emulated instructions per hit (exact, the
+  runs are deterministic) and wall time per hit; beside them the wall time per hit
+  of a Python exact-address hook (unicorn's own instrumentation), for contrast.
+* **qemu** — the toy kernel under qemu-system-x86_64 (TCG here): emulated time per
+  hit.  Never hardware figures.
+* **live** — the Debian kernel of the testbed, when it is up.
+
+Emulated targets measure the seeded workload with the probe on its hottest
+function that the given tactic can splice (hits counted by the snippet itself),
+and the image's bench mode (rdtsc around N calls of ``ksim_bench_target``) when
+that mode really calls the function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ksim.bench import native
+from ksim.bench.common import Context, Section, Skip, Table, pyplot, save
+
+NAME = "per-hit"
+TITLE = "Cost per hit: uninstrumented, jmp, springboard, trap (paper Table 1)"
+#: below this many hits in a run, a per-hit wall time is lost in run-to-run noise
+MIN_HITS_FOR_TIME = 5_000
+PAPER = {"jmp": 84.0012, "trap": 1613.5124, "cpu": "Pentium 4 1.4 GHz, Linux 2.4.20"}
+
+
+def run(ctx: Context) -> Section:
+    results: dict[str, Any] = {}
+    notes: list[str] = []
+    tables: list[Table] = []
+    steps = [("native", _native), ("unicorn", _unicorn), ("qemu", _qemu), ("live", _live)]
+    with ctx.bar(len(steps), "per-hit") as bar:
+        for name, fn in steps:
+            bar.advance(0, note=name)
+            try:
+                res, tabs, nts = fn(ctx)
+                results[name] = res
+                tables += tabs
+                notes += nts
+            except Skip as exc:
+                results[name] = {"skipped": str(exc)}
+                notes.append(f"{name}: skipped: {exc}")
+            bar.advance(note=name)
+    return Section(results, tables, notes, {"mode": ctx.mode})
+
+
+# --- native ------------------------------------------------------------------------------
+def _native(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
+    why = native.available()
+    if why:
+        raise Skip(why)
+    calls, repeats = ctx.pick((1_000_000, 31), (300_000, 11), (2_000, 3))
+    tcalls, trepeats = ctx.pick((30_000, 11), (5_000, 5), (100, 2))
+    V = native.Variant
+    variants = [
+        V("uninstrumented", None, calls=calls, repeats=repeats),
+        V("jmp", "jmp", calls=calls, repeats=repeats),
+        V("springboard", "springboard", calls=calls, repeats=repeats),
+        V("trap", "trap", calls=tcalls, repeats=trepeats),
+        V("jmp-empty-snippet", "jmp", calls=calls, repeats=repeats, snippet="empty"),
+        V("trap-empty-snippet", "trap", calls=tcalls, repeats=trepeats, snippet="empty"),
+    ]
+    rows = native.measure(variants, rounds=ctx.pick(5, 3, 1))
+    base = rows[0].get("min_cycles_per_call", 0.0)
+    for r in rows:
+        if "min_cycles_per_call" in r:
+            r["overhead_cycles"] = r["min_cycles_per_call"] - base
+    by = {r["variant"]: r for r in rows}
+    jmp_o = by["jmp"].get("overhead_cycles")
+    trap_o = by["trap"].get("overhead_cycles")
+    ratio = trap_o / jmp_o if jmp_o and trap_o and jmp_o > 0 else None
+    table = Table(
+        "Native, real hardware: TSC cycles per call of ksim_bench_target (user-mode toy kernel)",
+        ["variant", "patch B", "cycles/call (min)", "median", "overhead/hit", "counter ok"],
+        [[r["variant"], r.get("patch_bytes"), r.get("min_cycles_per_call"),
+          r.get("median_cycles_per_call"), _round(r.get("overhead_cycles")), r.get("counter_ok")]
+         for r in rows])
+    t1 = Table("Table 1 re-measured (cycles per hit)", ["", "paper (P4, kernel)", "ksim native (user space)"],
+               [["jmp", PAPER["jmp"], _round(jmp_o)],
+                ["trap", PAPER["trap"], _round(trap_o)],
+                ["trap / jmp", round(PAPER["trap"] / PAPER["jmp"], 1), _round(ratio)]])
+    notes = ["native: TSC ticks (constant reference rate) on the host CPU; the trap is a "
+             "user-space trap (int3 -> SIGTRAP handler -> sigreturn), two kernel crossings per "
+             "hit, heavier than an in-kernel int3 handler; overhead = variant - uninstrumented "
+             "(minimum over repeats and rounds)"]
+    return {"rows": rows, "trap_over_jmp": ratio, "unit": "TSC cycles"}, [table, t1], notes
+
+
+# --- emulated targets ----------------------------------------------------------------
+def _hot_functions(spec: str) -> list[tuple[int, str]]:
+    """Function entry hit counts of the seeded workload (unicorn's exact-address hooks)."""
+    import contextlib
+
+    from ksim.kapi import Manager
+
+    with Manager.attach(spec) as m, contextlib.ExitStack() as stack:
+        counters = {f.name: stack.enter_context(m.oracle(f.address))
+                    for f in m.target.image.functions}
+        m.run(seed=1)
+        return sorted(((c.count, n) for n, c in counters.items() if c.count), reverse=True)
+
+
+def _pick_sites(hot: list[tuple[int, str]]) -> dict[str, tuple[str, int]]:
+    """The hottest function whose entry the jmp policy splices by a plain jmp, and the
+    hottest one it can only splice by a springboard."""
+    from ksim.kapi import Manager
+
+    out: dict[str, tuple[str, int]] = {}
+    with Manager.attach("unicorn:toy") as m:
+        for hits, name in hot:
+            try:
+                tactic = m._plan(m.entry_point(name), [], "jmp", dry_run=True).tactic
+            except Exception:  # noqa: BLE001 - not spliceable by jmp: look further
+                continue
+            if m.can_insert(m.entry_point(name), "trap") is not None:
+                continue
+            key = "jmp" if tactic == "jmp" else "springboard" if tactic == "springboard" else None
+            if key and key not in out:
+                out[key] = (name, hits)
+            if len(out) == 2:
+                break
+    return out
+
+
+def _measure_site(spec: str, func: str, variants: list[str], iterations: int, repeats: int,
+                  *, instructions: bool, hook: bool) -> list[dict[str, Any]]:
+    """Per variant: hits, emulated instructions (unicorn), best wall time of ``repeats`` runs."""
+    from ksim.kapi import Manager
+
+    rows: list[dict[str, Any]] = []
+    with Manager.attach(spec) as m:
+        point = m.entry_point(func)
+        counter = m.malloc(8)
+        runs: list[tuple[str, Any]] = [(v, None) for v in variants]
+        if hook:
+            runs.append(("python address hook", "hook"))
+        for variant, kind in runs:
+            rec: dict[str, Any] = {"function": func, "variant": variant}
+            handle = None
+            if variant != "uninstrumented" and kind is None:
+                policy = "trap" if variant == "trap" else "jmp"
+                handle = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=policy)
+                rec["tactic"] = m.splices()[point.address][0]
+            try:
+                if instructions:
+                    m.write(counter, 0)
+                    r = m.run(seed=1, iterations=iterations, count_instructions=True)
+                    rec["instructions"] = r.instructions
+                    rec["checksum"] = r.checksum
+                times = []
+                for _ in range(repeats):
+                    m.write(counter, 0)
+                    if kind == "hook":
+                        with m.oracle(point.address) as oc:
+                            r = m.run(seed=1, iterations=iterations)
+                        rec["hits"] = oc.count
+                    else:
+                        r = m.run(seed=1, iterations=iterations)
+                    times.append(r.seconds)
+                rec["seconds"] = min(times)
+                rec["checksum"] = r.checksum
+                if handle is not None:
+                    rec["hits"] = m.read(counter)
+            finally:
+                if handle is not None:
+                    m.remove_snippet(handle)
+            rows.append(rec)
+    base = rows[0]
+    for rec in rows[1:]:
+        hits = rec.get("hits") or 0
+        if hits >= MIN_HITS_FOR_TIME:  # fewer hits: run-to-run noise exceeds the difference
+            rec["wall_ns_per_hit"] = 1e9 * (rec["seconds"] - base["seconds"]) / hits
+        if hits:
+            if rec.get("instructions") is not None and base.get("instructions") is not None:
+                rec["insns_per_hit"] = (rec["instructions"] - base["instructions"]) / hits
+        rec["same_checksum"] = rec.get("checksum") == base.get("checksum")
+    return rows
+
+
+def _emulated(ctx: Context, spec: str, label: str, *, instructions: bool) -> tuple[dict[str, Any], list[Table], list[str]]:
+    hot = _hot_functions("unicorn:toy")
+    sites = _pick_sites(hot)
+    if not sites:
+        raise Skip("no hot toy function can be spliced by jmp and by trap")
+    iterations, repeats = ctx.pick((30_000, 5), (6_000, 3), (50, 1))
+    rows: list[dict[str, Any]] = []
+    for key, (func, _hits) in sites.items():
+        variants = ["uninstrumented", key, "trap"]
+        rows += _measure_site(spec, func, variants, iterations, repeats,
+                              instructions=instructions, hook=instructions and key == "jmp")
+    bench = _bench_mode(ctx, spec)
+    cols = ["function", "variant", "tactic", "hits", "insns/hit", "wall ns/hit", "same checksum"]
+    table = Table(f"{label}: seeded workload, {iterations} iterations, entry counter on hot functions",
+                  cols, [[r["function"], r["variant"], r.get("tactic", "-"), r.get("hits"),
+                          _round(r.get("insns_per_hit")), _round(r.get("wall_ns_per_hit")),
+                          r.get("same_checksum")] for r in rows])
+    tables = [table]
+    if bench.get("rows"):
+        tables.append(Table(f"{label}: bench mode, {bench['calls']} calls of ksim_bench_target",
+                            ["variant", "cycles/call", "overhead/hit"],
+                            [[r["variant"], _round(r.get("cycles_per_call")),
+                              _round(r.get("overhead"))] for r in bench["rows"]]))
+    notes = [f"{label}: bench mode: {bench.get('skipped') or bench.get('unit')}"]
+    return {"workload": rows, "sites": sites, "bench_mode": bench, "iterations": iterations}, tables, notes
+
+
+def _bench_mode(ctx: Context, spec: str) -> dict[str, Any]:
+    """The image's own rdtsc loop around ksim_bench_target, if it really calls it."""
+    from ksim.kapi import Manager
+
+    calls = ctx.pick(1_000_000, 200_000, 1_000)
+    out: list[dict[str, Any]] = []
+    with Manager.attach(spec) as m:
+        point = m.entry_point("ksim_bench_target")
+        counter = m.malloc(8)
+        for variant in ("uninstrumented", "jmp", "trap"):
+            handle = None
+            if variant != "uninstrumented":
+                handle = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=variant)
+            try:
+                m.write(counter, 0)
+                r = m.run(bench_calls=calls)
+                cycles = getattr(r, "bench_cycles", None)
+                if handle is not None and m.read(counter) != calls:
+                    return {"skipped": f"the image's bench loop did not call ksim_bench_target "
+                                       f"{calls} times (the snippet counted {m.read(counter)}); "
+                                       "no bench-mode figures"}
+                out.append({"variant": variant, "cycles_per_call": cycles / calls if cycles else None})
+            finally:
+                if handle is not None:
+                    m.remove_snippet(handle)
+    base = out[0].get("cycles_per_call")
+    for r in out[1:]:
+        if base is not None and r.get("cycles_per_call") is not None:
+            r["overhead"] = r["cycles_per_call"] - base
+    return {"rows": out, "calls": calls, "unit": "emulated rdtsc cycles (never hardware figures)"}
+
+
+def _unicorn(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
+    res, tables, notes = _emulated(ctx, "unicorn:toy", "unicorn", instructions=True)
+    notes.append("unicorn: insns/hit = extra emulated instructions per hit (exact); wall ns/hit = "
+                 "extra host time per hit, best of the repeats; the Python address hook is "
+                 "unicorn's own exact-address instrumentation, for contrast")
+    return res, tables, notes
+
+
+def _qemu(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
+    import shutil
+
+    if shutil.which("qemu-system-x86_64") is None:
+        raise Skip("qemu-system-x86_64 is not installed")
+    res, tables, notes = _emulated(ctx, "qemu:toy", "qemu", instructions=False)
+    notes.append("qemu: TCG (no working KVM here): wall ns/hit is emulated time, not hardware")
+    return res, tables, notes
+
+
+LIVE_FUNCTION = "__x64_sys_getpid"
+GUEST_PROGRAM = native.REPO / "benchmarks" / "native" / "guest_getpid.c"
+
+
+def _guest_program() -> str:
+    """The guest's rdtsc getpid loop, built statically on the host (the guest runs the
+    host's root filesystem, so the host path works inside it)."""
+    import hashlib
+    import subprocess
+
+    src = GUEST_PROGRAM.read_bytes()
+    out = native.BENCH_CACHE / "live" / hashlib.sha256(src).hexdigest()[:12] / "guest_getpid"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(GUEST_PROGRAM)],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise Skip(f"cannot build the guest program: {proc.stderr.strip()[-300:]}")
+    return str(out)
+
+
+def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
+    import json
+    import time
+
+    try:
+        from live import testbed
+    except ImportError as exc:
+        raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
+    state = testbed.status()
+    if not state.get("up"):
+        raise Skip("the Linux testbed is not up (start it with `ksim testbed up`); live "
+                   "per-hit figures next to the kernel's int3 kprobe and optprobe need it")
+    from ksim.kapi import Manager
+
+    prog = _guest_program()
+    calls, repeats = ctx.pick((100_000, 7), (20_000, 5), (500, 1))
+    cmd = f"{prog} {calls} {repeats}"
+    tracefs = "/sys/kernel/tracing"
+    rows: list[dict[str, Any]] = []
+    with Manager.attach(state["address"]) as m:
+        t = m.target
+        point = m.entry_point(LIVE_FUNCTION)
+        fn = m.find_function(LIVE_FUNCTION)
+        head = t.read(point.address, 5)
+
+        def measure(variant: str, **extra: Any) -> dict[str, Any]:
+            r = t.run(while_cmd=cmd, timeout=1800)
+            rec = {"variant": variant, **json.loads(r.output.strip().splitlines()[-1]), **extra}
+            rows.append(rec)
+            return rec
+
+        def kprobe(offset: int, optimize: bool) -> tuple[str, str]:
+            event = f"ksim_bench_{offset}_{int(optimize)}"
+            saved = t.exec("cat /proc/sys/debug/kprobes-optimization").strip() or "1"
+            t.exec_checked(f"echo {int(optimize)} > /proc/sys/debug/kprobes-optimization && "
+                           f"echo 'p:{event} {LIVE_FUNCTION}+{offset}' >> {tracefs}/kprobe_events && "
+                           f"echo 1 > {tracefs}/events/kprobes/{event}/enable")
+            if optimize:
+                time.sleep(2.0)  # kprobes optimizes after a delay (kernel/kprobes.c)
+            return event, saved
+
+        def unkprobe(event: str, saved: str) -> int:
+            prof = t.exec(f"cat {tracefs}/kprobe_profile")
+            hits = next((int(ln.split()[1]) for ln in prof.splitlines()
+                         if ln.split() and ln.split()[0] == event), -1)
+            t.exec_checked(f"echo 0 > {tracefs}/events/kprobes/{event}/enable; "
+                           f"echo '-:{event}' >> {tracefs}/kprobe_events; "
+                           f"echo {saved} > /proc/sys/debug/kprobes-optimization")
+            time.sleep(1.0)  # un-optimizing is asynchronous
+            return hits
+
+        measure("uninstrumented")
+        counter = m.malloc(8)
+        for policy in ("jmp", "trap"):
+            m.write(counter, 0)
+            h = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=policy)
+            try:
+                tactic = m.splices()[point.address][0]
+                rec = measure(f"ksim {policy}", tactic=tactic)
+                rec["hits"] = m.read(counter)
+            finally:
+                m.remove_snippet(h)
+        past_nop = 5 if head == bytes.fromhex("0f1f440000") else 0
+        for label, offset, opt in (("kprobe int3", past_nop, False),
+                                   ("kprobe optimized (jump)", past_nop, True),
+                                   ("kprobe at +0 (ftrace)", 0, False)):
+            event, saved = kprobe(offset, opt)
+            try:
+                listing = t.exec("mountpoint -q /sys/kernel/debug || mount -t debugfs none "
+                                 "/sys/kernel/debug 2>/dev/null; grep " + LIVE_FUNCTION +
+                                 " /sys/kernel/debug/kprobes/list 2>/dev/null").strip()
+                rec = measure(label, probe=f"{LIVE_FUNCTION}+{offset}", kprobe_state=listing)
+            finally:
+                rec["hits"] = unkprobe(event, saved)
+    base = rows[0]["min_cycles_per_call"]
+    for r in rows[1:]:
+        r["overhead"] = r["min_cycles_per_call"] - base
+    table = Table(f"live ({state.get('kernel')}, {state.get('accel')}): emulated cycles per "
+                  f"getpid ({LIVE_FUNCTION} probed), {calls} calls",
+                  ["variant", "tactic/probe", "cycles/call (min)", "median", "overhead/hit", "hits"],
+                  [[r["variant"], r.get("tactic") or r.get("probe", "-"), r["min_cycles_per_call"],
+                    r["median_cycles_per_call"], _round(r.get("overhead")), r.get("hits")]
+                   for r in rows])
+    notes = [f"live: the testbed kernel runs under {state.get('accel')}: cycles are the guest's "
+             "rdtsc (emulated under TCG), never hardware figures; hits = the snippet's counter or "
+             "kprobe_profile (>= calls x repeats: other processes call getpid too)"]
+    return {"rows": rows, "function": LIVE_FUNCTION, "entry_bytes": head.hex(),
+            "accel": state.get("accel"), "kernel": state.get("kernel"),
+            "entry_size": fn.size}, [table], notes
+
+
+def _round(v: Any) -> Any:
+    return round(v, 2) if isinstance(v, float) else v
+
+
+def plot(section: dict[str, Any], path: str) -> None:
+    plt = pyplot()
+    res = section["results"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    ax = axes[0]
+    nat = res.get("native", {}).get("rows") or []
+    names = [r["variant"] for r in nat if r.get("min_cycles_per_call") is not None]
+    vals = [r["min_cycles_per_call"] for r in nat if r.get("min_cycles_per_call") is not None]
+    if names:
+        bars = ax.bar(range(len(names)), vals, color="#1f77b4")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+        ax.set_yscale("log")
+        for b, v in zip(bars, vals):
+            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("TSC cycles per call (log)")
+    ax.set_title("native, real hardware (user-mode toy kernel)")
+    for ax, key, metric, unit in ((axes[1], "unicorn", "insns_per_hit", "emulated instructions per hit"),
+                                  (axes[2], "qemu", "wall_ns_per_hit", "emulated ns per hit (TCG)")):
+        rows = [r for r in (res.get(key, {}).get("workload") or []) if r.get(metric) is not None]
+        if key == "unicorn":
+            rows = rows + [dict(r, **{metric: r["wall_ns_per_hit"]}, variant=r["variant"] + " (ns)")
+                           for r in (res.get(key, {}).get("workload") or [])
+                           if r.get("wall_ns_per_hit") is not None]
+        labels = [f"{r['function']}\n{r['variant']}" for r in rows]
+        vals = [max(r[metric], 0.01) for r in rows]
+        if rows:
+            bars = ax.bar(range(len(rows)), vals, color=["#2ca02c" if "ns" not in lab else "#ff7f0e"
+                                                        for lab in labels])
+            ax.set_xticks(range(len(rows)))
+            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+            ax.set_yscale("log")
+            for b, v in zip(bars, vals):
+                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
+        ax.set_title(f"{key}: {unit}" + (" (green) / wall ns (orange)" if key == "unicorn" else ""),
+                     fontsize=9)
+    save(fig, path)
