@@ -339,7 +339,13 @@ def qemu_command(vmlinux: Path, initramfs: Path, port: int, accel: str) -> list[
         "-kernel", str(vmlinux), "-initrd", str(initramfs),
         "-append", "console=ttyS0 panic=-1 oops=panic nokaslr quiet loglevel=4",
         "-m", "1G", "-smp", "2",
-        "-accel", accel, "-cpu", "host" if accel == "kvm" else "max",
+        # Single-threaded TCG: with one host thread per vCPU (MTTCG), QEMU 7.2 was seen to
+        # keep running a stale translation of a byte another vCPU had just restored (an
+        # int3 replaced by the original opcode, after the sync IPIs); kprobes' retry of a
+        # vanished int3 (kprobe_int3_handler) then loops forever.  Round-robin vCPUs see
+        # every code write.  The guest still has two CPUs and real IPIs.
+        "-accel", "kvm" if accel == "kvm" else "tcg,thread=single",
+        "-cpu", "host" if accel == "kvm" else "max",
         "-display", "none", "-monitor", "none", "-no-reboot",
         "-serial", f"file:{d / 'console.log'}",
         "-qmp", f"unix:{d / 'qmp.sock'},server=on,wait=off",

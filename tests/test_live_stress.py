@@ -1,0 +1,52 @@
+"""1,000 insert/remove cycles on a function two vCPUs hit continuously."""
+
+from __future__ import annotations
+
+import struct
+import time
+
+import pytest
+
+from ksim.splice.patch import Write
+from live.client import LiveTarget
+from live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+CYCLES = 1000
+
+
+def test_thousand_splice_cycles_under_load(target: LiveTarget) -> None:
+    site = target.lookup("__x64_sys_getppid")
+    start_bytes = target.read(site, 16)
+    original = start_bytes[:5]
+    counter = target.alloc_data(8)
+    patch = target.alloc_code(64, near=site)
+    code = b"\xf0\x48\xff\x05" + struct.pack("<i", counter - (patch + 8)) + original
+    code += b"\xe9" + struct.pack("<i", site + 5 - (patch + len(code) + 5))
+    target.poke([Write(patch, target.read(patch, len(code)), code)])
+    jmp = b"\xe9" + struct.pack("<i", patch - (site + 5))
+    loop = getppid_loop()
+    # Two endless callers, one per vCPU, for the whole run.
+    target.exec_checked(f"for i in 1 2; do {loop} -1 >/dev/null 2>&1 & echo $! >> /tmp/stress.pids; done")
+    try:
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        for i in range(CYCLES):
+            if i % 2:  # trap splice: route, int3 in, int3 out, unroute
+                target.set_trap(site, patch)
+                target.poke([Write(site, original[:1], b"\xcc")])
+                target.poke([Write(site, b"\xcc", original[:1])])
+                target.clear_trap(site)
+            else:      # jmp splice, through the int3 -> sync -> tail -> sync -> head protocol
+                target.poke([Write(site, original, jmp)])
+                target.poke([Write(site, jmp, original)])
+        seconds = time.monotonic() - t0
+    finally:
+        target.exec("kill $(cat /tmp/stress.pids); rm -f /tmp/stress.pids")
+    hits = read_u64(target, counter)
+    print(f"{CYCLES} cycles in {seconds:.1f} s ({seconds / CYCLES * 1e3:.1f} ms per cycle), "
+          f"{hits} hits counted while spliced")
+    assert hits > 0
+    assert target.read(site, 16) == start_bytes
+    assert dmesg_problems(target) == []
