@@ -28,3 +28,8 @@ def test_kprobe_count(toy_path, extra):
 @pytest.mark.parametrize("extra", [[], ["--python"]])
 def test_jprobe_args(toy_path, extra):
     assert "dev 2:" in run_example("jprobe_args.py", "unicorn:toy", "300", *extra)
+
+
+def test_pid_predicate(toy_path):
+    out = run_example("pid_predicate.py", "unicorn:toy", "do_syscall_64", "2", "4")
+    assert "oracle" in out
