@@ -33,3 +33,8 @@ def test_jprobe_args(toy_path, extra):
 def test_pid_predicate(toy_path):
     out = run_example("pid_predicate.py", "unicorn:toy", "do_syscall_64", "2", "4")
     assert "oracle" in out
+
+
+@pytest.mark.parametrize("func", ["context_switch", "fib"])
+def test_time_func(toy_path, func):
+    assert "virtual" in run_example("time_func.py", "unicorn:toy", func, "300")
