@@ -412,11 +412,30 @@ class GdbStub:
         pc = self.read_register("rip")
         return pc if pc in self.breakpoints else None
 
+    #: bound on the steps taken to leave a breakpoint's address (a rep-prefixed
+    #: instruction stays there for one step per iteration; "jmp ." forever)
+    MAX_STEP_OFF = 100_000
+
     def _step_off_breakpoint(self) -> None:
-        # QEMU reports a breakpoint again at once when continued from its own
-        # address, so (as gdb does) lift it, step one instruction, put it back
-        if self._pc_if_breakpoint() is not None:
-            self.step()
+        """Leave the breakpoint the guest is stopped at, without hitting it again.
+
+        QEMU reports a breakpoint again at once when continued from its own
+        address, so (as gdb does) lift it, step, put it back.  A step can also
+        return without executing anything (QEMU's main loop kicked the vCPU),
+        and a rep-prefixed instruction keeps the PC for each iteration: step
+        until the PC moves, or a counted breakpoint would count one hit twice."""
+        address = self._pc_if_breakpoint()
+        if address is None:
+            return
+        hardware = self.breakpoints.pop(address)
+        self._ok(f"z{int(hardware)},{address:x},1", "lifting a breakpoint to step")
+        try:
+            for _ in range(self.MAX_STEP_OFF):
+                reply = StopReply.parse(self.command("s"))
+                if reply.exited or self.read_register("rip") != address:
+                    break
+        finally:
+            self.set_breakpoint(address, hardware=hardware)
 
     def interrupt(self, timeout: float | None = None) -> StopReply:
         """Stop a running guest (the out-of-band ^C byte) and return its stop reply."""

@@ -212,13 +212,21 @@ class QemuMachine:
             if time.monotonic() > deadline:
                 raise TargetTimeout(self._describe(f"no QMP socket within {self.timeout:.0f} s"))
             time.sleep(0.02)
-        qmp = QEMUMonitorProtocol(str(self.qmp_path))
-        qmp.settimeout(self.timeout)
-        try:
-            qmp.connect(negotiate=True)
-        except Exception as e:
-            self._check_alive("connecting to QMP")
-            raise TargetError(self._describe(f"cannot connect to QMP: {e}")) from e
+        # the socket file appears when QEMU binds it, a moment before it listens:
+        # a refused connection is retried until the deadline
+        while True:
+            qmp = QEMUMonitorProtocol(str(self.qmp_path))
+            qmp.settimeout(self.timeout)
+            try:
+                qmp.connect(negotiate=True)
+                break
+            except Exception as e:
+                self._check_alive("connecting to QMP")
+                if time.monotonic() > deadline:
+                    raise TargetError(self._describe(f"cannot connect to QMP: {e}")) from e
+                with contextlib.suppress(Exception):
+                    qmp.close()
+                time.sleep(0.02)
         self.qmp = qmp
 
     # --- liveness ---------------------------------------------------------------
