@@ -136,3 +136,24 @@ def test_connection_loss_is_target_died(machine) -> None:
     machine.proc.wait()
     with pytest.raises(TargetDied):
         gdb.read_memory(0, 4)
+
+
+@pytest.mark.slow
+@needs_qemu
+def test_continue_from_a_rep_breakpoint_hits_once_per_execution(machine) -> None:
+    """A rep-prefixed instruction keeps its PC for each iteration: continuing from
+    a breakpoint on it must run all of them, not stop again at the same address."""
+    gdb = machine.gdb
+    # 7000: mov cx,5 ; 7003: rep stosb ; 7005: jmp 7000   (real mode, es:di = 0:di)
+    gdb.write_memory(0x7000, bytes.fromhex("b90500" "f3aa" "ebf9"))
+    gdb.write_register("cs", 0)
+    gdb.write_register("es", 0)
+    gdb.write_register("rip", 0x7000)
+    gdb.write_register("rdi", 0x8000)
+    gdb.set_breakpoint(0x7003)
+    dis = []
+    for _ in range(3):
+        assert gdb.cont(timeout=10).signal == 5
+        assert gdb.read_register("rip") == 0x7003
+        dis.append(gdb.read_register("rdi") & 0xFFFF)
+    assert dis == [0x8000, 0x8005, 0x800A]
