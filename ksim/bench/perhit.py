@@ -142,47 +142,56 @@ def _pick_sites(hot: list[tuple[int, str]]) -> dict[str, tuple[str, int]]:
 
 def _measure_site(spec: str, func: str, variants: list[str], iterations: int, repeats: int,
                   *, instructions: bool, hook: bool) -> list[dict[str, Any]]:
-    """Per variant: hits, emulated instructions (unicorn), best wall time of ``repeats`` runs."""
+    """Per variant: hits, emulated instructions (unicorn), best wall time over ``repeats``
+    rounds; each round runs every variant once, interleaved, so that the load of a shared
+    machine falls on all of them alike (and translation caches are warm for all)."""
     from ksim.kapi import Manager
 
-    rows: list[dict[str, Any]] = []
+    names = list(variants) + (["python address hook"] if hook else [])
+    recs: dict[str, dict[str, Any]] = {n: {"function": func, "variant": n, "times": []} for n in names}
     with Manager.attach(spec) as m:
         point = m.entry_point(func)
         counter = m.malloc(8)
-        runs: list[tuple[str, Any]] = [(v, None) for v in variants]
-        if hook:
-            runs.append(("python address hook", "hook"))
-        for variant, kind in runs:
-            rec: dict[str, Any] = {"function": func, "variant": variant}
+
+        def once(name: str, count: bool) -> None:
+            rec = recs[name]
             handle = None
-            if variant != "uninstrumented" and kind is None:
-                policy = "trap" if variant == "trap" else "jmp"
+            if name not in ("uninstrumented", "python address hook"):
+                policy = "trap" if name == "trap" else "jmp"
                 handle = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=policy)
                 rec["tactic"] = m.splices()[point.address][0]
             try:
-                if instructions:
-                    m.write(counter, 0)
-                    r = m.run(seed=1, iterations=iterations, count_instructions=True)
-                    rec["instructions"] = r.instructions
-                    rec["checksum"] = r.checksum
-                times = []
-                for _ in range(repeats):
-                    m.write(counter, 0)
-                    if kind == "hook":
-                        with m.oracle(point.address) as oc:
-                            r = m.run(seed=1, iterations=iterations)
-                        rec["hits"] = oc.count
-                    else:
-                        r = m.run(seed=1, iterations=iterations)
-                    times.append(r.seconds)
-                rec["seconds"] = min(times)
+                m.write(counter, 0)
+                if name == "python address hook":
+                    with m.oracle(point.address) as oc:
+                        r = m.run(seed=1, iterations=iterations, count_instructions=count)
+                    rec["hits"] = oc.count
+                else:
+                    r = m.run(seed=1, iterations=iterations, count_instructions=count)
+                    if handle is not None:
+                        rec["hits"] = m.read(counter)
                 rec["checksum"] = r.checksum
-                if handle is not None:
-                    rec["hits"] = m.read(counter)
+                if count:
+                    rec["instructions"] = r.instructions
+                else:
+                    rec["times"].append(r.seconds)
             finally:
                 if handle is not None:
                     m.remove_snippet(handle)
-            rows.append(rec)
+
+        if instructions:
+            for name in names:
+                once(name, True)
+        for name in names:  # warm-up: every variant translated once
+            once(name, False)
+        for rec in recs.values():
+            rec["times"].clear()
+        for _ in range(repeats):
+            for name in names:
+                once(name, False)
+    rows = [recs[n] for n in names]
+    for rec in rows:
+        rec["seconds"] = min(rec["times"])
     base = rows[0]
     for rec in rows[1:]:
         hits = rec.get("hits") or 0
@@ -200,7 +209,7 @@ def _emulated(ctx: Context, spec: str, label: str, *, instructions: bool) -> tup
     sites = _pick_sites(hot)
     if not sites:
         raise Skip("no hot toy function can be spliced by jmp and by trap")
-    iterations, repeats = ctx.pick((30_000, 5), (6_000, 3), (50, 1))
+    iterations, repeats = ctx.pick((60_000, 5), (6_000, 4), (50, 1))
     rows: list[dict[str, Any]] = []
     for key, (func, _hits) in sites.items():
         variants = ["uninstrumented", key, "trap"]
@@ -301,6 +310,8 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
         from live import testbed
     except ImportError as exc:
         raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
+    if ctx.smoke:
+        raise Skip("smoke run: the live testbed is left alone")
     state = testbed.status()
     if not state.get("up"):
         raise Skip("the Linux testbed is not up (start it with `ksim testbed up`); live "
