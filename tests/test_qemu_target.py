@@ -117,9 +117,11 @@ def test_progress_reads_counters_while_running(target) -> None:
         seen.append(int.from_bytes(target.read(done, 8), "little"))
         assert int.from_bytes(target.read(iters, 8), "little") == 600_000
 
+    # about 2-3 s under TCG on this project's machines
     result = target.run(seed=SEED, iterations=600_000, progress=progress, timeout=300)
-    assert result.seconds >= 1.0 and len(seen) >= 1 and seen[0] == 0
-    assert len(seen) <= result.seconds + 1
+    assert int(result.seconds) - 1 <= len(seen) <= result.seconds + 1
+    assert all(v == 0 for v in seen)  # not done while it was running
+    assert int.from_bytes(target.read(done, 8), "little") == 1
 
 
 def test_timeout_stops_the_guest_and_the_next_run_starts_afresh(target) -> None:
