@@ -107,6 +107,20 @@ def test_bench_cycles(target) -> None:
     assert "bench calls=1000" in result.output
 
 
+@pytest.mark.xfail(strict=False, reason=(
+    "the toy kernel's gcc -O2 build drops the bench loop: ksim_bench_target is pure "
+    "and its result only reaches a static never read, so ksim_bench_run measures an "
+    "empty interval (fixed when the kernel keeps the calls)"))
+def test_bench_calls_the_target_n_times(target) -> None:
+    fn = target.image.function("ksim_bench_target")
+    counter = target.oracle_counter(fn.address)
+    try:
+        target.run(bench_calls=25, timeout=120)
+    finally:
+        counter.close()
+    assert counter.count == 25
+
+
 def test_progress_reads_counters_while_running(target) -> None:
     seen: list[int] = []
     done = target.image.address_of("ksim_workload_done")
