@@ -88,6 +88,8 @@ class Component:
     sections: dict[str, int]
     _old: bytes = field(repr=False, default=b"")
     loaded: bool = True
+    #: the allocation (base may lie above it, aligned for the sections)
+    block: int = 0
 
     def symbol(self, name: str) -> int:
         try:
@@ -101,7 +103,7 @@ class Component:
             return
         code = self.kmgr.target.read(self.base, self.size)
         self.kmgr.target.poke([Write(self.base, code, self._old)])
-        self.kmgr.target.free_code(self.base)
+        self.kmgr.target.free_code(self.block or self.base)
         self.loaded = False
 
 
@@ -111,7 +113,7 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
     elf = ELFFile(io.BytesIO(data))
     if elf["e_type"] != "ET_REL" or elf["e_machine"] != "EM_X86_64":
         raise LinkError("a component is an x86-64 relocatable object (ET_REL)")
-    layout, size = _layout(elf)
+    layout, size, align = _layout(elf)
     if not layout:
         raise LinkError("the object has no code or data")
     image = kmgr.target.image
@@ -124,7 +126,9 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
     missing = sorted(n for n in undefined if not _has_symbol(image, n))
     if missing:
         raise LinkError(f"unresolved symbols: {', '.join(missing)}")
-    base = kmgr.target.alloc_code(size, near=image.functions[0].address)
+    # the allocator aligns to 16: take slack and align the block's start ourselves
+    block = kmgr.target.alloc_code(size + align - 16, near=image.functions[0].address)
+    base = -(-block // align) * align
     try:
         sections = {name: base + off for name, (off, _) in layout.items()}
         blob = bytearray(size)
@@ -162,25 +166,27 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
         old = kmgr.target.read(base, size)
         kmgr.target.poke([Write(base, old, bytes(blob))])
     except BaseException:
-        kmgr.target.free_code(base)
+        kmgr.target.free_code(block)
         raise
-    return Component(kmgr, base, size, symbols, sections, old)
+    return Component(kmgr, base, size, symbols, sections, old, block=block)
 
 
-def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, object]], int]:
-    """Offsets of the allocated sections in one block (text first, then data)."""
+def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, object]], int, int]:
+    """Offsets of the allocated sections in one block (text first, then data),
+    the block's size, and the alignment its start needs."""
     layout: dict[str, tuple[int, object]] = {}
-    off = 0
+    off, max_align = 0, 16
     secs = [s for s in elf.iter_sections() if s["sh_flags"] & 0x2 and s["sh_size"]]  # SHF_ALLOC
     secs.sort(key=lambda s: (not s["sh_flags"] & 0x4, s["sh_type"] == "SHT_NOBITS"))  # exec first
     for sec in secs:
         align = max(int(sec["sh_addralign"]), 1)
-        if align > 16:
-            raise LinkError(f"section {sec.name} wants {align}-byte alignment (at most 16)")
+        if align & (align - 1) or align > 4096:
+            raise LinkError(f"section {sec.name} wants {align}-byte alignment")
+        max_align = max(max_align, align)
         off = (off + align - 1) // align * align
         layout[sec.name] = (off, sec)
         off += int(sec["sh_size"])
-    return layout, max(off, 1)
+    return layout, max(off, 1), max_align
 
 
 def _has_symbol(image, name: str) -> bool:  # type: ignore[no-untyped-def]

@@ -38,3 +38,11 @@ def test_pid_predicate(toy_path):
 @pytest.mark.parametrize("func", ["context_switch", "fib"])
 def test_time_func(toy_path, func):
     assert "virtual" in run_example("time_func.py", "unicorn:toy", func, "300")
+
+
+def test_replace_function(toy_path):
+    assert "undone" in run_example("replace_function.py", "unicorn:toy", "300")
+
+
+def test_replace_function_call(toy_path):
+    assert "undone" in run_example("replace_function_call.py", "unicorn:toy", "300")
