@@ -265,6 +265,21 @@ def test_kernel_that_never_boots_times_out_and_leaves_nothing(tmp_path) -> None:
     assert _qemu_pids_with(marker) == []
 
 
+def test_gdb_port_taken_before_qemu_binds_it(monkeypatch) -> None:
+    import socket
+
+    from ksim.machine import qemu
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        ports = [busy.getsockname()[1]]  # the first probe hands out a port in use
+        real = qemu.free_port
+        monkeypatch.setattr(qemu, "free_port", lambda: ports.pop() if ports else real())
+        with qemu.QemuMachine(None, accel="tcg", memory="64M") as m:
+            assert m.status() == "prelaunch" and m.gdb.halt_reason().signal == 5
+
+
 def test_missing_qemu_binary_says_how_to_install() -> None:
     from ksim.machine.qemu import QemuMachine
 

@@ -190,6 +190,18 @@ class QemuMachine:
 
     def _launch(self, accel: str) -> None:
         started = time.monotonic()
+        for attempt in range(3):
+            try:
+                self._launch_once(accel)
+                break
+            except TargetDied:
+                # the free port was taken between our probe and QEMU's bind: another port
+                if attempt == 2 or "Address already in use" not in self.stderr_tail():
+                    raise
+                self._shutdown()
+        self.boot_seconds = time.monotonic() - started
+
+    def _launch_once(self, accel: str) -> None:
         for path in (self.serial_path, self.qmp_path):
             path.unlink(missing_ok=True)
         port = free_port()
@@ -201,7 +213,6 @@ class QemuMachine:
         self._connect_qmp()
         self.gdb = GdbStub("127.0.0.1", port, timeout=self.timeout,
                            connect_timeout=self.timeout, alive=self.alive)
-        self.boot_seconds = time.monotonic() - started
 
     def _connect_qmp(self) -> None:
         from qemu.qmp.legacy import QEMUMonitorProtocol
