@@ -233,6 +233,8 @@ def test_unrouted_trap_kills_the_kernel_with_a_clear_error() -> None:
         pid = t.machine.pid
         with pytest.raises(TargetDied, match="not in ksim_trap_table"):
             t.run(seed=SEED, iterations=200, timeout=120)
+        with pytest.raises(TargetDied, match="open the target again"):
+            t.run(seed=SEED, iterations=200, timeout=120)
     finally:
         t.close()
     assert not Path(f"/proc/{pid}").exists()

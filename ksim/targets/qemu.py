@@ -188,6 +188,10 @@ class QemuTarget:
     def _reboot(self) -> float:
         """A new QEMU with pristine kernel data and ksim's text, patch area,
         heap and trap routes carried over."""
+        if self.machine is not None and not self.machine.alive():
+            raise TargetDied(f"{self.name}: QEMU ended in an earlier run (exit status "
+                             f"{self.machine.exit_status}), taking ksim's changes with it; "
+                             f"open the target again")
         keep = [*self._text, *self._code.allocated().items(), *self._data.allocated().items()]
         saved = [(a, self.read(a, n)) for a, n in keep]
         old = self.machine
