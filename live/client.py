@@ -129,28 +129,24 @@ class KprobeCounter:
     name = "kprobe"
     FTRACE_NOP = bytes.fromhex("0f1f440000")
     TRACEFS = "/sys/kernel/tracing"
+    OPTIMIZATION = "/proc/sys/debug/kprobes-optimization"
 
     def __init__(self, target: LiveTarget, address: int) -> None:
         self.target = target
         self.event = f"ksim_oracle_{os.getpid()}_{address & 0xffffffff:x}"
         symbol, offset = target.symbolize(address)
-        head = target.read(address, 5)
-        if offset == 0 and (head == self.FTRACE_NOP or head[0] in (0xE9, 0xCC)
-                            and target.is_ftrace_entry(symbol)):
+        if offset == 0 and target.original(address, 5) == self.FTRACE_NOP:
             offset = 5
         self.probe = f"{symbol}+{offset}"
-        t = self.TRACEFS
-        self._saved_opt = target.exec("cat /proc/sys/debug/kprobes-optimization").strip()
-        target.exec_checked(
-            "echo 0 > /proc/sys/debug/kprobes-optimization && "
-            f"echo 'p:{self.event} {self.probe}' >> {t}/kprobe_events && "
-            f"echo 1 > {t}/events/kprobes/{self.event}/enable")
+        self._saved_opt = target.tracefs(self.OPTIMIZATION).strip() or "1"
+        target.tracefs(self.OPTIMIZATION, "w", "0")
+        target.tracefs(f"{self.TRACEFS}/kprobe_events", "a", f"p:{self.event} {self.probe}\n")
+        target.tracefs(f"{self.TRACEFS}/events/kprobes/{self.event}/enable", "w", "1")
         self._closed = False
 
     @property
     def count(self) -> int:
-        out = self.target.exec_checked(f"cat {self.TRACEFS}/kprobe_profile")
-        for line in out.splitlines():
+        for line in self.target.tracefs(f"{self.TRACEFS}/kprobe_profile").splitlines():
             parts = line.split()
             if parts and parts[0] == self.event:
                 return int(parts[1])
@@ -161,10 +157,9 @@ class KprobeCounter:
             return
         self._closed = True
         t = self.TRACEFS
-        self.target.exec_checked(
-            f"echo 0 > {t}/events/kprobes/{self.event}/enable; "
-            f"echo '-:{self.event}' >> {t}/kprobe_events; "
-            f"echo {self._saved_opt or 1} > /proc/sys/debug/kprobes-optimization")
+        self.target.tracefs(f"{t}/events/kprobes/{self.event}/enable", "w", "0")
+        self.target.tracefs(f"{t}/kprobe_events", "a", f"-:{self.event}\n")
+        self.target.tracefs(self.OPTIMIZATION, "w", self._saved_opt)
 
     def __enter__(self) -> KprobeCounter:
         return self
@@ -179,6 +174,7 @@ class LiveTarget:
     def __init__(self, host: str, port: int, *, token_file: str | None = None,
                  timeout: float = 60.0) -> None:
         self.name = f"live://{host}:{port}"
+        self._original: dict[int, int] = {}  # text byte -> its value before our first poke
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
         reply = self.conn.request("info")
         self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
@@ -244,10 +240,10 @@ class LiveTarget:
             raise TargetError(f"{address:#x} is below every kernel text symbol")
         return syms[i][1], address - syms[i][0]
 
-    def is_ftrace_entry(self, symbol: str) -> bool:
-        out = self.exec(f"grep -qx '{symbol}' /sys/kernel/tracing/available_filter_functions "
-                        "&& echo yes")
-        return out.strip() == "yes"
+    def original(self, address: int, size: int) -> bytes:
+        """Text as it was before this client's pokes changed it."""
+        current = self.read(address, size)
+        return bytes(self._original.get(address + i, b) for i, b in enumerate(current))
 
     # -- memory ---------------------------------------------------------------------
     def read(self, address: int, size: int) -> bytes:
@@ -266,6 +262,10 @@ class LiveTarget:
         if not writes:
             return
         self.conn.request("poke", writes=[[w.address, w.old.hex(), w.new.hex()] for w in writes])
+        for w in writes:
+            if self.text[0] <= w.address < self.text[1]:
+                for i, b in enumerate(w.old):
+                    self._original.setdefault(w.address + i, b)
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
         address = int(self.conn.request("alloc_code", size=size)["address"])
@@ -291,6 +291,10 @@ class LiveTarget:
 
     def lookup(self, name: str) -> int:
         return int(self.conn.request("lookup", name=name)["address"])
+
+    def tracefs(self, file: str, mode: str = "r", data: str = "") -> str:
+        """Read, write or append a tracefs file in the guest (no shell involved)."""
+        return str(self.conn.request("tracefs", file=file, mode=mode, data=data).get("data", ""))
 
     def keep(self, keep: bool = True) -> None:
         """Leave this client's splices in the kernel after it disconnects."""

@@ -28,6 +28,7 @@ from ksim.errors import (
     KsimError,
     OutsideText,
     ProtocolError,
+    TargetError,
     TargetFault,
     TargetTimeout,
     UnknownHandle,
@@ -331,6 +332,33 @@ class Daemon:
 
     def op_keep(self, session: Session, keep: bool) -> dict[str, Any]:
         session.keep = keep
+        return {}
+
+    TRACEFS = "/sys/kernel/tracing/"
+    KPROBES_OPTIMIZATION = "/proc/sys/debug/kprobes-optimization"
+
+    def op_tracefs(self, session: Session, file: str, mode: str, data: str) -> dict[str, Any]:
+        """The kprobe oracle's file accesses, made without a shell (a shell's own
+        syscalls would be counted by the probe it sets up)."""
+        path = os.path.normpath(file)
+        if not (path.startswith(self.TRACEFS) or path == self.KPROBES_OPTIMIZATION):
+            raise AuthError(f"tracefs: {file!r} is neither under {self.TRACEFS} "
+                            f"nor {self.KPROBES_OPTIMIZATION}")
+        if mode not in ("r", "w", "a"):
+            raise ProtocolError(f"tracefs: mode {mode!r} is not r, w or a")
+        try:
+            if mode == "r":
+                with open(path) as f:
+                    return {"data": f.read()[:wire.MAX_EXEC_OUTPUT]}
+            # os-level I/O: Python's append mode seeks to the end, which tracefs refuses.
+            flags = os.O_WRONLY | (os.O_APPEND if mode == "a" else os.O_TRUNC)
+            fd = os.open(path, flags)
+            try:
+                os.write(fd, data.encode())
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            raise TargetError(f"tracefs: {mode} {path}: {exc.strerror}") from None
         return {}
 
     async def op_exec(self, session: Session, cmd: str, timeout: float) -> dict[str, Any]:

@@ -58,6 +58,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("set_trap", {"site": "int", "patch": "int"}),
     Op("clear_trap", {"site": "int"}),
     Op("keep", {"keep": "bool"}, doc="leave this client's splices in place when it disconnects"),
+    Op("tracefs", {"file": "str", "mode": "str", "data": "str"},
+       doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization"),
     Op("exec", {"cmd": "str", "timeout": "float"}, doc="run a shell command (--allow-exec only)"),
     Op("bye", {}, doc="close the session (cleanup as on disconnect)"),
 )}
@@ -72,6 +74,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "alloc_data": {"align": 8},
     "keep": {"keep": True},
     "exec": {"timeout": 60.0},
+    "tracefs": {"mode": "r", "data": ""},
 }
 
 

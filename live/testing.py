@@ -35,7 +35,8 @@ int main(int argc, char **argv)
 """
 
 # Lines of dmesg that mean the kernel was hurt.
-BAD_DMESG = re.compile(r"Oops|BUG:|WARNING:|general protection|Kernel panic|kerninst: .*(cannot|changed)")
+BAD_DMESG = re.compile(r"Oops|BUG:|WARNING:|general protection|Kernel panic|ftrace bug|"
+                       r"kerninst: .*(cannot|changed)")
 
 
 def program(name: str, source: str) -> Path:

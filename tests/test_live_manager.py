@@ -1,0 +1,53 @@
+"""End to end through the Manager on the live kernel: count == N == the kernel's kprobe."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ksim.kapi import Manager
+from live.testing import dmesg_problems, getppid_loop, testbed  # noqa: F401
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+FUNC = "__x64_sys_getppid"
+N = 100_000
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+def test_manager_counts_entries_like_the_kprobe(testbed: dict, splice: str) -> None:
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        fn = m.find_function(FUNC)
+        before = m.copy_from_kernel(fn.address, 16)
+        counter = m.malloc(8)
+        handle = m.insert_snippet(m.entry_point(fn), counter.atomic_assign(counter + 1),
+                                  splice=splice)
+        assert m.patch_of(handle).tactic == splice
+        with m.oracle(fn.address) as oracle:
+            k0, c0 = oracle.count, m.read(counter)
+            result = m.run(while_cmd=f"{getppid_loop()} {N}")
+            c1, k1 = m.read(counter), oracle.count
+        m.remove_snippet(handle)
+        assert result.output.strip() == str(N)
+        # The only other caller in the interval is the shell that starts the program,
+        # seen by both counts.
+        assert c1 - c0 == k1 - k0
+        assert N <= c1 - c0 <= N + 2
+        assert m.copy_from_kernel(fn.address, 16) == before
+        assert dmesg_problems(m.target) == []
+    finally:
+        m.detach()
+
+
+def test_ksim_count_command_agrees_with_the_kprobe(testbed: dict) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "ksim.cli", "count", FUNC, "--target", testbed["address"],
+         "--oracle", "kprobe", "--splice", "jmp", "--while", f"{getppid_loop()} 20000", "--json"],
+        capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    assert report["count"] == report["oracle"] and 20_000 <= report["count"] <= 20_002
