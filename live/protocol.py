@@ -118,7 +118,7 @@ def check_request(message: dict[str, Any]) -> tuple[Op, dict[str, Any]]:
             value = message[key]
             if not isinstance(value, _TYPES[kind]) or (kind == "int" and isinstance(value, bool)):
                 raise ProtocolError(f"{op.name}: argument {key!r} must be {kind}")
-            args[key] = bytes_arg(op.name, key, value) if kind == "hex" else value
+            args[key] = bytes_arg(op.name, key, str(value)) if kind == "hex" else value
         elif key not in args:
             raise ProtocolError(f"{op.name}: missing argument {key!r}")
     return op, args

@@ -4,6 +4,7 @@ Raw splices here are hand-assembled, without the planner or the Manager, so
 that these tests check the module, the daemon and the wire on their own.
 """
 
+# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """End to end through the Manager on the live kernel: count == N == the kernel's kprobe."""
 
+# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
 from __future__ import annotations
 
 import json

@@ -1,5 +1,6 @@
 """1,000 insert/remove cycles on a function two vCPUs hit continuously."""
 
+# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
 from __future__ import annotations
 
 import struct

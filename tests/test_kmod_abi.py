@@ -1,0 +1,64 @@
+"""live/abi.py mirrors kmod/kerninst.h: checked by compiling the header with gcc."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from live import abi
+
+HEADER = Path(__file__).resolve().parent.parent / "kmod" / "kerninst.h"
+
+
+def c_values(tmp_path: Path) -> dict[str, int]:
+    """sizeof, offsetof and ioctl numbers as the C compiler sees them."""
+    lines = [f'#include "{HEADER}"', "#include <stdio.h>", "#include <stddef.h>", "int main(void) {"]
+    for name in abi.COMMANDS:
+        lines.append(f'printf("IOC_{name} %lu\\n", (unsigned long)KERNINST_IOC_{name});')
+    for sname, fields in abi.STRUCTS.items():
+        lines.append(f'printf("SIZE_{sname} %zu\\n", sizeof(struct {sname}));')
+        for field, _ in fields:
+            lines.append(f'printf("OFF_{sname}.{field} %zu\\n", offsetof(struct {sname}, {field}));')
+    for limit in abi.LIMITS:
+        lines.append(f'printf("LIMIT_{limit} %d\\n", KERNINST_{limit});')
+    lines.append('printf("VERSION %d\\n", KERNINST_ABI_VERSION); return 0; }')
+    src, exe = tmp_path / "abi.c", tmp_path / "abi"
+    src.write_text("\n".join(lines))
+    subprocess.run(["gcc", "-Wall", "-Werror", "-o", str(exe), str(src)], check=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs gcc")
+def test_table_matches_the_header(tmp_path: Path) -> None:
+    c = c_values(tmp_path)
+    assert c["VERSION"] == abi.ABI_VERSION
+    for name in abi.COMMANDS:
+        assert c[f"IOC_{name}"] == abi.command(name), name
+    for sname, fields in abi.STRUCTS.items():
+        s = abi.structure(sname)
+        assert c[f"SIZE_{sname}"] == s.size, sname
+        offset = 0
+        for field, fmt in fields:
+            assert c[f"OFF_{sname}.{field}"] == offset, f"{sname}.{field}"
+            offset += __import__("struct").calcsize("<" + fmt)
+    for limit, value in abi.LIMITS.items():
+        assert c[f"LIMIT_{limit}"] == value, limit
+
+
+def test_every_ioctl_in_the_header_is_in_the_table() -> None:
+    names = set(re.findall(r"#define KERNINST_IOC_(\w+)\s+_IO", HEADER.read_text()))
+    assert names == set(abi.COMMANDS)
+
+
+def test_errno_mapping_names_real_error_codes() -> None:
+    from ksim.errors import all_error_classes
+
+    codes = all_error_classes()
+    assert all(code in codes for code in abi.ERRORS.values())
+    assert abi.error_code("POKE", 116) == "stale-text"  # ESTALE
+    assert abi.error_code("READ", 14) == "target-fault"  # EFAULT
