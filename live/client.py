@@ -331,8 +331,8 @@ class LiveTarget:
     def close(self) -> None:
         try:
             self.conn.request("bye")
-        except KsimError:
-            pass
+        except (KsimError, OSError):
+            pass  # the daemon is gone already: it cleans up on disconnect
         self.conn.close()
 
     def __enter__(self) -> LiveTarget:
