@@ -40,7 +40,7 @@ DEFAULT_PORT = 7070
 # Modules the guest needs for 9p and the network, in insmod order after --show-depends.
 GUEST_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_net")
 BOOT_TIMEOUT = 300.0
-HOST_PACKAGES = ("qemu-system-x86", "busybox-static", "kmod", "gcc", "make")
+HOST_PACKAGES = ("qemu-system-x86", "busybox-static", "kmod", "gcc", "make", "libc6-dev")
 
 Progress = Callable[[str], None]
 
