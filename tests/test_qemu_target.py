@@ -107,10 +107,6 @@ def test_bench_cycles(target) -> None:
     assert "bench calls=1000" in result.output
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "the toy kernel's gcc -O2 build drops the bench loop: ksim_bench_target is pure "
-    "and its result only reaches a static never read, so ksim_bench_run measures an "
-    "empty interval (fixed when the kernel keeps the calls)"))
 def test_bench_calls_the_target_n_times(target) -> None:
     fn = target.image.function("ksim_bench_target")
     counter = target.oracle_counter(fn.address)

@@ -302,8 +302,12 @@ static noinline void __noreturn ksim_bench_run(u64 calls)
 	u64 acc = 1, t0, t1;
 
 	t0 = rdtsc();
-	for (u64 i = 0; i < calls; i++)
+	for (u64 i = 0; i < calls; i++) {
 		acc = ksim_bench_target(acc);
+		/* the result must be "used" each time, or gcc (which sees that the
+		 * target is pure) drops the calls and measures an empty loop */
+		asm volatile("" : "+r"(acc) : : "memory");
+	}
 	t1 = rdtsc();
 	ksim_bench_cycles = t1 - t0;
 	bench_sink = acc;
