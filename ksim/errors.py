@@ -115,6 +115,25 @@ class BadOperand(SnippetError):
     code = "bad-operand"
 
 
+class NotIndirectCall(PointKindError):
+    """CallTarget at a point that is not an indirect call (no destination to read)."""
+
+    code = "not-indirect-call"
+
+
+class CallOperandError(SnippetError):
+    """CallTarget at an indirect call whose operand snippet code cannot evaluate
+    (segment-relative memory, 32-bit addressing)."""
+
+    code = "call-operand"
+
+
+class UnknownRegister(SnippetError):
+    """Reg(name) with a name that is not a general-purpose register of the architecture."""
+
+    code = "unknown-register"
+
+
 class CodegenError(KsimError):
     code = "codegen"
 

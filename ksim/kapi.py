@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.analysis.points import Point, PointKind
-from ksim.arch.base import Arch
+from ksim.arch.base import Arch, CallOperand
 from ksim.errors import AlreadySpliced, KsimError, UnknownHandle
 from ksim.image.model import Function
 from ksim.snippets import ast
 from ksim.snippets.check import check as check_snippet
+from ksim.snippets.codegen import gprs
 from ksim.splice import planner
 from ksim.splice.patch import Patch, Write
 from ksim.splice.sites import SiteFacts
@@ -143,7 +144,8 @@ class Manager:
 
     def insert_snippet(self, point: Point, snippet: ast.Snippet, *, splice: str = "auto") -> Handle:
         """Splice ``snippet`` at ``point``; snippets already there run first."""
-        check_snippet(snippet, point.kind)
+        check_snippet(snippet, point.kind, registers=gprs(self.arch),
+                      call_operand=self._call_operand(point, [snippet]))
         current = self._splices.get(point.address)
         snippets = [h.snippet for h in current.handles] if current else []
         handle = Handle(next(self._ids), point, snippet)
@@ -201,10 +203,12 @@ class Manager:
         func = self.facts.function_code(point.function)
         live = self.facts.live_at(point)
         abi = self.target.abi
+        operand = self._call_operand(point, snippets)
 
         def compile_at(address: int) -> bytes:
             return self.arch.compile_snippets(snippets, address, live=live, abi=abi,
-                                              point_kind=str(point.kind.value))
+                                              point_kind=str(point.kind.value),
+                                              call_operand=operand)
 
         def request(code_address: int) -> planner.SpliceRequest:
             return planner.SpliceRequest(
@@ -228,6 +232,15 @@ class Manager:
         if dry_run:
             self.target.free_code(address)
         return patch
+
+    def _call_operand(self, point: Point, snippets: Sequence[ast.Snippet]) -> CallOperand | None:
+        """The operand of the indirect call at ``point``, for snippets that read
+        CallTarget (decoded only then: a call whose operand snippet code cannot
+        evaluate must not stop other snippets at its point)."""
+        if point.kind is not PointKind.CALLSITE or not any(
+                isinstance(x, ast.CallTarget) for s in snippets for x in ast.walk(s)):
+            return None
+        return self.arch.call_operand(self.facts.analysis(point.function).insn_at(point.address))
 
     def _install_code(self, patch: Patch) -> None:
         old = self.target.read(patch.code_address, len(patch.code))

@@ -534,3 +534,65 @@ def test_code_length_does_not_depend_on_the_address():
     near = ARCH.compile_snippets(s, CODE + 0x100, live=ALL_LIVE, abi=ABI)
     far = ARCH.compile_snippets(s, 0x7FFF00000000, live=ALL_LIVE, abi=ABI)  # callee out of rel32 reach
     assert len(near) == len(far) and near != far
+
+
+# --- registers at the point, and an indirect call's destination ------------------------------
+@pytest.mark.parametrize("calls", [False, True])
+def test_reg_reads_every_register_as_it_was_at_the_point(calls):
+    """Each general-purpose register, rsp included, as the point had it: also the ones
+    the code clobbers (saved) and, after a call, the caller-saved ones."""
+    m = machine()
+    names = list(GPRS)
+    body = [call(CALLEE)] if calls else []
+    body += [var(0x100 + 8 * i).assign(ast.reg(name)) for i, name in enumerate(names)]
+    after, _ = run(body, seed=7)
+    for i, name in enumerate(names):
+        assert m.u64(DATA + 0x100 + 8 * i) == after[name], name
+
+
+def test_reg_rsp_with_temporaries_pending():
+    m = machine()
+    run([var(0x60).assign(Const(1) + (Const(2) + ast.reg("rsp")))], live=frozenset({"flags", "rax"}))
+    assert m.u64(DATA + 0x60) == STACK_TOP + 3
+
+
+def operand(asm: str):
+    insn = ARCH.decode_one(assemble(asm, 0x1000), 0x1000)
+    return ARCH.call_operand(insn)
+
+
+@pytest.mark.parametrize("asm,regs,table", [
+    ("call rax", {"rax": 0x1234_5678_9ABC}, {}),
+    ("call r11", {"r11": 0xFFFFFFFF81000000}, {}),
+    (f"call qword ptr [rsi*8 + {DATA + 0x200:#x}]", {"rsi": 3}, {DATA + 0x218: 0xFFFFFFFF81002950}),
+    ("call qword ptr [rbx + r12*4 + 0x10]", {"rbx": DATA + 0x300, "r12": 2}, {DATA + 0x318: 0xCAFE}),
+    ("call qword ptr [rax + 8]", {"rax": DATA + 0x400}, {DATA + 0x408: 0xBEEF}),
+    ("call qword ptr [rsp + 0x10]", {}, {STACK_TOP + 0x10: 0xF00D}),
+])
+def test_call_target_is_the_destination_the_call_would_take(asm, regs, table):
+    m = machine()
+    op = operand(asm)
+    for address, value in table.items():
+        m.put64(address, value)
+    expected = next(iter(table.values())) if table else next(iter(regs.values()))
+    for calls in (False, True):
+        body = ([call(CALLEE)] if calls else []) + [var(0x68).assign(ast.call_target())]
+        code = ARCH.compile_snippets(body, CODE, live=ALL_LIVE, abi=ABI, point_kind="callsite",
+                                     call_operand=op)
+        before = random_regs(random.Random(3), STACK_TOP)
+        before.update(regs)
+        after = m.run(code, CODE, before)
+        assert after == before
+        assert m.u64(DATA + 0x68) == expected, (asm, calls)
+
+
+def test_call_target_rip_relative_is_an_absolute_load():
+    m = machine()
+    # call [rip + disp] at CODE - 0x100 refers to DATA + 0x500
+    at = CODE - 0x100
+    insn = ARCH.decode_one(assemble(f"call qword ptr [rip + {DATA + 0x500 - (at + 6):#x}]", at), at)
+    m.put64(DATA + 0x500, 0x5151)
+    code = ARCH.compile_snippets([var(0x70).assign(ast.call_target())], CODE, live=ALL_LIVE,
+                                 abi=ABI, point_kind="callsite", call_operand=ARCH.call_operand(insn))
+    m.run(code, CODE, random_regs(random.Random(1), STACK_TOP))
+    assert m.u64(DATA + 0x70) == 0x5151

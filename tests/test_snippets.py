@@ -8,12 +8,15 @@ from ksim.arch import get_arch
 from ksim.errors import (
     ArgIndexError,
     BadOperand,
+    CallOperandError,
     DivisionByZero,
     NotAssignable,
+    NotIndirectCall,
     PointKindError,
     SlotError,
     SnippetError,
     TooManyCallArgs,
+    UnknownRegister,
 )
 from ksim.snippets import POINT_KINDS, check
 from ksim.snippets.ast import (
@@ -21,17 +24,21 @@ from ksim.snippets.ast import (
     Assign,
     BinOp,
     Call,
+    CallTarget,
     Compare,
     Const,
     Load,
     LogicalAnd,
     Node,
+    Reg,
     Var,
     arg,
     call,
+    call_target,
     land,
     load,
     pid,
+    reg,
     retval,
     same,
     seq,
@@ -130,3 +137,62 @@ def test_errors_have_distinct_wire_codes():
     codes = {c.code for c in (NotAssignable, SlotError, PointKindError, DivisionByZero,
                               ArgIndexError, TooManyCallArgs, BadOperand)}
     assert len(codes) == 7
+
+
+# --- Reg and CallTarget: what they need of the point ----------------------------------------
+GPRS = frozenset(ARCH.all_regs) - {"flags"}
+INDIRECT = ARCH.call_operand(ARCH.decode_one(bytes.fromhex("ff14f5a0491181"), 0x1000))  # call [rsi*8+disp]
+PERCPU = ARCH.call_operand(ARCH.decode_one(bytes.fromhex("65ff142510000000"), 0x1000))  # call gs:[0x10]
+
+
+@pytest.mark.parametrize(
+    "snippet,kind,operand,error",
+    [
+        (V.assign(CallTarget()), "entry", INDIRECT, NotIndirectCall),
+        (V.assign(CallTarget()), "insn", INDIRECT, NotIndirectCall),
+        (V.assign(CallTarget()), "callsite", None, NotIndirectCall),    # a direct call
+        (V.assign(CallTarget()), "callsite", PERCPU, CallOperandError),
+        (V.assign(reg("flags")), "entry", None, UnknownRegister),
+        (V.assign(reg("eax")), "entry", None, UnknownRegister),
+        (V.assign(Reg(3)), "entry", None, UnknownRegister),
+    ],
+)
+def test_check_refuses_at_the_site(snippet, kind, operand, error):
+    with pytest.raises(error):
+        check(snippet, kind, registers=GPRS, call_operand=operand)
+    assert issubclass(error, SnippetError)
+
+
+def test_check_accepts_reg_anywhere_and_call_target_at_an_indirect_call():
+    for kind in POINT_KINDS:
+        check(V.assign(reg("rsp") + reg("r15")), kind, registers=GPRS)
+    check(V.assign(call_target()), "callsite", registers=GPRS, call_operand=INDIRECT)
+
+
+def test_codegen_refuses_a_register_the_architecture_lacks():
+    with pytest.raises(UnknownRegister):
+        ARCH.compile_snippets([V.assign(reg("xmm0"))], 0x1000, live=frozenset(), abi=ABI)
+    with pytest.raises(NotIndirectCall):
+        ARCH.compile_snippets([V.assign(call_target())], 0x1000, live=frozenset(), abi=ABI,
+                              point_kind="callsite")
+
+
+def test_call_operands_decoded():
+    def op(hex_bytes: str) -> str:
+        return str(ARCH.call_operand(ARCH.decode_one(bytes.fromhex(hex_bytes), 0x1000)))
+
+    assert op("ffd0") == "rax"                                   # call rax
+    assert op("41ffd3") == "r11"                                 # call r11
+    assert op("ff542408") == "[rsp + 0x8]"                       # call [rsp + 8]
+    assert op("ff14f5a0491181") == "[rsi*8 + -0x7eeeb660]"       # call [rsi*8 - 0x7eeeb660]
+    assert op("ff1510000000") == "[0x1016]"                      # call [rip + 0x10]: absolute
+    assert op("65ff142510000000") == "gs:[0x10]"
+    assert ARCH.call_operand(ARCH.decode_one(bytes.fromhex("e800000000"), 0x1000)) is None
+    with pytest.raises(CallOperandError):                        # call [eax]: addr32
+        ARCH.call_operand(ARCH.decode_one(bytes.fromhex("67ff10"), 0x1000))
+
+
+def test_site_errors_have_their_own_wire_codes():
+    codes = {c.code for c in (NotIndirectCall, CallOperandError, UnknownRegister, PointKindError,
+                              BadOperand)}
+    assert len(codes) == 5

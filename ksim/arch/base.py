@@ -56,6 +56,34 @@ class Insn:
         return f"{self.address:#x}: {self.mnemonic} {self.op_str}".rstrip()
 
 
+@dataclass(frozen=True, slots=True)
+class CallOperand:
+    """Where an indirect call takes its destination from (plain data, decoded by
+    the architecture): the register ``reg``, or the ``size`` bytes in memory at
+    ``segment:[base + index*scale + disp]``.  A PC-relative operand has no base
+    and ``disp`` is the absolute address it refers to."""
+
+    reg: str | None = None
+    base: str | None = None
+    index: str | None = None
+    scale: int = 1
+    disp: int = 0
+    size: int = 8
+    segment: str | None = None
+
+    @property
+    def in_memory(self) -> bool:
+        return self.reg is None
+
+    def __str__(self) -> str:
+        if self.reg is not None:
+            return self.reg
+        terms = [t for t in (self.base, f"{self.index}*{self.scale}" if self.index else None) if t]
+        terms.append(f"{self.disp:#x}")
+        seg = f"{self.segment}:" if self.segment else ""
+        return f"{seg}[{' + '.join(terms)}]"
+
+
 class Arch(Protocol):
     """What generic code may ask of an architecture (see ksim.arch.x86_64)."""
 
@@ -105,6 +133,12 @@ class Arch(Protocol):
         """
         ...
 
+    def call_operand(self, insn: Insn) -> CallOperand | None:
+        """Where the indirect call ``insn`` finds its destination; None when ``insn``
+        is not an indirect call.  CallOperandError when the operand is one the
+        snippet code cannot evaluate (a 32-bit address, say)."""
+        ...
+
     def call_returning_to(self, at: int, target: int, return_address: int) -> bytes | None:
         """Code at ``at`` with the effect of a direct call to ``target`` whose return
         lands on ``return_address`` (so a patch holding a moved call can be freed
@@ -119,11 +153,13 @@ class Arch(Protocol):
         live: frozenset[str],
         abi: KernelABI,
         point_kind: str = "entry",
+        call_operand: CallOperand | None = None,
     ) -> bytes:
         """Machine code, to be placed at ``address``, that runs ``snippets`` in order
         and then falls through with every register in ``live`` (and the flags, when
         "flags" is live) exactly as it found them.  Deterministic: same input, same bytes.
         ``point_kind`` ("entry", "exit", "block", "callsite", "insn") decides which
-        nodes are meaningful (Arg at entry, RetVal at exit).
+        nodes are meaningful (Arg at entry, RetVal at exit); ``call_operand``, the
+        operand of the indirect call at the point, gives CallTarget its meaning.
         """
         ...

@@ -7,6 +7,7 @@ from ksim.snippets.ast import (
     AtomicAssign,
     BinOp,
     Call,
+    CallTarget,
     Compare,
     Const,
     Cpu,
@@ -17,6 +18,7 @@ from ksim.snippets.ast import (
     LogicalOr,
     Node,
     Pid,
+    Reg,
     RetVal,
     Seq,
     Snippet,
@@ -25,6 +27,7 @@ from ksim.snippets.ast import (
     Var,
     arg,
     call,
+    call_target,
     cpu,
     if_,
     land,
@@ -33,6 +36,7 @@ from ksim.snippets.ast import (
     lor,
     lshr,
     pid,
+    reg,
     retval,
     same,
     seq,
@@ -45,8 +49,8 @@ from ksim.snippets.ast import (
 from ksim.snippets.check import POINT_KINDS, check
 
 __all__ = [
-    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "Compare", "Const", "Cpu", "If", "Load",
-    "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "RetVal", "Seq",
-    "Snippet", "Tsc", "Unary", "Var", "arg", "call", "check", "cpu", "if_", "land", "lnot",
-    "load", "lor", "lshr", "pid", "retval", "same", "seq", "tsc", "uge", "ugt", "ule", "ult",
+    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "Const", "Cpu", "If", "Load",
+    "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "Reg", "RetVal", "Seq",
+    "Snippet", "Tsc", "Unary", "Var", "arg", "call", "call_target", "check", "cpu", "if_", "land", "lnot",
+    "load", "lor", "lshr", "pid", "reg", "retval", "same", "seq", "tsc", "uge", "ugt", "ule", "ult",
 ]

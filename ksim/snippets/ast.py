@@ -33,6 +33,7 @@ Semantics (what the generated code computes, on every architecture)
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from dataclasses import replace as _replace
 from typing import Any
 
 _MASK64 = (1 << 64) - 1
@@ -259,6 +260,21 @@ class RetVal(Node):
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class Reg(Node):
+    """The value a general-purpose register (64-bit name: "rax", "rsp", "r11") had
+    when the point was reached, at any kind of point."""
+
+    name: str
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CallTarget(Node):
+    """At the point of an indirect call, the address it is about to call: its
+    register, or the 8 bytes at its memory operand ``[base + index*scale + disp]``
+    computed from the registers at the point (KAPI's callee watching)."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class Load(Node):
     """``size`` bytes read through the pointer ``ptr`` (zero- or sign-extended)."""
 
@@ -339,6 +355,14 @@ def retval() -> RetVal:
     return RetVal()
 
 
+def reg(name: str) -> Reg:
+    return Reg(name)
+
+
+def call_target() -> CallTarget:
+    return CallTarget()
+
+
 def load(ptr: Expr, size: int = 8, signed: bool = False) -> Load:
     return Load(lift(ptr), size, signed)
 
@@ -364,3 +388,23 @@ def walk(node: Any) -> Any:
     if isinstance(node, Node):
         for child in node.children():
             yield from walk(child)
+
+
+def substitute(node: Any, replace: Any) -> Any:
+    """A copy of the tree in which every node for which ``replace(node)`` returns a
+    node is that node instead (children of a replaced node are not visited)."""
+    if not isinstance(node, Node):
+        return node
+    new = replace(node)
+    if new is not None:
+        return new
+    changes = {}
+    for f in fields(node):  # type: ignore[arg-type]
+        value = getattr(node, f.name)
+        if isinstance(value, tuple | list):
+            rebuilt: Any = tuple(substitute(v, replace) for v in value)
+        else:
+            rebuilt = substitute(value, replace)
+        if rebuilt is not value:
+            changes[f.name] = rebuilt
+    return _replace(node, **changes) if changes else node  # type: ignore[type-var]

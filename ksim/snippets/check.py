@@ -7,17 +7,24 @@ refuses with a cause-specific error; codegen may then assume a well-formed tree.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ksim.errors import (
     ArgIndexError,
     BadOperand,
+    CallOperandError,
     DivisionByZero,
     NotAssignable,
+    NotIndirectCall,
     PointKindError,
     SlotError,
     TooManyCallArgs,
+    UnknownRegister,
 )
+
+if TYPE_CHECKING:
+    from ksim.arch.base import CallOperand
 
 from . import ast
 
@@ -32,14 +39,29 @@ COMPARES = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "ult", "ule", "ugt", "
 SEGMENTS = frozenset({None, "gs"})
 
 
-def check(snippet: Any, point_kind: str = "entry") -> None:
-    """Raise a SnippetError subclass if ``snippet`` cannot be compiled for ``point_kind``."""
+@dataclass(frozen=True)
+class _Site:
+    """What some nodes need to know about the point beyond its kind."""
+
+    #: general-purpose register names Reg may name (None: not known here, left to codegen)
+    registers: frozenset[str] | None
+    #: the operand of the indirect call at the point (None: the point is no indirect call)
+    call_operand: CallOperand | None
+
+
+def check(snippet: Any, point_kind: str = "entry", *, registers: frozenset[str] | None = None,
+          call_operand: CallOperand | None = None) -> None:
+    """Raise a SnippetError subclass if ``snippet`` cannot be compiled for ``point_kind``.
+
+    ``registers`` are the names ``Reg`` may use (codegen passes the architecture's
+    general-purpose registers); ``call_operand`` is the operand of the indirect call
+    at the point, without which ``CallTarget`` has no meaning."""
     if point_kind not in POINT_KINDS:
         raise PointKindError(f"unknown point kind {point_kind!r} (known: {sorted(POINT_KINDS)})")
-    _check(snippet, point_kind, "snippet")
+    _check(snippet, point_kind, "snippet", _Site(registers, call_operand))
 
 
-def _check(node: Any, kind: str, slot: str) -> None:
+def _check(node: Any, kind: str, slot: str, site: _Site) -> None:
     if not isinstance(node, ast.Node):
         raise SlotError(f"{slot}: expected a snippet node or an int, got {node!r}")
     if type(node) not in _KNOWN:
@@ -47,8 +69,11 @@ def _check(node: Any, kind: str, slot: str) -> None:
     rule = _RULES.get(type(node))
     if rule is not None:
         rule(node, kind)
+    site_rule = _SITE_RULES.get(type(node))
+    if site_rule is not None:
+        site_rule(node, kind, site)
     for i, child in enumerate(node.children()):
-        _check(child, kind, f"{type(node).__name__} operand {i}")
+        _check(child, kind, f"{type(node).__name__} operand {i}", site)
 
 
 def _const(node: ast.Const, kind: str) -> None:
@@ -134,6 +159,27 @@ def _load(node: ast.Load, kind: str) -> None:
     _size(node.size, "Load")
 
 
+def _reg(node: ast.Reg, kind: str, site: _Site) -> None:
+    if not isinstance(node.name, str):
+        raise UnknownRegister(f"Reg({node.name!r}): a register is named by a string")
+    if site.registers is not None and node.name not in site.registers:
+        raise UnknownRegister(f"Reg({node.name!r}) is not one of {sorted(site.registers)}")
+
+
+def _call_target(node: ast.CallTarget, kind: str, site: _Site) -> None:
+    if kind != "callsite":
+        raise NotIndirectCall(f"CallTarget at a point of kind {kind!r}: only a call site has a destination")
+    op = site.call_operand
+    if op is None:
+        raise NotIndirectCall("CallTarget at a call site that is not an indirect call "
+                              "(a direct call's destination is known statically)")
+    if op.segment is not None:
+        # Load has no segment: the per-cpu base would be missing from the address
+        raise CallOperandError(f"CallTarget through the segment-relative operand {op}")
+    if op.in_memory and op.size != 8:
+        raise CallOperandError(f"CallTarget through a {op.size}-byte memory operand {op}")
+
+
 _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.Const: _const,
     ast.Var: _var,
@@ -149,9 +195,15 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.Load: _load,
 }
 
+#: rules that need more of the point than its kind
+_SITE_RULES: dict[type, Callable[[Any, str, _Site], None]] = {
+    ast.Reg: _reg,
+    ast.CallTarget: _call_target,
+}
+
 #: every node class codegen can lower
 _KNOWN: frozenset[type] = frozenset({
     ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
     ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
-    ast.Cpu, ast.Arg, ast.RetVal, ast.Load,
+    ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget,
 })

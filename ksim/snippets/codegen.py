@@ -24,7 +24,7 @@ from . import ast
 from .check import check
 
 if TYPE_CHECKING:
-    from ksim.arch.base import Arch
+    from ksim.arch.base import Arch, CallOperand
     from ksim.targets.base import MemRef
 
 
@@ -181,6 +181,7 @@ class Codegen:
             ast.Arg: lambda n: self.e.point_reg(self.arch.arg_regs[n.n]),
             ast.RetVal: lambda n: self.e.point_reg(self.arch.ret_reg),
             ast.Load: self._load,
+            ast.Reg: lambda n: self.e.point_reg(n.name),
         }
 
     def gen(self, node: ast.Node) -> None:
@@ -385,7 +386,34 @@ def point_reads(arch: Arch, node: Any) -> frozenset[str]:
             out.add(arch.arg_regs[x.n])
         elif isinstance(x, ast.RetVal):
             out.add(arch.ret_reg)
+        elif isinstance(x, ast.Reg):
+            out.add(x.name)
     return frozenset(out)
+
+
+def gprs(arch: Arch) -> frozenset[str]:
+    """The names ``Reg`` may use: the general-purpose registers."""
+    return frozenset(arch.all_regs) - {"flags"}
+
+
+def destination(op: CallOperand) -> ast.Node:
+    """The tree that computes an indirect call's destination from the registers at
+    the point: the register, or a load from ``[base + index*scale + disp]``."""
+    if op.reg is not None:
+        return ast.Reg(op.reg)
+    address: ast.Node = ast.Const(op.disp & ((1 << 64) - 1))
+    if op.base is not None:
+        address = ast.Reg(op.base) + address
+    if op.index is not None:
+        address = address + ast.Reg(op.index) * op.scale
+    return ast.Load(address, op.size)
+
+
+def expand_call_target(snippet: ast.Node, op: CallOperand | None) -> ast.Node:
+    """``snippet`` with every CallTarget replaced by the tree computing it."""
+    if op is None:
+        return snippet
+    return ast.substitute(snippet, lambda n: destination(op) if isinstance(n, ast.CallTarget) else None)
 
 
 def compile_snippets(
@@ -396,6 +424,7 @@ def compile_snippets(
     live: frozenset[str],
     point_kind: str = "entry",
     abi: Any = None,
+    call_operand: CallOperand | None = None,
 ) -> bytes:
     """Check, then generate code that runs ``snippets`` in order and falls through
     with every live register (and the flags if live) as it found them.
@@ -403,12 +432,16 @@ def compile_snippets(
     Two passes: the first saves every live register the Emitter *may* clobber and
     learns which ones the code really writes; the second saves exactly those (a
     counter increment at a point where only the flags are live saves only the
-    flags).  The result is then verified: nothing live is written unsaved."""
+    flags).  The result is then verified: nothing live is written unsaved.
+
+    ``call_operand`` is the operand of the indirect call at the point: CallTarget
+    becomes the Reg (and Load) tree that computes the call's destination."""
     unknown = set(live) - set(arch.all_regs)
     if unknown:
         raise CodegenError(f"unknown registers in the live set: {sorted(unknown)}")
     for s in snippets:
-        check(s, point_kind)
+        check(s, point_kind, registers=gprs(arch), call_operand=call_operand)
+    snippets = [expand_call_target(s, call_operand) for s in snippets]
     body = ast.Seq(tuple(snippets))
     if abi is None and any(isinstance(x, ast.Pid | ast.Cpu) for x in ast.walk(body)):
         raise CodegenError("Pid and Cpu need the kernel's ABI (abi=KernelABI(...))")

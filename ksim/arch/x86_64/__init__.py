@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ksim.arch.base import Insn
+from ksim.arch.base import CallOperand, Insn
 from ksim.errors import OutOfRange
 
 from . import regs
@@ -87,14 +87,21 @@ class X86_64:
         live: frozenset[str],
         abi: KernelABI,
         point_kind: str = "entry",
+        call_operand: CallOperand | None = None,
     ) -> bytes:
         from ksim.snippets.codegen import compile_snippets
 
         from .emitter import X86Emitter
 
         return compile_snippets(
-            self, snippets, lambda: X86Emitter(address), live=live, point_kind=point_kind, abi=abi
+            self, snippets, lambda: X86Emitter(address), live=live, point_kind=point_kind, abi=abi,
+            call_operand=call_operand,
         )
+
+    def call_operand(self, insn: Insn) -> CallOperand | None:
+        from .reader import call_operand
+
+        return call_operand(insn)
 
     def call_returning_to(self, at: int, target: int, return_address: int) -> bytes | None:
         """A direct call moved to ``at`` that returns to ``return_address`` (the

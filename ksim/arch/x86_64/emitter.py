@@ -106,7 +106,13 @@ class X86Emitter(Emitter):
         return Mem(base="rsp", disp=8 * self.depth + above)
 
     def point_reg(self, reg: str) -> None:
-        if reg in self._saved:
+        if reg == "rsp":
+            # the point's rsp lies above the prologue's saves (and the temporaries)
+            saves = 8 * len(self._saved)
+            below = Mem(base="rbx", disp=saves) if self._frame_reg else \
+                Mem(base="rsp", disp=8 * self.depth + saves)
+            self.w.put_lea(ACC, below)
+        elif reg in self._saved:
             self.w.put_mov_reg_mem(ACC, self._slot(reg))
         else:
             # not saved: the code never writes it (compile_snippets verifies this)

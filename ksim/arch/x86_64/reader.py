@@ -28,8 +28,8 @@ from collections.abc import Iterator
 import capstone
 from capstone import x86_const as X
 
-from ksim.arch.base import Flow, Insn
-from ksim.errors import DecodeError
+from ksim.arch.base import CallOperand, Flow, Insn
+from ksim.errors import CallOperandError, DecodeError
 
 __all__ = [
     "GPRS",
@@ -41,6 +41,7 @@ __all__ = [
     "decode_lite",
     "flows",
     "insn_lengths",
+    "call_operand",
 ]
 
 #: the sixteen general-purpose registers by their 64-bit names, in encoding order
@@ -297,3 +298,32 @@ def insn_lengths(code: bytes, address: int) -> Iterator[tuple[int, int]]:
     """Fastest path: (address, size) of each instruction of a linear sweep."""
     for addr, size, _m, _o in _CS_LITE.disasm_lite(code, address):
         yield addr, size
+
+
+def call_operand(insn: Insn) -> CallOperand | None:
+    """The operand an indirect call reads its destination from (None if ``insn`` is
+    not an indirect call).  Capstone's detail gives base, index, scale, disp and
+    segment (SDM Vol. 2A, 2.1.5: the effective address is base + index*scale + disp);
+    a RIP-relative operand becomes its absolute address (``pc_ref``)."""
+    if insn.flow is not Flow.CALL_INDIRECT or _base(insn.mnemonic) != "call":
+        return None
+    full = next(_CS_FULL.disasm(insn.raw, insn.address, 1))
+    op = full.operands[0]
+    if op.type == X.X86_OP_REG:
+        return CallOperand(reg=_full_width(full.reg_name(op.reg), insn))
+    base = full.reg_name(op.mem.base) if op.mem.base else None
+    index = full.reg_name(op.mem.index) if op.mem.index else None
+    segment = full.reg_name(op.mem.segment) if op.mem.segment else None
+    if base == "rip":
+        assert insn.pc_ref is not None
+        return CallOperand(disp=insn.pc_ref, size=op.size, segment=segment)
+    return CallOperand(base=base and _full_width(base, insn), index=index and _full_width(index, insn),
+                       scale=op.mem.scale, disp=op.mem.disp, size=op.size, segment=segment)
+
+
+def _full_width(name: str, insn: Insn) -> str:
+    """A 64-bit register name; a narrower one (addr32 addressing) is refused: the
+    address would wrap at 4 GB, which the snippet's 64-bit arithmetic does not do."""
+    if reg_width(name) != 64:
+        raise CallOperandError(f"{insn}: operand register {name} is not 64 bits wide")
+    return name
