@@ -46,3 +46,8 @@ def test_replace_function(toy_path):
 
 def test_replace_function_call(toy_path):
     assert "undone" in run_example("replace_function_call.py", "unicorn:toy", "300")
+
+
+def test_watch_callees(toy_path):
+    out = run_example("watch_callees.py", "unicorn:toy", "do_syscall_64", "vfs_read", "--iterations", "60")
+    assert "__x64_sys_read" in out and "ramfs_file_read" in out and "oracle" in out

@@ -79,7 +79,8 @@ class CallOperand:
         if self.reg is not None:
             return self.reg
         terms = [t for t in (self.base, f"{self.index}*{self.scale}" if self.index else None) if t]
-        terms.append(f"{self.disp:#x}")
+        if self.disp or not terms:
+            terms.append(f"{self.disp:#x}")
         seg = f"{self.segment}:" if self.segment else ""
         return f"{seg}[{' + '.join(terms)}]"
 

@@ -401,11 +401,18 @@ def destination(op: CallOperand) -> ast.Node:
     the point: the register, or a load from ``[base + index*scale + disp]``."""
     if op.reg is not None:
         return ast.Reg(op.reg)
-    address: ast.Node = ast.Const(op.disp & ((1 << 64) - 1))
+    terms: list[ast.Node] = []
     if op.base is not None:
-        address = ast.Reg(op.base) + address
+        terms.append(ast.Reg(op.base))
     if op.index is not None:
-        address = address + ast.Reg(op.index) * op.scale
+        terms.append(ast.Reg(op.index) * op.scale if op.scale != 1 else ast.Reg(op.index))
+    disp = ast.Const(op.disp & ((1 << 64) - 1))
+    # the displacement last, so that it can be an immediate operand of the add
+    address = terms[0] if terms else disp
+    for term in terms[1:]:
+        address = address + term
+    if terms and op.disp:
+        address = address + disp
     return ast.Load(address, op.size)
 
 
