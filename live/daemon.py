@@ -130,7 +130,11 @@ class Daemon:
                     break
                 body = await reader.readexactly(length)
                 reply, close = await self.handle(session, body)
-                writer.write(wire.encode(reply))
+                try:
+                    frame = wire.encode(reply)
+                except ProtocolError as exc:  # a result too large for one frame
+                    frame = wire.encode(wire.reply_error(reply.get("id"), exc))
+                writer.write(frame)
                 await writer.drain()
                 if close:
                     break

@@ -28,7 +28,7 @@ MAX_FRAME = 8 << 20          # the largest frame either side accepts (a kallsyms
 MAX_READ = 1 << 20           # bytes per read op
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
-MAX_EXEC_OUTPUT = 4 << 20    # bytes of exec output kept (each of stdout, stderr)
+MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
 
 
 @dataclass(frozen=True, slots=True)
