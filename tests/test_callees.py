@@ -4,6 +4,10 @@ the CalleeWatcher on unicorn:toy, checked against exact address hooks."""
 from __future__ import annotations
 
 import random
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from snippet_machine import Machine, random_regs
@@ -14,6 +18,7 @@ from ksim.callees import WORD, CalleeWatcher, evaluate_operand, record_snippet
 from ksim.errors import NotIndirectCall
 from ksim.kapi import Manager
 
+ROOT = Path(__file__).resolve().parents[1]
 ARCH = get_arch("x86_64")
 ALL_LIVE = frozenset(ARCH.all_regs)
 CODE, DATA, STACK = 0x1000000, 0x2000000, 0x3000000
@@ -156,3 +161,15 @@ def test_merge_into_adds_the_observed_edges_by_name(kmgr):
     assert "do_syscall_64" in graph.callers("__x64_sys_write")
     assert watcher.merge_into(graph) == set()          # merging again adds nothing
     watcher.unwatch()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
+                    reason="qemu-system-x86_64 is not installed")
+def test_watch_callees_example_on_qemu(toy_path):
+    """On qemu:toy the example's oracle is the hooked unicorn:toy run of the same workload."""
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "watch_callees.py"), "qemu:toy",
+                           "do_syscall_64", "vfs_read", "--iterations", "60"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "__x64_sys_read" in proc.stdout and "unicorn:toy, same workload" in proc.stdout
