@@ -700,8 +700,27 @@ static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 	return -ENOTTY;
 }
 
+/*
+ * One opener at a time: kerninstd allocates inside the patch area and the heap
+ * with its own bookkeeping, so a second owner would hand out the same bytes.
+ */
+static atomic_t ki_busy = ATOMIC_INIT(0);
+
+static int ki_open(struct inode *inode, struct file *file)
+{
+	return atomic_cmpxchg(&ki_busy, 0, 1) ? -EBUSY : 0;
+}
+
+static int ki_release(struct inode *inode, struct file *file)
+{
+	atomic_set(&ki_busy, 0);
+	return 0;
+}
+
 static const struct file_operations ki_fops = {
 	.owner = THIS_MODULE,
+	.open = ki_open,
+	.release = ki_release,
 	.unlocked_ioctl = ki_ioctl,
 	.compat_ioctl = NULL,
 	.llseek = noop_llseek,

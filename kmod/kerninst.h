@@ -112,7 +112,8 @@ struct kerninst_trap {
  *   ERANGE  the address is outside the region the command may touch
  *           (kernel text for pokes and trap sites, the patch area, the data heap)
  *   ESTALE  a poke's old bytes differ from memory; nothing was written
- *   EBUSY   the site already has a trap route, or a trap is still in text
+ *   EBUSY   the site already has a trap route, or a trap is still in text;
+ *           from open(): the device is already open (one owner at a time)
  *   EPERM   the address lies in code that must not be patched (entry, noinstr, kprobes)
  *   EINVAL  malformed request (sizes, overlapping writes, no int3 destination)
  *   ENOSPC  trap table or splice log full

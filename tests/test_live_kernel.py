@@ -236,3 +236,15 @@ def test_round_trip_time(target: LiveTarget) -> None:
     rtt = (time.perf_counter() - t0) / 50
     print(f"read round trip: {rtt * 1e3:.2f} ms")
     assert rtt < 0.5
+
+
+def test_device_has_one_owner(target: LiveTarget) -> None:
+    # A second kerninstd on the same device would allocate the same patch bytes.
+    import sys
+
+    token = target.exec("ls /root/.cache/ksim/testbed/token").strip() or "/dev/null"
+    r = target.conn.request(
+        "exec", timeout=60.0, reply_timeout=90,
+        cmd=f"cd / && {sys.executable} -m live.daemon --listen 127.0.0.1:7999 "
+            f"--token-file {token} --device /dev/kerninst")
+    assert r["rc"] == 2 and "busy" in r["stderr"].lower()
