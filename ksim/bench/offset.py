@@ -121,7 +121,7 @@ def _measure_native(ctx: Context) -> dict[str, Any]:
     variants.append(V("springboard@near", "springboard", 0, calls, repeats))
     variants.append(V("trap@near", "trap", 0, tcalls, trepeats))
     variants.append(V("trap-empty@near", "trap", 0, tcalls, trepeats, snippet="empty"))
-    variants.append(V("trap@1.9G", "trap", 2**31 - 2**24, tcalls, trepeats))
+    variants.append(V(f"trap@{_human(2**31 - 2**24)}", "trap", 2**31 - 2**24, tcalls, trepeats))
     variants.append(V("jmp@3G", "jmp", 3 * 2**30, calls, repeats))
     variants.append(V("trap@3G", "trap", 3 * 2**30, tcalls, trepeats))
     with ctx.bar(1, "offset: native") as bar:

@@ -224,43 +224,68 @@ def _emulated(ctx: Context, spec: str, label: str, *, instructions: bool) -> tup
     tables = [table]
     if bench.get("rows"):
         tables.append(Table(f"{label}: bench mode, {bench['calls']} calls of ksim_bench_target",
-                            ["variant", "cycles/call", "overhead/hit"],
+                            ["variant", "emulated cycles/call", "+cycles/hit", "insns/call",
+                             "+insns/hit", "wall ns/call", "+wall ns/hit"],
                             [[r["variant"], _round(r.get("cycles_per_call")),
-                              _round(r.get("overhead"))] for r in bench["rows"]]))
+                              _round(r.get("cycles_per_hit")), _round(r.get("insns_per_call")),
+                              _round(r.get("insns_per_hit")), _round(r.get("wall_ns_per_call")),
+                              _round(r.get("wall_ns_per_hit"))] for r in bench["rows"]]))
     notes = [f"{label}: bench mode: {bench.get('skipped') or bench.get('unit')}"]
     return {"workload": rows, "sites": sites, "bench_mode": bench, "iterations": iterations}, tables, notes
 
 
 def _bench_mode(ctx: Context, spec: str) -> dict[str, Any]:
-    """The image's own rdtsc loop around ksim_bench_target, if it really calls it."""
+    """The image's own loop around N calls of ksim_bench_target, if it really calls it:
+    its rdtsc delta (QEMU), the emulated instructions (unicorn), the wall time (both)."""
     from ksim.kapi import Manager
 
     calls = ctx.pick(1_000_000, 200_000, 1_000)
+    count = spec.startswith("unicorn")
     out: list[dict[str, Any]] = []
     with Manager.attach(spec) as m:
         point = m.entry_point("ksim_bench_target")
         counter = m.malloc(8)
-        for variant in ("uninstrumented", "jmp", "trap"):
+        variants = ["uninstrumented", "jmp", "trap"] + (["python address hook"] if count else [])
+        for variant in variants:
             handle = None
-            if variant != "uninstrumented":
+            if variant in ("jmp", "trap"):
                 handle = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=variant)
             try:
                 m.write(counter, 0)
-                r = m.run(bench_calls=calls)
-                cycles = getattr(r, "bench_cycles", None)
+                if variant == "python address hook":  # unicorn's own instrumentation
+                    with m.oracle(point.address) as oc:
+                        r = m.run(bench_calls=calls, count_instructions=count)
+                        seconds = min([r.seconds] + [m.run(bench_calls=calls).seconds
+                                                     for _ in range(2)])
+                    if oc.count != 3 * calls:
+                        return {"skipped": f"the address hook counted {oc.count} calls, "
+                                           f"not {3 * calls}"}
+                    out.append({"variant": variant, "cycles_per_call": None,
+                                "insns_per_call": r.instructions / calls if r.instructions else None,
+                                "wall_ns_per_call": 1e9 * seconds / calls})
+                    continue
+                r = m.run(bench_calls=calls, count_instructions=count)
                 if handle is not None and m.read(counter) != calls:
                     return {"skipped": f"the image's bench loop did not call ksim_bench_target "
                                        f"{calls} times (the snippet counted {m.read(counter)}); "
                                        "no bench-mode figures"}
-                out.append({"variant": variant, "cycles_per_call": cycles / calls if cycles else None})
+                seconds = min([r.seconds] + [m.run(bench_calls=calls).seconds for _ in range(2)])
+                cycles = getattr(r, "bench_cycles", None)
+                out.append({"variant": variant,
+                            "cycles_per_call": cycles / calls if cycles else None,
+                            "insns_per_call": r.instructions / calls if r.instructions else None,
+                            "wall_ns_per_call": 1e9 * seconds / calls})
             finally:
                 if handle is not None:
                     m.remove_snippet(handle)
-    base = out[0].get("cycles_per_call")
+    base = out[0]
     for r in out[1:]:
-        if base is not None and r.get("cycles_per_call") is not None:
-            r["overhead"] = r["cycles_per_call"] - base
-    return {"rows": out, "calls": calls, "unit": "emulated rdtsc cycles (never hardware figures)"}
+        for key in ("cycles_per_call", "insns_per_call", "wall_ns_per_call"):
+            if base.get(key) is not None and r.get(key) is not None:
+                r[key.replace("_per_call", "_per_hit")] = r[key] - base[key]
+    unit = ("emulated instructions (exact) and host wall time" if count
+            else "emulated rdtsc cycles (never hardware figures) and host wall time")
+    return {"rows": out, "calls": calls, "unit": unit}
 
 
 def _unicorn(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
