@@ -72,9 +72,15 @@ class Manager:
         return cls(open_target(spec, **options))
 
     def detach(self, *, keep: bool = False) -> None:
-        """Remove every snippet (unless ``keep``) and let the target go."""
+        """Remove every snippet and let the target go.  With ``keep`` the splices
+        stay in the kernel after the client has gone (a live daemon is told so;
+        otherwise it undoes a client's splices when it disconnects)."""
         try:
-            if not keep:
+            if keep:
+                keep_splices = getattr(self.target, "keep", None)
+                if keep_splices is not None:
+                    keep_splices()
+            else:
                 for splice in list(self._splices.values()):
                     for handle in list(splice.handles):
                         self.remove_snippet(handle)
