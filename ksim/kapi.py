@@ -139,6 +139,12 @@ class Manager:
     def copy_to_kernel(self, address: int, data: bytes) -> None:
         self.target.write(address, data)
 
+    def text_snapshot(self) -> dict[int, bytes]:
+        """The bytes of every executable section, by address: compare two snapshots
+        to check that removals restored the text exactly."""
+        return {s.address: self.target.read(s.address, s.size)
+                for s in self.target.image.sections if s.executable}
+
     # --- splicing -----------------------------------------------------------------
     def can_insert(self, point: Point, splice: str = "auto") -> str | None:
         """None if a snippet could be spliced at ``point`` with ``splice``, else why not."""

@@ -20,8 +20,7 @@ SEED, ITER = 3, 200
 
 
 def text_of(m):
-    return {s.address: m.copy_from_kernel(s.address, s.size)
-            for s in m.target.image.sections if s.executable}
+    return m.text_snapshot()
 
 
 def state(m):

@@ -18,8 +18,8 @@ def m(toy_path):
         yield mgr
 
 
-def text(m: Manager) -> bytes:
-    return b"".join(m.target.read(s.address, s.size) for s in m.target.image.sections if s.executable)
+def text(m: Manager) -> dict[int, bytes]:
+    return m.text_snapshot()
 
 
 PID_SOURCE = """

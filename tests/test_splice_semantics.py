@@ -27,8 +27,7 @@ ITERATIONS = 300
 def world(toy_manager):
     m = toy_manager
     base = m.run(seed=SEED, iterations=ITERATIONS)
-    text = {s.address: m.copy_from_kernel(s.address, s.size)
-            for s in m.target.image.sections if s.executable}
+    text = m.text_snapshot()
     funcs = [f for f in m.target.image.functions
              if not any(lo <= f.address < hi for lo, hi in m.facts.blacklist)]
     return m, base.checksum, text, funcs

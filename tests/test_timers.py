@@ -107,8 +107,7 @@ def test_tsc_timers_are_consistent(m, func):
 
 
 def test_timers_sample_during_a_run_and_clean_up(m):
-    before = b"".join(m.target.read(s.address, s.size) for s in m.target.image.sections
-                      if s.executable)
+    before = m.text_snapshot()
     got = []
     vt = VTimers(m)
     vt.add_vtimer([m.entry_point("fib")], m.exit_points("fib"), sample=got.append, interval=0.0)
@@ -117,6 +116,4 @@ def test_timers_sample_during_a_run_and_clean_up(m):
     assert [s.value.starts for s in got] == sorted(s.value.starts for s in got)
     vt.cleanup()
     assert m.splices() == {}
-    after = b"".join(m.target.read(s.address, s.size) for s in m.target.image.sections
-                     if s.executable)
-    assert after == before
+    assert m.text_snapshot() == before
