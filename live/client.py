@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 import os
 import socket
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,6 +177,7 @@ class LiveTarget:
         self.name = f"live://{host}:{port}"
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
+        self._token_file, self._timeout = token_file, timeout
         reply = self.conn.request("info")
         self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
         i = self.info
@@ -304,6 +306,30 @@ class LiveTarget:
     def _exec(self, cmd: str, timeout: float) -> dict[str, Any]:
         return self.conn.request("exec", cmd=cmd, timeout=float(timeout), reply_timeout=timeout + 30)
 
+    def _exec_with_progress(self, cmd: str, timeout: float,
+                            progress: Callable[[], None]) -> dict[str, Any]:
+        outcome: dict[str, Any] = {}
+
+        def work() -> None:
+            try:
+                with Connection(self.conn.host, self.conn.port, token_file=self._token_file,
+                                timeout=self._timeout) as side:
+                    outcome["reply"] = side.request("exec", cmd=cmd, timeout=float(timeout),
+                                                    reply_timeout=timeout + 30)
+            except BaseException as exc:  # re-raised in the caller's thread below
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=work, name="ksim-live-exec", daemon=True)
+        worker.start()
+        while True:
+            worker.join(1.0)
+            if not worker.is_alive():
+                break
+            progress()
+        if "error" in outcome:
+            raise outcome["error"]
+        return dict(outcome["reply"])
+
     def exec(self, cmd: str, timeout: float = 120.0) -> str:
         """Run a shell command in the guest; its stdout (any exit status)."""
         return str(self._exec(cmd, timeout)["stdout"])
@@ -315,11 +341,16 @@ class LiveTarget:
         return str(r["stdout"])
 
     def run(self, while_cmd: str | None = None, timeout: float = 600.0,
-            **options: object) -> RunResult:
-        """Run ``while_cmd`` in the guest (instrumentation stays in while it runs)."""
+            progress: Callable[[], None] | None = None, **options: object) -> RunResult:
+        """Run ``while_cmd`` in the guest (instrumentation stays in while it runs).
+
+        With ``progress``, the command runs over a second connection while this
+        one stays free: ``progress()`` is called about once a second, and may read
+        counters over the network while the guest runs (periodic sampling)."""
         if not while_cmd:
             return RunResult()
-        r = self._exec(while_cmd, timeout)
+        r = self._exec(while_cmd, timeout) if progress is None else \
+            self._exec_with_progress(while_cmd, timeout, progress)
         if r["rc"] != 0:
             raise TargetError(f"--while command failed ({r['rc']}): {while_cmd}\n"
                               f"{(r['stderr'] or r['stdout']).strip()[-2000:]}")
