@@ -25,9 +25,11 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
+from elftools.elf.sections import SymbolTableSection
 
 from ksim import images
 from ksim.errors import ComponentBuildError, LinkError, UnknownSymbol
@@ -119,7 +121,7 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
     image = kmgr.target.image
     # all resolution happens before anything is allocated: a refusal changes nothing
     symtab = elf.get_section_by_name(".symtab")
-    if symtab is None:
+    if not isinstance(symtab, SymbolTableSection):
         raise LinkError("the object has no symbol table")
     undefined = {s.name for s in symtab.iter_symbols()
                  if s["st_shndx"] == SHN_UNDEF and s.name}
@@ -171,10 +173,10 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
     return Component(kmgr, base, size, symbols, sections, old, block=block)
 
 
-def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, object]], int, int]:
+def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, Any]], int, int]:
     """Offsets of the allocated sections in one block (text first, then data),
     the block's size, and the alignment its start needs."""
-    layout: dict[str, tuple[int, object]] = {}
+    layout: dict[str, tuple[int, Any]] = {}
     off, max_align = 0, 16
     secs = [s for s in elf.iter_sections() if s["sh_flags"] & 0x2 and s["sh_size"]]  # SHF_ALLOC
     secs.sort(key=lambda s: (not s["sh_flags"] & 0x4, s["sh_type"] == "SHT_NOBITS"))  # exec first

@@ -44,7 +44,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ksim.analysis.points import Point, PointKind
 from ksim.arch.base import Flow, Insn
@@ -73,6 +73,13 @@ class Regs:
     reads as the probed address; assigning it makes execution resume there
     instead of at the probed instruction (kprobes' "pre handler changed ip",
     the post handler is then skipped)."""
+
+    # declared for the type checker: __getattr__ answers only for register names
+    _t: Any
+    _m: Any
+    _ip: int
+    _arg_regs: tuple[str, ...]
+    redirect: int | None
 
     def __init__(self, target: Any, machine: Any, ip: int, arg_regs: Sequence[str]) -> None:
         object.__setattr__(self, "_t", target)
@@ -384,7 +391,7 @@ class Probes:
         if python_pre:
             snippet: ast.Node = ast.seq()
         else:
-            body = [kp.pre_handler] if kp.pre_handler is not None else []
+            body = [cast(ast.Node, kp.pre_handler)] if kp.pre_handler is not None else []
             snippet = ast.if_(flag == IDLE,
                               ast.seq(flag.assign(RUNNING), hits.atomic_assign(hits + 1),
                                       *body, flag.assign(after)),
@@ -453,7 +460,8 @@ class Probes:
                 return self.arch.trap + self.arch.jmp(address + len(self.arch.trap), insn.end)
         else:
             snippet = ast.if_(flag == STEPPING,
-                              ast.seq(flag.assign(RUNNING), handler, flag.assign(IDLE)))
+                              ast.seq(flag.assign(RUNNING), cast(ast.Node, handler),
+                                      flag.assign(IDLE)))
             live = self._live_after(inst.point, insn)
 
             def code_at(address: int) -> bytes:
