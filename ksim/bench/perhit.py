@@ -427,37 +427,51 @@ def _round(v: Any) -> Any:
 def plot(section: dict[str, Any], path: str) -> None:
     plt = pyplot()
     res = section["results"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
-    ax = axes[0]
-    nat = res.get("native", {}).get("rows") or []
-    names = [r["variant"] for r in nat if r.get("min_cycles_per_call") is not None]
-    vals = [r["min_cycles_per_call"] for r in nat if r.get("min_cycles_per_call") is not None]
-    if names:
-        bars = ax.bar(range(len(names)), vals, color="#1f77b4")
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
-        ax.set_yscale("log")
-        for b, v in zip(bars, vals):
-            ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
-    ax.set_ylabel("TSC cycles per call (log)")
-    ax.set_title("native, real hardware (user-mode toy kernel)")
-    for ax, key, metric, unit in ((axes[1], "unicorn", "insns_per_hit", "emulated instructions per hit"),
-                                  (axes[2], "qemu", "wall_ns_per_hit", "emulated ns per hit (TCG)")):
-        rows = [r for r in (res.get(key, {}).get("workload") or []) if r.get(metric) is not None]
-        if key == "unicorn":
-            rows = rows + [dict(r, **{metric: r["wall_ns_per_hit"]}, variant=r["variant"] + " (ns)")
-                           for r in (res.get(key, {}).get("workload") or [])
-                           if r.get("wall_ns_per_hit") is not None]
-        labels = [f"{r['function']}\n{r['variant']}" for r in rows]
-        vals = [max(r[metric], 0.01) for r in rows]
-        if rows:
-            bars = ax.bar(range(len(rows)), vals, color=["#2ca02c" if "ns" not in lab else "#ff7f0e"
-                                                        for lab in labels])
-            ax.set_xticks(range(len(rows)))
-            ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    live_rows = res.get("live", {}).get("rows") or []
+    panels = 3 + (1 if live_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.6))
+
+    def bars(ax: Any, labels: list[str], series: list[tuple[str, list[float | None], str]],
+             ylabel: str, title: str, log: bool = True) -> None:
+        width = 0.8 / max(len(series), 1)
+        for i, (name, vals, color) in enumerate(series):
+            xs = [x - 0.4 + (i + 0.5) * width for x in range(len(labels))]
+            shown = [v if v is not None and v > 0 else 0 for v in vals]
+            ax.bar(xs, shown, width, label=name, color=color)
+            for x, v in zip(xs, vals):
+                if v is not None and v > 0:
+                    ax.text(x, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
+                elif v is not None:  # nothing measurable: say so at the bottom of the axes
+                    ax.annotate("~0", (x, 0.02), xycoords=("data", "axes fraction"),
+                                ha="center", fontsize=7)
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=20, ha="right", fontsize=8)
+        if log:
             ax.set_yscale("log")
-            for b, v in zip(bars, vals):
-                ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
-        ax.set_title(f"{key}: {unit}" + (" (green) / wall ns (orange)" if key == "unicorn" else ""),
-                     fontsize=9)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        if len(series) > 1:
+            ax.legend(fontsize=7)
+
+    nat = [r for r in res.get("native", {}).get("rows") or [] if r.get("min_cycles_per_call")]
+    bars(axes[0], [r["variant"] for r in nat], [("cycles/call", [r["min_cycles_per_call"] for r in nat],
+                                                 "#1f77b4")],
+         "TSC cycles per call", "native, real hardware: user-mode toy kernel")
+    uni = (res.get("unicorn", {}).get("bench_mode") or {}).get("rows") or []
+    uni = [r for r in uni if r["variant"] != "uninstrumented"]
+    bars(axes[1], [r["variant"] for r in uni],
+         [("+emulated instructions/hit", [r.get("insns_per_hit") for r in uni], "#2ca02c"),
+          ("+host ns/hit", [r.get("wall_ns_per_hit") for r in uni], "#ff7f0e")],
+         "per hit", "unicorn (bench mode)")
+    qem = (res.get("qemu", {}).get("bench_mode") or {}).get("rows") or []
+    qem = [r for r in qem if r["variant"] != "uninstrumented"]
+    bars(axes[2], [r["variant"] for r in qem],
+         [("+emulated cycles/hit", [r.get("cycles_per_hit") for r in qem], "#9467bd"),
+          ("+host ns/hit", [r.get("wall_ns_per_hit") for r in qem], "#ff7f0e")],
+         "per hit", "QEMU TCG (bench mode): emulated, not hardware")
+    if live_rows:
+        rows = [r for r in live_rows if r.get("overhead") is not None]
+        bars(axes[3], [r["variant"] for r in rows],
+             [("+emulated cycles/getpid", [r["overhead"] for r in rows], "#8c564b")],
+             "per hit", "live Debian 6.1 under TCG: emulated", log=False)
     save(fig, path)

@@ -1,9 +1,11 @@
 """Render a results document as Markdown (the generated part of benchmarks/README.md).
 
     python -m ksim.bench.report benchmarks/results/results.json [README.md]
+    python -m ksim.bench.report --plots benchmarks/results/results.json DIR/PREFIX.png
 
 With a README path, the text between the ``<!-- results:begin -->`` and
 ``<!-- results:end -->`` markers is replaced; otherwise the Markdown is printed.
+``--plots`` draws every benchmark's plot again from the JSON (PREFIX-NAME.png).
 """
 
 from __future__ import annotations
@@ -48,7 +50,23 @@ def render(doc: dict[str, Any], plot_dir: str = "results") -> str:
     return "\n".join(out)
 
 
+def replot(json_path: str, plot_path: str) -> None:
+    from ksim.bench import runner
+
+    with open(json_path) as f:
+        doc = json.load(f)
+    for name, entry in doc["benchmarks"].items():
+        if entry["status"] == "ok":
+            path = runner.plot_file(plot_path, name, many=True)
+            runner.module(name).plot(entry, path)
+            entry["plot"] = path.rsplit("/", 1)[-1]
+    runner.write_json(doc, json_path)
+
+
 def main(argv: list[str]) -> int:
+    if argv and argv[0] == "--plots":
+        replot(argv[1], argv[2])
+        return 0
     with open(argv[0]) as f:
         doc = json.load(f)
     doc["json_name"] = argv[0].rsplit("/", 1)[-1]
