@@ -143,8 +143,9 @@ def _objdump(path: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(["objdump", "-d", path], stdout=subprocess.PIPE)
     lines = 0
-    assert proc.stdout is not None
-    for chunk in iter(lambda: proc.stdout.read(1 << 20), b""):
+    out = proc.stdout
+    assert out is not None
+    for chunk in iter(lambda: out.read(1 << 20), b""):
         lines += chunk.count(b"\n")
     proc.wait()
     return {"seconds": time.perf_counter() - t0, "lines": lines, "returncode": proc.returncode}
@@ -159,7 +160,7 @@ def plot(section: dict[str, Any], path: str) -> None:
             res["objdump"].get("seconds") or 0]
     fig, ax = plt.subplots(figsize=(7.5, 4.2))
     bars = ax.bar(labels, vals, color=["#999", "#d62728", "#2ca02c", "#ff7f0e", "#1f77b4"])
-    for b, v in zip(bars, vals):
+    for b, v in zip(bars, vals, strict=False):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("seconds (whole kernel)")
     ax.set_title(f"Analysing {res['target']}" + (" (scaled from a subset)" if res["scale"] > 1.01 else ""))

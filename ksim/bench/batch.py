@@ -28,7 +28,7 @@ LIVE_PREFIXES = ("acpi_ut_", "acpi_ns_", "acpi_ds_", "acpi_ex_", "acpi_ps_", "ac
 
 
 def _candidates(m: Any, names: list[str], want: int, policy: str) -> list[Any]:
-    out = []
+    out: list[Any] = []
     for name in names:
         if len(out) >= want:
             break

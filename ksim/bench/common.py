@@ -141,10 +141,10 @@ def format_table(table: Table) -> str:
     cells = [[_fmt(c) for c in row] for row in table.rows]
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(table.columns)]
     out = [table.title, "  ".join(h.rjust(w) if i else h.ljust(w)
-                                  for i, (h, w) in enumerate(zip(table.columns, widths)))]
+                                  for i, (h, w) in enumerate(zip(table.columns, widths, strict=False)))]
     out.append("  ".join("-" * w for w in widths))
     for r in cells:
-        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        out.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=False))))
     return "\n".join(out)
 
 
@@ -211,7 +211,7 @@ def _first_line(cmd: list[str]) -> str | None:
 
 
 def now_iso() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat()
+    return _dt.datetime.now(_dt.UTC).replace(microsecond=0).isoformat()
 
 
 # --- the JSON document and its schema ------------------------------------------------

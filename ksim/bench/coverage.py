@@ -96,9 +96,9 @@ class Coverage:
 
 def measure(cs: CodeSet, limit: int | None, bar: Any = None) -> dict[str, Any]:
     cov = Coverage(cs)
-    counts = {k: Counter() for k in KINDS}
-    refusals = {k: {t: Counter() for t in TACTICS} for k in KINDS}
-    totals = Counter()
+    counts: dict[str, Counter[str]] = {k: Counter() for k in KINDS}
+    refusals: dict[str, dict[str, Counter[str]]] = {k: {t: Counter() for t in TACTICS} for k in KINDS}
+    totals: Counter[str] = Counter()
     failed_funcs = 0
     todo: list[tuple[Any, dict[str, list[int]]]] = []
     for func in cs.functions:
@@ -121,10 +121,11 @@ def measure(cs: CodeSet, limit: int | None, bar: Any = None) -> dict[str, Any]:
                 answer = cov.ask(func, a)
                 totals[kind] += 1
                 for t in TACTICS:
-                    if answer[t] is None:
+                    why = answer[t]
+                    if why is None:
                         counts[kind][t] += 1
                     else:
-                        refusals[kind][t][answer[t]] += 1
+                        refusals[kind][t][why] += 1
                 if answer["jmp"] is None or answer["jmp+displace"] is None:
                     counts[kind]["any jmp"] += 1
                 chosen = next((t for t in AUTO if answer[t] is None), "none")
@@ -166,7 +167,7 @@ def run(ctx: Context) -> Section:
     table = Table("Share of points (%) each tactic can splice alone, and what 'auto' picks",
                   ["object", "points", "n", "jmp", "jmp+disp", "springb.", "trap", "any jmp",
                    "auto:jmp", "auto:disp", "auto:sb", "auto:trap", "none"], rows)
-    reasons = Counter()
+    reasons: Counter[tuple[str, str]] = Counter()
     for r in out.values():
         for t in TACTICS:
             for why, n in r["refusals"]["insn"][t].items():
@@ -195,12 +196,12 @@ def plot(section: dict[str, Any], path: str) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.6), sharey=True)
     colors = {"jmp": "#1f77b4", "jmp+displace": "#2ca02c", "springboard": "#ff7f0e",
               "trap": "#d62728", "none": "#7f7f7f"}
-    for ax, kind in zip(axes, KINDS):
+    for ax, kind in zip(axes, KINDS, strict=False):
         left = [0.0] * len(names)
         for t in (*AUTO, "none"):
             vals = [100 * (res[n]["auto"][kind][t] or 0) for n in names]
             ax.barh(names, vals, left=left, color=colors[t], label=t)
-            left = [a + b for a, b in zip(left, vals)]
+            left = [a + b for a, b in zip(left, vals, strict=False)]
         ax.set_title(f"{kind} points: tactic ksim picks")
         ax.set_xlim(0, 100)
         ax.set_xlabel("% of points")

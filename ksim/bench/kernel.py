@@ -157,8 +157,9 @@ def decompress_bzimage(bzimage: bytes) -> bytes:
 # --- the kallsyms table ---------------------------------------------------------------
 def extract_kallsyms(elf_bytes: bytes) -> list[tuple[int, str, str]]:
     """(address, type letter, name) for every symbol of the kernel's own kallsyms table."""
-    from elftools.elf.elffile import ELFFile
     import io
+
+    from elftools.elf.elffile import ELFFile
 
     elf = ELFFile(io.BytesIO(elf_bytes))
     rodata = elf.get_section_by_name(".rodata")
@@ -178,7 +179,7 @@ def extract_kallsyms(elf_bytes: bytes) -> list[tuple[int, str, str]]:
             break
     else:
         raise KernelUnavailable("kallsyms_offsets not found before kallsyms_num_syms")
-    return [(a, n[:1].decode(), n[1:].decode("ascii", "replace")) for a, n in zip(addrs, names)]
+    return [(a, n[:1].decode(), n[1:].decode("ascii", "replace")) for a, n in zip(addrs, names, strict=False)]
 
 
 def to_kallsyms_text(symbols: list[tuple[int, str, str]]) -> str:

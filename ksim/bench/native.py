@@ -160,7 +160,7 @@ class NativePlanner:
         area = max(area, self.image_end + 16 * PAGE)
         data = area + PAGE  # the counter: a page of its own after the code page
         counter = ast.Var(data, 8)
-        snippet = counter.atomic_assign(counter + 1) if v.snippet == "count" else ast.Seq([])
+        snippet = counter.atomic_assign(counter + 1) if v.snippet == "count" else ast.Seq(())
         live = self.facts.live_at(point)
         abi = KernelABI(current_task=MemRef(data + 8, None, 8), task_pid_offset=0,
                         cpu_number=MemRef(data + 16, None, 4))
@@ -225,7 +225,7 @@ def measure(variants: list[Variant], *, rounds: int = 3, timeout: float = 600) -
             best["counters"] = [r.get("counter") for r in recs]
         measured[name] = best
     out = []
-    for v, info in zip(variants, infos):
+    for v, info in zip(variants, infos, strict=False):
         rec = dict(info)
         rec.update(measured.get(v.name, {}))
         rec["snippet"] = v.snippet if v.tactic else None

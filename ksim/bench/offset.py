@@ -93,7 +93,7 @@ def run(ctx: Context) -> Section:
     notes.append("paper model: jmp=1, trap=19; s-byte instruction -> ceil(distance/reach(s)) "
                  "jumps, reach 127 B (2 B), 32 KB (3-4 B), 2 GB (>=5 B); 1-byte instructions "
                  "left out; distance = 1024 + x; 10,000 draws of s")
-    cross = {n: next((x for x, c in zip(offsets, m["jmp"]) if c > PAPER_COST["trap"]), None)
+    cross = {n: next((x for x, c in zip(offsets, m["jmp"], strict=False) if c > PAPER_COST["trap"]), None)
              for n, m in model.items()}
     notes.append("offset where the model's jmp-based cost passes the trap's 19: "
                  + ", ".join(f"{n} {_human(x) if x is not None else 'never'}" for n, x in cross.items()))
@@ -169,11 +169,11 @@ def plot(section: dict[str, Any], path: str) -> None:
     sb = [(r["distance"], r["relative"]) for r in rows
           if r["tactic"] == "springboard" and r.get("relative") is not None]
     if jm:
-        ax2.plot(*zip(*jm), "o-", label="ksim jmp (measured)")
+        ax2.plot(*zip(*jm, strict=False), "o-", label="ksim jmp (measured)")
     if sb:
-        ax2.plot(*zip(*sb), "s", label="ksim springboard (measured)")
+        ax2.plot(*zip(*sb, strict=False), "s", label="ksim springboard (measured)")
     if tr:
-        ax2.plot(*zip(*tr), "^-", label="user-space int3 -> SIGTRAP (measured)")
+        ax2.plot(*zip(*tr, strict=False), "^-", label="user-space int3 -> SIGTRAP (measured)")
     ax2.axhline(PAPER_COST["trap"], color="k", ls="--", lw=0.8, label="paper trap cost (19)")
     ax2.axvline(2**31, color="r", lw=1)
     ax2.text(2**31 * 1.1, 1.5, "rel32 limit:\nno tactic\nbeyond", color="r", fontsize=8)

@@ -34,7 +34,7 @@ NAME = "per-hit"
 TITLE = "Cost per hit: uninstrumented, jmp, springboard, trap (paper Table 1)"
 #: below this many hits in a run, a per-hit wall time is lost in run-to-run noise
 MIN_HITS_FOR_TIME = 5_000
-PAPER = {"jmp": 84.0012, "trap": 1613.5124, "cpu": "Pentium 4 1.4 GHz, Linux 2.4.20"}
+PAPER: dict[str, float] = {"jmp": 84.0012, "trap": 1613.5124}  # Pentium 4 1.4 GHz, Linux 2.4.20
 
 
 def run(ctx: Context) -> Section:
@@ -279,10 +279,10 @@ def _bench_mode(ctx: Context, spec: str) -> dict[str, Any]:
                 if handle is not None:
                     m.remove_snippet(handle)
     base = out[0]
-    for r in out[1:]:
+    for row in out[1:]:
         for key in ("cycles_per_call", "insns_per_call", "wall_ns_per_call"):
-            if base.get(key) is not None and r.get(key) is not None:
-                r[key.replace("_per_call", "_per_hit")] = r[key] - base[key]
+            if base.get(key) is not None and row.get(key) is not None:
+                row[key.replace("_per_call", "_per_hit")] = row[key] - base[key]
     unit = ("emulated instructions (exact) and host wall time" if count
             else "emulated rdtsc cycles (never hardware figures) and host wall time")
     return {"rows": out, "calls": calls, "unit": unit}
@@ -349,7 +349,7 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
     tracefs = "/sys/kernel/tracing"
     rows: list[dict[str, Any]] = []
     with Manager.attach(state["address"]) as m:
-        t = m.target
+        t: Any = m.target  # the live target: exec() runs commands in the guest
         point = m.entry_point(LIVE_FUNCTION)
         fn = m.find_function(LIVE_FUNCTION)
         head = t.read(point.address, 5)
@@ -438,7 +438,7 @@ def plot(section: dict[str, Any], path: str) -> None:
             xs = [x - 0.4 + (i + 0.5) * width for x in range(len(labels))]
             shown = [v if v is not None and v > 0 else 0 for v in vals]
             ax.bar(xs, shown, width, label=name, color=color)
-            for x, v in zip(xs, vals):
+            for x, v in zip(xs, vals, strict=False):
                 if v is not None and v > 0:
                     ax.text(x, v, f"{v:,.1f}", ha="center", va="bottom", fontsize=7)
                 elif v is not None:  # nothing measurable: say so at the bottom of the axes
