@@ -137,3 +137,21 @@ def test_tables_format_as_text_and_markdown():
     text = format_table(t)
     assert "1.23" in text and "12,345" in text
     assert markdown_table(t).splitlines()[1] == "| --- | ---: |"
+
+
+def test_source_file_runs_hold_their_functions():
+    """The anchor runs (link order) put known functions in the right file and stop at
+    the neighbours from other files (needs the Debian kernel already in the cache)."""
+    from ksim.bench import kernel as kmod
+    from ksim.bench.corpus import debian_sets
+
+    if not kmod.is_cached():
+        pytest.skip("the Debian kernel package is not in ~/.cache/ksim (ksim bench sizes fetches it)")
+    sets = {cs.name: {f.name for f in cs.functions} for cs in debian_sets(kmod.debian_kernel())}
+    assert {"__schedule", "schedule", "wake_up_process", "sched_setscheduler"} <= sets["kernel/sched/core.c"]
+    assert {"kmem_cache_alloc", "kmem_cache_free", "__kmem_cache_create"} <= sets["mm/slub.c"]
+    assert {"__alloc_pages", "get_page_from_freelist", "__free_pages"} <= sets["mm/page_alloc.c"]
+    assert not {"update_min_vruntime", "__wait_on_bit_lock"} & sets["kernel/sched/core.c"]
+    assert not {"folio_migrate_flags"} & sets["mm/slub.c"]
+    assert not {"shuffle_pick_tail", "vfree"} & sets["mm/page_alloc.c"]
+    assert "e100_probe" in sets["e100.ko"]
