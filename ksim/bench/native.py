@@ -158,6 +158,8 @@ class NativePlanner:
         point = self.facts.entry(self.func)
         area = (point.address + v.distance) & ~(PAGE - 1)
         area = max(area, self.image_end + 16 * PAGE)
+        if v.tactic == "far":  # the counter stays near (the codegen's absolute addressing)
+            area = max((point.address + 16 * PAGE) & ~(PAGE - 1), self.image_end + 16 * PAGE)
         data = area + PAGE  # the counter: a page of its own after the code page
         counter = ast.Var(data, 8)
         snippet = counter.atomic_assign(counter + 1) if v.snippet == "count" else ast.Seq(())
@@ -169,6 +171,8 @@ class NativePlanner:
             return self.arch.compile_snippets([snippet], address, live=live, abi=abi,
                                               point_kind=point.kind.value)
 
+        if v.tactic == "far":
+            return self._far(v, point.address, compile_at, lines, info)
         req = planner.SpliceRequest(
             point=point.address, func=self.facts.function_code(self.func.name),
             compile=compile_at, code_address=area, policy="auto",
@@ -191,6 +195,34 @@ class NativePlanner:
             lines.append(f"trap {result.trap_site:x} {result.code_address:x}")
         lines.append(f"counter {data:x}")
         lines.append("run")
+        return "\n".join(lines) + "\n", info
+
+
+    def _far(self, v: Variant, point: int, compile_at: Any, lines: list[str],
+             info: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """A far jump, which no ksim tactic emits (measured to show what going past
+        +-2 GB would cost): jmp rel32 to a stub in the near area, ``jmp [rip]`` to the
+        patch far away, and ``jmp [rip]`` back.  The snippet and the relocated
+        instruction are ksim's own codegen and relocator; the counter stays near."""
+        fc = self.facts.function_code(self.func.name)
+        insn = fc.insns[fc.index_of(point)]
+        if insn.size < self.arch.jmp_size:
+            info["refused"] = "the hand-built far jump needs a first instruction of >= 5 bytes"
+            return "", info
+        near = max((point + 16 * PAGE) & ~(PAGE - 1), self.image_end + 16 * PAGE)
+        far = (point + v.distance) & ~(PAGE - 1)
+        jmp_abs = bytes.fromhex("ff2500000000")  # jmp qword [rip+0]; the address follows
+        body = compile_at(far)
+        code = (body + self.arch.relocate([insn], far + len(body))
+                + jmp_abs + insn.end.to_bytes(8, "little"))
+        stub = jmp_abs + far.to_bytes(8, "little")
+        head = self.arch.jmp(point, near)
+        head += bytes([self.arch.pad_byte]) * (insn.size - len(head))
+        info.update(distance=far - point, area=far, point=point, patch_bytes=len(code),
+                    writes=[(point, head.hex())])
+        lines += [f"area {near:x} {2 * PAGE:x}", f"code {near:x} {stub.hex()}",
+                  f"area {far:x} {PAGE:x}", f"code {far:x} {code.hex()}",
+                  f"write {point:x} {head.hex()}", f"counter {near + PAGE:x}", "run"]
         return "\n".join(lines) + "\n", info
 
 
