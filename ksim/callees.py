@@ -118,7 +118,7 @@ class CalleeWatcher:
         return [p for p in self.kmgr.callsite_points(func) if self._operand(p) is not None]
 
     def _operand(self, point: Point) -> CallOperand | None:
-        insn = self.kmgr.facts.analysis(point.function).insn_at(point.address)
+        insn = self.kmgr.facts.analysis(point).insn_at(point.address)
         return self.kmgr.arch.call_operand(insn)
 
     def _targets(self, what: Function | str | Point | Iterable[Function | str | Point]

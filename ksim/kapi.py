@@ -63,6 +63,9 @@ class Manager:
         self.arch: Arch = target.arch
         self.facts = SiteFacts(target.image, self.arch)
         self._splices: dict[int, _Splice] = {}
+        #: text byte -> the point whose splice overwrote it (kept as splices change,
+        #: so a new plan asks "is this byte taken?" in O(1))
+        self._owners: dict[int, int] = {}
         self._ids = itertools.count(1)
 
     # --- attach / detach ---------------------------------------------------------
@@ -201,18 +204,25 @@ class Manager:
             counter.close()
 
     # --- internals ------------------------------------------------------------------
-    def _busy(self, exclude: int | None = None) -> frozenset[int]:
-        out: set[int] = set()
-        for addr, s in self._splices.items():
-            if addr != exclude:
-                out |= planner.overwritten(s.patch)
-        return frozenset(out)
+    def _busy(self, exclude: int | None = None) -> _Busy:
+        """The text bytes splices overwrote, except those of the splice at ``exclude``."""
+        return _Busy(self._owners, exclude)
+
+    def _own(self, patch: Patch | None, point: int | None) -> None:
+        """Record (``point`` given) or forget (None) the bytes ``patch`` overwrites."""
+        if patch is None:
+            return
+        for address in planner.overwritten(patch):
+            if point is None:
+                self._owners.pop(address, None)
+            else:
+                self._owners[address] = point
 
     def _plan(self, point: Point, snippets: Sequence[ast.Snippet], policy: str,
               *, dry_run: bool = False) -> Patch:
         """Plan against the original text, allocating patch memory for the result.
         On any failure (or a dry run) the allocation is returned; nothing else changes."""
-        func = self.facts.function_code(point.function)
+        func = self.facts.function_code(point)
         live = self.facts.live_at(point)
         abi = self.target.abi
         operand = self._call_operand(point, snippets)
@@ -252,7 +262,7 @@ class Manager:
         if point.kind is not PointKind.CALLSITE or not any(
                 isinstance(x, ast.CallTarget) for s in snippets for x in ast.walk(s)):
             return None
-        return self.arch.call_operand(self.facts.analysis(point.function).insn_at(point.address))
+        return self.arch.call_operand(self.facts.analysis(point).insn_at(point.address))
 
     def _install_code(self, patch: Patch) -> None:
         old = self.target.read(patch.code_address, len(patch.code))
@@ -276,6 +286,8 @@ class Manager:
             raise
         if current is not None:
             self.target.free_code(current.patch.code_address)
+            self._own(current.patch, None)
+        self._own(new, point.address)
         self._splices[point.address] = _Splice(point, new.tactic, new, list(handles))
 
     def _unsplice(self, current: _Splice) -> None:
@@ -283,7 +295,24 @@ class Manager:
         if current.patch.trap_site is not None:
             self.target.clear_trap(current.patch.trap_site)
         self.target.free_code(current.patch.code_address)
+        self._own(current.patch, None)
         del self._splices[current.point.address]
+
+
+class _Busy:
+    """A read-only view of the Manager's overwritten bytes, less one splice's own."""
+
+    __slots__ = ("_owners", "_exclude")
+
+    def __init__(self, owners: dict[int, int], exclude: int | None) -> None:
+        self._owners, self._exclude = owners, exclude
+
+    def __contains__(self, address: object) -> bool:
+        owner = self._owners.get(address)  # type: ignore[call-overload]
+        return owner is not None and owner != self._exclude
+
+    def __iter__(self) -> Iterator[int]:
+        return (a for a, owner in self._owners.items() if owner != self._exclude)
 
 
 def _transition(old: Patch | None, new: Patch) -> list[Write]:

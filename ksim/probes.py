@@ -323,7 +323,7 @@ class Probes:
         if func is None or func.address != address:
             raise ProbeError(f"a kretprobe goes on a function, {address:#x} is not one's entry")
         exits = self.kmgr.exit_points(func)
-        code = self.kmgr.facts.function_code(func.name)
+        code = self.kmgr.facts.function_code(func)
         for p in exits:
             insn = code.insns[code.index_of(p.address)]
             if insn.flow is not Flow.RET:
@@ -379,7 +379,7 @@ class Probes:
                                      f"{insn.mnemonic} at {insn.address:#x} does not")
 
     def _insn(self, point: Point) -> Insn:
-        code = self.kmgr.facts.function_code(point.function)
+        code = self.kmgr.facts.function_code(point)
         return code.insns[code.index_of(point.address)]
 
     def _install(self, kp: KProbe, point: Point) -> _Installed:
@@ -503,7 +503,7 @@ class Probes:
     def _live_after(self, point: Point, insn: Insn) -> frozenset[str]:
         """Registers live after the probed instruction (all of them if unknown)."""
         try:
-            return self.kmgr.facts.analysis(point.function).live_at(insn.end)
+            return self.kmgr.facts.analysis(point).live_at(insn.end)
         except KsimError:
             return frozenset(self.arch.all_regs)
 

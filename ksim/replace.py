@@ -59,7 +59,7 @@ class Replacements:
     def _check(self, address: int) -> planner.FunctionCode:
         """kprobes-style address checks: boundary, blacklist, already spliced."""
         point = self.kmgr.point_at(address)  # OutsideText, NotOnBoundary
-        code = self.kmgr.facts.function_code(point.function)
+        code = self.kmgr.facts.function_code(point)
         planner.check_point(planner.SpliceRequest(
             point=address, func=code, compile=lambda _a: b"", code_address=address,
             busy=self._busy(), blacklist=self.kmgr.facts.blacklist))

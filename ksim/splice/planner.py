@@ -25,7 +25,7 @@ code, exactly as a jump would, so one patch layout serves all tactics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 
 from ksim.arch.base import Arch, Flow, Insn
@@ -95,7 +95,7 @@ class SpliceRequest:
     code_address: int
     policy: str = "auto"
     #: addresses already overwritten by other splices (their windows)
-    busy: frozenset[int] = frozenset()
+    busy: Container[int] = frozenset()
     #: free padding slots usable for springboards: (address, current bytes)
     padding: tuple[tuple[int, bytes], ...] = ()
     #: blacklisted ranges (start, end): never splice there

@@ -8,13 +8,14 @@ know the other.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Container
 from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
-from ksim.analysis.points import Point, PointKind
+from ksim.analysis.points import Point, PointKind, is_padding
 from ksim.arch.base import Arch, Flow
-from ksim.errors import OutsideText
+from ksim.errors import KsimError, OutsideText
 from ksim.image.model import Function
 from ksim.splice.planner import FunctionCode
 
@@ -36,13 +37,27 @@ BLACKLIST_FUNCTIONS = (
 
 
 class SiteFacts:
+    """Site facts for one image.  Functions are resolved by address wherever a
+    point is given: kernels have several static functions of the same name."""
+
     def __init__(self, image, arch: Arch) -> None:  # image: ksim.image.Image
         self.image = image
         self.arch = arch
+        self._starts = [f.address for f in image.functions]
+
+    def function_of(self, what: Function | Point | str) -> Function:
+        if isinstance(what, Function):
+            return what
+        if isinstance(what, Point):
+            func = self.image.function_at(what.address)
+            if func is None:
+                raise OutsideText(f"{what.address:#x} is not inside a known function")
+            return func
+        return self.image.function(what)
 
     # --- analysis -------------------------------------------------------------------
-    def analysis(self, func: Function | str) -> FunctionAnalysis:
-        return analyze(self.image, func)
+    def analysis(self, what: Function | Point | str) -> FunctionAnalysis:
+        return analyze(self.image, self.function_of(what))
 
     def entry(self, func: Function) -> Point:
         return Point(self.analysis(func).points.entry, PointKind.ENTRY, func.name)
@@ -66,63 +81,68 @@ class SiteFacts:
         return Point(address, kind, func.name)
 
     def live_at(self, point: Point) -> frozenset[str]:
-        return self.analysis(point.function).live_at(point.address)
+        return self.analysis(point).live_at(point.address)
 
     # --- what the planner needs -------------------------------------------------------
-    @lru_cache(maxsize=4096)  # noqa: B019 - one SiteFacts per attached image
-    def function_code(self, name: str) -> FunctionCode:
-        fa = self.analysis(name)
+    def function_code(self, what: Function | Point | str) -> FunctionCode:
+        return self._function_code(self.function_of(what))
+
+    @lru_cache(maxsize=8192)  # noqa: B019 - one SiteFacts per attached image
+    def _function_code(self, func: Function) -> FunctionCode:
+        """The function's code for the planner.  Trailing alignment filler that no
+        path reaches (int3/nop blocks, which kallsyms-derived extents include) is
+        not code: it becomes the ``tail`` a window may spill over, together with
+        the filler between this function and the next."""
+        fa = self.analysis(func)
         cfg = fa.cfg
-        targets = {fa.function.address}
+        code_end = func.end
+        for block in reversed(list(cfg.blocks.values())):
+            if block.start < code_end and block.end >= code_end and is_padding(block):
+                code_end = block.start
+            else:
+                break
+        if code_end == func.address:  # all filler: keep it as it is
+            code_end = func.end
+        targets = {func.address}
         targets |= {e.dst for e in cfg.edges if e.kind is not EdgeKind.FALLTHROUGH}
         targets |= {i.target for i in cfg.insns
                     if i.flow in (Flow.JMP, Flow.JCC) and i.target is not None}
         for table in cfg.tables.values():
             targets |= set(table.entries)
+        inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
         return FunctionCode(
-            name=fa.function.name, start=fa.function.address, end=fa.function.end,
-            insns=tuple(cfg.insns), branch_targets=frozenset(targets),
+            name=func.name, start=func.address, end=code_end,
+            insns=tuple(i for i in cfg.insns if i.address < code_end),
+            branch_targets=frozenset(targets),
             unknown_indirect=bool(cfg.unresolved) or bool(cfg.misaligned),
-            tail=self._tail(fa.function),
+            tail=inner + self._gap_after(func),
         )
 
-    def _tail(self, func: Function) -> bytes:
+    def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""
-        later = [f.address for f in self.image.functions if f.address >= func.end]
-        end = min(later, default=func.end)
+        i = bisect.bisect_left(self._starts, func.end)
+        end = self._starts[i] if i < len(self._starts) else func.end
         if not (0 < end - func.end <= 64) or not self.image.is_text(func.end):
             return b""
         data = self.image.read(func.end, end - func.end)
         return data if _is_filler(self.arch, data, func.end) else b""
 
-    @cached_property
-    def _padding(self) -> list[tuple[int, int]]:
-        """Free slots of jmp_size bytes in the padding between functions: bytes no
-        symbol covers, that are all trap/nop filler, inside text."""
-        size = self.arch.jmp_size
-        funcs = sorted(self.image.functions, key=lambda f: f.address)
-        slots: list[tuple[int, int]] = []
-        for f, g in zip(funcs, funcs[1:], strict=False):
-            lo, hi = f.end, g.address
-            if hi - lo < size or hi - lo > 64 or not self.image.is_text(lo):
-                continue
-            if not _is_filler(self.arch, self.image.read(lo, hi - lo), lo):
-                continue
-            slots += [(a, a + size) for a in range(lo, hi - size + 1, size)]
-        return slots
-
-    def padding_slots(self, near: int, busy: frozenset[int]) -> tuple[tuple[int, bytes], ...]:
-        """Padding slots within short-jump reach of ``near`` that no splice uses,
-        with their original bytes."""
-        reach = 128 + self.arch.short_jmp_size
-        starts = [s for s, _ in self._padding]
-        i = bisect.bisect_left(starts, near - reach)
+    def padding_slots(self, near: int, busy: Container[int]) -> tuple[tuple[int, bytes], ...]:
+        """Free jmp-sized slots in the filler after the functions around ``near``
+        (within short-jump reach), with their original bytes."""
+        size, reach = self.arch.jmp_size, 128 + self.arch.short_jmp_size
+        lo = bisect.bisect_left(self._starts, near - 4 * reach)
+        hi = bisect.bisect_right(self._starts, near + reach)
         out = []
-        for lo, hi in self._padding[i:]:
-            if lo > near + reach:
-                break
-            if not any(a in busy for a in range(lo, hi)):
-                out.append((lo, self.image.read(lo, hi - lo)))
+        for func in self.image.functions[max(lo - 1, 0):hi]:
+            try:
+                code = self.function_code(func)
+            except KsimError:  # undecodable or unanalysable neighbour: no slots there
+                continue
+            for start in range(code.end, code.end + len(code.tail) - size + 1, size):
+                if abs(start - near) > reach or any(a in busy for a in range(start, start + size)):
+                    continue
+                out.append((start, code.tail[start - code.end:start - code.end + size]))
         return tuple(out)
 
     @cached_property
@@ -131,7 +151,7 @@ class SiteFacts:
         for start, end in BLACKLIST_RANGES:
             try:
                 ranges.append((self.image.address_of(start), self.image.address_of(end)))
-            except Exception:  # the image has no such section
+            except KsimError:  # the image has no such section
                 continue
         for name in BLACKLIST_FUNCTIONS:
             if self.image.has_function(name):
