@@ -186,7 +186,7 @@ def plot(section: dict[str, Any], path: str) -> None:
                  label="far jump via near stub + jmp [rip] (hand-built, measured)")
     ax2.axhline(PAPER_COST["trap"], color="k", ls="--", lw=0.8, label="paper trap cost (19)")
     ax2.axvline(2**31, color="r", lw=1)
-    ax2.text(2**31 * 1.1, 1.5, "rel32 limit:\nno tactic\nbeyond", color="r", fontsize=8)
+    ax2.text(2**31 * 1.1, 1.5, "rel32 limit:\nno ksim tactic\nbeyond", color="r", fontsize=8)
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlim(2**14, 2**37)
