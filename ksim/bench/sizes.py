@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ksim.arch.x86_64.reader import insn_lengths
+from ksim.arch.base import Flow
+from ksim.arch.x86_64.reader import decode
 from ksim.bench.common import Context, Section, Table, pyplot, save
 from ksim.bench.corpus import PAPER_NAMES, CodeSet, all_sets
 
@@ -24,18 +25,29 @@ FENTRY_CALL = 0xE8
 NOP5 = bytes.fromhex("0f1f440000")
 
 
+#: what makes an instruction 5 bytes or longer: a rel32 branch or call, a REX prefix
+_REL32_FLOWS = frozenset({Flow.CALL, Flow.JMP, Flow.JCC})
+
+
 def measure(cs: CodeSet, limit: int | None = None) -> dict[str, Any]:
     lengths: Counter[int] = Counter()
     first: Counter[int] = Counter()
     fentry = 0
+    long_kinds: Counter[str] = Counter()
     funcs = cs.functions[:limit] if limit else cs.functions
     for func in funcs:
         code = cs.code(func)
         if not code:
             continue
-        sizes = [size for _addr, size in insn_lengths(code, func.address)]
+        insns = list(decode(code, func.address))
+        sizes = [i.size for i in insns]
         if not sizes:
             continue
+        for i in insns:
+            if i.size >= 5:
+                long_kinds["all"] += 1
+                long_kinds["rel32"] += i.flow in _REL32_FLOWS
+                long_kinds["rex"] += _has_rex(i.raw)
         lengths.update(sizes)
         first[sizes[0]] += 1
         if sizes[0] == 5 and (code[0] == FENTRY_CALL or code[:5] == NOP5):
@@ -55,8 +67,20 @@ def measure(cs: CodeSet, limit: int | None = None) -> dict[str, Any]:
         "first_counts": {str(n): first.get(n, 0) for n in range(1, MAX_LEN + 1)},
         "first_ge5": sum(v for k, v in first.items() if k >= 5) / nfuncs,
         "first_fentry": fentry / nfuncs,
+        #: of the instructions of >= 5 bytes: direct calls/jumps with rel32, and REX-prefixed
+        "ge5_rel32_branch_share": long_kinds["rel32"] / (long_kinds["all"] or 1),
+        "ge5_rex_share": long_kinds["rex"] / (long_kinds["all"] or 1),
         "method": cs.method,
     }
+
+
+def _has_rex(raw: bytes) -> bool:
+    """A REX prefix (40-4f) after any legacy prefixes (SDM vol. 2, 2.2.1)."""
+    for b in raw:
+        if b in (0x66, 0x67, 0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65):
+            continue
+        return 0x40 <= b <= 0x4F
+    return False
 
 
 def run(ctx: Context) -> Section:
@@ -70,11 +94,12 @@ def run(ctx: Context) -> Section:
     rows = [[name, PAPER_NAMES.get(name, "-"), r["functions"], r["instructions"],
              round(100 * r["share_1"], 1), round(100 * r["share_ge2_lt5"], 1),
              round(100 * r["share_ge5"], 1), round(r["mean_length"], 2),
-             round(100 * r["first_ge5"], 1), round(100 * r["first_fentry"], 1)]
+             round(100 * r["first_ge5"], 1), round(100 * r["first_fentry"], 1),
+             round(100 * r["ge5_rel32_branch_share"], 1), round(100 * r["ge5_rex_share"], 1)]
             for name, r in out.items()]
     table = Table("Instruction lengths (shares in %)",
                   ["object", "paper", "functions", "insns", "1 B", "2-4 B", ">=5 B", "mean B",
-                   "first>=5", "fentry"], rows)
+                   "first>=5", "fentry", ">=5: rel32", ">=5: REX"], rows)
     dist = Table("Share of each length (%)", ["object"] + [str(n) for n in range(1, 12)] + ["12+"],
                  [[name] + [round(100 * r["length_share"][str(n)], 1) for n in range(1, 12)]
                   + [round(100 * sum(r["length_share"][str(n)] for n in range(12, MAX_LEN + 1)), 1)]
@@ -82,7 +107,9 @@ def run(ctx: Context) -> Section:
     if limit:
         notes.append(f"smoke run: the first {limit} functions of each object")
     notes.append("first>=5: functions whose first instruction is 5 bytes or longer; "
-                 "fentry: ... that is the 5-byte call __fentry__ (a nop once booted)")
+                 "fentry: ... that is the 5-byte call __fentry__ (a nop once booted); "
+                 ">=5: rel32 / REX: of the instructions of 5 bytes or more, the share of direct "
+                 "calls and jumps with a 32-bit displacement, and of REX-prefixed ones")
     return Section(out, [table, dist], notes, {"limit": limit})
 
 
