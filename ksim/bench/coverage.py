@@ -76,7 +76,7 @@ class Coverage:
         from ksim.errors import KsimError
         from ksim.splice import planner
 
-        fc = self.facts.function_code(func.name)
+        fc = self.facts.function_code(func)
         req = planner.SpliceRequest(
             point=point, func=fc, compile=self.compile_at, code_address=self.area,
             padding=self.facts.padding_slots(point, frozenset()), blacklist=self.facts.blacklist)

@@ -174,7 +174,7 @@ class NativePlanner:
         if v.tactic == "far":
             return self._far(v, point.address, compile_at, lines, info)
         req = planner.SpliceRequest(
-            point=point.address, func=self.facts.function_code(self.func.name),
+            point=point.address, func=self.facts.function_code(self.func),
             compile=compile_at, code_address=area, policy="auto",
             padding=self.facts.padding_slots(point.address, frozenset()),
             blacklist=self.facts.blacklist)
@@ -204,7 +204,7 @@ class NativePlanner:
         +-2 GB would cost): jmp rel32 to a stub in the near area, ``jmp [rip]`` to the
         patch far away, and ``jmp [rip]`` back.  The snippet and the relocated
         instruction are ksim's own codegen and relocator; the counter stays near."""
-        fc = self.facts.function_code(self.func.name)
+        fc = self.facts.function_code(self.func)
         insn = fc.insns[fc.index_of(point)]
         if insn.size < self.arch.jmp_size:
             info["refused"] = "the hand-built far jump needs a first instruction of >= 5 bytes"
