@@ -253,7 +253,15 @@ mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
 mount -t tracefs tracefs /host/sys/kernel/tracing
 mount -t devtmpfs dev /host/dev
+# The guest gets a writable /tmp of its own; a checkout that lives under the
+# host's /tmp (a CI clone) stays visible through a bind mount from a staging point.
+mkdir -p /hosttmp
+mount --bind /host/tmp /hosttmp
 mount -t tmpfs tmp /host/tmp
+for keep in @KEEP@; do
+    mkdir -p "/host$keep"
+    mount --bind "/hosttmp${keep#/tmp}" "/host$keep" || echo "ksim-init: cannot keep $keep"
+done
 echo "ksim-init: starting kerninstd"
 cd /
 # If kerninstd dies, unload the module (which restores every splice it made) and
@@ -294,7 +302,10 @@ def make_initramfs(root: Path, abi: str, ko: Path, port: int, out: Path) -> Path
         names.append(path.name)
     archive.file("modules.list", ("\n".join(names) + "\n").encode())
     archive.file("kerninst.ko", ko.read_bytes())
+    keep = " ".join(sorted({str(p) for p in (REPO, Path(host_python()).parent)
+                            if str(p).startswith("/tmp/")}))
     init = (INIT.replace("@REPO@", str(REPO)).replace("@PYTHON@", host_python())
+            .replace("@KEEP@", keep)
             .replace("@PORT@", str(port)).replace("@TOKEN@", str(token_path())))
     archive.file("init", init.encode(), 0o755)
     out.write_bytes(archive.finish())
