@@ -11,7 +11,7 @@ import os
 import pytest
 from hypothesis import settings
 
-settings.register_profile("ci", max_examples=200, deadline=None)
+settings.register_profile("ci", max_examples=300, deadline=None)
 settings.register_profile("long", max_examples=10_000, deadline=None)
 settings.register_profile("dev", max_examples=20, deadline=None)
 
