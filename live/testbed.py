@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ksim.errors import TargetError, TargetTimeout
+from ksim.errors import MalformedImage, TargetError, TargetTimeout
+from ksim.image.bzimage import decompress_bzimage
 
 REPO = Path(__file__).resolve().parent.parent
 KMOD_SOURCES = ("kerninst.c", "kerninst.h", "Makefile")
@@ -157,20 +158,14 @@ def extract_vmlinux(vmlinuz: Path, out: Path) -> Path:
     """Decompress the bzImage's xz payload to the ELF vmlinux (qemu boots it through its PVH note)."""
     if out.exists():
         return out
-    data = vmlinuz.read_bytes()
-    start = data.find(b"\xfd7zXZ\x00")
-    while start >= 0:
-        try:
-            elf = lzma.LZMADecompressor(format=lzma.FORMAT_XZ).decompress(data[start:])
-        except lzma.LZMAError:
-            elf = b""
-        if elf.startswith(b"\x7fELF"):
-            tmp = out.with_suffix(".tmp")
-            tmp.write_bytes(elf)
-            tmp.rename(out)
-            return out
-        start = data.find(b"\xfd7zXZ\x00", start + 1)
-    raise TargetError(f"{vmlinuz}: no xz-compressed ELF kernel inside")
+    try:
+        elf = decompress_bzimage(vmlinuz.read_bytes())
+    except MalformedImage as exc:
+        raise TargetError(f"{vmlinuz}: {exc}") from None
+    tmp = out.with_suffix(".tmp")
+    tmp.write_bytes(elf)
+    tmp.rename(out)
+    return out
 
 
 def build_module(abi: str, progress: Progress = _quiet) -> Path:

@@ -212,3 +212,17 @@ def test_toy_kernel_loads() -> None:
     toy = load_image(toy_kernel())
     assert toy.module == "vmlinux" and toy.functions
     assert toy.symbol("KSIM_TASK_PID_OFFSET")
+
+
+def test_a_bzimage_without_an_elf_payload_is_refused():
+    import lzma
+
+    from ksim.image.bzimage import decompress_bzimage
+
+    with pytest.raises(MalformedImage):
+        decompress_bzimage(b"MZ" + bytes(64))
+    not_elf = lzma.compress(b"not a kernel", format=lzma.FORMAT_XZ)
+    with pytest.raises(MalformedImage):
+        decompress_bzimage(b"setup code" + not_elf)
+    elf = b"\x7fELF" + bytes(60)
+    assert decompress_bzimage(b"setup" + not_elf + lzma.compress(elf, format=lzma.FORMAT_XZ)) == elf

@@ -23,7 +23,6 @@ list in /proc/kallsyms format, and ``e100.ko`` — all under ``~/.cache/ksim/``.
 from __future__ import annotations
 
 import glob
-import lzma
 import os
 import re
 import struct
@@ -31,7 +30,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ksim.errors import KsimError
+from ksim.errors import KsimError, MalformedImage
+from ksim.image.bzimage import decompress_bzimage as bzimage_payload
 
 CACHE = Path(os.environ.get("KSIM_CACHE", Path.home() / ".cache" / "ksim"))
 BENCH_CACHE = CACHE / "bench"
@@ -144,14 +144,11 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
 
 # --- bzImage -> vmlinux ------------------------------------------------------------
 def decompress_bzimage(bzimage: bytes) -> bytes:
-    """The ELF vmlinux inside a bzImage (Debian compresses it with xz)."""
-    at = bzimage.find(b"\xfd7zXZ\x00")
-    if at < 0:
-        raise KernelUnavailable("no xz stream in the bzImage")
-    out = lzma.LZMADecompressor().decompress(bzimage[at:])
-    if not out.startswith(b"\x7fELF"):
-        raise KernelUnavailable("the bzImage payload is not an ELF file")
-    return out
+    """The ELF vmlinux inside a bzImage, as a benchmark input."""
+    try:
+        return bzimage_payload(bzimage)
+    except MalformedImage as exc:
+        raise KernelUnavailable(str(exc)) from None
 
 
 # --- the kallsyms table ---------------------------------------------------------------
