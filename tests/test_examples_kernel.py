@@ -51,3 +51,16 @@ def test_replace_function_call(toy_path):
 def test_watch_callees(toy_path):
     out = run_example("watch_callees.py", "unicorn:toy", "do_syscall_64", "vfs_read", "--iterations", "60")
     assert "__x64_sys_read" in out and "ramfs_file_read" in out and "oracle" in out
+
+
+def test_count_func_counts_what_the_oracle_counts(toy_path):
+    import re
+
+    from ksim.kapi import Manager
+
+    out = run_example("count_func.py", "unicorn:toy", "vmlinux", "tcp_sync_mss")
+    counted = int(re.search(r"tcp_sync_mss: (\d+) entries", out).group(1))
+    with Manager.attach("unicorn:toy") as m:
+        with m.oracle(m.find_function("tcp_sync_mss").address) as oracle:
+            m.run()
+            assert counted == oracle.count > 0
