@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ksim.bench.common import Context, Section, Skip, Table, pyplot, save
+from ksim.bench.common import Context, Section, Table, attempt, pyplot, save
 from ksim.errors import KsimError
 
 NAME = "batch"
@@ -108,16 +108,9 @@ def run(ctx: Context) -> Section:
     total = sum(len(ns) * len(pols) for _l, _s, ns, pols, _n in targets)
     with ctx.bar(total, "batch") as bar:
         for label, spec, ns, pols, names in targets:
-            try:
-                results[label] = _target(spec, ns, pols, names, bar)
-            except Skip as exc:
-                results[label] = {"skipped": str(exc)}
-                notes.append(f"{label}: skipped: {exc}")
-            except (OSError, KsimError) as exc:
-                if label != "live":  # the testbed may go down under us; the rest stands
-                    raise
-                results[label] = {"error": f"{type(exc).__name__}: {exc}"}
-                notes.append(f"live: failed: {type(exc).__name__}: {exc}")
+            done = attempt(label, results, notes, _target, spec, ns, pols, names, bar)
+            if done is not None:
+                results[label] = done
     if isinstance(live, str):
         results["live"] = {"skipped": live}
     rows = []

@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ksim.errors import KsimError
+
 SCHEMA = "ksim-bench/1"
 #: the run modes: full figures, --quick (a few minutes for all), smoke (tests: tiny, seconds)
 MODES = ("full", "quick", "smoke")
@@ -29,6 +31,23 @@ MODES = ("full", "quick", "smoke")
 
 class Skip(Exception):
     """The benchmark cannot run here; the message says why."""
+
+
+def attempt(name: str, results: dict[str, Any], notes: list[str], fn: Any, *args: Any) -> Any:
+    """Run one part of a benchmark: its value, or None after recording why it
+    was skipped -- or, for the live testbed (which may go down under us), why it
+    failed; a failure anywhere else is a real error and propagates."""
+    try:
+        return fn(*args)
+    except Skip as exc:
+        results[name] = {"skipped": str(exc)}
+        notes.append(f"{name}: skipped: {exc}")
+    except (OSError, KsimError) as exc:
+        if name != "live":
+            raise
+        results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        notes.append(f"{name}: failed: {type(exc).__name__}: {exc}")
+    return None
 
 
 @dataclass

@@ -27,8 +27,7 @@ from __future__ import annotations
 from typing import Any
 
 from ksim.bench import native
-from ksim.bench.common import Context, Section, Skip, Table, pyplot, save
-from ksim.errors import KsimError
+from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
 
 NAME = "per-hit"
 TITLE = "Cost per hit: uninstrumented, jmp, springboard, trap (paper Table 1)"
@@ -45,19 +44,11 @@ def run(ctx: Context) -> Section:
     with ctx.bar(len(steps), "per-hit") as bar:
         for name, fn in steps:
             bar.advance(0, note=name)
-            try:
-                res, tabs, nts = fn(ctx)
-                results[name] = res
-                tables += tabs
-                notes += nts
-            except Skip as exc:
-                results[name] = {"skipped": str(exc)}
-                notes.append(f"{name}: skipped: {exc}")
-            except (OSError, KsimError) as exc:
-                if name != "live":  # the testbed may go down under us; the rest stands
-                    raise
-                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-                notes.append(f"{name}: failed: {type(exc).__name__}: {exc}")
+            part = attempt(name, results, notes, fn, ctx)
+            if part is not None:
+                results[name] = part[0]
+                tables += part[1]
+                notes += part[2]
             bar.advance(note=name)
     return Section(results, tables, notes, {"mode": ctx.mode})
 
