@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from ksim.analysis.cfg import CFG, Block
-from ksim.arch.base import Flow
+from ksim.arch.base import Flow, Insn
 
 
 class PointKind(enum.StrEnum):
@@ -37,9 +37,14 @@ class Point:
 _PADDING = frozenset({"nop", "int3"})
 
 
+def is_filler_insn(insn: Insn) -> bool:
+    """An alignment filler instruction (capstone spells prefixed ones "data16 nop")."""
+    return insn.mnemonic.rsplit(" ", 1)[-1] in _PADDING
+
+
 def is_padding(block: Block) -> bool:
     """Alignment filler no path reaches (nops, int3) — not worth a point."""
-    return not block.reachable and all(i.mnemonic.rsplit(" ", 1)[-1] in _PADDING for i in block.insns)
+    return not block.reachable and all(is_filler_insn(i) for i in block.insns)
 
 
 @dataclass(frozen=True)

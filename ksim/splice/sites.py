@@ -13,7 +13,7 @@ from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
-from ksim.analysis.points import Point, PointKind, is_padding
+from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
 from ksim.arch.base import Arch, Flow
 from ksim.errors import KsimError, OutsideText
 from ksim.image.model import Function
@@ -165,8 +165,7 @@ def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
         return True
     covered = 0
     for insn in arch.decode(data, address):
-        # capstone spells prefixed filler "data16 nop", "cs nop": look at the last word
-        if insn.mnemonic.rsplit(" ", 1)[-1] not in ("nop", "int3"):
+        if not is_filler_insn(insn):
             return False
         covered += insn.size
     return covered == len(data)
