@@ -1,7 +1,7 @@
 """The real kernel the benchmarks measure: Debian's 6.1 amd64 package.
 
 ``debian_kernel()`` returns the paths of a decompressed ELF ``vmlinux``, its symbol
-list in /proc/kallsyms format, and ``e100.ko`` — all under ``~/.cache/ksim/``.
+list in /proc/kallsyms format, ``e100.ko`` and ``ext4.ko`` — all under ``~/.cache/ksim/``.
 
 * The package is ``linux-image-<abi>-amd64-unsigned``, fetched with
   ``apt-get download`` (no installation; the host's kernel is not touched) and
@@ -37,6 +37,7 @@ CACHE = Path(os.environ.get("KSIM_CACHE", Path.home() / ".cache" / "ksim"))
 BENCH_CACHE = CACHE / "bench"
 PACKAGE_GLOB = "linux-image-*-amd64-unsigned_*_amd64.deb"
 E100 = "lib/modules/{abi}/kernel/drivers/net/ethernet/intel/e100.ko"
+EXT4 = "lib/modules/{abi}/kernel/fs/ext4/ext4.ko"
 
 
 class KernelUnavailable(KsimError):
@@ -50,6 +51,7 @@ class DebianKernel:
     vmlinux: Path       # decompressed ELF, no symbols
     kallsyms: Path      # /proc/kallsyms format, extracted from the image
     e100: Path
+    ext4: Path
 
     def as_dict(self) -> dict[str, str]:
         return {"abi": self.abi, "package": self.deb.name}
@@ -60,7 +62,11 @@ def debian_kernel() -> DebianKernel:
     deb = _find_or_fetch_deb()
     abi = _abi_of(deb)
     root = BENCH_CACHE / abi
-    vmlinux, syms, e100 = root / "vmlinux", root / "kallsyms", root / E100.format(abi=abi)
+    vmlinux, syms = root / "vmlinux", root / "kallsyms"
+    e100, ext4 = root / E100.format(abi=abi), root / EXT4.format(abi=abi)
+    if not ext4.exists():
+        root.mkdir(parents=True, exist_ok=True)
+        _unpack(deb, root, ["./" + EXT4.format(abi=abi)])
     if not (vmlinux.exists() and syms.exists() and e100.exists()):
         root.mkdir(parents=True, exist_ok=True)
         _unpack(deb, root, [f"./boot/vmlinuz-{abi}", "./" + E100.format(abi=abi)])
@@ -70,7 +76,7 @@ def debian_kernel() -> DebianKernel:
         tmp.replace(vmlinux)
         text = to_kallsyms_text(extract_kallsyms(vmlinux.read_bytes()))
         syms.write_text(text)
-    return DebianKernel(abi, deb, vmlinux, syms, e100)
+    return DebianKernel(abi, deb, vmlinux, syms, e100, ext4)
 
 
 def is_cached() -> bool:
