@@ -163,10 +163,57 @@ class OutOfRange(SpliceError):
     code = "out-of-range"
 
 
-class Blacklisted(SpliceError):
-    """The point lies in code that must never be instrumented (the trap path itself, ...)."""
+class UnsafeSite(SpliceError):
+    """The kernel relies on the instruction at this address staying where it is
+    and as it is: it finds it by address or rewrites it itself.  Such an
+    instruction is never overwritten or moved into a patch."""
+
+    code = "unsafe-site"
+
+
+class Blacklisted(UnsafeSite):
+    """The point lies in code that must never be instrumented (the trap path itself,
+    entry and noinstr text, the kprobes blacklist)."""
 
     code = "blacklisted"
+
+
+class BugSite(UnsafeSite):
+    """A WARN/BUG ``ud2`` with a ``__bug_table`` entry: moved, ``handle_bug`` would
+    no longer find it and a WARN would become an invalid-opcode oops."""
+
+    code = "bug-site"
+
+
+class ExtableSite(UnsafeSite):
+    """An instruction with an ``__ex_table`` fix-up: moved, a fault in it would oops."""
+
+    code = "extable-site"
+
+
+class FtraceSite(UnsafeSite):
+    """An ftrace location (``__mcount_loc``): the kernel rewrites it when tracing starts."""
+
+    code = "ftrace-site"
+
+
+class JumpLabelSite(UnsafeSite):
+    """A jump-label site (``__jump_table``): the kernel rewrites it when a static key flips."""
+
+    code = "jump-label-site"
+
+
+class StaticCallSite(UnsafeSite):
+    """A static-call site (``.static_call_sites``): the kernel rewrites its call."""
+
+    code = "static-call-site"
+
+
+class ProbedSite(UnsafeSite):
+    """The kernel's own kprobe (or another instrumenter's breakpoint) sits there:
+    the text is not the original."""
+
+    code = "probed-site"
 
 
 class NoSafeTactic(SpliceError):
@@ -191,6 +238,12 @@ class RelocationError(SpliceError):
     """An instruction cannot be moved to the patch (e.g. a rel32 that no longer reaches)."""
 
     code = "relocation"
+
+
+class OverlappingWrites(SpliceError):
+    """A patch whose writes overlap: applying it would leave neither write intact."""
+
+    code = "overlapping-writes"
 
 
 class UnknownHandle(KsimError):

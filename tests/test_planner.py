@@ -6,9 +6,22 @@ import pytest
 
 from ksim.arch import get_arch
 from ksim.arch.base import Flow
-from ksim.errors import AlreadySpliced, Blacklisted, NoSafeTactic, NotOnBoundary, OutsideText
+from ksim.errors import (
+    AlreadySpliced,
+    Blacklisted,
+    BugSite,
+    ExtableSite,
+    FtraceSite,
+    JumpLabelSite,
+    NoSafeTactic,
+    NotOnBoundary,
+    OutsideText,
+    OverlappingWrites,
+    ProbedSite,
+    StaticCallSite,
+)
 from ksim.splice import planner
-from ksim.splice.patch import Write
+from ksim.splice.patch import Patch, Write
 
 ARCH = get_arch("x86_64")
 F = 0xFFFFFFFF81000000        # the function under test
@@ -180,3 +193,111 @@ def test_a_moved_call_returns_to_the_original_text_not_the_patch():
         + b"\xe9" + rel32(P + 1 + 5 + 5, F + 0x10)
     trap = planner.plan(ARCH, request(func(code), policy="trap"))
     assert trap.code == patch.code
+
+
+# --- indirect calls: the callee returns to the text, never into the patch ------------------------
+PV_CALL = bytes([
+    0xFF, 0x15, 0x10, 0x00, 0x00, 0x00,   # F+0: call [rip+0x10]   (a paravirt call through pv_ops)
+    0xC3,                                 # F+6: ret
+])
+
+
+@pytest.mark.parametrize("policy", ["jmp", "trap"])
+def test_indirect_call_at_the_point_is_moved_as_push_and_jmp(policy):
+    patch = planner.plan(ARCH, request(func(PV_CALL), policy=policy))
+    push = b"\x68" + (F + 6).to_bytes(8, "little")[:4]       # push F+6 (sign-extended imm32)
+    jmp_mem = b"\xff\x25" + rel32(P + 1 + 5 + 6, F + 0x16)    # jmp [rip -> F+0x16]
+    assert patch.code == SNIPPET + push + jmp_mem             # no jump back: the callee returns to F+6
+
+
+CALL_REG_AFTER_SHORT = bytes([
+    0x55,                   # F+0: push rbp
+    0x41, 0xFF, 0xD3,       # F+1: call r11
+    0x5D,                   # F+4: pop rbp
+    0xC3,                   # F+5: ret
+])
+
+
+def test_a_call_with_instructions_after_it_in_the_window_is_refused():
+    fc = func(CALL_REG_AFTER_SHORT)
+    report = planner.PlanReport()
+    with pytest.raises(NoSafeTactic):
+        planner.plan(ARCH, request(fc, policy="jmp+displace"), report)
+    assert "call would be displaced" in report.refusals[0].reason
+
+
+CALL_REG_LAST = bytes([
+    0x55,                   # F+0: push rbp
+    0x48, 0x89, 0xE5,       # F+1: mov rbp, rsp
+    0xFF, 0xD0,             # F+4: call rax         <- the window's last instruction
+    0x5D,                   # F+6: pop rbp
+    0xC3,                   # F+7: ret
+])
+
+
+def test_indirect_call_ending_a_window_returns_after_the_window():
+    patch = planner.plan(ARCH, request(func(CALL_REG_LAST), policy="jmp"))
+    assert patch.tactic == "jmp+displace"
+    assert patch.writes == (Write(F, CALL_REG_LAST[:6], b"\xe9" + rel32(F + 5, P) + b"\xcc"),)
+    push = b"\x68" + (F + 6).to_bytes(8, "little")[:4]
+    assert patch.code == SNIPPET + CALL_REG_LAST[:4] + push + b"\xff\xe0"
+
+
+# --- instructions the kernel finds by address are never moved ---------------------------------
+WARN_BEHIND = bytes([
+    0x31, 0xC0,             # F+0: xor eax, eax
+    0x0F, 0x0B,             # F+2: ud2             <- a WARN site (__bug_table)
+    0xC3,                   # F+4: ret
+    0xCC, 0xCC, 0xCC,
+])
+
+
+def test_a_window_over_a_warn_site_is_refused_and_trap_leaves_it_in_place():
+    fc = func(WARN_BEHIND[:5])
+    fc = planner.FunctionCode(fc.name, fc.start, fc.end, fc.insns, fc.branch_targets,
+                              tail=WARN_BEHIND[5:], hazards={F + 2: frozenset({"warn"})})
+    report = planner.PlanReport()
+    patch = planner.plan(ARCH, request(fc, policy="auto"), report)
+    assert patch.tactic == "trap"
+    assert "WARN site" in report.refusals[0].reason
+    assert patch.writes == (Write(F, b"\x31", b"\xcc"),)
+
+
+@pytest.mark.parametrize("hazard,error", [
+    ("warn", BugSite), ("bug", BugSite), ("extable", ExtableSite), ("ftrace", FtraceSite),
+    ("jump_label", JumpLabelSite), ("static_call", StaticCallSite), ("kprobe", ProbedSite),
+    ("blacklist", Blacklisted),
+])
+def test_a_hazard_at_the_point_refuses_it_with_its_own_error(hazard, error):
+    fc = func(WARN_BEHIND[:5])
+    fc = planner.FunctionCode(fc.name, fc.start, fc.end, fc.insns, fc.branch_targets,
+                              hazards={F + 2: frozenset({hazard})})
+    for policy in ("auto", "jmp", "trap"):
+        with pytest.raises(error, match="never overwrites or moves"):
+            planner.plan(ARCH, request(fc, point=F + 2, policy=policy))
+
+
+def test_a_breakpoint_that_is_not_ours_is_never_moved():
+    fc = func(bytes([0xCC, 0x31, 0xC0, 0xC3]))
+    with pytest.raises(ProbedSite):
+        planner.plan(ARCH, request(fc, policy="trap"))
+
+
+# --- a plan's writes never overlap -------------------------------------------------------------
+def test_springboard_slot_is_never_inside_its_own_window():
+    # a 1-byte ret function whose 2-byte short jump spills into the filler after it:
+    # the first padding slot starts inside that spill
+    fc = func(bytes([0xC3]))
+    fc = planner.FunctionCode(fc.name, fc.start, fc.end, fc.insns, fc.branch_targets,
+                              tail=bytes([0xCC] * 15))
+    padding = ((F + 1, bytes([0xCC] * 5)), (F + 6, bytes([0xCC] * 5)))
+    patch = planner.plan(ARCH, request(fc, policy="springboard", padding=padding))
+    board, head = patch.writes
+    assert board.address == F + 6
+    assert head == Write(F, b"\xc3\xcc", b"\xeb" + bytes([4]))
+
+
+def test_a_patch_with_overlapping_writes_cannot_be_built():
+    with pytest.raises(OverlappingWrites):
+        Patch(F, "springboard", P, b"", (Write(F + 1, b"\xcc" * 5, b"\xe9" + bytes(4)),
+                                         Write(F, b"\xc3\xcc", b"\xeb\xff")))

@@ -6,10 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from snippet_machine import Machine
+from unicorn.x86_const import UC_X86_REG_RIP
 
 from ksim.arch import Flow, Insn, get_arch
 from ksim.arch.x86_64.reader import decode
-from ksim.arch.x86_64.relocator import relocate, relocated_size
+from ksim.arch.x86_64.relocator import moved_call, relocate, relocated_size
 from ksim.errors import RelocationError
 
 ARCH = get_arch("x86_64")
@@ -189,3 +190,148 @@ def test_relocated_run_has_the_same_effect(rcx, rdx, value):
         regs = m.regs()
         results.append((regs["rax"], regs["rcx"], regs["rdx"]))
     assert results[0] == results[1]
+
+
+# --- position-dependent encodings that must not be copied verbatim ------------------------------
+@pytest.mark.parametrize(
+    "code,expected_head,length,target",
+    [
+        (bytes([0x48, 0xEB, 0x10]), bytes([0xE9]), 3, 0x13),                     # rex.w jmp +0x10
+        (bytes([0x40, 0xE9, 0x10, 0, 0, 0]), bytes([0xE9]), 6, 0x16),            # rex jmp rel32
+        (bytes([0x41, 0x0F, 0x84, 0x10, 0, 0, 0]), bytes([0x0F, 0x84]), 7, 0x17),  # rex.b je rel32
+        (bytes([0x48, 0x74, 0x10]), bytes([0x0F, 0x84]), 3, 0x13),               # rex.w je rel8
+        (bytes([0x48, 0xE8, 0x10, 0, 0, 0]), bytes([0xE8]), 6, 0x16),            # rex.w call
+        (bytes([0x3E, 0x48, 0xEB, 0x10]), bytes([0x3E, 0xE9]), 4, 0x14),         # ds rex.w jmp
+    ],
+)
+def test_rex_prefixed_relative_branches_are_relocated(code, expected_head, length, target):
+    out = relocate(insns(code), NEW)
+    assert out == expected_head + rel32(OLD + target - (NEW + len(expected_head) + 4))
+
+
+def test_rex_prefixed_jrcxz_is_expanded():
+    code = bytes([0x48, 0xE3, 0x10])                              # rex.w jrcxz +0x10 -> OLD+0x13
+    expected = bytes([0xE3, 0x02, 0xEB, 0x05, 0xE9]) + rel32(OLD + 0x13 - (NEW + 9))
+    assert relocate(insns(code), NEW) == expected
+
+
+def test_eip_relative_operand_is_rebased_modulo_4g():
+    code = bytes([0x67, 0x8B, 0x05, 0x10, 0x00, 0x00, 0x00])     # mov eax, [eip+0x10]
+    # the 32-bit address is the low half of OLD+7+0x10; a disp32 from NEW+7 reaches it mod 2**32
+    target = (OLD + 0x17) & 0xFFFFFFFF
+    disp = (target - (NEW + 7)) & 0xFFFFFFFF
+    assert relocate(insns(code), NEW) == bytes([0x67, 0x8B, 0x05]) + disp.to_bytes(4, "little")
+
+
+def test_sixteen_bit_xbegin_is_refused():
+    raw = bytes([0x66, 0xC7, 0xF8, 0x10, 0x00])                  # xbegin rel16
+    assert sum(i.size for i in decode(raw, OLD)) == len(raw)
+    with pytest.raises(RelocationError, match="66-prefixed"):
+        relocate(insns(raw), NEW)
+
+
+def test_sixteen_bit_jcc_is_refused():
+    raw = bytes([0x66, 0x0F, 0x84, 0x10, 0x00, 0x00, 0x00])      # o16 je (rel16 on AMD)
+    with pytest.raises(RelocationError):
+        relocate([Insn(OLD, len(raw), raw, "je", "", Flow.JCC, OLD + 0x17)], NEW)
+
+
+def test_unknown_relative_branch_forms_are_refused_not_copied():
+    raw = bytes([0x48, 0x66, 0xE9, 0x10, 0x00, 0x00, 0x00])      # rex before 66: rex ignored
+    with pytest.raises(RelocationError):
+        relocate([Insn(OLD, len(raw), raw, "jmp", "", Flow.JMP, OLD + 0x17)], NEW)
+
+
+# --- calls moved out of the text: the return address stays in the text -------------------------
+PUSH_RET = bytes([0x68]) + (OLD + 5).to_bytes(8, "little")[:4]  # push imm32 (sign-extended)
+
+
+def test_moved_direct_call_pushes_the_original_return_address():
+    code = bytes([0xE8, 0x00, 0x10, 0x00, 0x00])                  # call +0x1000 -> OLD+0x1005
+    out = moved_call(insns(code)[0], NEW)
+    assert out == PUSH_RET + bytes([0xE9]) + rel32(OLD + 0x1005 - (NEW + 10))
+
+
+def test_moved_direct_call_out_of_rel32_reach_jumps_through_memory():
+    code = bytes([0xE8, 0x00, 0x10, 0x00, 0x00])
+    far = 0xFFFF888000000000
+    out = moved_call(insns(code)[0], far)
+    assert out == PUSH_RET + bytes([0xFF, 0x25, 0, 0, 0, 0]) + (OLD + 0x1005).to_bytes(8, "little")
+
+
+def test_moved_call_with_a_return_address_above_4g_pushes_it_in_two_halves():
+    at = 0x7FFF12340000                                           # a user-space-like address
+    code = bytes([0xE8, 0x00, 0x10, 0x00, 0x00])
+    out = moved_call(insns(code, at)[0], at + 0x100)
+    ret = at + 5
+    assert out == (bytes([0x48, 0x8D, 0x64, 0x24, 0xF8])           # lea rsp, [rsp-8]
+                   + bytes([0xC7, 0x04, 0x24]) + (ret & 0xFFFFFFFF).to_bytes(4, "little")
+                   + bytes([0xC7, 0x44, 0x24, 0x04]) + (ret >> 32).to_bytes(4, "little")
+                   + bytes([0xE9]) + rel32(at + 0x1005 - (at + 0x100 + 20 + 5)))
+
+
+def test_moved_paravirt_call_jumps_through_the_rebased_operand():
+    code = bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00])            # call [rip+0x10] -> OLD+0x16
+    out = moved_call(insns(code)[0], NEW)
+    assert out == PUSH_RET[:1] + (OLD + 6).to_bytes(8, "little")[:4] + bytes([0xFF, 0x25]) + rel32(
+        OLD + 0x16 - (NEW + 5 + 6))
+
+
+@pytest.mark.parametrize(
+    "code,jmp",
+    [
+        (bytes([0xFF, 0xD0]), bytes([0xFF, 0xE0])),                          # call rax -> jmp rax
+        (bytes([0x41, 0xFF, 0xD3]), bytes([0x41, 0xFF, 0xE3])),              # call r11 -> jmp r11
+        (bytes([0xFF, 0x50, 0x08]), bytes([0xFF, 0x60, 0x08])),              # call [rax+8]
+        (bytes([0x3E, 0xFF, 0xD0]), bytes([0x3E, 0xFF, 0xE0])),              # notrack call rax
+        (bytes([0x65, 0xFF, 0x14, 0x25, 0x10, 0, 0, 0]),
+         bytes([0x65, 0xFF, 0x24, 0x25, 0x10, 0, 0, 0])),                    # call gs:[0x10]
+        (bytes([0xFF, 0x54, 0x24, 0x08]), bytes([0xFF, 0x64, 0x24, 0x10])),  # call [rsp+8] -> [rsp+16]
+        (bytes([0xFF, 0x14, 0x24]), bytes([0xFF, 0x64, 0x24, 0x08])),        # call [rsp] -> [rsp+8]
+        (bytes([0xFF, 0x94, 0x24, 0x00, 0x01, 0, 0]),
+         bytes([0xFF, 0xA4, 0x24, 0x08, 0x01, 0, 0])),                       # call [rsp+0x100]
+    ],
+)
+def test_moved_indirect_call_becomes_push_and_jmp(code, jmp):
+    insn = insns(code)[0]
+    push = bytes([0x68]) + (insn.end & 0xFFFFFFFF).to_bytes(4, "little")
+    assert moved_call(insn, NEW) == push + jmp
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        bytes([0xFF, 0xD4]),                                      # call rsp
+        bytes([0xFF, 0x54, 0x24, 0x7C]),                          # call [rsp+0x7c]: +8 overflows disp8
+        bytes([0xFF, 0x1D, 0, 0, 0, 0]),                          # lcall [rip]
+        bytes([0x66, 0xFF, 0xD0]),                                # call ax
+    ],
+)
+def test_unmovable_calls_are_refused(code):
+    decoded = list(decode(code, OLD))
+    if not decoded or decoded[0].size != len(code):
+        pytest.skip("not decodable in 64-bit mode")
+    with pytest.raises(RelocationError):
+        moved_call(decoded[0], NEW)
+
+
+@settings(max_examples=30, deadline=None)
+@given(reg_value=st.integers(0, 2**32 - 1), use_memory=st.booleans())
+def test_moved_indirect_call_has_the_effect_of_the_call(reg_value, use_memory):
+    """Run ``call`` at its place and ``moved_call`` elsewhere: the same callee is reached
+    with the same stack, holding the same (original) return address."""
+    m = Machine({CODE_OLD: 0x1000, CODE_NEW: 0x1000, DATA: 0x1000, STACK: 0x1000})
+    callee = CODE_OLD + 0x800 + (reg_value % 0x100)
+    code = bytes([0xFF, 0x15]) + rel32(DATA - (CODE_OLD + 6)) if use_memory else bytes([0xFF, 0xD0])
+    m.put64(DATA, callee)
+    seen = []
+    for at, run in ((CODE_OLD, code), (CODE_NEW, moved_call(insns(code, CODE_OLD)[0], CODE_NEW))):
+        m.write(at, run)
+        m.set_regs({"rax": callee, "rsp": STACK + 0x800})
+        m.uc.emu_start(at, callee, count=10)
+        regs = m.regs()
+        rip = m.uc.reg_read(UC_X86_REG_RIP)
+        top = int.from_bytes(m.read(regs["rsp"], 8), "little")
+        seen.append((rip, regs["rsp"], top, regs["rax"]))
+    assert seen[0] == seen[1]
+    assert seen[0][2] == CODE_OLD + len(code)

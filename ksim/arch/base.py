@@ -140,10 +140,12 @@ class Arch(Protocol):
         snippet code cannot evaluate (a 32-bit address, say)."""
         ...
 
-    def call_returning_to(self, at: int, target: int, return_address: int) -> bytes | None:
-        """Code at ``at`` with the effect of a direct call to ``target`` whose return
-        lands on ``return_address`` (so a patch holding a moved call can be freed
-        while the callee still runs); None when the architecture cannot."""
+    def moved_call(self, insn: Insn, at: int) -> bytes:
+        """Code at ``at`` with the effect of the call ``insn`` (direct or indirect)
+        executed at its original address: the return address it leaves is the
+        original ``insn.end``, so a patch holding a moved call can be freed while
+        the callee still runs and unwinders see the original caller.
+        RelocationError when that cannot be done."""
         ...
 
     def compile_snippets(

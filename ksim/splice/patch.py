@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ksim.errors import OverlappingWrites
+
 
 @dataclass(frozen=True, slots=True)
 class Write:
@@ -42,6 +44,13 @@ class Patch:
     trap_site: int | None = None
     #: extra code placed elsewhere (a springboard's long jump in padding): (address, old, new)
     extra: tuple[Write, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        spans = sorted((w.address, w.end) for w in self.writes + self.extra)
+        for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+            if start < end:
+                raise OverlappingWrites(
+                    f"the splice of {self.point:#x} ({self.tactic}) writes {start:#x} twice")
 
     @property
     def undo(self) -> tuple[Write, ...]:

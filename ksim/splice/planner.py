@@ -25,17 +25,20 @@ code, exactly as a jump would, so one patch layout serves all tactics.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import (
     AlreadySpliced,
+    Blacklisted,
     KsimError,
     NoSafeTactic,
     NotOnBoundary,
     OutsideText,
+    RelocationError,
 )
+from ksim.splice import hazards as hz
 from ksim.splice.patch import Patch, Write
 
 #: the tactics, cheapest first (cost per hit: a jump, two jumps, a trap)
@@ -46,10 +49,10 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "auto": JMP_TACTICS + ("trap",),
 }
 
-#: instruction kinds that may be displaced (moved into the patch) behind the point:
-#: a displaced call would leave a return address inside the patch, so a removal
-#: while the callee runs would return into freed memory; a displaced STOP/RET/JMP
-#: ends the run, so it may only be the last one.
+#: instruction kinds that may be displaced (moved into the patch) behind the point.
+#: A call may only be the last one: it is moved as "push the original return
+#: address; jmp callee" (Arch.moved_call), so nothing after it may be in the patch.
+#: A displaced STOP/RET/JMP ends the run, so it may only be the last one too.
 _DISPLACEABLE = frozenset({Flow.SEQ, Flow.JCC})
 _ENDS_RUN = frozenset({Flow.JMP, Flow.RET, Flow.JMP_INDIRECT, Flow.STOP})
 
@@ -69,6 +72,9 @@ class FunctionCode:
     #: alignment filler right after the function (never executed, no symbol):
     #: a window ending in a ret/jmp may spill over it
     tail: bytes = b""
+    #: instruction address -> why the kernel needs that instruction left alone
+    #: (names of ksim.splice.hazards.HAZARDS); such an instruction is never moved
+    hazards: Mapping[int, frozenset[str]] = field(default_factory=dict)
 
     def index_of(self, address: int) -> int:
         lo, hi = 0, len(self.insns)
@@ -135,16 +141,22 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
 
 
 def check_point(req: SpliceRequest) -> None:
-    """Every check that does not depend on the tactic (kprobes' check_kprobe_address_safe)."""
-    from ksim.errors import Blacklisted
+    """Every check that does not depend on the tactic (kprobes' check_kprobe_address_safe).
 
+    Every tactic moves the instruction at the point, so a hazard there refuses
+    the point itself, with the hazard's own error class."""
     func = req.func
     if not (func.start <= req.point < func.end):
         raise OutsideText(f"{req.point:#x} is outside {func.name} ({func.start:#x}..{func.end:#x})")
-    func.index_of(req.point)  # NotOnBoundary
+    first = func.insns[func.index_of(req.point)]  # NotOnBoundary
     for lo, hi in req.blacklist:
         if lo <= req.point < hi:
             raise Blacklisted(f"{req.point:#x} lies in code ksim must not instrument")
+    found = func.hazards.get(req.point)
+    if found:
+        raise hz.error_for(req.point, found, what=f"{func.name}+{req.point - func.start:#x}")
+    if first.mnemonic == "int3":
+        raise hz.error_for(req.point, {"breakpoint"}, what=f"{func.name}+{req.point - func.start:#x}")
     if req.point in req.busy:
         raise AlreadySpliced(f"{req.point:#x} lies inside bytes another splice overwrote")
 
@@ -172,8 +184,14 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
                 return f"a branch lands inside the {size}-byte window (at {insn.address:#x})"
             if run[-1].flow in _ENDS_RUN:
                 return f"the {size}-byte window runs past an unconditional transfer at {run[-1].address:#x}"
-            if insn.flow not in _DISPLACEABLE and insn.flow not in _ENDS_RUN:
+            if insn.flow not in _DISPLACEABLE and insn.flow not in _ENDS_RUN and (
+                    insn.flow not in (Flow.CALL, Flow.CALL_INDIRECT)):
                 return f"cannot displace {insn.mnemonic} at {insn.address:#x}"
+            found = func.hazards.get(insn.address)
+            if found:
+                return f"the {size}-byte window would move {insn.address:#x}, {hz.describe(found)}"
+            if insn.mnemonic == "int3":
+                return f"the {size}-byte window would move a breakpoint at {insn.address:#x}"
         if insn.address != req.point and any(
             a in req.busy for a in range(insn.address, insn.end)
         ):
@@ -183,27 +201,30 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
         i += 1
     if len(run) > 1 and func.unknown_indirect:
         return "the function has an indirect jump whose targets are unknown"
-    if len(run) > 1 and any(insn.flow == Flow.CALL_INDIRECT or insn.flow == Flow.CALL for insn in run[:-1]):
-        return "a call would be displaced"
+    if any(insn.flow in (Flow.CALL, Flow.CALL_INDIRECT) for insn in run[:-1]):
+        return "a call would be displaced with instructions after it"
     return tuple(run)
 
 
-def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes:
-    """snippets + relocated originals + jump back (the same for every tactic).
+def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes | str:
+    """snippets + relocated originals + jump back (the same for every tactic), or
+    why the moved instructions cannot be relocated.
 
-    A direct call among the moved instructions (only ever the last) becomes
-    "push the original return address; jmp callee": the callee returns to the
-    original text, never into the patch, so the patch can be freed while the
-    callee still runs (a task asleep in schedule() when the splice is removed)."""
+    A call among the moved instructions (only ever the last), direct or
+    indirect, is moved by ``Arch.moved_call``: it pushes the original return
+    address and jumps, so the callee returns to the original text, never into
+    the patch; the patch can be freed while the callee still runs (a task asleep
+    in schedule() when the splice is removed) and unwinders see the real caller."""
     at = req.code_address
     body = req.compile(at)
     last = moved[-1]
-    if last.flow is Flow.CALL and last.target is not None:
-        head = arch.relocate(moved[:-1], at + len(body)) if len(moved) > 1 else b""
-        call = arch.call_returning_to(at + len(body) + len(head), last.target, last.end)
-        if call is not None:
-            return body + head + call
-    relocated = arch.relocate(moved, at + len(body))
+    try:
+        if last.flow in (Flow.CALL, Flow.CALL_INDIRECT):
+            head = arch.relocate(moved[:-1], at + len(body)) if len(moved) > 1 else b""
+            return body + head + arch.moved_call(last, at + len(body) + len(head))
+        relocated = arch.relocate(moved, at + len(body))
+    except RelocationError as exc:
+        return f"cannot move the original instructions: {exc}"
     back_from = at + len(body) + len(relocated)
     return body + relocated + arch.jmp(back_from, last.end)
 
@@ -228,6 +249,8 @@ def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | st
                 f"the instruction at the point is {moved[0].size} bytes, "
                 f"shorter than a {arch.jmp_size}-byte jmp")
     code = _patch_code(arch, req, moved)
+    if isinstance(code, str):
+        return code
     write = _overwrite(moved, arch.jmp(req.point, req.code_address), arch.pad_byte, req.func.tail)
     tactic = "jmp+displace" if displace else "jmp"
     return Patch(req.point, tactic, req.code_address, code, (write,))
@@ -237,11 +260,14 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
     moved = _window(req, arch.short_jmp_size)
     if isinstance(moved, str):
         return moved
+    # the window itself may spill into the padding: its bytes are no slot
+    window_end = max(moved[-1].end, req.point + arch.short_jmp_size)
     slot = next(
         (
             (lo, filler[: arch.jmp_size])
             for lo, filler in req.padding
             if len(filler) >= arch.jmp_size
+            and (lo >= window_end or lo + arch.jmp_size <= req.point)
             and arch.short_jmp_reaches(req.point, lo)
             and arch.jmp_reaches(lo, req.code_address)
             and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
@@ -251,6 +277,8 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
     if slot is None:
         return "no free padding within short-jump reach"
     code = _patch_code(arch, req, moved)
+    if isinstance(code, str):
+        return code
     board = Write(slot[0], slot[1], arch.jmp(slot[0], req.code_address))
     head = _overwrite(moved, arch.short_jmp(req.point, slot[0]), arch.pad_byte, req.func.tail)
     # the board goes in first: the short jump must never land on padding
@@ -260,6 +288,8 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
 def _tactic_trap(arch: Arch, req: SpliceRequest) -> Patch | str:
     first = req.func.insns[req.func.index_of(req.point)]
     code = _patch_code(arch, req, (first,))
+    if isinstance(code, str):
+        return code
     write = Write(req.point, first.raw[: len(arch.trap)], arch.trap)
     return Patch(req.point, "trap", req.code_address, code, (write,), trap_site=req.point)
 

@@ -103,18 +103,10 @@ class X86_64:
 
         return call_operand(insn)
 
-    def call_returning_to(self, at: int, target: int, return_address: int) -> bytes | None:
-        """A direct call moved to ``at`` that returns to ``return_address`` (the
-        original text), not into the patch: ``push imm32; jmp rel32``.  The pushed
-        immediate is sign-extended (SDM PUSH: "imm32 sign-extended to 64 bits"),
-        so this works for kernel text in the top 2 GB and for low user text.
-        None when the return address does not fit or the jump cannot reach."""
-        if not fits(return_address - (1 << 64) if return_address >> 63 else return_address, INT32):
-            return None
-        push = b"\x68" + (return_address & 0xFFFFFFFF).to_bytes(4, "little")
-        if not self.jmp_reaches(at + len(push), target):
-            return None
-        return push + self.jmp(at + len(push), target)
+    def moved_call(self, insn: Insn, at: int) -> bytes:
+        from .relocator import moved_call
+
+        return moved_call(insn, at)
 
     def __repr__(self) -> str:
         return "X86_64()"

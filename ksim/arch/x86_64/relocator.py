@@ -13,7 +13,18 @@ written relocated:
   "LOOP/LOOPcc") -> ``op +2; jmp short +5; jmp rel32 target``
 * RIP-relative memory operand -> same bytes, disp32 recomputed
   (SDM Vol. 2A, 2.2.1.6: the displacement is relative to the *next* instruction)
+* EIP-relative operand (``67`` + RIP-relative, SDM Vol. 1, 3.5.1: the 32-bit
+  address is the low half of next-EIP + disp32) -> disp32 recomputed modulo 2**32
 * anything else is copied.
+
+A REX prefix in front of a relative branch (``48 eb``, ``41 0f 84``, ``48 e8``)
+changes nothing in 64-bit mode (the operand size of near branches is forced to
+64 bits, SDM Vol. 2A, 2.2.1.7) and is dropped; a 16-bit operand size (``66``) or
+anything else the decoder calls a relative branch but this table does not know
+is refused, never copied: a copied relative branch would go somewhere else.
+
+:func:`moved_call` is the other half: a call moved out of the text whose return
+address must stay in the text (see its doc).
 
 A branch whose target is an instruction of the run itself goes to that
 instruction's relocated copy.  Every long form is chosen regardless of the
@@ -33,12 +44,13 @@ from capstone import x86 as cs_x86
 from ksim.arch.base import Insn
 from ksim.errors import OutOfRange, RelocationError
 
-from .writer import INT32, Writer, fits, signed64
+from .writer import INT8, INT32, Writer, fits, rel32_reaches, signed64
 
 #: legacy prefixes (SDM Vol. 2A, 2.1.1)
 _LEGACY_PREFIXES = frozenset({0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65, 0x66, 0x67})
 #: rel8-only conditional loops: jrcxz (e3), loop (e2), loope (e1), loopne (e0)
 _LOOPS = frozenset({0xE0, 0xE1, 0xE2, 0xE3})
+_REX = range(0x40, 0x50)
 
 _MASK64 = (1 << 64) - 1
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -49,7 +61,7 @@ _cs.detail = True
 class _Form:
     """How one instruction is relocated."""
 
-    kind: str                 # "jmp", "jcc", "call", "loop", "riprel", "copy"
+    kind: str                 # "jmp", "jcc", "call", "xbegin", "loop", "riprel", "eiprel", "copy"
     prefixes: bytes = b""
     opcode: int = 0           # jcc: condition nibble; loop: the e0..e3 opcode
     target: int = 0           # branch target, or the absolute address a RIP operand reaches
@@ -61,10 +73,15 @@ class _Form:
 
 
 def _split_prefixes(raw: bytes) -> tuple[bytes, bytes]:
+    """(legacy prefixes, the rest from the opcode on).  REX bytes are dropped: one
+    is only meaningful right before the opcode, and none changes a near branch."""
+    legacy = bytearray()
     n = 0
-    while n < len(raw) and raw[n] in _LEGACY_PREFIXES:
+    while n < len(raw) and (raw[n] in _LEGACY_PREFIXES or raw[n] in _REX):
+        if raw[n] in _LEGACY_PREFIXES:
+            legacy.append(raw[n])
         n += 1
-    return raw[:n], raw[n:]
+    return bytes(legacy), raw[n:]
 
 
 def _rel(insn: Insn, field: bytes) -> int:
@@ -76,10 +93,11 @@ def _branch_form(insn: Insn) -> _Form | None:
     prefixes, rest = _split_prefixes(insn.raw)
     op = rest[0] if rest else None
     if op in (0xEB, 0xE9, 0xE8) or (op is not None and 0x70 <= op <= 0x7F) or op in _LOOPS or (
-        op == 0x0F and len(rest) == 6 and 0x80 <= rest[1] <= 0x8F
-    ):
+        op == 0x0F and len(rest) >= 2 and 0x80 <= rest[1] <= 0x8F
+    ) or (op == 0xC7 and len(rest) >= 2 and rest[1] == 0xF8):
         if 0x66 in prefixes and op not in _LOOPS:
-            # operand-size override on a near branch truncates rIP on some CPUs (AMD)
+            # operand-size override on a near branch truncates rIP on some CPUs (AMD);
+            # a 16-bit xbegin truncates its abort address (SDM Vol. 2D, "XBEGIN")
             raise RelocationError(f"{insn}: 66-prefixed relative branch is not relocatable")
     if op == 0xEB and len(rest) == 2:
         return _Form("jmp", prefixes, target=_rel(insn, rest[1:]))
@@ -95,28 +113,43 @@ def _branch_form(insn: Insn) -> _Form | None:
         return _Form("loop", prefixes, op, _rel(insn, rest[1:]))
     if op == 0xC7 and len(rest) == 6 and rest[1] == 0xF8:
         # xbegin rel32 (SDM Vol. 2D, "XBEGIN"): the abort address is a rel32 target
-        if 0x66 in prefixes:
-            raise RelocationError(f"{insn}: 16-bit xbegin is not relocatable")
         return _Form("xbegin", prefixes, target=_rel(insn, rest[2:]))
     return None
 
 
-def _riprel_form(insn: Insn) -> _Form | None:
+def _decoded(insn: Insn) -> capstone.CsInsn:
     decoded = next(_cs.disasm(insn.raw, insn.address), None)
     if decoded is None or decoded.size != insn.size:
         raise RelocationError(f"{insn}: bytes do not decode as one instruction")
+    return decoded
+
+
+def _pc_relative_form(insn: Insn, decoded: capstone.CsInsn) -> _Form | None:
+    """A memory operand relative to the instruction pointer (RIP, or EIP under 67)."""
     for op in decoded.operands:
-        if op.type == cs_x86.X86_OP_MEM and op.mem.base == cs_x86.X86_REG_RIP:
-            at = decoded.disp_offset
-            disp = struct.unpack_from("<i", insn.raw, at)[0]
-            return _Form("riprel", target=(insn.end + disp) & _MASK64, disp_offset=at)
+        if op.type != cs_x86.X86_OP_MEM or op.mem.base not in (cs_x86.X86_REG_RIP, cs_x86.X86_REG_EIP):
+            continue
+        at = decoded.disp_offset
+        if not 0 < at <= insn.size - 4:
+            raise RelocationError(f"{insn}: no 32-bit displacement where the decoder puts it")
+        disp = struct.unpack_from("<i", insn.raw, at)[0]
+        if op.mem.base == cs_x86.X86_REG_EIP:
+            return _Form("eiprel", target=(insn.end + disp) & 0xFFFFFFFF, disp_offset=at)
+        return _Form("riprel", target=(insn.end + disp) & _MASK64, disp_offset=at)
     return None
 
 
 def classify(insn: Insn) -> _Form:
     if len(insn.raw) != insn.size:
         raise RelocationError(f"{insn}: raw bytes and size disagree")
-    return _branch_form(insn) or _riprel_form(insn) or _Form("copy")
+    branch = _branch_form(insn)
+    if branch is not None:
+        return branch
+    decoded = _decoded(insn)
+    # whatever the decoder knows to be relative and the table above does not: refuse
+    if decoded.group(capstone.CS_GRP_BRANCH_RELATIVE) or decoded.mnemonic == "xbegin":
+        raise RelocationError(f"{insn}: relative branch form {insn.raw.hex()} is not relocatable")
+    return _pc_relative_form(insn, decoded) or _Form("copy")
 
 
 def _check_consecutive(insns: Sequence[Insn]) -> None:
@@ -174,6 +207,12 @@ class Relocator:
             w.put_jmp(self._dest(insn, form.target))
         elif form.kind == "riprel":
             self._write_riprel(w, insn, form)
+        elif form.kind == "eiprel":
+            # the 32-bit address wraps, so some disp32 always reaches it
+            disp = (form.target - (w.pc + insn.size)) & 0xFFFFFFFF
+            raw = bytearray(insn.raw)
+            raw[form.disp_offset:form.disp_offset + 4] = disp.to_bytes(4, "little")
+            w.put_bytes(bytes(raw))
         else:
             w.put_bytes(insn.raw)
 
@@ -197,3 +236,110 @@ def relocate(insns: Sequence[Insn], new_address: int) -> bytes:
 def relocated_size(insns: Sequence[Insn]) -> int:
     """How many bytes ``relocate`` will produce for ``insns`` (independent of the address)."""
     return sum(classify(i).size(i) for i in insns)
+
+
+# --- a call moved out of the text ---------------------------------------------------
+_FF = 0xFF
+
+
+def moved_call(insn: Insn, at: int) -> bytes:
+    """Code at ``at`` with the effect of the call ``insn`` executed where it was:
+    the return address pushed is the original ``insn.end``, then control goes to
+    the callee.  The callee then returns to the text, never into the patch, so a
+    patch can be freed while a callee still runs (a task asleep in schedule()),
+    and unwinders see the original caller.
+
+    * ``call rel32``      -> push return address; ``jmp rel32`` (or ``jmp [rip]`` + the
+      absolute target when rel32 cannot reach it)
+    * ``call r/m64`` (ff /2) -> push return address; ``jmp r/m64`` (ff /4) with the
+      same operand: a RIP/EIP-relative displacement re-based, a stack-pointer-based
+      one moved up by the 8 bytes just pushed (the operand is read after the push)
+
+    RelocationError for what cannot keep that promise: far calls, 16-bit operand
+    sizes, a call through ``rsp`` itself, a stack operand whose displacement
+    would no longer fit.
+    """
+    w = Writer(at)
+    _push_return_address(w, insn.end)
+    form = _branch_form(insn)
+    if form is not None:
+        if form.kind != "call":
+            raise RelocationError(f"{insn}: not a call")
+        if rel32_reaches(w.pc + 5, form.target):
+            w.put_jmp(form.target)
+        else:  # jmp qword ptr [rip+0]; .quad target (SDM "JMP": FF /4)
+            w.put_bytes(b"\xff\x25\x00\x00\x00\x00" + (form.target & _MASK64).to_bytes(8, "little"))
+        return w.flush()
+    w.put_bytes(_indirect_as_jmp(insn, w.pc))
+    return w.flush()
+
+
+def _push_return_address(w: Writer, address: int) -> None:
+    """Push a 64-bit constant without touching a register or the flags: ``push
+    imm32`` when the sign-extended immediate is the address (SDM "PUSH"), else
+    ``lea rsp, [rsp-8]`` and two 32-bit stores."""
+    if fits(signed64(address), INT32):
+        w.put_bytes(b"\x68" + (address & 0xFFFFFFFF).to_bytes(4, "little"))
+        return
+    lo, hi = address & 0xFFFFFFFF, (address >> 32) & 0xFFFFFFFF
+    w.put_bytes(b"\x48\x8d\x64\x24\xf8"                                  # lea rsp, [rsp-8]
+                + b"\xc7\x04\x24" + lo.to_bytes(4, "little")             # mov dword [rsp], lo
+                + b"\xc7\x44\x24\x04" + hi.to_bytes(4, "little"))        # mov dword [rsp+4], hi
+
+
+def _indirect_as_jmp(insn: Insn, pc: int) -> bytes:
+    """The indirect call ``insn`` re-encoded as ``jmp`` through the same operand,
+    to run at ``pc`` after 8 bytes were pushed."""
+    prefixes, rest = _split_prefixes(insn.raw)
+    opcode_at = len(insn.raw) - len(rest)
+    if not rest or rest[0] != _FF or len(rest) < 2 or (rest[1] >> 3) & 7 != 2:
+        raise RelocationError(f"{insn}: only near indirect calls (ff /2) can be moved")
+    if 0x66 in prefixes:
+        raise RelocationError(f"{insn}: a 16-bit indirect call is not relocatable")
+    decoded = _decoded(insn)
+    op = decoded.operands[0]
+    raw = bytearray(insn.raw)
+    raw[opcode_at + 1] = (raw[opcode_at + 1] & 0xC7) | (4 << 3)        # /2 -> /4
+    if op.type == cs_x86.X86_OP_REG:
+        if op.reg in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
+            raise RelocationError(f"{insn}: a call through the stack pointer is not relocatable")
+        return bytes(raw)
+    form = _pc_relative_form(insn, decoded)
+    if form is not None:
+        end = pc + insn.size
+        if form.kind == "eiprel":
+            disp = (form.target - end) & 0xFFFFFFFF
+        else:
+            disp = signed64(form.target - end)
+            if not fits(disp, INT32):
+                raise RelocationError(f"{insn}: operand at {form.target:#x} out of reach from {pc:#x}")
+            disp &= 0xFFFFFFFF
+        raw[form.disp_offset:form.disp_offset + 4] = disp.to_bytes(4, "little")
+        return bytes(raw)
+    if op.mem.base in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
+        return _rsp_operand_moved_up(insn, raw, opcode_at + 1)
+    if op.mem.index in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
+        raise RelocationError(f"{insn}: operand indexed by the stack pointer")
+    return bytes(raw)
+
+
+def _rsp_operand_moved_up(insn: Insn, raw: bytearray, modrm_at: int) -> bytes:
+    """``[rsp + d]`` becomes ``[rsp + d + 8]`` (ModRM with a SIB byte whose base is
+    rsp, SDM Vol. 2A, Table 2-3): disp8 grows in place, no displacement becomes a
+    disp8, disp32 grows in place."""
+    mod = raw[modrm_at] >> 6
+    disp_at = modrm_at + 2                                                # after ModRM and SIB
+    if mod == 0:
+        raw[modrm_at] |= 0x40
+        return bytes(raw[:disp_at]) + b"\x08" + bytes(raw[disp_at:])
+    if mod == 1:
+        d = int.from_bytes(raw[disp_at:disp_at + 1], "little", signed=True) + 8
+        if not fits(d, INT8):
+            raise RelocationError(f"{insn}: stack operand displacement no longer fits 8 bits")
+        raw[disp_at] = d & 0xFF
+        return bytes(raw)
+    d = int.from_bytes(raw[disp_at:disp_at + 4], "little", signed=True) + 8
+    if not fits(d, INT32):
+        raise RelocationError(f"{insn}: stack operand displacement no longer fits 32 bits")
+    raw[disp_at:disp_at + 4] = (d & 0xFFFFFFFF).to_bytes(4, "little")
+    return bytes(raw)
