@@ -61,7 +61,10 @@ class Manager:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.arch: Arch = target.arch
-        self.facts = SiteFacts(target.image, self.arch)
+        # a target that can ask the kernel itself which text may be touched (a live
+        # kernel) answers for every function analysed; emulated kernels have only
+        # their image's tables, which SiteFacts reads itself
+        self.facts = SiteFacts(target.image, self.arch, ask=getattr(target, "text_hazards", None))
         self._splices: dict[int, _Splice] = {}
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))

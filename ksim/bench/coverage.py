@@ -69,7 +69,8 @@ class Coverage:
         fa = self.facts.analysis(func)
         insns = [i.address for b in fa.cfg.blocks.values() if b.insns and not is_padding(b)
                  for i in b.insns]
-        return {"entry": [fa.points.entry], "block": list(fa.points.blocks), "insn": insns}
+        return {"entry": [self.facts.entry(func).address], "block": list(fa.points.blocks),
+                "insn": insns}
 
     def ask(self, func: Any, point: int) -> dict[str, str | None]:
         """tactic -> None when it can splice the point, else its (normalized) reason."""

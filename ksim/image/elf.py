@@ -13,6 +13,13 @@ has a unique address.  **Relocations are not applied**: a call to another
 function through an ``R_X86_64_PLT32`` relocation still reads ``e8 00 00 00 00``
 and so decodes as a call to the next instruction, and RIP-relative data references
 point at the wrong place.  Analysis of a module's functions is structural only.
+
+The one exception is the address-keyed tables that :mod:`ksim.image.tables` reads
+(``__bug_table``, ``__ex_table``, ``__jump_table``, ``.static_call_sites``,
+``__mcount_loc``, ``_kprobe_blacklist``): in a .ko they hold zeros until the module
+loader applies their ``.rela*`` sections, so their relocations against defined
+symbols are applied to those sections' bytes at the synthetic layout, as
+``apply_relocate_add`` (arch/x86/kernel/module.c) would at load time.
 """
 
 from __future__ import annotations
@@ -44,6 +51,17 @@ _STB_NAME = {0: "local", 1: "global", 2: "weak"}
 _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
+_RELA = struct.Struct("<QQq")
+
+#: sections of a module whose relocations are applied (see the module docstring)
+TABLE_SECTIONS = frozenset({
+    "__bug_table", "__ex_table", "__jump_table", ".static_call_sites", "__mcount_loc",
+    "_kprobe_blacklist",
+})
+# the x86-64 relocation types the module loader applies (apply_relocate_add in
+# arch/x86/kernel/module.c): type -> (field width in bytes, PC-relative)
+_R_X86_64 = {1: (8, False), 2: (4, True), 4: (4, True), 10: (4, False), 11: (4, False),
+             24: (8, True)}  # 64, PC32, PLT32, 32, 32S, PC64; R_X86_64_NONE (0) is skipped
 
 
 def load_image(path: str | os.PathLike[str]) -> Image:
@@ -119,12 +137,16 @@ def _build(elf: ELFFile, path: str) -> Image:
         i: s["sh_addr"] for i, s in enumerate(raw_sections) if s["sh_flags"] & _SHF_ALLOC
     }
     module = _module_name(elf, path) if relocatable else "vmlinux"
+    relocated = _relocated_tables(raw_sections, bases) if relocatable else {}
     sections = []
     for i, sec in enumerate(raw_sections):
         flags = sec["sh_flags"]
         if i not in bases or sec["sh_size"] == 0:
             continue
-        data = b"" if sec["sh_type"] == "SHT_NOBITS" else sec.data()
+        if i in relocated:
+            data = relocated[i]
+        else:
+            data = b"" if sec["sh_type"] == "SHT_NOBITS" else sec.data()
         sections.append(Section(
             name=sec.name, address=bases[i], size=sec["sh_size"],
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
@@ -148,6 +170,71 @@ def _layout(raw_sections: list) -> dict[int, int]:
         # keep even empty sections apart so that symbols in them stay distinct
         cursor += max(int(sec["sh_size"]), 1)
     return bases
+
+
+def _relocated_tables(raw_sections: list, bases: dict[int, int]) -> dict[int, bytes]:
+    """The bytes of each loaded :data:`TABLE_SECTIONS` section of a relocatable file,
+    with its ``SHT_RELA`` relocations against defined symbols applied at the
+    synthetic layout.  Relocations against undefined symbols (a jump entry's static
+    key, say) stay unapplied: the fields they fill are not code addresses.
+    """
+    out: dict[int, bytearray] = {}
+    symbol_values: dict[int, list[int | None]] = {}
+    for rela in raw_sections:
+        if rela["sh_type"] != "SHT_RELA":
+            continue
+        target = int(rela["sh_info"])
+        if target not in bases:
+            continue
+        table = raw_sections[target]
+        if table.name not in TABLE_SECTIONS or table["sh_type"] == "SHT_NOBITS":
+            continue
+        link = int(rela["sh_link"])
+        if link >= len(raw_sections) or raw_sections[link]["sh_type"] != "SHT_SYMTAB":
+            raise MalformedImage(f"relocation section {rela.name!r} has no symbol table (link {link})")
+        if link not in symbol_values:
+            symbol_values[link] = _symbol_values(raw_sections[link].data(), bases)
+        values = symbol_values[link]
+        data = out.setdefault(target, bytearray(table.data()))
+        raw = rela.data()
+        if len(raw) % _RELA.size:
+            raise MalformedImage(f"relocation section {rela.name!r} is {len(raw)} bytes, "
+                                 f"not a multiple of {_RELA.size}")
+        base = bases[target]
+        for offset, info, addend in _RELA.iter_unpack(raw):
+            sym, rtype = info >> 32, info & 0xFFFFFFFF
+            if rtype == 0:
+                continue
+            if rtype not in _R_X86_64:
+                raise UnsupportedImage(f"{rela.name!r}: relocation type {rtype} at {offset:#x} "
+                                       "is not one the x86-64 module loader applies")
+            if sym >= len(values):
+                raise MalformedImage(f"{rela.name!r}: relocation at {offset:#x} names symbol {sym} "
+                                     f"of {len(values)}")
+            value = values[sym]
+            if value is None:
+                continue  # undefined (or in a section that is not loaded)
+            width, pc_relative = _R_X86_64[rtype]
+            if offset + width > len(data):
+                raise MalformedImage(f"{rela.name!r}: relocation at {offset:#x} runs past "
+                                     f"{table.name!r} ({len(data)} bytes)")
+            value += addend - (base + offset if pc_relative else 0)
+            data[offset:offset + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
+    return {i: bytes(data) for i, data in out.items()}
+
+
+def _symbol_values(symtab: bytes, bases: dict[int, int]) -> list[int | None]:
+    """Each symbol's laid-out address (section base + value; a section symbol's value
+    is 0), or None when it is undefined or lives in a section that is not loaded."""
+    values: list[int | None] = []
+    for _name, _info, _other, shndx, value, _size in _SYM.iter_unpack(symtab):
+        if shndx == _SHN_ABS:
+            values.append(value)
+        elif shndx == _SHN_UNDEF or shndx >= _SHN_LORESERVE or shndx not in bases:
+            values.append(None)
+        else:
+            values.append(bases[shndx] + value)
+    return values
 
 
 def _module_name(elf: ELFFile, path: str) -> str:

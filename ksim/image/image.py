@@ -10,9 +10,14 @@ from __future__ import annotations
 import bisect
 import difflib
 from collections.abc import Callable, Iterable, Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING
 
 from ksim.errors import ImageError, UnknownSymbol
 from ksim.image.model import Function, Section, Symbol
+
+if TYPE_CHECKING:
+    from ksim.image.tables import KernelTables
 
 #: reads ``size`` bytes at ``addr`` from a running kernel (raises on a bad address)
 MemoryReader = Callable[[int, int], bytes]
@@ -137,11 +142,24 @@ class Image:
         chunk = sec.data[off : off + size]
         return chunk + bytes(size - len(chunk))
 
+    @property
+    def reads_memory(self) -> bool:
+        """Whether the bytes come from a running kernel (a reader) rather than a file."""
+        return self._reader is not None
+
     def code(self, func: Function | str) -> bytes:
         """The bytes of a function."""
         if isinstance(func, str):
             func = self.function(func)
         return self.read(func.address, func.size)
+
+    @cached_property
+    def tables(self) -> KernelTables:
+        """The kernel's address-keyed tables (bug, exception, ftrace, jump-label,
+        static-call sites and the kprobe blacklist), read on first use."""
+        from ksim.image.tables import kernel_tables
+
+        return kernel_tables(self)
 
 
 def _merge(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

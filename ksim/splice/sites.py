@@ -3,18 +3,27 @@
 This is the only place that knows both the analysis (CFG, liveness) and the
 planner's inputs (FunctionCode, padding slots, the blacklist), so neither has to
 know the other.
+
+It is also the one answer to "may this instruction be touched": every
+instruction of a function gets its hazards (``ksim.splice.hazards``) from the
+kernel image's own tables (``__bug_table``, ``__ex_table``, ``__mcount_loc``,
+``__jump_table``, ``.static_call_sites``, ``_kprobe_blacklist``), from ksim's
+blacklist, and, when the target can answer, from the kernel itself (a live
+kernel knows its modules, its dynamic ftrace state and its registered kprobes).
+The planner refuses on them; can_insert, insert_snippet, probes, replacements
+and the command line all plan through here, so they all give the same verdict.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Container
+from collections.abc import Callable, Container, Sequence
 from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
 from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
-from ksim.arch.base import Arch, Flow
+from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.model import Function
 from ksim.splice.planner import FunctionCode
@@ -33,16 +42,27 @@ BLACKLIST_RANGES = (
 BLACKLIST_FUNCTIONS = (
     "do_int3", "exc_int3", "notify_die", "atomic_notifier_call_chain", "poke_int3_handler",
     "kprobe_int3_handler", "ksim_halt",
+    # the toy kernel's entry, trap and interrupt paths (images/toy/arch/x86/entry.S):
+    # an int3 in its own int3 handler recurses, and a jump there runs on an
+    # interrupt frame the patch knows nothing of
+    "ksim_entry64", "pvh_start32", "ksim_int3_entry", "ksim_unknown_trap", "timer_interrupt",
+    "spurious_interrupt", "exception_stubs", "exception_common", "__switch_to_asm",
+    "ret_from_fork",
 )
+
+#: asks a running kernel about text ranges (address, length): the hazard names of each
+HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
 
 
 class SiteFacts:
     """Site facts for one image.  Functions are resolved by address wherever a
     point is given: kernels have several static functions of the same name."""
 
-    def __init__(self, image, arch: Arch) -> None:  # image: ksim.image.Image
+    def __init__(self, image, arch: Arch, *, ask: HazardQuery | None = None) -> None:
+        # image: ksim.image.Image; ask: the target's own answer (a live kernel), if any
         self.image = image
         self.arch = arch
+        self._ask = ask
         self._starts = [f.address for f in image.functions]
 
     def function_of(self, what: Function | Point | str) -> Function:
@@ -60,7 +80,17 @@ class SiteFacts:
         return analyze(self.image, self.function_of(what))
 
     def entry(self, func: Function) -> Point:
-        return Point(self.analysis(func).points.entry, PointKind.ENTRY, func.name)
+        """The function's entry point.  When the function starts with an ftrace
+        location (the 5-byte ``call __fentry__`` / nop the kernel rewrites when
+        tracing starts), the entry point is the instruction after it: it runs
+        exactly as often, with the same arguments, and ftrace keeps its bytes."""
+        address = self.analysis(func).points.entry
+        code = self.function_code(func)
+        first = code.insns[0] if code.insns and code.insns[0].address == address else None
+        if first is not None and code.hazards.get(address) == frozenset({"ftrace"}) \
+                and first.flow in (Flow.SEQ, Flow.CALL) and first.end < code.end:
+            address = first.end
+        return Point(address, PointKind.ENTRY, func.name)
 
     def points(self, func: Function, kind: PointKind) -> list[Point]:
         p = self.analysis(func).points
@@ -110,13 +140,32 @@ class SiteFacts:
         for table in cfg.tables.values():
             targets |= set(table.entries)
         inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
+        insns = tuple(i for i in cfg.insns if i.address < code_end)
         return FunctionCode(
             name=func.name, start=func.address, end=code_end,
-            insns=tuple(i for i in cfg.insns if i.address < code_end),
+            insns=insns,
             branch_targets=frozenset(targets),
             unknown_indirect=bool(cfg.unresolved) or bool(cfg.misaligned),
             tail=inner + self._gap_after(func),
+            hazards=self.hazards(insns),
         )
+
+    def hazards(self, insns: Sequence[Insn]) -> dict[int, frozenset[str]]:
+        """Why the kernel needs each of ``insns`` left alone (only those with a reason)."""
+        tables = self.image.tables
+        out: dict[int, frozenset[str]] = {}
+        for insn in insns:
+            names = {ref.value for ref in tables.refs_in(insn.address, insn.end)}
+            if self.blacklisted(insn.address):
+                names.add("blacklist")
+            if names:
+                out[insn.address] = frozenset(names)
+        if self._ask is not None and insns:
+            answers = self._ask([(i.address, i.size) for i in insns])
+            for insn, asked in zip(insns, answers, strict=True):
+                if asked:
+                    out[insn.address] = out.get(insn.address, frozenset()) | asked
+        return out
 
     def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""
@@ -145,9 +194,27 @@ class SiteFacts:
                 out.append((start, code.tail[start - code.end:start - code.end + size]))
         return tuple(out)
 
+    def blacklisted(self, address: int) -> bool:
+        starts, ends = self._blacklist_index
+        i = bisect.bisect_right(starts, address) - 1
+        return i >= 0 and address < ends[i]
+
+    @cached_property
+    def _blacklist_index(self) -> tuple[list[int], list[int]]:
+        """The blacklist merged into disjoint sorted ranges, for bisection."""
+        merged: list[list[int]] = []
+        for lo, hi in sorted(self.blacklist):
+            if merged and lo <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        return [m[0] for m in merged], [m[1] for m in merged]
+
     @cached_property
     def blacklist(self) -> tuple[tuple[int, int], ...]:
-        ranges = []
+        """Code ranges never to instrument: the sections and functions above and the
+        kernel's own NOKPROBE_SYMBOL list (``_kprobe_blacklist``)."""
+        ranges = list(self.image.tables.kprobe_blacklist)
         for start, end in BLACKLIST_RANGES:
             try:
                 ranges.append((self.image.address_of(start), self.image.address_of(end)))
