@@ -27,6 +27,7 @@ BENCHMARKS = {
     "sizes": "ksim.bench.sizes",
     "offset": "ksim.bench.offset",
     "coverage": "ksim.bench.coverage",
+    "census": "ksim.bench.census",
     "per-hit": "ksim.bench.perhit",
     "batch": "ksim.bench.batch",
     "analysis": "ksim.bench.analysis",

@@ -93,9 +93,17 @@ class SiteFacts:
         return Point(address, PointKind.ENTRY, func.name)
 
     def points(self, func: Function, kind: PointKind) -> list[Point]:
+        """The function's exits, block starts or call sites.  An ftrace location is
+        no point (the kernel owns it): the entry block starts after the fentry call,
+        which is no call site (the running kernel has a nop or ftrace's call there)."""
         p = self.analysis(func).points
-        addresses = {PointKind.EXIT: p.exits, PointKind.BLOCK: p.blocks,
-                     PointKind.CALLSITE: p.callsites}[kind]
+        addresses = list({PointKind.EXIT: p.exits, PointKind.BLOCK: p.blocks,
+                          PointKind.CALLSITE: p.callsites}[kind])
+        ftrace = {a for a, names in self.function_code(func).hazards.items() if "ftrace" in names}
+        if ftrace:
+            entry = self.entry(func).address
+            addresses = sorted({entry if a == p.entry else a for a in addresses} - ftrace) \
+                if kind is PointKind.BLOCK else [a for a in addresses if a not in ftrace]
         return [Point(a, kind, func.name) for a in addresses]
 
     def point_at(self, address: int) -> Point:
