@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import (
     AlreadySpliced,
-    Blacklisted,
     KsimError,
     NoSafeTactic,
     NotOnBoundary,
@@ -149,14 +148,14 @@ def check_point(req: SpliceRequest) -> None:
     if not (func.start <= req.point < func.end):
         raise OutsideText(f"{req.point:#x} is outside {func.name} ({func.start:#x}..{func.end:#x})")
     first = func.insns[func.index_of(req.point)]  # NotOnBoundary
-    for lo, hi in req.blacklist:
-        if lo <= req.point < hi:
-            raise Blacklisted(f"{req.point:#x} lies in code ksim must not instrument")
-    found = func.hazards.get(req.point)
-    if found:
-        raise hz.error_for(req.point, found, what=f"{func.name}+{req.point - func.start:#x}")
+    where = f"{func.name}+{req.point - func.start:#x}"
+    found = set(func.hazards.get(req.point, ()))
+    if any(lo <= req.point < hi for lo, hi in req.blacklist):
+        found.add("blacklist")
     if first.mnemonic == "int3":
-        raise hz.error_for(req.point, {"breakpoint"}, what=f"{func.name}+{req.point - func.start:#x}")
+        found.add("breakpoint")
+    if found:
+        raise hz.error_for(req.point, found, what=where)
     if req.point in req.busy:
         raise AlreadySpliced(f"{req.point:#x} lies inside bytes another splice overwrote")
 
