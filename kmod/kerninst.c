@@ -8,8 +8,11 @@
  *   - read any kernel address without faulting, write only ksim's data heap;
  *   - own a patch area (executable, reachable by rel32 from kernel text) and a
  *     data heap (reachable by disp32), both from module_alloc();
- *   - change kernel text, SMP-safely, with the int3 -> sync -> tail -> sync ->
- *     head protocol, after checking the old bytes;
+ *   - answer whether text may be touched, asking the kernel itself (the checks
+ *     kprobes makes: ftrace, jump labels, static calls, kprobes, the blacklist,
+ *     exception and bug tables);
+ *   - change kernel or module text, SMP-safely, with the int3 -> sync -> tail ->
+ *     sync -> head protocol, after checking the old bytes and those hazards;
  *   - route int3 hits at ksim's own sites to their patches (a DIE_INT3 notifier);
  *   - on unload, restore every text byte it changed, in reverse order.
  *
@@ -33,6 +36,8 @@
 #include <linux/percpu.h>
 #include <linux/rcupdate.h>
 #include <linux/string.h>
+#include <linux/bug.h>
+#include <linux/notifier.h>
 #include <asm/current.h>
 #include <asm/smp.h>
 #include <asm/sync_core.h>
@@ -46,6 +51,12 @@
 #define KI_INT3 0xcc
 #define KI_JMP32 0xe9
 #define KI_JMP8 0xeb
+/*
+ * How far before a range a kprobe can still cover it: an optimized kprobe
+ * replaces its instruction with a 5-byte jmp (JMP32_INSN_SIZE,
+ * arch/x86/include/asm/text-patching.h), so one at addr - 4 reaches addr.
+ */
+#define KI_OPTPROBE_REACH 4
 
 /*
  * Functions the kernel does not export to modules.  They are found through
@@ -63,7 +74,43 @@ static int (*ki_set_memory_ro)(unsigned long addr, int numpages);
 static int (*ki_set_memory_rw)(unsigned long addr, int numpages);
 static int (*ki_set_memory_x)(unsigned long addr, int numpages);
 static int (*ki_set_memory_nx)(unsigned long addr, int numpages);
+
+/*
+ * The kernel's own answers to "may this text be touched?": the checks of
+ * check_kprobe_address_safe() (kernel/kprobes.c) and, for the exception
+ * tables, of x86 optprobes' can_optimize() (arch/x86/kernel/kprobes/opt.c).
+ * None is exported.  Each is optional at load: a missing one is named in
+ * dmesg, answered as KERNINST_HAZARD_UNKNOWN, and makes every text poke fail
+ * closed (-EPERM) except restores.
+ */
+static unsigned long (*ki_ftrace_location_range)(unsigned long start, unsigned long end);
+static void (*ki_jump_label_lock)(void);
+static void (*ki_jump_label_unlock)(void);
+static int (*ki_jump_label_text_reserved)(void *start, void *end);
+static int (*ki_static_call_text_reserved)(void *start, void *end);
+static struct kprobe *(*ki_get_kprobe)(void *addr);
 static bool (*ki_within_kprobe_blacklist)(unsigned long addr);
+static const struct exception_table_entry *(*ki_search_exception_tables)(unsigned long addr);
+static struct bug_entry *(*ki_find_bug)(unsigned long bugaddr);
+static struct module *(*ki_module_text_address)(unsigned long addr);
+
+static const struct {
+	const char *name;
+	void *fn;	/* the pointer above that receives the address */
+	u32 hazard;	/* what cannot be checked without it */
+} ki_checks[] = {
+	{ "ftrace_location_range", &ki_ftrace_location_range, KERNINST_HAZARD_FTRACE },
+	{ "jump_label_lock", &ki_jump_label_lock, KERNINST_HAZARD_JUMP_LABEL },
+	{ "jump_label_unlock", &ki_jump_label_unlock, KERNINST_HAZARD_JUMP_LABEL },
+	{ "jump_label_text_reserved", &ki_jump_label_text_reserved, KERNINST_HAZARD_JUMP_LABEL },
+	{ "static_call_text_reserved", &ki_static_call_text_reserved, KERNINST_HAZARD_STATIC_CALL },
+	{ "get_kprobe", &ki_get_kprobe, KERNINST_HAZARD_KPROBE },
+	{ "within_kprobe_blacklist", &ki_within_kprobe_blacklist, KERNINST_HAZARD_BLACKLIST },
+	{ "search_exception_tables", &ki_search_exception_tables, KERNINST_HAZARD_EXTABLE },
+	{ "find_bug", &ki_find_bug, KERNINST_HAZARD_BUG | KERNINST_HAZARD_WARN },
+	{ "__module_text_address", &ki_module_text_address, KERNINST_HAZARD_NOT_TEXT },
+};
+static u32 ki_unchecked;	/* hazards some check of which is missing */
 
 static unsigned long ki_text_start, ki_text_end;
 static u8 *ki_code;	/* patch area */
@@ -161,8 +208,22 @@ static int ki_resolve_all(void)
 	}
 	if (ret)
 		return -ENOENT;
-	/* Optional: the kprobes blacklist (NOKPROBE_SYMBOL functions, kernel/kprobes.c). */
-	ki_within_kprobe_blacklist = (void *)ki_lookup("within_kprobe_blacklist");
+	for (i = 0; i < ARRAY_SIZE(ki_checks); i++) {
+		unsigned long addr = ki_lookup(ki_checks[i].name);
+
+		*(unsigned long *)ki_checks[i].fn = addr;
+		if (!addr) {
+			pr_warn("hazard check unavailable: kernel symbol %s not found; "
+				"text pokes will be refused\n", ki_checks[i].name);
+			ki_unchecked |= ki_checks[i].hazard;
+		}
+	}
+	/* The jump-label lock and its check go together (jump_label_text_reserved's callers hold it). */
+	if (ki_unchecked & KERNINST_HAZARD_JUMP_LABEL) {
+		ki_jump_label_lock = NULL;
+		ki_jump_label_unlock = NULL;
+		ki_jump_label_text_reserved = NULL;
+	}
 	return 0;
 }
 
@@ -174,9 +235,44 @@ static bool ki_in(unsigned long addr, size_t len, unsigned long start, unsigned 
 	return addr >= start && len <= end - start && addr - start <= end - start - len;
 }
 
-static bool ki_in_text(unsigned long addr, size_t len)
+/*
+ * Core kernel text: _stext.._etext, which is what core_kernel_text()
+ * (kernel/extable.c) accepts once init text has been freed.
+ */
+static bool ki_core_text(unsigned long addr, size_t len)
 {
 	return ki_in(addr, len, ki_text_start, ki_text_end);
+}
+
+/*
+ * The live module whose text holds all of [addr, addr + len), or NULL.  The
+ * caller has preemption disabled: __module_text_address requires it
+ * (kernel/module/main.c), and it keeps the module from being freed meanwhile.
+ */
+static struct module *ki_module_text(unsigned long addr, size_t len)
+{
+	struct module *mod;
+
+	if (!ki_module_text_address || !len || addr + len - 1 < addr)
+		return NULL;
+	mod = ki_module_text_address(addr);
+	if (!mod || mod != ki_module_text_address(addr + len - 1) ||
+	    mod->state != MODULE_STATE_LIVE)
+		return NULL;
+	return mod;
+}
+
+/* Text that pokes and trap sites may touch: core kernel text, or a live module's text but ours. */
+static bool ki_in_text(unsigned long addr, size_t len)
+{
+	struct module *mod;
+
+	if (ki_core_text(addr, len))
+		return true;
+	preempt_disable();
+	mod = ki_module_text(addr, len);
+	preempt_enable();
+	return mod && mod != THIS_MODULE;
 }
 
 static bool ki_in_code(unsigned long addr, size_t len)
@@ -203,10 +299,18 @@ static bool ki_canonical(unsigned long addr)
 	return (unsigned long)((long)(addr << shift) >> shift) == addr;
 }
 
-static bool ki_forbidden_text(unsigned long addr, size_t len)
+/*
+ * Code where an int3 or a jump into module memory is fatal or recursive: the
+ * entry, noinstr and kprobes sections, the kprobes blacklist (NOKPROBE_SYMBOL
+ * functions, kernel/kprobes.c, which also covers modules' own blacklists), and
+ * kerninst itself (its int3 notifier and its poke path).
+ */
+static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 {
 	size_t i, k;
 
+	if (mod == THIS_MODULE)
+		return true;
 	for (i = 0; i < ARRAY_SIZE(ki_forbidden_range); i++)
 		if (addr < ki_forbidden_range[i][1] && addr + len > ki_forbidden_range[i][0])
 			return true;
@@ -215,6 +319,83 @@ static bool ki_forbidden_text(unsigned long addr, size_t len)
 			if (ki_within_kprobe_blacklist(addr + k))
 				return true;
 	return false;
+}
+
+/*
+ * jump_label_text_reserved() is called with the jump-label lock held (as
+ * check_kprobe_address_safe does): a module's jump entries are sorted under it
+ * while the module comes up (jump_label_add_module, kernel/jump_label.c).  It
+ * nests outside text_mutex, as in jump_label_update -> text_poke_bp.
+ */
+static void ki_hazard_lock(void)
+{
+	if (ki_jump_label_lock)
+		ki_jump_label_lock();
+}
+
+static void ki_hazard_unlock(void)
+{
+	if (ki_jump_label_unlock)
+		ki_jump_label_unlock();
+}
+
+/*
+ * Why the kernel relies on [addr, addr + len) staying as it is: the checks of
+ * check_kprobe_address_safe() (kernel/kprobes.c) over the whole range, plus
+ * kprobes whose optimized jump would reach into it and, as x86 optprobes
+ * refuse to move them (can_optimize, arch/x86/kernel/kprobes/opt.c),
+ * instructions with an exception-table entry.  The exception and bug tables
+ * are keyed by an instruction's first byte, so every byte is asked.  The
+ * caller holds ki_hazard_lock().
+ */
+static u32 ki_text_hazards(unsigned long addr, u32 len)
+{
+	unsigned long end = addr + len - 1, a;
+	const struct bug_entry *bug;
+	struct module *mod = NULL;
+	u32 h = 0;
+
+	if (!len || len > KERNINST_MAX_TEXT_WRITE || end < addr)
+		return KERNINST_HAZARD_NOT_TEXT;
+	/* Like kprobes: the module cannot go away while preemption is off. */
+	preempt_disable();
+	if (!ki_core_text(addr, len)) {
+		mod = ki_module_text(addr, len);
+		if (!mod) {
+			h = KERNINST_HAZARD_NOT_TEXT;
+			if (ki_unchecked & KERNINST_HAZARD_NOT_TEXT)
+				h |= KERNINST_HAZARD_UNKNOWN;
+			goto out;
+		}
+	}
+	if (ki_blacklisted(addr, len, mod))
+		h |= KERNINST_HAZARD_BLACKLIST;
+	/* The end is inclusive in these three (lookup_rec, addr_conflict). */
+	if (ki_ftrace_location_range && ki_ftrace_location_range(addr, end))
+		h |= KERNINST_HAZARD_FTRACE;
+	if (ki_jump_label_text_reserved && ki_jump_label_text_reserved((void *)addr, (void *)end))
+		h |= KERNINST_HAZARD_JUMP_LABEL;
+	if (ki_static_call_text_reserved && ki_static_call_text_reserved((void *)addr, (void *)end))
+		h |= KERNINST_HAZARD_STATIC_CALL;
+	/* get_kprobe walks an RCU hash list: preemption off is its read-side section. */
+	if (ki_get_kprobe)
+		for (a = addr - KI_OPTPROBE_REACH; a <= end; a++)
+			if (ki_get_kprobe((void *)a)) {
+				h |= KERNINST_HAZARD_KPROBE;
+				break;
+			}
+	for (a = addr; a <= end; a++) {
+		if (ki_search_exception_tables && ki_search_exception_tables(a))
+			h |= KERNINST_HAZARD_EXTABLE;
+		bug = ki_find_bug ? ki_find_bug(a) : NULL;
+		if (bug)
+			h |= bug->flags & BUGFLAG_WARNING ? KERNINST_HAZARD_WARN : KERNINST_HAZARD_BUG;
+	}
+	if (ki_unchecked)
+		h |= KERNINST_HAZARD_UNKNOWN;
+out:
+	preempt_enable();
+	return h;
 }
 
 /* ------------------------------------------------------------------------- */
@@ -403,6 +584,26 @@ static void ki_splice_log(unsigned long addr, const u8 *old, const u8 *new, u32 
 	ki_nsplices++;
 }
 
+/*
+ * Whether a write puts back what the splice log holds as original, by the log's
+ * own rule (the newest record at that place whose current bytes are the
+ * write's old bytes).  Undo must always work, even where a hazard appeared
+ * since (a kprobe registered nearby, say).
+ */
+static bool ki_restores(unsigned long addr, const u8 *old, const u8 *new, u32 len)
+{
+	int i;
+
+	for (i = ki_nsplices - 1; i >= 0; i--) {
+		const struct ki_splice *s = &ki_splices[i];
+
+		if (s->addr != addr || s->len != len || memcmp(s->cur, old, len))
+			continue;
+		return !memcmp(s->orig, new, len);
+	}
+	return false;
+}
+
 struct ki_write {
 	unsigned long addr;
 	u32 len;
@@ -421,12 +622,13 @@ static void ki_free_writes(struct ki_write *w, u32 n)
 	kfree(w);
 }
 
+/* Caller holds ki_lock, ki_hazard_lock() and text_mutex, so the checks hold until the write. */
 static int ki_check_write(struct ki_write *w)
 {
 	if (ki_in_text(w->addr, w->len)) {
 		if (w->len > KERNINST_MAX_TEXT_WRITE)
 			return -EINVAL;
-		if (ki_forbidden_text(w->addr, w->len))
+		if (ki_text_hazards(w->addr, w->len) && !ki_restores(w->addr, w->old, w->new, w->len))
 			return -EPERM;
 		w->text = true;
 		if (w->len > 1) {
@@ -491,6 +693,8 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 	}
 
 	mutex_lock(&ki_lock);
+	ki_hazard_lock();
+	mutex_lock(ki_text_mutex);
 	for (i = 0; i < req.count; i++) {
 		ret = ki_check_write(&w[i]);
 		if (ret)
@@ -506,7 +710,6 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 		ret = -ENOSPC;
 		goto unlock;
 	}
-	mutex_lock(ki_text_mutex);
 	/* All or nothing: every old byte is checked before the first write. */
 	for (i = 0; i < req.count; i++) {
 		if (copy_from_kernel_nofault(cur, (void *)w[i].addr, w[i].len)) {
@@ -532,8 +735,9 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 		}
 		ki_splice_log(w[i].addr, w[i].old, w[i].new, w[i].len);
 	}
-	mutex_unlock(ki_text_mutex);
 unlock:
+	mutex_unlock(ki_text_mutex);
+	ki_hazard_unlock();
 	mutex_unlock(&ki_lock);
 	if (ret == -ESTALE && copy_to_user(uarg, &req, sizeof(req)))
 		ret = -EFAULT;
@@ -631,12 +835,15 @@ static long ki_ioc_set_trap(struct kerninst_trap __user *uarg)
 		return -EFAULT;
 	if (!ki_in_text(req.site, 1) || !ki_in_code(req.patch, 1))
 		return -ERANGE;
-	if (ki_forbidden_text(req.site, 1))
-		return -EPERM;
 	mutex_lock(&ki_lock);
-	if (ki_trap_find(req.site))
+	/* A route is of no use where POKE would refuse the int3 it waits for. */
+	ki_hazard_lock();
+	if (ki_text_hazards(req.site, 1))
+		ret = -EPERM;
+	ki_hazard_unlock();
+	if (!ret && ki_trap_find(req.site))
 		ret = -EBUSY;
-	else if (!ki_trap_add(req.site, req.patch, false))
+	else if (!ret && !ki_trap_add(req.site, req.patch, false))
 		ret = -ENOSPC;
 	mutex_unlock(&ki_lock);
 	return ret;
@@ -668,6 +875,38 @@ static long ki_ioc_clear_trap(struct kerninst_trap __user *uarg)
 	return ret;
 }
 
+static long ki_ioc_hazards(struct kerninst_hazards __user *uarg)
+{
+	struct kerninst_hazards req;
+	struct kerninst_range *r;
+	long ret = 0;
+	u32 i;
+
+	if (copy_from_user(&req, uarg, sizeof(req)))
+		return -EFAULT;
+	if (!req.count || req.count > KERNINST_MAX_RANGES)
+		return -EINVAL;
+	r = memdup_user(u64_to_user_ptr(req.ranges), req.count * sizeof(*r));
+	if (IS_ERR(r))
+		return PTR_ERR(r);
+	for (i = 0; i < req.count; i++)
+		if (!r[i].len || r[i].len > KERNINST_MAX_TEXT_WRITE) {
+			ret = -EINVAL;
+			goto out;
+		}
+	ki_hazard_lock();
+	for (i = 0; i < req.count; i++) {
+		r[i].hazards = ki_text_hazards(r[i].address, r[i].len);
+		cond_resched();
+	}
+	ki_hazard_unlock();
+	if (copy_to_user(u64_to_user_ptr(req.ranges), r, req.count * sizeof(*r)))
+		ret = -EFAULT;
+out:
+	kfree(r);
+	return ret;
+}
+
 static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 {
 	void __user *uarg = (void __user *)arg;
@@ -692,6 +931,8 @@ static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return ki_ioc_set_trap(uarg);
 	case KERNINST_IOC_CLEAR_TRAP:
 		return ki_ioc_clear_trap(uarg);
+	case KERNINST_IOC_HAZARDS:
+		return ki_ioc_hazards(uarg);
 	case KERNINST_IOC_QUIESCE:
 		/* Tasks preempted inside patch code have left it (as optprobes wait, kernel/kprobes.c). */
 		synchronize_rcu_tasks();
@@ -765,6 +1006,49 @@ static void ki_free_regions(void)
 	}
 }
 
+/*
+ * A module going away takes its text with it: kernel/module/main.c frees it
+ * after the MODULE_STATE_GOING notifiers have run.  Forget ksim's writes and
+ * trap routes there, as kprobes forgets the probes of a going module
+ * (kprobes_module_callback, kernel/kprobes.c).  Nothing is restored: once the
+ * module's exit function has run nothing calls its code, and the memory may
+ * later hold another module's text, which an undo must never touch.  ki_lock
+ * also keeps the module from going while a poke into it is under way.
+ */
+static int ki_module_notify(struct notifier_block *nb, unsigned long state, void *data)
+{
+	struct module *mod = data;
+	unsigned int i, kept = 0, writes = 0, routes = 0;
+
+	if (state != MODULE_STATE_GOING)
+		return NOTIFY_DONE;
+	mutex_lock(&ki_lock);
+	for (i = 0; i < ki_nsplices; i++) {
+		if (within_module(ki_splices[i].addr, mod)) {
+			writes++;
+			continue;
+		}
+		if (kept != i)
+			ki_splices[kept] = ki_splices[i];
+		kept++;
+	}
+	ki_nsplices = kept;
+	for (i = 0; i < KERNINST_MAX_TRAPS; i++)
+		if (ki_traps[i].site && within_module(ki_traps[i].site, mod)) {
+			ki_trap_retire(&ki_traps[i]);
+			routes++;
+		}
+	mutex_unlock(&ki_lock);
+	if (writes || routes)
+		pr_info("module %s is going: forgot %u text writes and %u trap routes in its text\n",
+			mod->name, writes, routes);
+	return NOTIFY_DONE;
+}
+
+static struct notifier_block ki_module_nb = {
+	.notifier_call = ki_module_notify,
+};
+
 /* Undo every live text write still in place, newest first. */
 static void ki_unsplice_all(void)
 {
@@ -808,14 +1092,21 @@ static int __init ki_init(void)
 	ret = register_die_notifier(&ki_die_nb);
 	if (ret)
 		goto fail;
-	ret = misc_register(&ki_dev);
+	ret = register_module_notifier(&ki_module_nb);
 	if (ret) {
 		unregister_die_notifier(&ki_die_nb);
 		goto fail;
 	}
-	pr_info("abi %d: text %#lx-%#lx, patch area %px+%#lx, data heap %px+%#lx\n",
+	ret = misc_register(&ki_dev);
+	if (ret) {
+		unregister_module_notifier(&ki_module_nb);
+		unregister_die_notifier(&ki_die_nb);
+		goto fail;
+	}
+	pr_info("abi %d: text %#lx-%#lx, patch area %px+%#lx, data heap %px+%#lx, hazard checks %s\n",
 		KERNINST_ABI_VERSION, ki_text_start, ki_text_end,
-		ki_code, KI_CODE_SIZE, ki_data, KI_DATA_SIZE);
+		ki_code, KI_CODE_SIZE, ki_data, KI_DATA_SIZE,
+		ki_unchecked ? "INCOMPLETE (text pokes refused)" : "complete");
 	return 0;
 fail:
 	ki_free_regions();
@@ -828,6 +1119,7 @@ static void __exit ki_exit(void)
 
 	/* The device cannot be open here (fops owner pins the module). */
 	misc_deregister(&ki_dev);
+	unregister_module_notifier(&ki_module_nb);
 	mutex_lock(&ki_lock);
 	ki_unsplice_all();
 	for (i = 0; i < KERNINST_MAX_TRAPS; i++)
@@ -844,4 +1136,4 @@ module_init(ki_init);
 module_exit(ki_exit);
 MODULE_LICENSE("GPL");
 MODULE_DESCRIPTION("ksim live-kernel driver: memory access, text poking, trap dispatch");
-MODULE_VERSION("1");
+MODULE_VERSION("2");

@@ -24,7 +24,7 @@ typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 1
+#define KERNINST_ABI_VERSION 2
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
@@ -36,6 +36,25 @@ typedef uint64_t __u64;
 #define KERNINST_MAX_TRAPS 512       /* trap routes at once */
 #define KERNINST_MAX_SPLICES 4096    /* live text writes remembered for unload */
 #define KERNINST_NAME_LEN 128        /* symbol name, NUL included */
+#define KERNINST_MAX_RANGES 1024     /* ranges per HAZARDS request */
+
+/*
+ * Hazards: why the kernel relies on text staying as it is.  The checks are
+ * those kprobes makes before it touches text (check_kprobe_address_safe() in
+ * kernel/kprobes.c, and can_optimize() in arch/x86/kernel/kprobes/opt.c for
+ * the exception tables).  POKE refuses a write into text with any of them
+ * (-EPERM), except a write that restores the original bytes of an earlier one.
+ */
+#define KERNINST_HAZARD_FTRACE      (1u << 0) /* an ftrace location (ftrace_location_range) */
+#define KERNINST_HAZARD_JUMP_LABEL  (1u << 1) /* a jump-label site (jump_label_text_reserved) */
+#define KERNINST_HAZARD_STATIC_CALL (1u << 2) /* a static-call site (static_call_text_reserved) */
+#define KERNINST_HAZARD_KPROBE      (1u << 3) /* a kprobe at a byte of the range or <= 4 bytes before */
+#define KERNINST_HAZARD_BLACKLIST   (1u << 4) /* kprobes blacklist, entry/noinstr/kprobes text, kerninst */
+#define KERNINST_HAZARD_EXTABLE     (1u << 5) /* an instruction with an exception-table entry starts here */
+#define KERNINST_HAZARD_BUG         (1u << 6) /* the ud2 of a BUG() (find_bug) */
+#define KERNINST_HAZARD_WARN        (1u << 7) /* the ud2 of a WARN() (find_bug, BUGFLAG_WARNING) */
+#define KERNINST_HAZARD_NOT_TEXT    (1u << 8) /* neither core kernel text nor one live module's text */
+#define KERNINST_HAZARD_UNKNOWN     (1u << 9) /* a check could not be made (a kernel symbol is missing) */
 
 struct kerninst_version {
 	__u32 version;   /* KERNINST_ABI_VERSION of the loaded module */
@@ -95,6 +114,20 @@ struct kerninst_trap {
 	__u64 patch;
 };
 
+/* One range of a HAZARDS request: [address, address + len), len 1..KERNINST_MAX_TEXT_WRITE. */
+struct kerninst_range {
+	__u64 address;
+	__u32 len;
+	__u32 hazards;  /* out: KERNINST_HAZARD_* */
+};
+
+/* Ask the kernel about count ranges at once; each answer lands in its range's hazards. */
+struct kerninst_hazards {
+	__u64 ranges;   /* user pointer to count struct kerninst_range */
+	__u32 count;    /* 1..KERNINST_MAX_RANGES */
+	__u32 reserved;
+};
+
 #define KERNINST_IOC_VERSION    _IOR(KERNINST_IOC_MAGIC, 0x00, struct kerninst_version)
 #define KERNINST_IOC_INFO       _IOR(KERNINST_IOC_MAGIC, 0x01, struct kerninst_info)
 #define KERNINST_IOC_READ       _IOW(KERNINST_IOC_MAGIC, 0x02, struct kerninst_mem)
@@ -105,16 +138,21 @@ struct kerninst_trap {
 #define KERNINST_IOC_CLEAR_TRAP _IOW(KERNINST_IOC_MAGIC, 0x07, struct kerninst_trap)
 /* Wait until no task can still be running in freed patch code (synchronize_rcu_tasks). */
 #define KERNINST_IOC_QUIESCE    _IO(KERNINST_IOC_MAGIC, 0x08)
+/* The hazards of text ranges (answers through the ranges' user buffer). */
+#define KERNINST_IOC_HAZARDS    _IOW(KERNINST_IOC_MAGIC, 0x09, struct kerninst_hazards)
 
 /*
  * Errors (negative errno from ioctl), each one cause:
  *   EFAULT  bad user pointer, or the kernel address cannot be read (no oops)
- *   ERANGE  the address is outside the region the command may touch
- *           (kernel text for pokes and trap sites, the patch area, the data heap)
+ *   ERANGE  the address is outside the region the command may touch (text for
+ *           pokes and trap sites: core kernel text or a live module's text other
+ *           than kerninst's own; the patch area; the data heap)
  *   ESTALE  a poke's old bytes differ from memory; nothing was written
  *   EBUSY   the site already has a trap route, or a trap is still in text;
  *           from open(): the device is already open (one owner at a time)
- *   EPERM   the address lies in code that must not be patched (entry, noinstr, kprobes)
+ *   EPERM   the text has a hazard (KERNINST_HAZARD_*: blacklisted code, an ftrace,
+ *           jump-label or static-call site, a kprobe, an exception-table or
+ *           bug-table instruction, or a check that could not be made)
  *   EINVAL  malformed request (sizes, overlapping writes, no int3 destination)
  *   ENOSPC  trap table or splice log full
  *   ENOENT  unknown symbol or trap route

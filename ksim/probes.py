@@ -343,13 +343,21 @@ class Probes:
 
     # --- internals ---------------------------------------------------------------------
     def resolve(self, kp: KProbe) -> int:
+        """The probe's address.  A probe on a function's first byte goes to its entry
+        point: past the ftrace location the kernel owns, as Linux moves a probe at
+        +0 past the ``endbr64`` (arch_adjust_kprobe_addr, arch/x86/kernel/kprobes/core.c)."""
         if kp.address is not None:
             if kp.symbol is not None:
                 raise ProbeError("give a probe a symbol or an address, not both")
-            return kp.address + kp.offset
-        if kp.symbol is None:
+            address = kp.address + kp.offset
+        elif kp.symbol is None:
             raise ProbeError("a probe needs a symbol or an address")
-        return self._function_address(kp.symbol) + kp.offset
+        else:
+            address = self._function_address(kp.symbol) + kp.offset
+        func = self.target.image.function_at(address)
+        if func is not None and func.address == address:
+            return self.kmgr.entry_point(func).address
+        return address
 
     def _function_address(self, symbol: str | None) -> int:
         if symbol is None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from ksim.arch.base import Flow
 from ksim.errors import AlreadySpliced, ReplacementError
 from ksim.kapi import Manager
-from ksim.splice import planner
+from ksim.splice import hazards, planner
 from ksim.splice.patch import Write
 
 
@@ -67,14 +67,18 @@ class Replacements:
 
     def replace_function(self, original: int | str, replacement: int | str,
                          *, splice: str = "auto") -> Replacement:
-        entry = self._resolve(original)
+        start = self._resolve(original)
         new = self._resolve(replacement)
-        code = self._check(entry)
-        if code.start != entry:
-            raise ReplacementError(f"{entry:#x} is not the entry of {code.name}")
-        if new == entry:
+        func = self.target.image.function_at(start)
+        if func is None or func.address != start:
+            name = func.name if func is not None else "no known function"
+            raise ReplacementError(f"{start:#x} is not the entry of {name}")
+        if new == start:
             raise ReplacementError("a function cannot replace itself")
-        why = self._jmp_window(code) if splice in ("auto", "jmp") else "trap asked for"
+        # past an ftrace location, which the kernel owns (the entry point's rule)
+        entry = self.kmgr.entry_point(func).address
+        code = self._check(entry)
+        why = self._jmp_window(code, entry) if splice in ("auto", "jmp") else "trap asked for"
         if why is None and self.arch.jmp_reaches(entry, new):
             old = self.target.read(entry, self.arch.jmp_size)
             jmp = self.arch.jmp(entry, new)
@@ -90,16 +94,19 @@ class Replacements:
             self.target.clear_trap(entry)
             raise
 
-    def _jmp_window(self, code: planner.FunctionCode) -> str | None:
-        """Why a jmp over the first instructions is unsafe, or None."""
+    def _jmp_window(self, code: planner.FunctionCode, entry: int) -> str | None:
+        """Why a jmp over the instructions from ``entry`` on is unsafe, or None."""
         covered, busy = 0, self._busy()
-        for i, insn in enumerate(code.insns):
+        for i, insn in enumerate(code.insns[code.index_of(entry):]):
             if covered >= self.arch.jmp_size:
                 return None
             if i and insn.address in code.branch_targets:
                 return f"a branch lands inside the entry window at {insn.address:#x}"
-            if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT) and insn.end - code.start < self.arch.jmp_size:
+            if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT) and insn.end - entry < self.arch.jmp_size:
                 return "a call returns into the entry window"
+            if code.hazards.get(insn.address):
+                return (f"the entry window would overwrite {insn.address:#x}, "
+                        f"{hazards.describe(code.hazards[insn.address])}")
             if any(a in busy for a in range(insn.address, insn.end)):
                 return "the entry window overlaps another splice"
             covered += insn.size

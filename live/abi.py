@@ -12,7 +12,7 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 DEVICE = "/dev/kerninst"
 IOC_MAGIC = "K"
 
@@ -25,6 +25,22 @@ LIMITS: dict[str, int] = {
     "MAX_TRAPS": 512,
     "MAX_SPLICES": 4096,
     "NAME_LEN": 128,
+    "MAX_RANGES": 1024,
+}
+
+# Hazard name -> its KERNINST_HAZARD_* bit: why the kernel relies on text staying
+# as it is.  The names are the wire names (live.protocol's ``hazards`` op).
+HAZARDS: dict[str, int] = {
+    "ftrace": 1 << 0,       # an ftrace location (ftrace_location_range)
+    "jump_label": 1 << 1,   # a jump-label site (jump_label_text_reserved)
+    "static_call": 1 << 2,  # a static-call site (static_call_text_reserved)
+    "kprobe": 1 << 3,       # a registered kprobe at a byte of the range or up to 4 bytes before
+    "blacklist": 1 << 4,    # kprobes blacklist; entry, noinstr, kprobes text; kerninst itself
+    "extable": 1 << 5,      # an instruction with an exception-table entry starts in the range
+    "bug": 1 << 6,          # the ud2 of a BUG() (find_bug)
+    "warn": 1 << 7,         # the ud2 of a WARN() (find_bug, BUGFLAG_WARNING)
+    "not_text": 1 << 8,     # neither core kernel text nor one live module's text
+    "unknown": 1 << 9,      # a check could not be made (its kernel symbol is missing)
 }
 
 # struct name -> ((field, format), ...); every field little-endian, no implicit padding.
@@ -45,6 +61,8 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "kerninst_poke": (("writes", "Q"), ("count", "I"), ("failed_index", "I")),
     "kerninst_lookup": (("name", f"{LIMITS['NAME_LEN']}s"), ("address", "Q")),
     "kerninst_trap": (("site", "Q"), ("patch", "Q")),
+    "kerninst_range": (("address", "Q"), ("len", "I"), ("hazards", "I")),
+    "kerninst_hazards": (("ranges", "Q"), ("count", "I"), ("reserved", "I")),
 }
 
 # _IOC directions (include/uapi/asm-generic/ioctl.h)
@@ -62,6 +80,7 @@ COMMANDS: dict[str, tuple[str, int, str | None]] = {
     "SET_TRAP": ("w", 0x06, "kerninst_trap"),
     "CLEAR_TRAP": ("w", 0x07, "kerninst_trap"),
     "QUIESCE": ("", 0x08, None),
+    "HAZARDS": ("w", 0x09, "kerninst_hazards"),
 }
 
 # (command or "*", errno) -> ksim error code (ksim.errors); the first match wins.
@@ -123,3 +142,12 @@ def command(name: str) -> int:
 
 def error_code(command_name: str, err: int) -> str:
     return ERRORS.get((command_name, err)) or ERRORS.get(("*", err)) or "target"
+
+
+def hazard_names(flags: int) -> list[str]:
+    """The names of the KERNINST_HAZARD_* bits set in ``flags``, in table order."""
+    names = [name for name, bit in HAZARDS.items() if flags & bit]
+    unknown_bits = flags & ~sum(HAZARDS.values())
+    if unknown_bits:  # a newer module: never drop a hazard silently
+        names.append("unknown")
+    return list(dict.fromkeys(names))

@@ -3,6 +3,7 @@
     from ksim.targets import open_target
     t = open_target("live://127.0.0.1:7070")          # token: the testbed's by default
     t.read(addr, 16); t.poke([Write(addr, old, new)]); t.run(while_cmd="./workload")
+    t.text_hazards([(addr, 5)])   # [frozenset({"ftrace"})]: the kernel's own answer
 
 ``Connection`` is the wire client (hello, HMAC auth, request/reply); ``LiveTarget``
 adds the Target contract on top of it; ``KprobeCounter`` is the oracle: the
@@ -119,16 +120,16 @@ def parse_address(rest: str) -> tuple[str, int]:
 class KprobeCounter:
     """The kernel's own kprobe counting hits of one function (tracefs kprobe_profile).
 
-    Placed past the function's 5-byte ftrace nop when it has one: a kprobe at +0
-    would make ftrace rewrite the very bytes a jmp splice occupies (and the entry
-    nop runs exactly once per call, like the instruction after it).  Probe
-    optimisation is switched off while it exists so that it stays an int3 probe
-    and never jump-patches bytes near a splice (kernel/kprobes.c optimizes after
-    a delay; /proc/sys/debug/kprobes-optimization).
+    Placed at the address asked for.  At a function's ftrace location (its
+    5-byte entry nop) the kprobe is ftrace-based (KPROBES_ON_FTRACE): ftrace
+    rewrites only that nop, which ksim never writes (the module refuses, the
+    planner's entry point is the instruction after it), so the two never share
+    a byte.  Probe optimisation is switched off while it exists so that an int3
+    probe elsewhere stays one and never jump-patches bytes near a splice
+    (kernel/kprobes.c optimizes after a delay; /proc/sys/debug/kprobes-optimization).
     """
 
     name = "kprobe"
-    FTRACE_NOP = bytes.fromhex("0f1f440000")
     TRACEFS = "/sys/kernel/tracing"
     OPTIMIZATION = "/proc/sys/debug/kprobes-optimization"
 
@@ -136,8 +137,6 @@ class KprobeCounter:
         self.target = target
         self.event = f"ksim_oracle_{os.getpid()}_{address & 0xffffffff:x}"
         symbol, offset = target.symbolize(address)
-        if offset == 0 and target.original(address, 5) == self.FTRACE_NOP:
-            offset = 5
         self.probe = f"{symbol}+{offset}"
         self._saved_opt = target.tracefs(self.OPTIMIZATION).strip() or "1"
         target.tracefs(self.OPTIMIZATION, "w", "0")
@@ -203,7 +202,12 @@ class LiveTarget:
         """The guest's /proc/kallsyms, cached per kernel release and text base."""
         from live.testbed import cache_dir
 
-        path = cache_dir() / f"kallsyms-{self.info['kernel']}-{self.text[0]:x}.txt"
+        # Loading or unloading a module changes the file: the daemon's digest of
+        # /proc/modules is part of the name.
+        modules = str(self.info.get("modules") or "")
+        path = cache_dir() / "-".join(
+            x for x in ("kallsyms", str(self.info["kernel"]), f"{self.text[0]:x}", modules) if x)
+        path = path.with_name(path.name + ".txt")
         if not path.exists():
             tmp = path.with_suffix(".tmp")
             with tmp.open("w") as f:
@@ -223,17 +227,20 @@ class LiveTarget:
 
     @cached_property
     def _symbols(self) -> list[tuple[int, str]]:
+        """Text symbols, by address; a module's as ``MODULE:NAME`` (kprobe_events' syntax)."""
         out = []
         with self.kallsyms_path.open() as f:
             for line in f:
                 parts = line.split()
-                if len(parts) >= 3 and parts[1] in "tTwW" and len(parts) == 3:
+                if len(parts) == 3 and parts[1] in "tTwW":
                     out.append((int(parts[0], 16), parts[2]))
+                elif len(parts) == 4 and parts[1] in "tTwW" and parts[3].startswith("["):
+                    out.append((int(parts[0], 16), f"{parts[3].strip('[]')}:{parts[2]}"))
         out.sort()
         return out
 
     def symbolize(self, address: int) -> tuple[str, int]:
-        """(symbol, offset) of a core-kernel text address."""
+        """(symbol, offset) of a kernel or module text address."""
         import bisect
 
         syms = self._symbols
@@ -261,13 +268,30 @@ class LiveTarget:
             self.conn.request("write", address=address + off, data=chunk.hex())
 
     def poke(self, writes: Sequence[Write]) -> None:
+        """Apply writes all or nothing.  Text the kernel relies on (see text_hazards)
+        is refused with the hazard's own UnsafeSite error (FtraceSite, BugSite, ...),
+        naming the hazards; nothing is written then."""
         if not writes:
             return
         self.conn.request("poke", writes=[[w.address, w.old.hex(), w.new.hex()] for w in writes])
+        lo, hi = self.code_region
         for w in writes:
-            if self.text[0] <= w.address < self.text[1]:
+            if not lo <= w.address < hi:  # kernel or module text
                 for i, b in enumerate(w.old):
                     self._original.setdefault(w.address + i, b)
+
+    def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
+        """Why the kernel relies on each (address, length) text range staying as it is,
+        asked of the kernel itself: names from ``live.abi.HAZARDS`` ("ftrace",
+        "jump_label", "static_call", "kprobe", "blacklist", "extable", "bug", "warn",
+        "not_text", "unknown"); an empty set when the range may be written.
+        A length is 1..16 bytes."""
+        out: list[frozenset[str]] = []
+        for start in range(0, len(ranges), wire.MAX_RANGES):
+            chunk = [[int(a), int(n)] for a, n in ranges[start:start + wire.MAX_RANGES]]
+            reply = self.conn.request("hazards", ranges=chunk)
+            out += [frozenset(names) for names in reply["hazards"]]
+        return out
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
         address = int(self.conn.request("alloc_code", size=size)["address"])

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -25,6 +26,7 @@ from typing import Any
 
 from ksim.errors import (
     AuthError,
+    Blacklisted,
     KsimError,
     OutsideText,
     ProtocolError,
@@ -33,7 +35,9 @@ from ksim.errors import (
     TargetTimeout,
     UnknownHandle,
 )
+from ksim.splice import hazards
 from ksim.splice.alloc import RegionAllocator
+from live import abi
 from live import protocol as wire
 from live.device import Device
 
@@ -58,6 +62,18 @@ def read_token(path: str) -> bytes:
     if len(token) < 16:
         raise AuthError(f"token file {path} holds fewer than 16 bytes of secret")
     return token
+
+
+def modules_digest() -> str:
+    """Which modules are loaded where: a client's cached kallsyms is stale when this changes."""
+    try:
+        with open("/proc/modules") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return ""
+    # name, size and load address; not the reference count, which changes all the time
+    key = "\n".join(" ".join(parts[:2] + parts[5:6]) for parts in map(str.split, lines))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -212,7 +228,8 @@ class Daemon:
 
     def op_info(self, session: Session) -> dict[str, Any]:
         return {**self.info, "kernel": os.uname().release, "allow_exec": self.allow_exec,
-                "code_free": self.code.bytes_free, "data_free": self.data.bytes_free}
+                "code_free": self.code.bytes_free, "data_free": self.data.bytes_free,
+                "modules": modules_digest()}
 
     def op_kallsyms(self, session: Session, offset: int) -> dict[str, Any]:
         if offset == 0 or self._kallsyms is None:
@@ -289,16 +306,37 @@ class Daemon:
         self.data.free(address)
         return {}
 
-    def _in_text(self, address: int, size: int) -> bool:
-        return self.text[0] <= address and address + size <= self.text[1]
+    def _in_code(self, address: int, size: int) -> bool:
+        """Whether a write touches the patch area; everything else is text to the module
+        (core kernel text or a live module's text; the module refuses anything else)."""
+        return address < self.code.end and address + size > self.code.start
 
     def _check_code_write(self, session: Session, address: int, size: int) -> None:
         allocated = self.code.allocated()
         for start in session.code:
             if start <= address and address + size <= start + allocated[start]:
                 return
-        raise OutsideText(f"poke at {address:#x}+{size}: neither kernel text "
-                          f"({self.text[0]:#x}-{self.text[1]:#x}) nor a patch block of this client")
+        raise OutsideText(f"poke at {address:#x}+{size}: inside the patch area but not "
+                          "inside a patch block of this client")
+
+    def _refusal(self, what: str, writes: list[tuple[int, bytes, bytes]]) -> KsimError:
+        """The error for a poke or trap the module refused with EPERM: the class of
+        the most specific hazard it found (ksim.splice.hazards), each write's hazards
+        named in the message."""
+        text = [(a, len(new)) for a, _, new in writes
+                if not self._in_code(a, len(new)) and len(new) <= wire.MAX_RANGE]
+        try:
+            flags = self.device.hazards(text) if text else []
+        except KsimError:
+            flags = []
+        names = [abi.hazard_names(f) for f in flags]
+        found = "; ".join(f"{a:#x}+{n}: {', '.join(ns)}"
+                          for (a, n), ns in zip(text, names, strict=True) if ns)
+        every = {n for ns in names for n in ns}
+        cls = hazards.HAZARDS[min(every, key=list(hazards.HAZARDS).index)][0] \
+            if every & set(hazards.HAZARDS) else Blacklisted
+        return cls(f"{what} refused: the kernel relies on this text staying as it is: "
+                   f"{found or '(the hazard is gone: retry)'}; nothing was written")
 
     def op_poke(self, session: Session, writes: list[Any]) -> dict[str, Any]:
         parsed: list[tuple[int, bytes, bytes]] = []
@@ -311,19 +349,43 @@ class Daemon:
             new = wire.bytes_arg("poke", "new", item[2])
             if len(old) != len(new) or not old:
                 raise ProtocolError(f"poke at {address:#x}: old and new differ in length or are empty")
-            if not self._in_text(address, len(new)):
+            if self._in_code(address, len(new)):
                 self._check_code_write(session, address, len(new))
             parsed.append((address, old, new))
         if not parsed:
             raise ProtocolError("poke: no writes")
-        self.device.poke(parsed)
+        try:
+            self.device.poke(parsed)
+        except Blacklisted:
+            raise self._refusal("poke", parsed) from None
         for address, old, new in parsed:
-            if self._in_text(address, len(new)):
+            if not self._in_code(address, len(new)):
                 session.log_write(address, old, new)
         return {}
 
+    def op_hazards(self, session: Session, ranges: list[Any]) -> dict[str, Any]:
+        if len(ranges) > wire.MAX_RANGES:
+            raise ProtocolError(f"hazards: {len(ranges)} ranges exceed the limit of {wire.MAX_RANGES}")
+        parsed: list[tuple[int, int]] = []
+        for item in ranges:
+            if (not isinstance(item, list) or len(item) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+                raise ProtocolError("hazards: each range is [address, length] (two integers)")
+            address, length = item
+            if not 0 < length <= wire.MAX_RANGE:
+                raise ProtocolError(f"hazards: range at {address:#x}: length {length} "
+                                    f"outside 1..{wire.MAX_RANGE}")
+            if not 0 <= address <= (1 << 64) - length:
+                raise ProtocolError(f"hazards: address {address} is not a 64-bit address")
+            parsed.append((address, length))
+        flags = self.device.hazards(parsed) if parsed else []
+        return {"hazards": [abi.hazard_names(f) for f in flags]}
+
     def op_set_trap(self, session: Session, site: int, patch: int) -> dict[str, Any]:
-        self.device.set_trap(site, patch)
+        try:
+            self.device.set_trap(site, patch)
+        except Blacklisted:
+            raise self._refusal("set_trap", [(site, b"", b"?")]) from None
         session.traps.add(site)
         return {}
 

@@ -129,3 +129,19 @@ class Device:
 
     def quiesce(self) -> None:
         self._ioctl("QUIESCE")
+
+    def hazards(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """KERNINST_HAZARD_* flags of each (address, length) range, asked of the module."""
+        rs, hs = abi.structure("kerninst_range"), abi.structure("kerninst_hazards")
+        limit = abi.LIMITS["MAX_RANGES"]
+        out: list[int] = []
+        for start in range(0, len(ranges), limit):
+            chunk = ranges[start:start + limit]
+            table = ctypes.create_string_buffer(b"".join(rs.pack(address=a, len=n) for a, n in chunk),
+                                                len(chunk) * rs.size)
+            self._ioctl("HAZARDS", hs.pack(ranges=ctypes.addressof(table), count=len(chunk)),
+                        what=f"{len(chunk)} ranges from {chunk[0][0]:#x}")
+            raw = table.raw
+            out += [int(rs.unpack(raw[i * rs.size:(i + 1) * rs.size])["hazards"])
+                    for i in range(len(chunk))]
+        return out

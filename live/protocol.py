@@ -29,6 +29,8 @@ MAX_READ = 1 << 20           # bytes per read op
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
+MAX_RANGES = 4096            # text ranges per hazards op
+MAX_RANGE = 16               # bytes per hazards range (the module's KERNINST_MAX_TEXT_WRITE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("poke", {"writes": "list"}, doc="[[address, old hex, new hex], ...] all or nothing"),
     Op("set_trap", {"site": "int", "patch": "int"}),
     Op("clear_trap", {"site": "int"}),
+    Op("hazards", {"ranges": "list"},
+       doc="[[address, length], ...] -> why the kernel relies on each text range staying as it is"),
     Op("keep", {"keep": "bool"}, doc="leave this client's splices in place when it disconnects"),
     Op("tracefs", {"file": "str", "mode": "str", "data": "str"},
        doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization"),

@@ -168,24 +168,54 @@ def extract_vmlinux(vmlinuz: Path, out: Path) -> Path:
     return out
 
 
-def build_module(abi: str, progress: Progress = _quiet) -> Path:
-    """Build kmod/ with kbuild against the ABI's headers, in the cache (rebuilt when sources change)."""
-    src = REPO / "kmod"
-    digest = hashlib.sha256(b"".join((src / n).read_bytes() for n in KMOD_SOURCES)).hexdigest()[:16]
-    build = cache_dir() / f"kmod-{abi}"
-    ko = build / "kerninst.ko"
+def _kbuild(src: Path, sources: tuple[str, ...], build: Path, ko_name: str, abi: str,
+            progress: Progress) -> Path:
+    """Build the module in ``src`` with kbuild against the ABI's headers, in ``build``
+    (a copy, so the source tree never holds build outputs; rebuilt when the sources change)."""
+    digest = hashlib.sha256(b"".join((src / n).read_bytes() for n in sources)).hexdigest()[:16]
+    ko = build / ko_name
     stamp = build / ".source"
     if ko.exists() and stamp.exists() and stamp.read_text() == digest:
         return ko
-    progress("building kerninst.ko")
+    progress(f"building {ko_name}")
     shutil.rmtree(build, ignore_errors=True)
     build.mkdir()
-    for name in KMOD_SOURCES:
+    for name in sources:
         shutil.copy(src / name, build / name)
     headers = Path(f"/usr/src/linux-headers-{abi}-amd64")
     _run(["make", "-C", str(headers), f"M={build}", "modules"], timeout=300)
     stamp.write_text(digest)
     return ko
+
+
+def build_module(abi: str, progress: Progress = _quiet) -> Path:
+    """Build kmod/ (kerninst.ko) against the ABI's headers, in the cache."""
+    return _kbuild(REPO / "kmod", KMOD_SOURCES, cache_dir() / f"kmod-{abi}", "kerninst.ko", abi,
+                   progress)
+
+
+def build_test_module(src: Path, abi: str, progress: Progress = _quiet) -> Path:
+    """Build a test module (a directory with a kbuild Makefile and NAME.c, e.g.
+    tests/kmod_warn) against the ABI's headers, into the cache the guest sees
+    through 9p; returns the .ko path, which insmod in the guest accepts as is."""
+    sources = tuple(sorted(p.name for p in src.iterdir()
+                           if p.name in ("Makefile", "Kbuild") or p.suffix in (".c", ".h")))
+    (c_file,) = [n for n in sources if n.endswith(".c")]
+    return _kbuild(src, sources, cache_dir() / f"testmod-{src.name}-{abi}",
+                   c_file[:-2] + ".ko", abi, progress)
+
+
+def load_test_module(src: Path, state: dict[str, Any], progress: Progress = _quiet) -> str:
+    """Build the test module in ``src`` and (re)load it in the running testbed; returns its name.
+    A module of the same name already loaded is unloaded first, so the guest runs this build."""
+    ko = build_test_module(src, str(state["abi"]), progress)
+    name = ko.stem
+    out = exec_(f"if grep -q '^{name} ' /proc/modules; then rmmod {name} || exit 3; fi; "
+                f"insmod {ko}", timeout=60)
+    if out["rc"] != 0:
+        raise TargetError(f"loading {name} in the guest failed ({out['rc']}): "
+                          f"{(out['stderr'] or out['stdout']).strip()}")
+    return name
 
 
 def guest_modules(root: Path, abi: str) -> list[Path]:

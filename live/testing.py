@@ -54,6 +54,23 @@ def getppid_loop() -> Path:
     return program("getppid_loop", GETPPID_LOOP)
 
 
+def plain_site(target: LiveTarget, name: str) -> int:
+    """The first instruction of ``name`` that a raw 5-byte splice may cover and copy
+    as it is: at least 5 bytes, straight-line, not PC-relative, and no hazard the
+    kernel reports (its first bytes are the ftrace location, which the kernel owns)."""
+    from ksim.arch.base import Flow
+    from ksim.arch.x86_64.reader import decode
+
+    start = target.lookup(name)
+    insns = list(decode(target.read(start, 64), start))
+    hazards = target.text_hazards([(i.address, i.size) for i in insns])
+    for insn, found in zip(insns, hazards, strict=True):
+        if (insn.address > start and insn.size >= 5 and insn.flow is Flow.SEQ
+                and insn.pc_ref is None and not found):
+            return insn.address
+    raise AssertionError(f"{name} has no plain 5-byte instruction in its first 64 bytes")
+
+
 def dmesg_problems(target: LiveTarget) -> list[str]:
     return [line for line in target.exec("dmesg").splitlines() if BAD_DMESG.search(line)]
 

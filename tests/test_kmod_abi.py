@@ -25,6 +25,8 @@ def c_values(tmp_path: Path) -> dict[str, int]:
             lines.append(f'printf("OFF_{sname}.{field} %zu\\n", offsetof(struct {sname}, {field}));')
     for limit in abi.LIMITS:
         lines.append(f'printf("LIMIT_{limit} %d\\n", KERNINST_{limit});')
+    for name in abi.HAZARDS:
+        lines.append(f'printf("HAZARD_{name} %u\\n", KERNINST_HAZARD_{name.upper()});')
     lines.append('printf("VERSION %d\\n", KERNINST_ABI_VERSION); return 0; }')
     src, exe = tmp_path / "abi.c", tmp_path / "abi"
     src.write_text("\n".join(lines))
@@ -48,11 +50,28 @@ def test_table_matches_the_header(tmp_path: Path) -> None:
             offset += __import__("struct").calcsize("<" + fmt)
     for limit, value in abi.LIMITS.items():
         assert c[f"LIMIT_{limit}"] == value, limit
+    for name, bit in abi.HAZARDS.items():
+        assert c[f"HAZARD_{name}"] == bit, name
 
 
 def test_every_ioctl_in_the_header_is_in_the_table() -> None:
     names = set(re.findall(r"#define KERNINST_IOC_(\w+)\s+_IO", HEADER.read_text()))
     assert names == set(abi.COMMANDS)
+
+
+def test_every_hazard_in_the_header_is_in_the_table() -> None:
+    names = set(re.findall(r"#define KERNINST_HAZARD_(\w+)\s", HEADER.read_text()))
+    assert names == {n.upper() for n in abi.HAZARDS}
+    bits = list(abi.HAZARDS.values())
+    assert len(set(bits)) == len(bits) and all(b & (b - 1) == 0 for b in bits)
+
+
+def test_hazard_names_keep_every_bit() -> None:
+    assert abi.hazard_names(0) == []
+    assert abi.hazard_names(abi.HAZARDS["ftrace"] | abi.HAZARDS["warn"]) == ["ftrace", "warn"]
+    # a bit this side does not know (a newer module) is never dropped silently
+    assert abi.hazard_names(1 << 31) == ["unknown"]
+    assert abi.hazard_names((1 << 31) | abi.HAZARDS["unknown"]) == ["unknown"]
 
 
 def test_errno_mapping_names_real_error_codes() -> None:

@@ -10,7 +10,14 @@ import pytest
 
 from ksim.splice.patch import Write
 from live.client import LiveTarget
-from live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
+from live.testing import (  # noqa: F401
+    dmesg_problems,
+    getppid_loop,
+    plain_site,
+    read_u64,
+    target,
+    testbed,
+)
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -18,7 +25,7 @@ CYCLES = 1000
 
 
 def test_thousand_splice_cycles_under_load(target: LiveTarget) -> None:
-    site = target.lookup("__x64_sys_getppid")
+    site = plain_site(target, "__x64_sys_getppid")
     start_bytes = target.read(site, 16)
     original = start_bytes[:5]
     counter = target.alloc_data(8)

@@ -11,7 +11,7 @@ import pytest
 from ksim.errors import KsimError, TargetDied
 from ksim.splice.patch import Write
 from live.client import LiveTarget
-from live.testing import dmesg_problems, testbed  # noqa: F401
+from live.testing import dmesg_problems, plain_site, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -29,10 +29,10 @@ def _connect(testbed: dict, timeout: float = 90.0) -> LiveTarget:
 
 def test_unload_restores_kept_splices(testbed: dict) -> None:
     t = _connect(testbed)
-    jsite, tsite = t.lookup("__x64_sys_getppid"), t.lookup("__x64_sys_getpid")
+    jsite, tsite = plain_site(t, "__x64_sys_getppid"), plain_site(t, "__x64_sys_getpid")
     originals = {jsite: t.read(jsite, 8), tsite: t.read(tsite, 8)}
     patch = t.alloc_code(16, near=jsite)
-    # A patch that only runs the displaced ftrace nop and jumps back.
+    # A patch that only runs the displaced (position-independent) instruction and jumps back.
     for site in (jsite, tsite):
         code = originals[site][:5] + b"\xe9" + struct.pack("<i", site + 5 - (patch + 10))
         t.poke([Write(patch, t.read(patch, 10), code)])

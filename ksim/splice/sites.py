@@ -113,7 +113,7 @@ class SiteFacts:
         fa = self.analysis(func)
         fa.insn_at(address)  # NotOnBoundary if it is not an instruction start
         p = fa.points
-        kind = (PointKind.ENTRY if address == p.entry else PointKind.EXIT if address in p.exits
+        kind = (PointKind.ENTRY if address in (p.entry, self.entry(func).address) else PointKind.EXIT if address in p.exits
                 else PointKind.CALLSITE if address in p.callsites
                 else PointKind.BLOCK if address in p.blocks else PointKind.INSN)
         return Point(address, kind, func.name)
