@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-NAMES = ("per-hit", "sizes", "offset", "coverage", "batch", "analysis", "all")
+NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
