@@ -36,3 +36,15 @@ def toy_manager(toy_path):
     m = Manager.attach("unicorn:toy")
     yield m
     m.detach()
+
+
+@pytest.fixture(scope="session")
+def debian_kernel():
+    """Debian's 6.1 kernel (vmlinux, kallsyms, e100.ko, ext4.ko), fetched once into
+    ~/.cache/ksim from the package registry; skipped where no registry answers."""
+    from ksim.bench import kernel as kmod
+
+    try:
+        return kmod.debian_kernel()
+    except kmod.KernelUnavailable as exc:  # pragma: no cover - no package registry
+        pytest.skip(str(exc))

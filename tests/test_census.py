@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from ksim.bench import kernel as kmod
 from ksim.bench.census import FAMILIES, measure
 
 #: the error a point at a site of each table family is refused with
@@ -15,11 +14,8 @@ ERRORS = {"warn": "BugSite", "bug": "BugSite", "extable": "ExtableSite",
 
 
 @pytest.fixture(scope="module")
-def kernel():
-    try:
-        return kmod.debian_kernel()
-    except kmod.KernelUnavailable as exc:  # pragma: no cover - no package registry
-        pytest.skip(str(exc))
+def kernel(debian_kernel):
+    return debian_kernel
 
 
 def images(kernel):

@@ -239,10 +239,8 @@ COUNTS = {
 
 
 @pytest.fixture(scope="module")
-def kernel() -> debian.DebianKernel:
-    if not debian.is_cached():
-        pytest.skip("the Debian kernel package is not in ~/.cache/ksim (ksim bench sizes fetches it)")
-    return debian.debian_kernel()
+def kernel(debian_kernel):
+    return debian_kernel
 
 
 @pytest.fixture(scope="module")

@@ -301,3 +301,23 @@ def test_a_patch_with_overlapping_writes_cannot_be_built():
     with pytest.raises(OverlappingWrites):
         Patch(F, "springboard", P, b"", (Write(F + 1, b"\xcc" * 5, b"\xe9" + bytes(4)),
                                          Write(F, b"\xc3\xcc", b"\xeb\xff")))
+
+
+LOOP_AT_THE_POINT = bytes([
+    0x48, 0xFF, 0xC8,       # F+0: dec rax        <- the point, a loop head
+    0x75, 0xFB,             # F+3: jne F+0        (inside the 5-byte window)
+    0xC3,                   # F+5: ret
+])
+
+
+@pytest.mark.parametrize("policy", ["jmp", "trap"])
+def test_a_loop_back_to_the_point_runs_the_snippets_again(policy):
+    fc = func(LOOP_AT_THE_POINT)
+    patch = planner.plan(ARCH, request(fc, policy=policy))
+    if policy == "jmp":
+        assert patch.tactic == "jmp+displace"
+        # snippet; dec rax; jne -> the patch's entry (not the copy of dec); jmp back to F+5
+        assert patch.code == (SNIPPET + LOOP_AT_THE_POINT[:3] + b"\x0f\x85" + rel32(P + 10, P)
+                              + b"\xe9" + rel32(P + 15, F + 5))
+    else:
+        assert patch.code == SNIPPET + LOOP_AT_THE_POINT[:3] + b"\xe9" + rel32(P + 9, F + 3)

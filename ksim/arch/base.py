@@ -125,12 +125,15 @@ class Arch(Protocol):
 
     def short_jmp_reaches(self, src: int, dst: int) -> bool: ...
 
-    def relocate(self, insns: Sequence[Insn], new_address: int) -> bytes:
+    def relocate(self, insns: Sequence[Insn], new_address: int, *,
+                 first_to: int | None = None) -> bytes:
         """Re-encode ``insns`` (consecutive) to run at ``new_address`` with the same effect.
 
         PC-relative operands, relative jumps, jcc and calls are fixed up (growing
-        short forms to long ones as needed).  Raises RelocationError when that is
-        impossible.  The result's length may differ from the input's.
+        short forms to long ones as needed); a branch to another instruction of the
+        run goes to its copy, except that a branch to the first one goes to
+        ``first_to`` when given.  Raises RelocationError when that is impossible.
+        The result's length may differ from the input's.
         """
         ...
 

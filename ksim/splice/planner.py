@@ -217,11 +217,13 @@ def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes 
     at = req.code_address
     body = req.compile(at)
     last = moved[-1]
+    # a branch of the window back to the point (a loop head) arrives at the point
+    # again: it goes to the patch's entry, so the snippets run on every arrival
     try:
         if last.flow in (Flow.CALL, Flow.CALL_INDIRECT):
-            head = arch.relocate(moved[:-1], at + len(body)) if len(moved) > 1 else b""
+            head = arch.relocate(moved[:-1], at + len(body), first_to=at) if len(moved) > 1 else b""
             return body + head + arch.moved_call(last, at + len(body) + len(head))
-        relocated = arch.relocate(moved, at + len(body))
+        relocated = arch.relocate(moved, at + len(body), first_to=at)
     except RelocationError as exc:
         return f"cannot move the original instructions: {exc}"
     back_from = at + len(body) + len(relocated)

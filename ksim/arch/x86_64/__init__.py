@@ -69,10 +69,11 @@ class X86_64:
         return b"\xeb" + _distance(src + 2, dst).to_bytes(1, "little", signed=True)
 
     # --- relocation and snippets -----------------------------------------------------
-    def relocate(self, insns: Sequence[Insn], new_address: int) -> bytes:
+    def relocate(self, insns: Sequence[Insn], new_address: int, *,
+                 first_to: int | None = None) -> bytes:
         from .relocator import relocate
 
-        return relocate(insns, new_address)
+        return relocate(insns, new_address, first_to=first_to)
 
     def relocated_size(self, insns: Sequence[Insn]) -> int:
         from .relocator import relocated_size

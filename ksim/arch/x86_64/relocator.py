@@ -159,12 +159,17 @@ def _check_consecutive(insns: Sequence[Insn]) -> None:
 
 
 class Relocator:
-    """Relocates one run of consecutive instructions to ``new_address``."""
+    """Relocates one run of consecutive instructions to ``new_address``.
 
-    def __init__(self, insns: Sequence[Insn], new_address: int) -> None:
+    ``first_to``: where a branch to the run's first instruction goes instead of its
+    copy (a patch's entry: a loop that comes back to a spliced point must run the
+    snippets again, as every arrival at the point in the original text does)."""
+
+    def __init__(self, insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> None:
         _check_consecutive(insns)
         self.insns = list(insns)
         self.new_address = new_address
+        self.first_to = first_to
         self.forms = [classify(i) for i in self.insns]
         self.new_of: dict[int, int] = {}
         pc = new_address
@@ -178,6 +183,8 @@ class Relocator:
         """A branch target, moved into the relocated copy when it lies in the run."""
         if not self.start <= target < self.end:
             return target
+        if target == self.start and self.first_to is not None:
+            return self.first_to
         if target not in self.new_of:
             raise RelocationError(f"{insn}: branches into the middle of an instruction")
         return self.new_of[target]
@@ -228,9 +235,10 @@ class Relocator:
         w.put_bytes(bytes(raw))
 
 
-def relocate(insns: Sequence[Insn], new_address: int) -> bytes:
-    """Re-encode consecutive ``insns`` to run at ``new_address`` (see module doc)."""
-    return Relocator(insns, new_address).run()
+def relocate(insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> bytes:
+    """Re-encode consecutive ``insns`` to run at ``new_address`` (see module doc and
+    :class:`Relocator` for ``first_to``)."""
+    return Relocator(insns, new_address, first_to=first_to).run()
 
 
 def relocated_size(insns: Sequence[Insn]) -> int:
