@@ -43,7 +43,8 @@ HAZARDS: dict[str, tuple[type[SpliceError], str]] = {
                            "when tracing starts"),
     "jump_label": (JumpLabelSite, "a jump-label site (__jump_table): the kernel rewrites it "
                                   "when its static key flips"),
-    "static_call": (StaticCallSite, "a static-call site: the kernel rewrites the call"),
+    "static_call": (StaticCallSite, "a static-call site or trampoline: the kernel rewrites it "
+                                    "when the static call is updated"),
     "warn": (BugSite, "a WARN site (__bug_table): handle_bug finds its ud2 by address"),
     "bug": (BugSite, "a BUG site (__bug_table): handle_bug finds its ud2 by address"),
     "extable": (ExtableSite, "an instruction with an exception-table fix-up (__ex_table), "

@@ -166,6 +166,8 @@ class SiteFacts:
             names = {ref.value for ref in tables.refs_in(insn.address, insn.end)}
             if self.blacklisted(insn.address):
                 names.add("blacklist")
+            if any(lo <= insn.address < hi for lo, hi in self.static_call_text):
+                names.add("static_call")
             if names:
                 out[insn.address] = frozenset(names)
         if self._ask is not None and insns:
@@ -201,6 +203,19 @@ class SiteFacts:
                     continue
                 out.append((start, code.tail[start - code.end:start - code.end + size]))
         return tuple(out)
+
+    @cached_property
+    def static_call_text(self) -> tuple[tuple[int, int], ...]:
+        """The static-call trampolines (``.static_call.text``): the kernel rewrites
+        their jump whenever a static call is updated (arch_static_call_transform,
+        arch/x86/kernel/static_call.c), without looking at what is there."""
+        ranges = [(s.address, s.end) for s in self.image.sections if s.name == ".static_call.text"]
+        try:
+            ranges.append((self.image.address_of("__static_call_text_start"),
+                           self.image.address_of("__static_call_text_end")))
+        except KsimError:
+            pass
+        return tuple(ranges)
 
     def blacklisted(self, address: int) -> bool:
         starts, ends = self._blacklist_index
