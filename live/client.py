@@ -105,6 +105,8 @@ class Connection:
         request_id = next(self._ids)
         self.send_raw(wire.encode({"v": wire.VERSION, "id": request_id, "op": op, **args}))
         reply = self.recv_reply(reply_timeout)
+        if reply.get("id") is None:  # the daemon's word on the connection (evicted, timed out)
+            wire.raise_for(reply)
         if reply.get("id") != request_id:
             raise ProtocolError(f"reply id {reply.get('id')} to request {request_id}")
         return wire.raise_for(reply)

@@ -1,12 +1,21 @@
 """kerninstd: serves /dev/kerninst to authenticated ksim clients over TCP.
 
     kerninstd --listen HOST:PORT --token-file PATH [--device /dev/kerninst] [--allow-exec]
+              [--auth-timeout S] [--idle-timeout S] [--max-connections N]
+              [--max-unauthenticated N]
 
 One asyncio server; device calls are quick ioctls made from the event loop, so
 they are serialised; ``exec`` runs its command as a subprocess and does not
 block other clients.  Each client owns what it made (text writes, trap routes,
 patch-area and data-heap blocks); when it disconnects they are undone, newest
 first, unless it sent ``keep``.
+
+Peers that have not authenticated are held to small frames, a deadline and a
+count (``Limits``): when the count is reached the oldest of them is closed, so
+idle connections can never lock a client with the token out.  Every request is
+checked against ``live.protocol.OPS`` before it is used, and whatever goes wrong
+while an op runs is answered as an error: a session ends only when its client
+leaves (or says ``bye``).
 """
 
 from __future__ import annotations
@@ -17,11 +26,12 @@ import hashlib
 import hmac
 import logging
 import os
+import resource
 import secrets
 import stat
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ksim.errors import (
@@ -76,6 +86,72 @@ def modules_digest() -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Limits:
+    """What one peer may cost the daemon.
+
+    ``auth_timeout``: seconds from accept to a successful ``auth``; a peer that is
+    not authenticated by then is closed.  ``idle_timeout``: seconds an authenticated
+    session may go without a request (``None``, the default: forever -- a session
+    that holds splices is not dropped for being quiet; dropping it undoes them).
+    ``max_unauthenticated``: connections not yet authenticated; a new one beyond it
+    closes the oldest of them.  ``max_connections``: connections in all; a new one
+    beyond it closes the oldest unauthenticated one, or is refused when every
+    connection is authenticated (authenticated sessions are never evicted).
+    """
+
+    auth_timeout: float = 10.0
+    idle_timeout: float | None = None
+    max_connections: int = 64
+    max_unauthenticated: int = 16
+
+    def __post_init__(self) -> None:
+        if not self.auth_timeout > 0:
+            raise ValueError("the auth timeout must be positive")
+        if self.idle_timeout is not None and not self.idle_timeout > 0:
+            raise ValueError("the idle timeout must be positive (or None: never)")
+        if self.max_connections < 1 or self.max_unauthenticated < 1:
+            raise ValueError("connection limits must be at least 1")
+        if self.max_unauthenticated > self.max_connections:
+            object.__setattr__(self, "max_unauthenticated", self.max_connections)
+
+
+# File descriptors the daemon needs besides its connections: stdio, the device,
+# the listening socket, the event loop's own, /proc and tracefs files, logging.
+FD_RESERVE = 32
+# Per connection: its socket, and the pipes and pidfd of an exec it may be running.
+FDS_PER_CONNECTION = 5
+LISTEN_BACKLOG = 100   # connections the kernel queues, and asyncio accepts in one go
+
+
+def fd_budget(limits: Limits) -> int:
+    """File descriptors ``limits`` may take at once: accepted connections wait in the
+    backlog's worth of sockets before they are admitted or closed."""
+    return FD_RESERVE + LISTEN_BACKLOG + limits.max_connections * FDS_PER_CONNECTION
+
+
+def fit_fd_limit(limits: Limits) -> Limits:
+    """Raise the soft RLIMIT_NOFILE to what ``limits`` needs, or lower the connection
+    limits to what the hard limit allows: out of descriptors, asyncio stops accepting
+    for a second at a time, and a client with the token could not get in."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = fd_budget(limits)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return limits
+    fit = max(1, (soft - FD_RESERVE - LISTEN_BACKLOG) // FDS_PER_CONNECTION)
+    log.warning("file descriptor limit %d: serving at most %d connections (asked %d)",
+                soft, fit, limits.max_connections)
+    return replace(limits, max_connections=fit,
+                   max_unauthenticated=min(limits.max_unauthenticated, fit))
+
+
 @dataclass
 class TextWrite:
     address: int
@@ -107,11 +183,31 @@ class Session:
         self.text.append(TextWrite(address, old, new))
 
 
+def peer_name(writer: asyncio.StreamWriter) -> str:
+    # None when the peer reset the connection before it was accepted
+    peer = writer.get_extra_info("peername")
+    return "{}:{}".format(*peer[:2]) if isinstance(peer, tuple) and len(peer) >= 2 else "?"
+
+
+def drop(writer: asyncio.StreamWriter, frame: bytes = b"") -> None:
+    """Close a connection now, after a last frame: it goes straight into the socket's
+    send buffer (it is small and nothing is queued before it) and the kernel delivers
+    it after the close, while the descriptor is freed at once."""
+    if frame:
+        try:
+            writer.write(frame)
+        except (ConnectionError, RuntimeError):
+            pass
+    writer.transport.abort()
+
+
 class Daemon:
-    def __init__(self, device: Device, token: bytes, *, allow_exec: bool = False) -> None:
+    def __init__(self, device: Device, token: bytes, *, allow_exec: bool = False,
+                 limits: Limits | None = None) -> None:
         self.device = device
         self.token = token
         self.allow_exec = allow_exec
+        self.limits = limits or Limits()
         self.info = device.info()
         self.text = (int(self.info["text_start"]), int(self.info["text_end"]))
         cs, csz = int(self.info["code_start"]), int(self.info["code_size"])
@@ -121,55 +217,154 @@ class Daemon:
         # Freed patch code is reused only after QUIESCE: a task preempted inside it must leave first.
         self.quarantine: list[int] = []
         self.sessions: set[Session] = set()
+        # Connections not yet authenticated, oldest first (dicts keep insertion order).
+        self.unauthenticated: dict[Session, asyncio.StreamWriter] = {}
+        self.evicted = 0      # unauthenticated connections closed to admit newer ones
+        self.refused = 0      # connections refused: every slot held by an authenticated session
+        self._warned_at: dict[str, float] = {}
         self._kallsyms: str | None = None
         self.handlers = {name: getattr(self, f"op_{name}") for name in wire.OPS}
 
+    # -- admission -----------------------------------------------------------------
+    def admit(self, session: Session, writer: asyncio.StreamWriter) -> bool:
+        """Take a new connection in, closing the oldest unauthenticated ones to make
+        room; False when every slot is held by an authenticated session."""
+        lim = self.limits
+        while len(self.sessions) >= lim.max_connections:
+            if not self._evict_oldest():
+                return False
+        while len(self.unauthenticated) >= lim.max_unauthenticated:
+            self._evict_oldest()
+        self.sessions.add(session)
+        self.unauthenticated[session] = writer
+        return True
+
+    def _evict_oldest(self) -> bool:
+        if not self.unauthenticated:
+            return False
+        session = next(iter(self.unauthenticated))
+        writer = self.unauthenticated.pop(session)
+        self.sessions.discard(session)
+        self.evicted += 1
+        log.debug("%s: closed, not authenticated, to admit a newer connection", session.peer)
+        drop(writer, wire.encode(wire.reply_error(None, AuthError(
+            "closed before authentication: too many unauthenticated connections"))))
+        if self._may_warn("evicted"):
+            log.warning("%d unauthenticated connections closed so far to admit newer ones "
+                        "(limits: %d unauthenticated, %d in all)", self.evicted,
+                        self.limits.max_unauthenticated, self.limits.max_connections)
+        return True
+
+    def _may_warn(self, what: str, every: float = 10.0) -> bool:
+        """Whether to log ``what`` now: a flood of connections is reported every few
+        seconds, not once per connection."""
+        now = time.monotonic()
+        if now - self._warned_at.get(what, -every) < every:
+            return False
+        self._warned_at[what] = now
+        return True
+
+    def _forget(self, session: Session) -> None:
+        self.sessions.discard(session)
+        self.unauthenticated.pop(session, None)
+
     # -- connection loop ---------------------------------------------------------
     async def serve_client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        peer = "{}:{}".format(*writer.get_extra_info("peername")[:2])
-        session = Session(peer)
-        self.sessions.add(session)
-        log.info("%s connected", peer)
+        session = Session(peer_name(writer))
+        if not self.admit(session, writer):
+            self.refused += 1
+            log.log(logging.WARNING if self._may_warn("refused") else logging.DEBUG,
+                    "%s: refused: all %d connections are authenticated sessions (%d refused so far)",
+                    session.peer, self.limits.max_connections, self.refused)
+            drop(writer, wire.encode(wire.reply_error(None, TargetError(
+                f"kerninstd serves at most {self.limits.max_connections} connections, "
+                "all in use; try again later"))))
+            return
+        log.debug("%s connected", session.peer)
+        deadline = asyncio.get_running_loop().time() + self.limits.auth_timeout
         try:
             while True:
                 try:
-                    header = await reader.readexactly(wire.HEADER.size)
-                except asyncio.IncompleteReadError:
+                    body = await self._read_frame(session, reader, deadline)
+                except TimeoutError:
+                    why = (f"not authenticated within {self.limits.auth_timeout:g} s"
+                           if not session.authenticated else
+                           f"idle for {self.limits.idle_timeout:g} s")
+                    log.log(logging.INFO if session.authenticated else logging.DEBUG,
+                            "%s: %s; closing", session.peer, why)
+                    err = AuthError(why) if not session.authenticated else TargetTimeout(why)
+                    drop(writer, wire.encode(wire.reply_error(None, err)))
                     break
-                try:
-                    length = wire.frame_length(header)
                 except ProtocolError as exc:
                     # The stream cannot be resynchronised after a bad length: answer and hang up.
-                    log.warning("%s: %s; closing", peer, exc)
-                    writer.write(wire.encode(wire.reply_error(None, exc)))
-                    await writer.drain()
+                    log.warning("%s: %s; closing", session.peer, exc)
+                    drop(writer, wire.encode(wire.reply_error(None, exc)))
                     break
-                body = await reader.readexactly(length)
+                if body is None:
+                    break
                 reply, close = await self.handle(session, body)
-                try:
-                    frame = wire.encode(reply)
-                except ProtocolError as exc:  # a result too large for one frame
-                    frame = wire.encode(wire.reply_error(reply.get("id"), exc))
-                writer.write(frame)
-                await writer.drain()
+                writer.write(self._frame(session, reply))
+                if session.authenticated:
+                    await writer.drain()
+                else:
+                    async with asyncio.timeout_at(deadline):
+                        await writer.drain()
                 if close:
                     break
-        except (ConnectionError, asyncio.IncompleteReadError):
+        except (OSError, asyncio.IncompleteReadError, TimeoutError):
+            pass  # the peer went away (or would not read its replies before the deadline)
+        except asyncio.CancelledError:
+            # The server is shutting down: clean up below and end normally (asyncio 3.11's
+            # stream callback would report a cancelled connection task as an error).
             pass
         finally:
-            self.sessions.discard(session)
+            self._forget(session)
             self.cleanup(session)
             writer.close()
-            log.info("%s disconnected", peer)
+            log.log(logging.INFO if session.authenticated else logging.DEBUG,
+                    "%s disconnected", session.peer)
+
+    async def _read_frame(self, session: Session, reader: asyncio.StreamReader,
+                          deadline: float) -> bytes | None:
+        """The next frame's body; None at end of stream.  Before authentication the
+        frame is small and the whole exchange is due by ``deadline``."""
+        if session.authenticated:
+            async with asyncio.timeout(self.limits.idle_timeout):
+                try:
+                    header = await reader.readexactly(wire.HEADER.size)
+                except asyncio.IncompleteReadError:
+                    return None
+            return await reader.readexactly(wire.frame_length(header, wire.MAX_FRAME))
+        async with asyncio.timeout_at(deadline):
+            try:
+                header = await reader.readexactly(wire.HEADER.size)
+            except asyncio.IncompleteReadError:
+                return None
+            return await reader.readexactly(wire.frame_length(header, wire.MAX_AUTH_FRAME))
+
+    def _frame(self, session: Session, reply: dict[str, Any]) -> bytes:
+        try:
+            return wire.encode(reply)
+        except ProtocolError as exc:  # a result too large for one frame
+            return wire.encode(wire.reply_error(reply.get("id"), exc))
+        except (TypeError, ValueError) as exc:  # a result JSON cannot carry: a daemon bug
+            log.exception("%s: cannot encode a reply", session.peer)
+            return wire.encode(wire.reply_error(reply.get("id"), KsimError(
+                f"kerninstd could not encode its reply: {type(exc).__name__}: {exc}")))
 
     async def handle(self, session: Session, body: bytes) -> tuple[dict[str, Any], bool]:
+        """The reply to one frame and whether to hang up; never raises."""
         request_id = None
+        name = "request"
         try:
             message = wire.decode(body)
-            request_id = message.get("id") if isinstance(message.get("id"), int) else None
-            op, args = wire.check_request(message)
+            request_id = wire.request_id(message)
+            op = wire.check_envelope(message)
+            name = op.name
             if op.auth and not session.authenticated:
+                # before its arguments are even looked at
                 raise AuthError(f"{op.name}: not authenticated (hello, then auth)")
+            args = wire.check_args(op, message)
             handler = self.handlers[op.name]
             result = handler(session, **args)
             if asyncio.iscoroutine(result):
@@ -184,30 +379,44 @@ class Daemon:
         except KsimError as exc:
             log.info("%s: %s", session.peer, exc)
             return wire.reply_error(request_id, exc), False
+        except Exception as exc:
+            # A daemon bug (or a device that misbehaves): the client hears of it and its
+            # session -- with its splices -- goes on.
+            log.exception("%s: %s failed unexpectedly", session.peer, name)
+            detail = wire.clip(f"{type(exc).__name__}: {exc}", 300)
+            return wire.reply_error(request_id, KsimError(
+                f"{name}: kerninstd failed: {detail}")), False
 
     # -- cleanup -----------------------------------------------------------------
     def cleanup(self, session: Session) -> None:
+        """Undo what the session made, newest text write first; one step that fails
+        (logged) does not keep the others from being undone."""
         if session.keep:
-            log.info("%s: keeping %d text writes, %d traps", session.peer,
-                     len(session.text), len(session.traps))
+            if session.text or session.traps:
+                log.info("%s: keeping %d text writes, %d traps", session.peer,
+                         len(session.text), len(session.traps))
             return
         for rec in reversed(session.text):
-            try:
-                self.device.poke([(rec.address, rec.cur, rec.orig)])
-            except KsimError as exc:
-                log.error("%s: cannot undo the write at %#x: %s", session.peer, rec.address, exc)
+            self._undo_step(session, f"undo the write at {rec.address:#x}",
+                            self.device.poke, [(rec.address, rec.cur, rec.orig)])
         session.text.clear()
         for site in sorted(session.traps):
-            try:
-                self.device.clear_trap(site)
-            except KsimError as exc:
-                log.error("%s: cannot clear the trap at %#x: %s", session.peer, site, exc)
+            self._undo_step(session, f"clear the trap at {site:#x}", self.device.clear_trap, site)
         session.traps.clear()
         for address in list(session.code):
             self._free_code(session, address)
         for address in list(session.data):
-            self.data.free(address)
+            self._undo_step(session, f"free the data block at {address:#x}", self.data.free, address)
         session.data.clear()
+
+    @staticmethod
+    def _undo_step(session: Session, what: str, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except KsimError as exc:
+            log.error("%s: cannot %s: %s", session.peer, what, exc)
+        except Exception:
+            log.exception("%s: cannot %s", session.peer, what)
 
     def _free_code(self, session: Session, address: int) -> None:
         session.code.discard(address)
@@ -218,11 +427,12 @@ class Daemon:
         return {"server": "kerninstd", "protocol": wire.VERSION, "abi": int(self.info["version"]),
                 "nonce": session.nonce, "kernel": os.uname().release}
 
-    def op_auth(self, session: Session, mac: str) -> dict[str, Any]:
-        expected = wire.mac(self.token, session.nonce)
+    def op_auth(self, session: Session, mac: bytes) -> dict[str, Any]:
+        expected = bytes.fromhex(wire.mac(self.token, session.nonce))
         if not hmac.compare_digest(expected, mac):
             raise AuthError("wrong token")
         session.authenticated = True
+        self.unauthenticated.pop(session, None)
         log.info("%s authenticated", session.peer)
         return {}
 
@@ -233,8 +443,11 @@ class Daemon:
 
     def op_kallsyms(self, session: Session, offset: int) -> dict[str, Any]:
         if offset == 0 or self._kallsyms is None:
-            with open("/proc/kallsyms") as f:
-                self._kallsyms = f.read()
+            try:
+                with open("/proc/kallsyms") as f:
+                    self._kallsyms = f.read()
+            except OSError as exc:
+                raise TargetError(f"kallsyms: /proc/kallsyms: {exc.strerror}") from None
         text = self._kallsyms[offset:offset + wire.KALLSYMS_PAGE]
         end = offset + len(text)
         return {"text": text, "next": end if end < len(self._kallsyms) else None,
@@ -244,8 +457,8 @@ class Daemon:
         return {"address": self.device.lookup(name)}
 
     def op_read(self, session: Session, address: int, size: int) -> dict[str, Any]:
-        if not 0 < size <= wire.MAX_READ:
-            raise ProtocolError(f"read: size {size} outside 1..{wire.MAX_READ}")
+        if address + size > wire.U64_MAX + 1:
+            raise ProtocolError(f"read: {address:#x}+{size} passes the end of the address space")
         return {"data": self.device.read(address, size).hex()}
 
     def _data_block(self, address: int, size: int) -> None:
@@ -256,15 +469,11 @@ class Daemon:
                           "(text changes go through poke)")
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
-        if not 0 < len(data) <= wire.MAX_WRITE:
-            raise ProtocolError(f"write: size {len(data)} outside 1..{wire.MAX_WRITE}")
         self._data_block(address, len(data))
         self.device.write(address, data)
         return {}
 
     def op_alloc_code(self, session: Session, size: int) -> dict[str, Any]:
-        if size <= 0:
-            raise ProtocolError("alloc_code: size must be positive")
         try:
             address = self.code.alloc(size, 16)
         except KsimError:
@@ -288,12 +497,12 @@ class Daemon:
         return {}
 
     def op_alloc_data(self, session: Session, size: int, align: int) -> dict[str, Any]:
-        if size <= 0 or align <= 0 or align & (align - 1):
-            raise ProtocolError("alloc_data: size must be positive and align a power of two")
+        if align & (align - 1):
+            raise ProtocolError(f"alloc_data: argument 'align' must be a power of two, got {align}")
         address = self.data.alloc(size, align)
         try:
             self.device.write(address, bytes(size))
-        except KsimError:
+        except Exception:
             self.data.free(address)
             raise
         session.data.add(address)
@@ -338,47 +547,31 @@ class Daemon:
         return cls(f"{what} refused: the kernel relies on this text staying as it is: "
                    f"{found or '(the hazard is gone: retry)'}; nothing was written")
 
-    def op_poke(self, session: Session, writes: list[Any]) -> dict[str, Any]:
-        parsed: list[tuple[int, bytes, bytes]] = []
-        for item in writes:
-            if (not isinstance(item, list) or len(item) != 3 or not isinstance(item[0], int)
-                    or not all(isinstance(x, str) for x in item[1:])):
-                raise ProtocolError("poke: each write is [address, old hex, new hex]")
-            address = item[0]
-            old = wire.bytes_arg("poke", "old", item[1])
-            new = wire.bytes_arg("poke", "new", item[2])
-            if len(old) != len(new) or not old:
-                raise ProtocolError(f"poke at {address:#x}: old and new differ in length or are empty")
+    def op_poke(self, session: Session, writes: list[tuple[int, bytes, bytes]]) -> dict[str, Any]:
+        for i, (address, old, new) in enumerate(writes):
+            if len(old) != len(new):
+                raise ProtocolError(f"poke: argument 'writes[{i}]': old is {len(old)} bytes "
+                                    f"and new {len(new)}; they must be the same length")
+            if address + len(new) > wire.U64_MAX + 1:
+                raise ProtocolError(f"poke: argument 'writes[{i}]': {address:#x}+{len(new)} "
+                                    "passes the end of the address space")
             if self._in_code(address, len(new)):
                 self._check_code_write(session, address, len(new))
-            parsed.append((address, old, new))
-        if not parsed:
-            raise ProtocolError("poke: no writes")
         try:
-            self.device.poke(parsed)
+            self.device.poke(writes)
         except Blacklisted:
-            raise self._refusal("poke", parsed) from None
-        for address, old, new in parsed:
+            raise self._refusal("poke", writes) from None
+        for address, old, new in writes:
             if not self._in_code(address, len(new)):
                 session.log_write(address, old, new)
         return {}
 
-    def op_hazards(self, session: Session, ranges: list[Any]) -> dict[str, Any]:
-        if len(ranges) > wire.MAX_RANGES:
-            raise ProtocolError(f"hazards: {len(ranges)} ranges exceed the limit of {wire.MAX_RANGES}")
-        parsed: list[tuple[int, int]] = []
-        for item in ranges:
-            if (not isinstance(item, list) or len(item) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
-                raise ProtocolError("hazards: each range is [address, length] (two integers)")
-            address, length = item
-            if not 0 < length <= wire.MAX_RANGE:
-                raise ProtocolError(f"hazards: range at {address:#x}: length {length} "
-                                    f"outside 1..{wire.MAX_RANGE}")
-            if not 0 <= address <= (1 << 64) - length:
-                raise ProtocolError(f"hazards: address {address} is not a 64-bit address")
-            parsed.append((address, length))
-        flags = self.device.hazards(parsed) if parsed else []
+    def op_hazards(self, session: Session, ranges: list[tuple[int, int]]) -> dict[str, Any]:
+        for i, (address, length) in enumerate(ranges):
+            if address + length > wire.U64_MAX + 1:
+                raise ProtocolError(f"hazards: argument 'ranges[{i}]': {address:#x}+{length} "
+                                    "passes the end of the 64-bit address space")
+        flags = self.device.hazards(ranges) if ranges else []
         return {"hazards": [abi.hazard_names(f) for f in flags]}
 
     def op_set_trap(self, session: Session, site: int, patch: int) -> dict[str, Any]:
@@ -406,15 +599,15 @@ class Daemon:
     def op_tracefs(self, session: Session, file: str, mode: str, data: str) -> dict[str, Any]:
         """The kprobe oracle's file accesses, made without a shell (a shell's own
         syscalls would be counted by the probe it sets up)."""
+        if mode not in ("r", "w", "a"):
+            raise ProtocolError(f"tracefs: argument 'mode' must be r, w or a, got {mode!r}")
         path = os.path.normpath(file)
         if not (path.startswith(self.TRACEFS) or path == self.KPROBES_OPTIMIZATION):
-            raise AuthError(f"tracefs: {file!r} is neither under {self.TRACEFS} "
+            raise AuthError(f"tracefs: {wire.clip(repr(file))} is neither under {self.TRACEFS} "
                             f"nor {self.KPROBES_OPTIMIZATION}")
-        if mode not in ("r", "w", "a"):
-            raise ProtocolError(f"tracefs: mode {mode!r} is not r, w or a")
         try:
             if mode == "r":
-                with open(path) as f:
+                with open(path, errors="replace") as f:
                     return {"data": f.read()[:wire.MAX_EXEC_OUTPUT]}
             # os-level I/O: Python's append mode seeks to the end, which tracefs refuses.
             flags = os.O_WRONLY | (os.O_APPEND if mode == "a" else os.O_TRUNC)
@@ -431,9 +624,12 @@ class Daemon:
         if not self.allow_exec:
             raise AuthError("exec is disabled (kerninstd was not started with --allow-exec)")
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_shell(
-            cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-            stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        try:
+            proc = await asyncio.create_subprocess_shell(
+                cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+        except OSError as exc:
+            raise TargetError(f"exec: cannot start {wire.clip(repr(cmd))}: {exc.strerror}") from None
         try:
             out, err = await asyncio.wait_for(proc.communicate(), timeout)
         except TimeoutError:
@@ -442,7 +638,7 @@ class Daemon:
             except ProcessLookupError:
                 pass
             await proc.wait()
-            raise TargetTimeout(f"exec: {cmd!r} still running after {timeout:g} s; killed") from None
+            raise TargetTimeout(f"exec: {wire.clip(repr(cmd))} still running after {timeout:g} s; killed") from None
         return {"rc": proc.returncode,
                 "stdout": out[-wire.MAX_EXEC_OUTPUT:].decode(errors="replace"),
                 "stderr": err[-wire.MAX_EXEC_OUTPUT:].decode(errors="replace"),
@@ -459,11 +655,48 @@ def parse_listen(value: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {value!r}") from None
+    if not 0 < seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"seconds must be positive and finite, got {value!r}")
+    return seconds
+
+
+def idle_seconds(value: str) -> float | None:
+    """--idle-timeout: 0 (or off, never) keeps idle sessions forever."""
+    if value.strip().lower() in ("off", "never"):
+        return None
+    try:
+        if float(value) == 0:
+            return None
+    except ValueError:
+        pass
+    return positive_seconds(value)
+
+
+def positive_count(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+async def start(daemon: Daemon, host: str, port: int) -> asyncio.Server:
+    """The listening server (port 0: any free port, see ``server.sockets``)."""
+    return await asyncio.start_server(daemon.serve_client, host, port, backlog=LISTEN_BACKLOG)
+
+
 async def serve(daemon: Daemon, host: str, port: int) -> None:
-    server = await asyncio.start_server(daemon.serve_client, host, port)
+    server = await start(daemon, host, port)
+    lim = daemon.limits
     log.info("listening on %s:%d (abi %d, text %#x-%#x, exec %s)", host, port,
              daemon.info["version"], daemon.text[0], daemon.text[1],
              "allowed" if daemon.allow_exec else "disabled")
+    log.info("limits: auth within %g s, idle %s, %d connections, %d unauthenticated",
+             lim.auth_timeout, "forever" if lim.idle_timeout is None else f"{lim.idle_timeout:g} s",
+             lim.max_connections, lim.max_unauthenticated)
     print(f"kerninstd: listening on {host}:{port}", flush=True)
     async with server:
         await server.serve_forever()
@@ -478,17 +711,35 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="/dev/kerninst")
     parser.add_argument("--allow-exec", action="store_true",
                         help="serve the exec op (run shell commands for clients): testbeds only")
+    defaults = Limits()
+    parser.add_argument("--auth-timeout", type=positive_seconds, default=defaults.auth_timeout,
+                        metavar="SECONDS", help="close a connection not authenticated within "
+                        f"this many seconds of connecting (default {defaults.auth_timeout:g})")
+    parser.add_argument("--idle-timeout", type=idle_seconds, default=None, metavar="SECONDS",
+                        help="close an authenticated session after this many seconds without a "
+                        "request, undoing its splices unless it sent keep (default 0: never)")
+    parser.add_argument("--max-connections", type=positive_count,
+                        default=defaults.max_connections, metavar="N",
+                        help="connections in all; beyond it the oldest unauthenticated one is "
+                        f"closed, or the new one refused (default {defaults.max_connections})")
+    parser.add_argument("--max-unauthenticated", type=positive_count,
+                        default=defaults.max_unauthenticated, metavar="N",
+                        help="connections not yet authenticated; beyond it the oldest of them "
+                        f"is closed (default {defaults.max_unauthenticated})")
     parser.add_argument("-v", "--verbose", action="store_true")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="kerninstd: %(levelname)s %(message)s", stream=sys.stderr)
+    limits = fit_fd_limit(Limits(auth_timeout=args.auth_timeout, idle_timeout=args.idle_timeout,
+                                 max_connections=args.max_connections,
+                                 max_unauthenticated=args.max_unauthenticated))
     try:
         token = read_token(args.token_file)
         device = Device(args.device)
     except (KsimError, OSError) as exc:
         print(f"kerninstd: refusing to start: {exc}", file=sys.stderr)
         return 2
-    daemon = Daemon(device, token, allow_exec=args.allow_exec)
+    daemon = Daemon(device, token, allow_exec=args.allow_exec, limits=limits)
     host, port = args.listen
     try:
         asyncio.run(serve(daemon, host, port))

@@ -8,7 +8,11 @@ replies carry ``v``, ``id``, ``ok`` and either the op's results or ``error``:
 
 A session: ``hello`` (the daemon answers with a nonce) -> ``auth`` with
 ``mac = HMAC-SHA256(token, nonce)`` -> any op.  The token itself never crosses
-the wire.
+the wire.  Until ``auth`` succeeds a frame is at most ``MAX_AUTH_FRAME`` bytes.
+
+Every argument of every op is declared in ``OPS`` with its type and range
+(``Arg``); ``check_request`` refuses anything else with a ProtocolError that
+names the op and the argument, before the daemon uses any of it.
 """
 
 from __future__ import annotations
@@ -16,62 +20,112 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import struct
 from dataclasses import dataclass
 from typing import Any
 
 from ksim.errors import KsimError, ProtocolError, UnknownSymbol, all_error_classes
+from live.abi import LIMITS
 
 VERSION = 1
 HEADER = struct.Struct(">I")
 MAX_FRAME = 8 << 20          # the largest frame either side accepts (a kallsyms page fits)
+# The largest frame before authentication.  hello is ~30 bytes and auth ~110 (a
+# 64-digit MAC); 1 KiB leaves room for longer ids or extra fields while an
+# unauthenticated peer can make the daemon buffer only this much per frame.
+MAX_AUTH_FRAME = 1 << 10
 MAX_READ = 1 << 20           # bytes per read op
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
 MAX_RANGES = 4096            # text ranges per hazards op
-MAX_RANGE = 16               # bytes per hazards range (the module's KERNINST_MAX_TEXT_WRITE)
+MAX_RANGE = LIMITS["MAX_TEXT_WRITE"]   # bytes per hazards range
+MAX_WRITES = LIMITS["MAX_WRITES"]      # writes per poke (the module's batch limit)
+MAX_POKE_BYTES = LIMITS["MAX_CODE_WRITE"]  # bytes per poke write (text writes are 16 at most)
+MAX_NAME = LIMITS["NAME_LEN"] - 1      # UTF-8 bytes of a symbol name (the module adds a NUL)
+MAX_PATH = 4095              # UTF-8 bytes of a tracefs path (PATH_MAX less its NUL)
+MAX_CMD = (128 << 10) - 1    # UTF-8 bytes of an exec command: one execve argument (MAX_ARG_STRLEN)
+MAX_ALIGN = 4096             # data-heap alignment: the heap itself is only page-aligned
+MAX_EXEC_TIMEOUT = 7 * 86400.0   # seconds
+U64_MAX = (1 << 64) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Arg:
+    """What one argument may be.
+
+    ``kind`` is int, number (int or float), bool, str, hex (bytes as hex digits)
+    or list.  For int and number, ``lo``..``hi`` bound the value; for str (in UTF-8
+    bytes), hex (in bytes) and list (in items) they bound the length.  A list's
+    items are lists of the ``fields`` (name, Arg), in order.
+    """
+
+    kind: str
+    lo: int | float = 0
+    hi: int | float = U64_MAX
+    fields: tuple[tuple[str, Arg], ...] = ()
+
+
+def integer(lo: int = 0, hi: int = U64_MAX) -> Arg:
+    return Arg("int", lo, hi)
+
+
+def text(lo: int = 0, hi: int = MAX_FRAME) -> Arg:
+    return Arg("str", lo, hi)
+
+
+def hexbytes(lo: int = 0, hi: int = MAX_FRAME) -> Arg:
+    return Arg("hex", lo, hi)
+
+
+def items(hi: int, lo: int = 0, **fields: Arg) -> Arg:
+    return Arg("list", lo, hi, tuple(fields.items()))
+
+
+U64 = integer()              # an address or an offset
+SIZE = integer(1)            # a size: positive, within u64
+BOOL = Arg("bool")
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One message kind: its arguments (name -> type) and whether it needs auth."""
+    """One message kind: its arguments (name -> what it may be) and whether it needs auth."""
 
     name: str
-    args: dict[str, str]
+    args: dict[str, Arg]
     auth: bool = True
     doc: str = ""
 
 
-# Message kinds, as data.  Argument types: int, hex (bytes), str, list, bool, float.
+# Message kinds, as data.  Every argument is checked against its Arg before an op runs.
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("hello", {}, auth=False, doc="protocol version and an auth nonce"),
-    Op("auth", {"mac": "str"}, auth=False, doc="HMAC-SHA256(token, nonce) as hex"),
+    Op("auth", {"mac": hexbytes(32, 32)}, auth=False, doc="HMAC-SHA256(token, nonce) as hex"),
     Op("info", {}, doc="module info: text range, regions, per-cpu offsets, task layout"),
-    Op("kallsyms", {"offset": "int"}, doc="a page of /proc/kallsyms from a character offset"),
-    Op("lookup", {"name": "str"}, doc="address of a kernel symbol"),
-    Op("read", {"address": "int", "size": "int"}, doc="kernel memory, never faults"),
-    Op("write", {"address": "int", "data": "hex"}, doc="data heap only"),
-    Op("alloc_code", {"size": "int"}, doc="patch-area block (reachable by rel32 from text)"),
-    Op("free_code", {"address": "int"}),
-    Op("alloc_data", {"size": "int", "align": "int"}, doc="zeroed data-heap block"),
-    Op("free_data", {"address": "int"}),
-    Op("poke", {"writes": "list"}, doc="[[address, old hex, new hex], ...] all or nothing"),
-    Op("set_trap", {"site": "int", "patch": "int"}),
-    Op("clear_trap", {"site": "int"}),
-    Op("hazards", {"ranges": "list"},
+    Op("kallsyms", {"offset": U64}, doc="a page of /proc/kallsyms from a character offset"),
+    Op("lookup", {"name": text(1, MAX_NAME)}, doc="address of a kernel symbol"),
+    Op("read", {"address": U64, "size": integer(1, MAX_READ)}, doc="kernel memory, never faults"),
+    Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
+    Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
+    Op("free_code", {"address": U64}),
+    Op("alloc_data", {"size": SIZE, "align": integer(1, MAX_ALIGN)}, doc="zeroed data-heap block"),
+    Op("free_data", {"address": U64}),
+    Op("poke", {"writes": items(MAX_WRITES, lo=1, address=U64, old=hexbytes(1, MAX_POKE_BYTES),
+                                new=hexbytes(1, MAX_POKE_BYTES))},
+       doc="[[address, old hex, new hex], ...] all or nothing"),
+    Op("set_trap", {"site": U64, "patch": U64}),
+    Op("clear_trap", {"site": U64}),
+    Op("hazards", {"ranges": items(MAX_RANGES, address=U64, length=integer(1, MAX_RANGE))},
        doc="[[address, length], ...] -> why the kernel relies on each text range staying as it is"),
-    Op("keep", {"keep": "bool"}, doc="leave this client's splices in place when it disconnects"),
-    Op("tracefs", {"file": "str", "mode": "str", "data": "str"},
+    Op("keep", {"keep": BOOL}, doc="leave this client's splices in place when it disconnects"),
+    Op("tracefs", {"file": text(1, MAX_PATH), "mode": text(1, 1), "data": text()},
        doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization"),
-    Op("exec", {"cmd": "str", "timeout": "float"}, doc="run a shell command (--allow-exec only)"),
+    Op("exec", {"cmd": text(1, MAX_CMD), "timeout": Arg("number", 1e-3, MAX_EXEC_TIMEOUT)},
+       doc="run a shell command (--allow-exec only)"),
     Op("bye", {}, doc="close the session (cleanup as on disconnect)"),
 )}
 
-_TYPES: dict[str, tuple[type, ...]] = {
-    "int": (int,), "hex": (str,), "str": (str,), "list": (list,), "bool": (bool,),
-    "float": (int, float),
-}
 # Arguments an op may leave out, with their defaults.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
@@ -89,43 +143,158 @@ def encode(message: dict[str, Any]) -> bytes:
     return HEADER.pack(len(body)) + body
 
 
-def frame_length(header: bytes) -> int:
+def frame_length(header: bytes, limit: int = MAX_FRAME) -> int:
     (length,) = HEADER.unpack(header)
-    if length == 0 or length > MAX_FRAME:
-        raise ProtocolError(f"bad frame length {length} (limit {MAX_FRAME})")
+    if length == 0 or length > limit:
+        raise ProtocolError(f"bad frame length {length} (limit {limit})")
     return length
 
 
 def decode(body: bytes) -> dict[str, Any]:
     try:
         message = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"frame is not JSON: {exc}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError besides JSONDecodeError: an integer literal over Python's digit limit;
+        # RecursionError: arrays or objects nested deeper than the parser goes.
+        raise ProtocolError(f"frame is not JSON: {clip(str(exc))}") from None
     if not isinstance(message, dict):
         raise ProtocolError("frame is not a JSON object")
     return message
 
 
-def check_request(message: dict[str, Any]) -> tuple[Op, dict[str, Any]]:
-    """Validate a request against OPS; return the op and its arguments (defaults filled)."""
-    if message.get("v") != VERSION:
-        raise ProtocolError(f"protocol version {message.get('v')!r}, expected {VERSION}")
-    if not isinstance(message.get("id"), int):
-        raise ProtocolError("request without an integer id")
+def request_id(message: dict[str, Any]) -> int | None:
+    """The request's id if it is one a reply can echo (an integer in u64 range)."""
+    value = message.get("id")
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= U64_MAX:
+        return value
+    return None
+
+
+def check_envelope(message: dict[str, Any]) -> Op:
+    """The version, id and op of a request; its arguments are check_args's."""
+    v = message.get("v")
+    if not isinstance(v, int) or isinstance(v, bool) or v != VERSION:
+        raise ProtocolError(f"protocol version {_show(v)}, expected {VERSION}")
+    if request_id(message) is None:
+        raise ProtocolError(f"request without an integer id in 0..2**64-1 (got {_show(message.get('id'))})")
     name = message.get("op")
     op = OPS.get(name) if isinstance(name, str) else None
     if op is None:
-        raise ProtocolError(f"unknown op {name!r}")
+        raise ProtocolError(f"unknown op {_show(name)}")
+    return op
+
+
+def check_args(op: Op, message: dict[str, Any]) -> dict[str, Any]:
+    """The op's arguments, each checked against its Arg (defaults filled, hex decoded,
+    list items as tuples).  Fields the op does not define are ignored."""
     args = dict(DEFAULTS.get(op.name, {}))
-    for key, kind in op.args.items():
+    for key, arg in op.args.items():
         if key in message:
-            value = message[key]
-            if not isinstance(value, _TYPES[kind]) or (kind == "int" and isinstance(value, bool)):
-                raise ProtocolError(f"{op.name}: argument {key!r} must be {kind}")
-            args[key] = bytes_arg(op.name, key, str(value)) if kind == "hex" else value
+            args[key] = check_value(op.name, key, message[key], arg)
         elif key not in args:
             raise ProtocolError(f"{op.name}: missing argument {key!r}")
-    return op, args
+    return args
+
+
+def check_request(message: dict[str, Any]) -> tuple[Op, dict[str, Any]]:
+    """Validate a request against OPS; return the op and its arguments (defaults filled)."""
+    op = check_envelope(message)
+    return op, check_args(op, message)
+
+
+def check_value(op: str, path: str, value: Any, arg: Arg) -> Any:
+    """``value`` as ``arg`` allows it, or a ProtocolError naming the op and the argument."""
+    where = f"{op}: argument {path!r}"
+    kind = arg.kind
+    if kind == "int":
+        if not isinstance(value, int) or isinstance(value, bool) or not arg.lo <= value <= arg.hi:
+            raise ProtocolError(f"{where} must be int in {_bounds(arg)}, got {_show(value)}")
+        return value
+    if kind == "number":
+        if (not isinstance(value, int | float) or isinstance(value, bool)
+                or not math.isfinite(value) or not arg.lo <= value <= arg.hi):
+            raise ProtocolError(f"{where} must be a finite number in {_bounds(arg)}, got {_show(value)}")
+        return float(value)
+    if kind == "bool":
+        if not isinstance(value, bool):
+            raise ProtocolError(f"{where} must be bool (true or false), got {_show(value)}")
+        return value
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where} must be str, got {_show(value)}")
+        check_text(where, value)
+        _check_length(where, len(value.encode()), arg, "bytes of UTF-8")
+        return value
+    if kind == "hex":
+        if not isinstance(value, str):
+            raise ProtocolError(f"{where} must be str of hex digits, got {_show(value)}")
+        data = bytes_arg(op, path, value)
+        _check_length(where, len(data), arg, "bytes")
+        return data
+    if kind == "list":
+        if not isinstance(value, list):
+            raise ProtocolError(f"{where} must be list, got {_show(value)}")
+        _check_length(where, len(value), arg, "items")
+        if not arg.fields:
+            return value
+        names = [name for name, _ in arg.fields]
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, list) or len(item) != len(names):
+                at = f"{path}[{i}]"
+                raise ProtocolError(f"{op}: argument {at!r} must be a list [{', '.join(names)}], "
+                                    f"got {_show(item)}")
+            out.append(tuple(check_value(op, f"{path}[{i}].{name}", x, field)
+                             for (name, field), x in zip(arg.fields, item, strict=True)))
+        return out
+    raise AssertionError(f"{op}: argument {path!r} has no checker for kind {kind!r}")
+
+
+def check_text(where: str, value: str) -> None:
+    """A string the daemon may pass on: no NUL (C strings and paths end there) and no
+    lone surrogate (it has no UTF-8 form; JSON can carry one as a \\uD800 escape)."""
+    at = value.find("\0")
+    if at >= 0:
+        raise ProtocolError(f"{where} contains a NUL character (at index {at})")
+    try:
+        value.encode()
+    except UnicodeEncodeError as exc:
+        raise ProtocolError(f"{where} contains a lone surrogate "
+                            f"(U+{ord(value[exc.start]):04X} at index {exc.start}): not UTF-8") from None
+
+
+def _check_length(where: str, n: int, arg: Arg, unit: str) -> None:
+    if n < arg.lo:
+        raise ProtocolError(f"{where} has {n} {unit}, fewer than {_num(arg.lo)}")
+    if n > arg.hi:
+        raise ProtocolError(f"{where} has {n} {unit}, over the limit of {_num(arg.hi)}")
+
+
+def _bounds(arg: Arg) -> str:
+    hi = "2**64-1" if arg.hi == U64_MAX else _num(arg.hi)
+    return f"{_num(arg.lo)}..{hi}"
+
+
+def _num(x: int | float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def _show(value: Any) -> str:
+    """A value for an error message: its JSON type and a bounded rendering."""
+    if isinstance(value, bool):
+        return f"bool {str(value).lower()}"
+    if isinstance(value, int):
+        return f"int {value}" if value.bit_length() <= 128 else f"int of {value.bit_length()} bits"
+    if value is None:
+        return "null"
+    kind = {str: "str", float: "number", list: "list", dict: "object"}.get(type(value), "value")
+    if isinstance(value, list | dict):
+        return f"{kind} of {len(value)} items"
+    return f"{kind} {clip(repr(value))}"
+
+
+def clip(s: str, limit: int = 80) -> str:
+    return s if len(s) <= limit else s[:limit] + "..."
 
 
 def bytes_arg(op: str, key: str, value: str) -> bytes:
