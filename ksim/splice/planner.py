@@ -148,16 +148,22 @@ def check_point(req: SpliceRequest) -> None:
     if not (func.start <= req.point < func.end):
         raise OutsideText(f"{req.point:#x} is outside {func.name} ({func.start:#x}..{func.end:#x})")
     first = func.insns[func.index_of(req.point)]  # NotOnBoundary
-    where = f"{func.name}+{req.point - func.start:#x}"
-    found = set(func.hazards.get(req.point, ()))
+    found = _must_stay(func, first)
     if any(lo <= req.point < hi for lo, hi in req.blacklist):
         found.add("blacklist")
-    if first.mnemonic == "int3":
-        found.add("breakpoint")
     if found:
-        raise hz.error_for(req.point, found, what=where)
+        raise hz.error_for(req.point, found, what=f"{func.name}+{req.point - func.start:#x}")
     if req.point in req.busy:
         raise AlreadySpliced(f"{req.point:#x} lies inside bytes another splice overwrote")
+
+
+def _must_stay(func: FunctionCode, insn: Insn) -> set[str]:
+    """Why ``insn`` may be neither overwritten nor moved: its hazards, and an int3
+    that is not ours (another instrumenter's breakpoint)."""
+    found = set(func.hazards.get(insn.address, ()))
+    if insn.mnemonic == "int3":
+        found.add("breakpoint")
+    return found
 
 
 # --- the window of instructions a tactic overwrites ----------------------------------
@@ -186,11 +192,9 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
             if insn.flow not in _DISPLACEABLE and insn.flow not in _ENDS_RUN and (
                     insn.flow not in (Flow.CALL, Flow.CALL_INDIRECT)):
                 return f"cannot displace {insn.mnemonic} at {insn.address:#x}"
-            found = func.hazards.get(insn.address)
+            found = _must_stay(func, insn)
             if found:
                 return f"the {size}-byte window would move {insn.address:#x}, {hz.describe(found)}"
-            if insn.mnemonic == "int3":
-                return f"the {size}-byte window would move a breakpoint at {insn.address:#x}"
         if insn.address != req.point and any(
             a in req.busy for a in range(insn.address, insn.end)
         ):
