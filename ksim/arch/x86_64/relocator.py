@@ -212,27 +212,25 @@ class Relocator:
             # op +2 (taken: to the long jmp); jmp short +5 (not taken: skip it)
             w.put_bytes(bytes([form.opcode, 0x02, 0xEB, 0x05]))
             w.put_jmp(self._dest(insn, form.target))
-        elif form.kind == "riprel":
-            self._write_riprel(w, insn, form)
-        elif form.kind == "eiprel":
-            # the 32-bit address wraps, so some disp32 always reaches it
-            disp = (form.target - (w.pc + insn.size)) & 0xFFFFFFFF
+        elif form.kind in ("riprel", "eiprel"):
             raw = bytearray(insn.raw)
-            raw[form.disp_offset:form.disp_offset + 4] = disp.to_bytes(4, "little")
+            _rebase(raw, insn, form, w.pc)
             w.put_bytes(bytes(raw))
         else:
             w.put_bytes(insn.raw)
 
-    @staticmethod
-    def _write_riprel(w: Writer, insn: Insn, form: _Form) -> None:
-        disp = signed64(form.target - (w.pc + insn.size))
+
+def _rebase(raw: bytearray, insn: Insn, form: _Form, pc: int) -> None:
+    """Rewrite the disp32 in ``raw`` (``insn``'s bytes, or a re-encoding of the same
+    length) so that its RIP/EIP-relative operand, run at ``pc``, reaches the same
+    address.  An EIP-relative address wraps at 4 GB, so some disp32 always does."""
+    disp = form.target - (pc + insn.size)
+    if form.kind == "riprel":
+        disp = signed64(disp)
         if not fits(disp, INT32):
             raise RelocationError(
-                f"{insn}: RIP-relative operand to {form.target:#x} out of reach from {w.pc:#x}"
-            )
-        raw = bytearray(insn.raw)
-        raw[form.disp_offset:form.disp_offset + 4] = struct.pack("<i", disp)
-        w.put_bytes(bytes(raw))
+                f"{insn}: RIP-relative operand to {form.target:#x} out of reach from {pc:#x}")
+    raw[form.disp_offset:form.disp_offset + 4] = (disp & 0xFFFFFFFF).to_bytes(4, "little")
 
 
 def relocate(insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> bytes:
@@ -314,15 +312,7 @@ def _indirect_as_jmp(insn: Insn, pc: int) -> bytes:
         return bytes(raw)
     form = _pc_relative_form(insn, decoded)
     if form is not None:
-        end = pc + insn.size
-        if form.kind == "eiprel":
-            disp = (form.target - end) & 0xFFFFFFFF
-        else:
-            disp = signed64(form.target - end)
-            if not fits(disp, INT32):
-                raise RelocationError(f"{insn}: operand at {form.target:#x} out of reach from {pc:#x}")
-            disp &= 0xFFFFFFFF
-        raw[form.disp_offset:form.disp_offset + 4] = disp.to_bytes(4, "little")
+        _rebase(raw, insn, form, pc)
         return bytes(raw)
     if op.mem.base in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
         return _rsp_operand_moved_up(insn, raw, opcode_at + 1)
