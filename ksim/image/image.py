@@ -53,7 +53,7 @@ class Image:
         self._sym_starts = [s.address for s in self.symbols]
         self._names_at: dict[int, list[str]] | None = None
         self._sec_starts = [s.address for s in self.sections]
-        self.text_regions: tuple[tuple[int, int], ...] = _merge(
+        self.text_regions: tuple[tuple[int, int], ...] = merge_ranges(
             (s.address, s.end) for s in self.sections if s.executable and s.size
         )
 
@@ -162,7 +162,8 @@ class Image:
         return kernel_tables(self)
 
 
-def _merge(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+def merge_ranges(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Address ranges (start, end) merged into disjoint sorted ones."""
     out: list[tuple[int, int]] = []
     for start, end in sorted(regions):
         if out and start <= out[-1][1]:

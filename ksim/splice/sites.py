@@ -25,6 +25,7 @@ from ksim.analysis.function import FunctionAnalysis, analyze
 from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
+from ksim.image.image import merge_ranges
 from ksim.image.model import Function
 from ksim.splice.planner import FunctionCode
 
@@ -225,13 +226,8 @@ class SiteFacts:
     @cached_property
     def _blacklist_index(self) -> tuple[list[int], list[int]]:
         """The blacklist merged into disjoint sorted ranges, for bisection."""
-        merged: list[list[int]] = []
-        for lo, hi in sorted(self.blacklist):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        return [m[0] for m in merged], [m[1] for m in merged]
+        merged = merge_ranges(self.blacklist)
+        return [lo for lo, _ in merged], [hi for _, hi in merged]
 
     @cached_property
     def blacklist(self) -> tuple[tuple[int, int], ...]:
