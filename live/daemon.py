@@ -542,8 +542,7 @@ class Daemon:
         found = "; ".join(f"{a:#x}+{n}: {', '.join(ns)}"
                           for (a, n), ns in zip(text, names, strict=True) if ns)
         every = {n for ns in names for n in ns}
-        cls = hazards.HAZARDS[min(every, key=list(hazards.HAZARDS).index)][0] \
-            if every & set(hazards.HAZARDS) else Blacklisted
+        cls = hazards.error_class(every) if every else Blacklisted
         return cls(f"{what} refused: the kernel relies on this text staying as it is: "
                    f"{found or '(the hazard is gone: retry)'}; nothing was written")
 

@@ -61,12 +61,17 @@ def describe(names: Iterable[str]) -> str:
     return "; ".join(HAZARDS[n][1] if n in HAZARDS else n for n in found)
 
 
+def error_class(names: Iterable[str]) -> type[SpliceError]:
+    """The error class of the most specific of the hazards ``names``."""
+    found = sorted(set(names), key=_rank)
+    return HAZARDS[found[0]][0] if found and found[0] in HAZARDS else UnsafeSite
+
+
 def error_for(address: int, names: Iterable[str], *, what: str = "") -> SpliceError:
     """The specific refusal for an instruction at ``address`` with hazards ``names``."""
-    found = sorted(set(names), key=_rank)
-    cls = HAZARDS[found[0]][0] if found and found[0] in HAZARDS else UnsafeSite
+    names = set(names)
     where = f"{address:#x}" + (f" ({what})" if what else "")
-    return cls(f"{where} is {describe(found)}: ksim never overwrites or moves it")
+    return error_class(names)(f"{where} is {describe(names)}: ksim never overwrites or moves it")
 
 
 def _rank(name: str) -> int:
