@@ -18,6 +18,7 @@ removing one re-plans the patch and re-points the splice in a single poke.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -235,20 +236,15 @@ class Manager:
                                               point_kind=str(point.kind.value),
                                               call_operand=operand)
 
-        def request(code_address: int) -> planner.SpliceRequest:
-            return planner.SpliceRequest(
-                point=point.address, func=func, compile=compile_at, code_address=code_address,
-                policy=policy, busy=self._busy(exclude=point.address),
-                # the point's own springboard slot counts as free: a re-plan finds
-                # the same slot first and re-points it in place
-                padding=self.facts.padding_slots(point.address, self._busy(exclude=point.address)),
-                blacklist=self.facts.blacklist)
-
-        planner.check_point(request(point.address))
-        size = planner.patch_size_bound(self.arch, request(point.address))
+        # the point's own bytes and springboard slot count as free: a re-plan finds
+        # the same slot first and re-points it in place
+        req = self.facts.request(point.address, func, compile_at, point.address, policy=policy,
+                                 busy=self._busy(exclude=point.address))
+        planner.check_point(req)
+        size = planner.patch_size_bound(self.arch, req)
         address = self.target.alloc_code(size, near=point.address)
         try:
-            patch = planner.plan(self.arch, request(address))
+            patch = planner.plan(self.arch, dataclasses.replace(req, code_address=address))
             if len(patch.code) > size:
                 raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound ({size})")
         except BaseException:

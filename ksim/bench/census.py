@@ -79,16 +79,11 @@ class Census:
 
     # --- the questions ----------------------------------------------------------------
     def code(self, address: int, *, rules: bool) -> Any:
-        code = self.facts.function_code(self.facts.function_of(self.facts.point_at(address)))
+        code = self.facts.function_code(self.facts.point_at(address))
         return code if rules else dataclasses.replace(code, hazards={})
 
     def request(self, code: Any, point: int, policy: str) -> Any:
-        from ksim.splice import planner
-
-        return planner.SpliceRequest(
-            point=point, func=code, compile=lambda _at: self.snippet, code_address=self.area,
-            policy=policy, padding=self.facts.padding_slots(point, frozenset()),
-            blacklist=self.facts.blacklist)
+        return self.facts.request(point, code, lambda _at: self.snippet, self.area, policy=policy)
 
     def at_site(self, address: int, *, rules: bool = True) -> str:
         """The tactic "auto" picks at the site, or the refusal's error class."""

@@ -78,9 +78,7 @@ class Coverage:
         from ksim.splice import planner
 
         fc = self.facts.function_code(func)
-        req = planner.SpliceRequest(
-            point=point, func=fc, compile=self.compile_at, code_address=self.area,
-            padding=self.facts.padding_slots(point, frozenset()), blacklist=self.facts.blacklist)
+        req = self.facts.request(point, fc, self.compile_at, self.area)
         try:
             planner.check_point(req)
         except KsimError as exc:

@@ -173,11 +173,8 @@ class NativePlanner:
 
         if v.tactic == "far":
             return self._far(v, point.address, compile_at, lines, info)
-        req = planner.SpliceRequest(
-            point=point.address, func=self.facts.function_code(self.func),
-            compile=compile_at, code_address=area, policy="auto",
-            padding=self.facts.padding_slots(point.address, frozenset()),
-            blacklist=self.facts.blacklist)
+        req = self.facts.request(point.address, self.facts.function_code(self.func),
+                                 compile_at, area)
         try:
             result = planner.TACTICS[v.tactic](self.arch, req)
         except KsimError as exc:  # e.g. the jump back from a far patch is out of range

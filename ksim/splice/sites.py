@@ -27,7 +27,7 @@ from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
 from ksim.image.model import Function
-from ksim.splice.planner import FunctionCode
+from ksim.splice.planner import FunctionCode, SpliceRequest
 
 #: code ksim must never splice, as (start symbol, end symbol) pairs: the Linux
 #: sections kprobes refuses (kernel/kprobes.c: within_kprobe_blacklist and the
@@ -186,6 +186,16 @@ class SiteFacts:
             return b""
         data = self.image.read(func.end, end - func.end)
         return data if _is_filler(self.arch, data, func.end) else b""
+
+    def request(self, point: int, code: FunctionCode, compile: Callable[[int], bytes],
+                code_address: int, *, policy: str = "auto",
+                busy: Container[int] = frozenset()) -> SpliceRequest:
+        """The planner's question for ``point``, with the padding slots (less those
+        ``busy`` holds) and the blacklist that every request carries.  Move it to
+        another patch address with ``dataclasses.replace(req, code_address=...)``."""
+        return SpliceRequest(point=point, func=code, compile=compile, code_address=code_address,
+                             policy=policy, busy=busy, padding=self.padding_slots(point, busy),
+                             blacklist=self.blacklist)
 
     def padding_slots(self, near: int, busy: Container[int]) -> tuple[tuple[int, bytes], ...]:
         """Free jmp-sized slots in the filler after the functions around ``near``

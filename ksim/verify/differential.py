@@ -447,19 +447,14 @@ class Harness:
                                         point_kind=str(point.kind.value))
             return compile_hook(out, address) if compile_hook is not None else out
 
-        def request(code_address: int) -> planner.SpliceRequest:
-            return planner.SpliceRequest(
-                point=point.address, func=code, compile=compile_at, code_address=code_address,
-                policy=case.tactic, padding=self.facts.padding_slots(point.address, frozenset()),
-                blacklist=self.facts.blacklist)
-
-        planner.check_point(request(self.area))
-        bound = planner.patch_size_bound(arch, request(self.area))
+        req = self.facts.request(point.address, code, compile_at, self.area, policy=case.tactic)
+        planner.check_point(req)
+        bound = planner.patch_size_bound(arch, req)
         tactic = planner.TACTICS.get(case.tactic)
         if tactic is None:  # a policy ("auto"): the planner picks
-            patch = planner.plan(arch, request(self.area))
+            patch = planner.plan(arch, req)
         else:  # exactly this tactic ("jmp" alone is also the name of a policy)
-            made = tactic(arch, request(self.area))
+            made = tactic(arch, req)
             if isinstance(made, str):
                 raise NoSafeTactic(point.address, {case.tactic: made})
             patch = made
