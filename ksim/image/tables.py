@@ -93,7 +93,6 @@ class KernelTables:
 
     sites: Mapping[TextRef, Iterable[int]] = field(default_factory=dict, repr=False)
     kprobe_blacklist: tuple[tuple[int, int], ...] = ()
-    _by_kind: Mapping[TextRef, tuple[int, ...]] = field(init=False, repr=False, compare=False)
     # every kind's addresses merged: sorted unique addresses and a bit mask of kinds each
     _addrs: list[int] = field(init=False, repr=False, compare=False)
     _masks: list[int] = field(init=False, repr=False, compare=False)
@@ -102,9 +101,7 @@ class KernelTables:
 
     def __post_init__(self) -> None:
         sites = {kind: tuple(sorted(set(self.sites.get(kind, ())))) for kind in _KINDS}
-        by_kind = MappingProxyType(sites)
-        object.__setattr__(self, "sites", by_kind)
-        object.__setattr__(self, "_by_kind", by_kind)
+        object.__setattr__(self, "sites", MappingProxyType(sites))
         object.__setattr__(self, "kprobe_blacklist", tuple(sorted(set(self.kprobe_blacklist))))
         merged: dict[int, int] = {}
         for kind, addrs in sites.items():
@@ -116,7 +113,7 @@ class KernelTables:
         object.__setattr__(self, "_masks", [merged[a] for a in order])
 
     def __hash__(self) -> int:
-        return hash((tuple(self._by_kind.items()), self.kprobe_blacklist))
+        return hash((tuple(self.sites.items()), self.kprobe_blacklist))
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={n}" for k, n in self.counts().items() if n)
@@ -136,11 +133,11 @@ class KernelTables:
 
     def addresses(self, kind: TextRef) -> tuple[int, ...]:
         """The recorded addresses of one kind, sorted."""
-        return self._by_kind[kind]
+        return tuple(self.sites[kind])  # already a sorted tuple: no copy
 
     def counts(self) -> dict[str, int]:
         """How many addresses of each kind (by value), and ``"kprobe_blacklist"`` functions."""
-        out = {kind.value: len(self._by_kind[kind]) for kind in _KINDS}
+        out = {kind.value: len(self.addresses(kind)) for kind in _KINDS}
         out["kprobe_blacklist"] = len(self.kprobe_blacklist)
         return out
 
