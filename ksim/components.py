@@ -33,8 +33,7 @@ from elftools.elf.sections import SymbolTableSection
 
 from ksim import images
 from ksim.errors import ComponentBuildError, LinkError, UnknownSymbol
-from ksim.kapi import Manager
-from ksim.splice.patch import Write
+from ksim.kapi import CodeBlock, Manager
 
 #: the kernel's code generation flags (images/toy/Makefile, Linux's arch/x86/Makefile)
 CFLAGS = (
@@ -88,10 +87,9 @@ class Component:
     size: int
     symbols: dict[str, int]
     sections: dict[str, int]
-    _old: bytes = field(repr=False, default=b"")
+    #: the Manager's record of the placed code (base may lie above its start)
+    block: CodeBlock | None = field(repr=False, default=None)
     loaded: bool = True
-    #: the allocation (base may lie above it, aligned for the sections)
-    block: int = 0
 
     def symbol(self, name: str) -> int:
         try:
@@ -100,12 +98,11 @@ class Component:
             raise UnknownSymbol(name, sorted(self.symbols)[:5]) from None
 
     def unload(self) -> None:
-        """Restore the patch area and free it (callers first remove every use)."""
-        if not self.loaded:
+        """Restore the patch area and free it; refused (AlreadySpliced) while a
+        replacement still goes into the component."""
+        if not self.loaded or self.block is None:
             return
-        code = self.kmgr.target.read(self.base, self.size)
-        self.kmgr.target.poke([Write(self.base, code, self._old)])
-        self.kmgr.target.free_code(self.block or self.base)
+        self.kmgr.release_code(self.block)
         self.loaded = False
 
 
@@ -129,8 +126,8 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
     if missing:
         raise LinkError(f"unresolved symbols: {', '.join(missing)}")
     # the allocator aligns to 16: take slack and align the block's start ourselves
-    block = kmgr.target.alloc_code(size + align - 16, near=image.functions[0].address)
-    base = -(-block // align) * align
+    block = kmgr.reserve_code(size + align - 16)
+    base = -(-block.block // align) * align
     try:
         sections = {name: base + off for name, (off, _) in layout.items()}
         blob = bytearray(size)
@@ -165,12 +162,14 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
                    if s.name and s["st_shndx"] not in (SHN_UNDEF, "SHN_ABS")
                    and s["st_info"]["type"] in ("STT_FUNC", "STT_OBJECT", "STT_NOTYPE")
                    and s["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK")}
-        old = kmgr.target.read(base, size)
-        kmgr.target.poke([Write(base, old, bytes(blob))])
+        functions = frozenset(address_of(s) for s in symtab.iter_symbols()
+                              if s["st_info"]["type"] == "STT_FUNC"
+                              and s["st_shndx"] not in (SHN_UNDEF, "SHN_ABS"))
+        kmgr.fill_code(block, base, bytes(blob), entries=functions)
     except BaseException:
-        kmgr.target.free_code(block)
+        kmgr.release_code(block)
         raise
-    return Component(kmgr, base, size, symbols, sections, old, block=block)
+    return Component(kmgr, base, size, symbols, sections, block)
 
 
 def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, Any]], int, int]:

@@ -20,14 +20,21 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.analysis.points import Point, PointKind
 from ksim.arch.base import Arch, CallOperand
-from ksim.errors import AlreadySpliced, KsimError, UnknownHandle
+from ksim.errors import (
+    AlreadySpliced,
+    HandlerUnsupported,
+    KsimError,
+    RelocationError,
+    ReplacementError,
+    UnknownHandle,
+)
 from ksim.image.model import Function
 from ksim.snippets import ast
 from ksim.snippets.check import check as check_snippet
@@ -38,24 +45,53 @@ from ksim.splice.sites import SiteFacts
 from ksim.targets import open_target
 from ksim.targets.base import RunResult, Target
 
+#: a Python handler an emulator calls at a trap: fn(machine, site) -> resume address or None
+TrapHook = Callable[[Any, int], "int | None"]
 
-@dataclass(frozen=True)
+
+@dataclass(frozen=True, eq=False)
 class Handle:
-    """What insert_snippet returns; pass it to remove_snippet."""
+    """One instrumentation of a point, as the Manager's ledger holds it; pass it to
+    remove_snippet.  Everything at a point shares the point's one patch:
+
+    ``snippet`` runs before the instruction at the point, ``post`` right after it;
+    ``pre_hook``/``post_hook`` are Python handlers an emulator calls from a trap
+    there; ``divert`` sends the point's code to a replacement; ``callee`` is a
+    call site's new destination."""
 
     id: int
     point: Point
-    snippet: ast.Snippet
+    snippet: ast.Snippet | None = None
+    post: ast.Snippet | None = None
+    pre_hook: TrapHook | None = None
+    post_hook: TrapHook | None = None
+    divert: int | None = None
+    callee: int | None = None
 
 
 @dataclass
 class _Splice:
-    """One spliced point: its snippets in order and the patch that runs them."""
+    """One spliced point: what instruments it, in order, and the patch that runs it."""
 
     point: Point
     tactic: str
     patch: Patch
     handles: list[Handle] = field(default_factory=list)
+    #: removes the trap hooks registered for this patch
+    unhook: list[Callable[[], None]] = field(default_factory=list)
+
+
+@dataclass
+class CodeBlock:
+    """Code the Manager placed in the patch area for a user (a component)."""
+
+    block: int
+    base: int = 0
+    size: int = 0
+    old: bytes = b""
+    #: addresses in it that may be a replacement's destination (its functions)
+    entries: frozenset[int] = frozenset()
+    filled: bool = False
 
 
 class Manager:
@@ -70,6 +106,8 @@ class Manager:
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))
         self._owners: dict[int, int] = {}
+        #: code blocks placed for users (components), by allocation address
+        self._blocks: dict[int, CodeBlock] = {}
         self._ids = itertools.count(1)
 
     # --- attach / detach ---------------------------------------------------------
@@ -154,48 +192,127 @@ class Manager:
 
     # --- splicing -----------------------------------------------------------------
     def can_insert(self, point: Point, splice: str = "auto") -> str | None:
-        """None if a snippet could be spliced at ``point`` with ``splice``, else why not."""
+        """None if a snippet could be spliced at ``point`` with ``splice``, else why not
+        (the very verdict insert_snippet would give)."""
         try:
-            self._plan(point, [ast.Seq(())], splice, dry_run=True)
+            self._add(Handle(0, point, ast.Seq(())), splice, dry_run=True)
         except KsimError as exc:
             return str(exc)
         return None
 
-    def insert_snippet(self, point: Point, snippet: ast.Snippet, *, splice: str = "auto") -> Handle:
-        """Splice ``snippet`` at ``point``; snippets already there run first."""
-        check_snippet(snippet, point.kind, registers=gprs(self.arch),
-                      call_operand=self._call_operand(point, [snippet]))
-        current = self._splices.get(point.address)
-        snippets = [h.snippet for h in current.handles] if current else []
-        handle = Handle(next(self._ids), point, snippet)
-        if current is not None and current.tactic not in planner.POLICIES.get(splice, ()):
-            raise AlreadySpliced(
-                f"{point.address:#x} is spliced by {current.tactic}, which policy {splice!r} excludes"
-            )
-        policy = current.tactic if current is not None else splice
-        new = self._plan(point, snippets + [snippet], policy)
-        self._replace(point, current, new, handles=(current.handles if current else []) + [handle])
+    def insert_snippet(self, point: Point, snippet: ast.Snippet | None, *, splice: str = "auto",
+                       post: ast.Snippet | None = None, pre_hook: TrapHook | None = None,
+                       post_hook: TrapHook | None = None) -> Handle:
+        """Splice ``snippet`` at ``point``; what is already there runs first.
+
+        ``post`` runs right after the instruction at the point (it must fall
+        through).  ``pre_hook``/``post_hook`` are Python handlers, on a target that
+        calls Python at a trap (unicorn); a pre hook needs the trap tactic."""
+        kind = point.kind
+        for code, where in ((snippet, kind), (post, PointKind.INSN)):
+            if code is not None:
+                check_snippet(code, where, registers=gprs(self.arch),
+                              call_operand=self._call_operand(point, [code]))
+        if (pre_hook or post_hook) and not hasattr(self.target, "add_trap_hook"):
+            raise HandlerUnsupported(f"{self.target.name} cannot call Python at a trap: "
+                                     "use snippet handlers")
+        handle = Handle(next(self._ids), point, snippet, post, pre_hook, post_hook)
+        return self._add(handle, "trap" if pre_hook else splice)
+
+    def divert(self, point: Point, to: int, *, splice: str = "auto") -> Handle:
+        """Send execution arriving at ``point`` to ``to`` instead (function
+        replacement); snippets at the point still run first.  ``to`` must be a
+        function's entry: the image's, or one of a placed code block's."""
+        self.check_code_entry(to)
+        return self._add(Handle(next(self._ids), point, divert=to), splice)
+
+    def redirect_call(self, point: Point, to: int) -> Handle:
+        """Make the direct call at ``point`` call ``to`` (call-site replacement)."""
+        self.check_code_entry(to)
+        if point.address in self._splices:
+            raise AlreadySpliced(f"{point.address:#x} is already instrumented: "
+                                 "a replaced call site has nothing else at it")
+        insn = self.facts.analysis(point).insn_at(point.address)
+        try:
+            new = self.arch.redirect_call(insn, to)
+        except RelocationError as exc:
+            raise ReplacementError(str(exc)) from None
+        code = self.facts.function_code(point)
+        req = self.facts.request(point.address, code, lambda _a: b"", point.address,
+                                 busy=self._busy())
+        planner.check_point(req)
+        patch = Patch(point.address, "call", 0, b"", (Write(point.address, insn.raw, new),))
+        handle = Handle(next(self._ids), point, callee=to)
+        self.target.poke(list(patch.writes))
+        self._own(patch, point.address)
+        self._splices[point.address] = _Splice(point, "call", patch, [handle])
         return handle
 
     def remove_snippet(self, handle: Handle) -> None:
+        """Take ``handle``'s instrumentation out; the rest at its point stays."""
         current = self._splices.get(handle.point.address)
-        if current is None or handle not in current.handles:
-            raise UnknownHandle(f"snippet handle {handle.id} is not inserted")
-        rest = [h for h in current.handles if h != handle]
+        if current is None or not any(h is handle for h in current.handles):
+            raise UnknownHandle(f"handle {handle.id} is not inserted")
+        rest = [h for h in current.handles if h is not handle]
         if not rest:
             self._unsplice(current)
             return
-        new = self._plan(handle.point, [h.snippet for h in rest], current.tactic)
-        self._replace(handle.point, current, new, handles=rest)
+        self._commit(handle.point, current, self._plan(handle.point, rest, current.tactic), rest)
+
+    remove = remove_snippet
 
     def splices(self) -> dict[int, tuple[str, int]]:
-        """Spliced points: address -> (tactic, number of snippets)."""
+        """Spliced points: address -> (tactic, number of instrumentations)."""
         return {a: (s.tactic, len(s.handles)) for a, s in self._splices.items()}
 
     def patch_of(self, handle: Handle) -> Patch:
         return self._splices[handle.point.address].patch
 
-    # --- running ------------------------------------------------------------------
+    # --- code blocks (components) -------------------------------------------------
+    def reserve_code(self, size: int, *, near: int | None = None) -> CodeBlock:
+        """Patch-area memory for code the user links (fill it with fill_code)."""
+        near = self.target.image.functions[0].address if near is None else near
+        block = CodeBlock(self.target.alloc_code(size, near=near))
+        self._blocks[block.block] = block
+        return block
+
+    def fill_code(self, block: CodeBlock, base: int, code: bytes, *,
+                  entries: frozenset[int] = frozenset()) -> None:
+        """Put ``code`` at ``base`` (inside ``block``), once."""
+        if self._blocks.get(block.block) is not block or block.filled:
+            raise UnknownHandle(f"code block {block.block:#x} is not reserved and empty")
+        old = self.target.read(base, len(code))
+        self.target.poke([Write(base, old, code)])
+        block.base, block.size, block.old, block.entries = base, len(code), old, entries
+        block.filled = True
+
+    def release_code(self, block: CodeBlock) -> None:
+        """Restore and free a block; refused while a splice still goes into it."""
+        if self._blocks.get(block.block) is not block:
+            raise UnknownHandle(f"code block {block.block:#x} is not reserved")
+        for splice in self._splices.values():
+            for h in splice.handles:
+                to = h.divert if h.divert is not None else h.callee
+                if to is not None and block.base <= to < block.base + block.size:
+                    raise AlreadySpliced(f"{splice.point.address:#x} still goes to {to:#x} "
+                                         "in this code: undo that first")
+        if block.filled:
+            code = self.target.read(block.base, block.size)
+            self.target.poke([Write(block.base, code, block.old)])
+        self.target.free_code(block.block)
+        del self._blocks[block.block]
+
+    def check_code_entry(self, address: int) -> None:
+        """Refuse ``address`` as a replacement unless a function starts there."""
+        if any(address in b.entries for b in self._blocks.values()):
+            return
+        func = self.target.image.function_at(address)
+        if func is None or func.address != address:
+            where = (f"inside {func.name}" if func is not None else "not in any known function")
+            raise ReplacementError(f"{address:#x} is not a function's entry ({where}): a "
+                                   "replacement is a kernel function or a loaded component's")
+
+        # --- running ------------------------------------------------------------------
     def run(self, **options: Any) -> RunResult:
         return self.target.run(**options)
 
@@ -222,25 +339,67 @@ class Manager:
             else:
                 self._owners[address] = point
 
-    def _plan(self, point: Point, snippets: Sequence[ast.Snippet], policy: str,
+    def _add(self, handle: Handle, splice: str, *, dry_run: bool = False) -> Handle:
+        """Plan the point with ``handle`` added and commit (or, dry, only plan)."""
+        point = handle.point
+        current = self._splices.get(point.address)
+        if current is not None and current.tactic not in planner.POLICIES.get(splice, ()):
+            raise AlreadySpliced(f"{point.address:#x} is spliced by {current.tactic}, "
+                                 f"which policy {splice!r} excludes")
+        if current is not None and current.tactic == "call":
+            raise AlreadySpliced(f"the call at {point.address:#x} is replaced: "
+                                 "a replaced call site has nothing else at it")
+        handles = (current.handles if current else []) + [handle]
+        new = self._plan(point, handles, current.tactic if current else splice, dry_run=dry_run)
+        if not dry_run:
+            self._commit(point, current, new, handles)
+        return handle
+
+    def _plan(self, point: Point, handles: Sequence[Handle], policy: str,
               *, dry_run: bool = False) -> Patch:
         """Plan against the original text, allocating patch memory for the result.
         On any failure (or a dry run) the allocation is returned; nothing else changes."""
+        diverts = {h.divert for h in handles if h.divert is not None}
+        if len(diverts) > 1:
+            raise AlreadySpliced(f"{point.address:#x} is already replaced "
+                                 f"(by {min(diverts - {handles[-1].divert}):#x})")
+        if any(h.pre_hook for h in handles) and policy != "trap":
+            raise AlreadySpliced(f"{point.address:#x} is spliced by {policy}; a Python pre "
+                                 "handler needs the trap tactic")
+        pre = [h.snippet for h in handles if h.snippet is not None]
+        posts = [h.post for h in handles if h.post is not None]
+        post_trap = any(h.post_hook for h in handles)
         func = self.facts.function_code(point)
         live = self.facts.live_at(point)
         abi = self.target.abi
-        operand = self._call_operand(point, snippets)
+        operand = self._call_operand(point, pre)
 
         def compile_at(address: int) -> bytes:
-            return self.arch.compile_snippets(snippets, address, live=live, abi=abi,
+            if not pre:
+                return b""
+            return self.arch.compile_snippets(pre, address, live=live, abi=abi,
                                               point_kind=str(point.kind.value),
                                               call_operand=operand)
+
+        post = None
+        if posts or post_trap:
+            after = self._live_after(point)
+
+            def post(address: int) -> bytes:
+                if not posts:
+                    return b""
+                return self.arch.compile_snippets(posts, address, live=after, abi=abi,
+                                                  point_kind="insn")
 
         # the point's own bytes and springboard slot count as free: a re-plan finds
         # the same slot first and re-points it in place
         req = self.facts.request(point.address, func, compile_at, point.address, policy=policy,
                                  busy=self._busy(exclude=point.address))
+        req = dataclasses.replace(req, post=post, post_trap=post_trap,
+                                  divert=next(iter(diverts), None))
         planner.check_point(req)
+        if req.direct:  # straight to the replacement: no patch code
+            return planner.plan(self.arch, dataclasses.replace(req, code_address=0))
         size = planner.patch_size_bound(self.arch, req)
         address = self.target.alloc_code(size, near=point.address)
         try:
@@ -254,6 +413,14 @@ class Manager:
             self.target.free_code(address)
         return patch
 
+    def _live_after(self, point: Point) -> frozenset[str]:
+        """Registers live after the instruction at ``point`` (all of them if unknown)."""
+        try:
+            analysis = self.facts.analysis(point)
+            return analysis.live_at(analysis.insn_at(point.address).end)
+        except KsimError:
+            return frozenset(self.arch.all_regs)
+
     def _call_operand(self, point: Point, snippets: Sequence[ast.Snippet]) -> CallOperand | None:
         """The operand of the indirect call at ``point``, for snippets that read
         CallTarget (decoded only then: a call whose operand snippet code cannot
@@ -263,38 +430,63 @@ class Manager:
             return None
         return self.arch.call_operand(self.facts.analysis(point).insn_at(point.address))
 
-    def _install_code(self, patch: Patch) -> None:
-        old = self.target.read(patch.code_address, len(patch.code))
-        self.target.poke([Write(patch.code_address, old, patch.code)])
+    def _hooks(self, patch: Patch, handles: Sequence[Handle]) -> list[Callable[[], None]]:
+        """Register the handles' Python trap hooks at this patch's traps."""
+        add = getattr(self.target, "add_trap_hook", None)
+        out: list[Callable[[], None]] = []
+        for h in handles:
+            if h.pre_hook is not None and add is not None and patch.trap_site is not None:
+                out.append(add(patch.trap_site, h.pre_hook))
+            if h.post_hook is not None and add is not None and patch.post_at is not None:
+                out.append(add(patch.post_at, h.post_hook))
+        return out
 
-    def _replace(self, point: Point, current: _Splice | None, new: Patch,
-                 *, handles: list[Handle]) -> None:
-        """Put ``new`` in place of ``current`` (or of the original text), atomically."""
+    def _commit(self, point: Point, current: _Splice | None, new: Patch,
+                handles: list[Handle]) -> None:
+        """Put ``new`` in place of ``current`` (or of the original text), all or
+        nothing: on a failure the routes, hooks and memory are as they were."""
+        old_routes = dict(current.patch.routes) if current else {}
+        unhook: list[Callable[[], None]] = []
+        routed: list[int] = []
         try:
-            self._install_code(new)
-            if new.trap_site is not None:
-                self.target.set_trap(new.trap_site, new.code_address)
+            if new.code:
+                old = self.target.read(new.code_address, len(new.code))
+                self.target.poke([Write(new.code_address, old, new.code)])
+            unhook = self._hooks(new, handles)
+            for site, dest in new.routes:
+                self.target.set_trap(site, dest)
+                routed.append(site)
             self.target.poke(_transition(current.patch if current else None, new))
         except BaseException:
-            if new.trap_site is not None:
-                if current is not None and current.patch.trap_site is not None:
-                    self.target.set_trap(current.patch.trap_site, current.patch.code_address)
+            for site in routed:
+                if site in old_routes:
+                    self.target.set_trap(site, old_routes[site])
                 else:
-                    self.target.clear_trap(new.trap_site)
-            self.target.free_code(new.code_address)
+                    self.target.clear_trap(site)
+            for undo in unhook:
+                undo()
+            if new.code:
+                self.target.free_code(new.code_address)
             raise
         if current is not None:
-            self.target.free_code(current.patch.code_address)
-            self._own(current.patch, None)
+            self._retire(current, keep_routes={site for site, _ in new.routes})
         self._own(new, point.address)
-        self._splices[point.address] = _Splice(point, new.tactic, new, list(handles))
+        self._splices[point.address] = _Splice(point, new.tactic, new, list(handles), unhook)
+
+    def _retire(self, splice: _Splice, *, keep_routes: Container[int] = ()) -> None:
+        """Forget an old patch whose text is already gone: its hooks, routes, memory."""
+        for undo in splice.unhook:
+            undo()
+        for site, _ in splice.patch.routes:
+            if site not in keep_routes:
+                self.target.clear_trap(site)
+        if splice.patch.code:
+            self.target.free_code(splice.patch.code_address)
+        self._own(splice.patch, None)
 
     def _unsplice(self, current: _Splice) -> None:
         self.target.poke(list(current.patch.undo))
-        if current.patch.trap_site is not None:
-            self.target.clear_trap(current.patch.trap_site)
-        self.target.free_code(current.patch.code_address)
-        self._own(current.patch, None)
+        self._retire(current)
         del self._splices[current.point.address]
 
 

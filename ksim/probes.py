@@ -15,14 +15,16 @@ registers, readable and writable.
 
 How it is spliced
 -----------------
-The *pre* stage is an ordinary snippet at the point (the Manager's patch:
-snippet, the probed instruction relocated, a jump back).  A Python pre handler
-forces the trap tactic: the target calls it from its int3 dispatch, before
-resuming in the patch.  A *post* handler needs "after the probed instruction":
-the patch's final jump back is retargeted to a small post stub (the post
-snippet, or an int3 routed to the Python post handler, then the jump back).
-That is only possible when the probed instruction falls through, so a post
-handler on a branch, call or ret is refused (HandlerUnsupported).
+A probe is one entry in the Manager's ledger, like any snippet, so other
+snippets at the same point (and re-plans of it) keep it whole.  The *pre*
+stage is a snippet at the point (the point's patch: snippets, the probed
+instruction relocated, a jump back).  A Python pre handler forces the trap
+tactic: the target calls it from its int3 dispatch, before resuming in the
+patch.  A *post* handler runs right after the probed instruction: the patch
+places the post stage (the post snippet, or an int3 routed to the Python post
+handler) between the relocated instruction and the rest.  That is only possible
+when the probed instruction falls through, so a post handler on a branch, call
+or ret is refused (HandlerUnsupported).
 
 Recursion (kprobes' kprobe_running)
 -----------------------------------
@@ -50,7 +52,6 @@ from ksim.analysis.points import Point, PointKind
 from ksim.arch.base import Flow, Insn
 from ksim.errors import (
     HandlerUnsupported,
-    KsimError,
     NoReturnPoint,
     ProbeError,
     ProbeExists,
@@ -58,7 +59,6 @@ from ksim.errors import (
 from ksim.kapi import Handle, Manager
 from ksim.snippets import ast
 from ksim.snippets.check import check as check_snippet
-from ksim.splice.patch import Write
 
 #: a handler: a snippet, or (emulators only) a Python callable
 Handler = ast.Node | Callable[..., Any]
@@ -219,7 +219,6 @@ class _Installed:
 
     point: Point
     handle: Handle
-    undo: list[Callable[[], None]] = field(default_factory=list)
 
 
 class Probes:
@@ -261,8 +260,6 @@ class Probes:
         if kp._probes is not self or kp._installed is None:
             raise ProbeError("the probe is not registered here")
         inst = kp._installed
-        for undo in reversed(inst.undo):
-            undo()
         self.kmgr.remove_snippet(inst.handle)
         del self._by_address[inst.point.address]
         kp._installed = None
@@ -391,35 +388,33 @@ class Probes:
         return code.insns[code.index_of(point.address)]
 
     def _install(self, kp: KProbe, point: Point) -> _Installed:
+        """One entry in the Manager's ledger: the pre stage before the probed
+        instruction, the post stage right after it, in the point's one patch."""
         assert kp._hits is not None and kp._missed is not None
         flag, hits, missed = self.running, kp._hits, kp._missed
         post = kp.post_handler is not None
         after = STEPPING if post else IDLE
         python_pre = self._python(kp.pre_handler)
-        if python_pre:
-            snippet: ast.Node = ast.seq()
-        else:
+        snippet: ast.Node | None = None
+        if not python_pre:
             body = [cast(ast.Node, kp.pre_handler)] if kp.pre_handler is not None else []
             snippet = ast.if_(flag == IDLE,
                               ast.seq(flag.assign(RUNNING), hits.atomic_assign(hits + 1),
                                       *body, flag.assign(after)),
                               missed.atomic_assign(missed + 1))
-        trap = python_pre or post
-        policy = "trap" if trap else kp.splice
-        handle = self.kmgr.insert_snippet(point, snippet, splice=policy)
-        inst = _Installed(point, handle)
-        try:
-            if python_pre:
-                inst.undo.append(self.target.add_trap_hook(  # type: ignore[attr-defined]
-                    point.address, self._python_pre(kp, after)))
-            if post:
-                self._install_post(kp, inst)
-        except BaseException:
-            for undo in reversed(inst.undo):
-                undo()
-            self.kmgr.remove_snippet(handle)
-            raise
-        return inst
+        post_snippet: ast.Node | None = None
+        post_hook = None
+        if post and self._python(kp.post_handler):
+            post_hook = self._python_post(kp, self._insn(point).end)
+        elif post:
+            post_snippet = ast.if_(flag == STEPPING,
+                                   ast.seq(flag.assign(RUNNING), cast(ast.Node, kp.post_handler),
+                                           flag.assign(IDLE)))
+        policy = "trap" if python_pre or post_hook is not None else kp.splice
+        handle = self.kmgr.insert_snippet(
+            point, snippet, splice=policy, post=post_snippet,
+            pre_hook=self._python_pre(kp, after) if python_pre else None, post_hook=post_hook)
+        return _Installed(point, handle)
 
     def _python_pre(self, kp: KProbe, after: int) -> Callable[[Any, int], int | None]:
         assert kp._hits is not None and kp._missed is not None
@@ -451,49 +446,6 @@ class Probes:
             self.kmgr.write(self.running, IDLE)
             raise
 
-    def _install_post(self, kp: KProbe, inst: _Installed) -> None:
-        """Retarget the patch's jump back to a stub that runs the post stage."""
-        patch = self.kmgr.patch_of(inst.handle)
-        insn = self._insn(inst.point)
-        jsz = self.arch.jmp_size
-        back_at = patch.code_address + len(patch.code) - jsz
-        if patch.code[-jsz:] != self.arch.jmp(back_at, insn.end):
-            raise HandlerUnsupported(f"the patch at {patch.code_address:#x} does not end in a "
-                                     f"jump back to {insn.end:#x}")
-        flag = self.running
-        handler = kp.post_handler
-        python = self._python(handler)
-        if python:
-            def code_at(address: int) -> bytes:
-                return self.arch.trap + self.arch.jmp(address + len(self.arch.trap), insn.end)
-        else:
-            snippet = ast.if_(flag == STEPPING,
-                              ast.seq(flag.assign(RUNNING), cast(ast.Node, handler),
-                                      flag.assign(IDLE)))
-            live = self._live_after(inst.point, insn)
-
-            def code_at(address: int) -> bytes:
-                body = self.arch.compile_snippets([snippet], address, live=live,
-                                                  abi=self.target.abi, point_kind="insn")
-                return body + self.arch.jmp(address + len(body), insn.end)
-
-        size = len(code_at(patch.code_address))
-        stub = self.target.alloc_code(size, near=insn.address)
-        inst.undo.append(lambda: self.target.free_code(stub))
-        code = code_at(stub)
-        old = self.target.read(stub, len(code))
-        self.target.poke([Write(stub, old, code)])
-        if python:
-            self.target.set_trap(stub, stub + len(self.arch.trap))
-            inst.undo.append(lambda: self.target.clear_trap(stub))
-            inst.undo.append(self.target.add_trap_hook(  # type: ignore[attr-defined]
-                stub, self._python_post(kp, insn.end)))
-        retarget = Write(back_at, patch.code[-jsz:], self.arch.jmp(back_at, stub))
-        self.target.poke([retarget])
-        # undone first (undo runs in reverse): the patch stops reaching the stub
-        # before the stub goes away
-        inst.undo.append(lambda: self.target.poke([retarget.inverse()]))
-
     def _python_post(self, kp: KProbe, after: int) -> Callable[[Any, int], int | None]:
         flag = self.running
         read, write = self.kmgr.read, self.kmgr.write
@@ -507,13 +459,6 @@ class Probes:
             return None
 
         return on_trap
-
-    def _live_after(self, point: Point, insn: Insn) -> frozenset[str]:
-        """Registers live after the probed instruction (all of them if unknown)."""
-        try:
-            return self.kmgr.facts.analysis(point).live_at(insn.end)
-        except KsimError:
-            return frozenset(self.arch.all_regs)
 
 
 __all__ = ["HandlerUnsupported", "JProbe", "KProbe", "KretProbe", "NoReturnPoint", "ProbeError",

@@ -151,6 +151,11 @@ class Arch(Protocol):
         RelocationError when that cannot be done."""
         ...
 
+    def redirect_call(self, insn: Insn, to: int) -> bytes:
+        """The direct call ``insn`` re-encoded in place (same length) to call ``to``;
+        RelocationError when ``insn`` is no direct call or ``to`` is out of its reach."""
+        ...
+
     def compile_snippets(
         self,
         snippets: Sequence[Snippet],

@@ -31,9 +31,11 @@ class Write:
 class Patch:
     """Everything needed to splice one point, and to take the splice out again.
 
-    ``code`` goes at ``code_address`` (patch area) before ``writes`` are poked; a
-    trap tactic also routes ``trap_site`` to ``code_address``.  ``undo`` restores
-    the original text exactly.
+    ``code`` goes at ``code_address`` (patch area) before ``writes`` are poked;
+    every trap instruction the patch plants is routed by ``routes`` (site ->
+    where the trap dispatch resumes): the trap tactic's own site (``trap_site``)
+    and a trap inside the patch code that calls an emulator's Python post
+    handler.  ``undo`` restores the original text exactly.
     """
 
     point: int
@@ -44,6 +46,10 @@ class Patch:
     trap_site: int | None = None
     #: extra code placed elsewhere (a springboard's long jump in padding): (address, old, new)
     extra: tuple[Write, ...] = field(default=())
+    #: trap routes the target must hold while the patch is in: (site, resume at)
+    routes: tuple[tuple[int, int], ...] = ()
+    #: where the post stage (code run after the instruction at the point) begins
+    post_at: int | None = None
 
     def __post_init__(self) -> None:
         spans = sorted((w.address, w.end) for w in self.writes + self.extra)

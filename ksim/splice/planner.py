@@ -21,6 +21,16 @@ The patch code is the same for every tactic: the snippets, then the displaced
 original instructions relocated, then a jump back after them.  A trap dispatch
 arrives at the patch with the registers, flags and stack of the interrupted
 code, exactly as a jump would, so one patch layout serves all tactics.
+
+Everything that instruments one point shares its one patch, so re-planning
+the point keeps all of it:
+
+* a *post stage* (kprobes' post handler) goes right after the relocated
+  instruction at the point, before the rest of the window; it may begin with a
+  trap routed to just after itself (an emulator's Python post handler);
+* a *divert* (function replacement) ends the patch with a jump to the
+  replacement instead of the original instructions; with nothing else at the
+  point the splice goes straight to the replacement (no patch code at all).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from dataclasses import dataclass, field
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import (
     AlreadySpliced,
+    HandlerUnsupported,
     KsimError,
     NoSafeTactic,
     NotOnBoundary,
@@ -105,6 +116,25 @@ class SpliceRequest:
     padding: tuple[tuple[int, bytes], ...] = ()
     #: blacklisted ranges (start, end): never splice there
     blacklist: tuple[tuple[int, int], ...] = ()
+    #: post(address) -> the post stage's code placed at ``address``: it runs right
+    #: after the instruction at the point (which must fall through)
+    post: Callable[[int], bytes] | None = None
+    #: the post stage begins with a trap routed to just after it
+    post_trap: bool = False
+    #: where the point's code continues instead of the original instructions
+    #: (function replacement): the window is overwritten, never run
+    divert: int | None = None
+
+    @property
+    def direct(self) -> bool:
+        """A divert with nothing else at the point: the splice goes straight to it."""
+        return (self.divert is not None and self.post is None
+                and not self.compile(self.code_address))
+
+    @property
+    def dest(self) -> int:
+        """Where the splice sends execution: the patch code, or the divert."""
+        return self.divert if self.direct and self.divert is not None else self.code_address
 
 
 @dataclass(frozen=True)
@@ -155,6 +185,12 @@ def check_point(req: SpliceRequest) -> None:
         raise hz.error_for(req.point, found, what=f"{func.name}+{req.point - func.start:#x}")
     if req.point in req.busy:
         raise AlreadySpliced(f"{req.point:#x} lies inside bytes another splice overwrote")
+    if req.post is not None and req.divert is not None:
+        raise HandlerUnsupported(f"{req.point:#x} is diverted (replaced): the instruction "
+                                 "there never runs, so it has no post stage")
+    if req.post is not None and first.flow is not Flow.SEQ:
+        raise HandlerUnsupported(f"a post handler needs an instruction that falls through; "
+                                 f"{first.mnemonic} at {first.address:#x} does not")
 
 
 def _must_stay(func: FunctionCode, insn: Insn) -> set[str]:
@@ -209,9 +245,11 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
     return tuple(run)
 
 
-def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes | str:
-    """snippets + relocated originals + jump back (the same for every tactic), or
-    why the moved instructions cannot be relocated.
+def _patch_code(arch: Arch, req: SpliceRequest,
+                moved: Sequence[Insn]) -> tuple[bytes, int | None] | str:
+    """snippets + relocated originals + jump back (the same for every tactic), with
+    the post stage (if any) after the first of them; or why the moved instructions
+    cannot be relocated.  Returns the code and where its post stage begins.
 
     A call among the moved instructions (only ever the last), direct or
     indirect, is moved by ``Arch.moved_call``: it pushes the original return
@@ -219,19 +257,53 @@ def _patch_code(arch: Arch, req: SpliceRequest, moved: Sequence[Insn]) -> bytes 
     the patch; the patch can be freed while the callee still runs (a task asleep
     in schedule() when the splice is removed) and unwinders see the real caller."""
     at = req.code_address
-    body = req.compile(at)
-    last = moved[-1]
-    # a branch of the window back to the point (a loop head) arrives at the point
-    # again: it goes to the patch's entry, so the snippets run on every arrival
+    if req.direct:
+        return b"", None
+    code = req.compile(at)
+    if req.divert is not None:
+        if not arch.jmp_reaches(at + len(code), req.divert):
+            return f"the replacement at {req.divert:#x} is out of jmp reach of the patch"
+        return code + arch.jmp(at + len(code), req.divert), None
+
+    def moved_code(insns: Sequence[Insn], where: int) -> bytes:
+        # a branch of the window back to the point (a loop head) arrives at the
+        # point again: it goes to the patch's entry, so the snippets run on every arrival
+        if insns[-1].flow in (Flow.CALL, Flow.CALL_INDIRECT):
+            head = arch.relocate(insns[:-1], where, first_to=at) if len(insns) > 1 else b""
+            return head + arch.moved_call(insns[-1], where + len(head))
+        return arch.relocate(insns, where, first_to=at)
+
+    chunks = [moved[:1], moved[1:]] if req.post is not None else [moved]
+    post_at = None
     try:
-        if last.flow in (Flow.CALL, Flow.CALL_INDIRECT):
-            head = arch.relocate(moved[:-1], at + len(body), first_to=at) if len(moved) > 1 else b""
-            return body + head + arch.moved_call(last, at + len(body) + len(head))
-        relocated = arch.relocate(moved, at + len(body), first_to=at)
+        for i, chunk in enumerate(chunks):
+            if chunk:
+                code += moved_code(chunk, at + len(code))
+            if i == 0 and req.post is not None:
+                post_at = at + len(code)
+                if req.post_trap:
+                    code += arch.trap
+                code += req.post(at + len(code))
     except RelocationError as exc:
         return f"cannot move the original instructions: {exc}"
-    back_from = at + len(body) + len(relocated)
-    return body + relocated + arch.jmp(back_from, last.end)
+    last = moved[-1]
+    if last.flow not in (Flow.CALL, Flow.CALL_INDIRECT):
+        code += arch.jmp(at + len(code), last.end)
+    return code, post_at
+
+
+def _patch(arch: Arch, req: SpliceRequest, tactic: str, moved: Sequence[Insn],
+           writes: Sequence[Write], *, trap: bool = False) -> Patch | str:
+    """The Patch of a tactic that overwrites ``writes`` and moves ``moved``."""
+    built = _patch_code(arch, req, moved)
+    if isinstance(built, str):
+        return built
+    code, post_at = built
+    routes = [(req.point, req.dest)] if trap else []
+    if req.post_trap and post_at is not None:
+        routes.append((post_at, post_at + len(arch.trap)))
+    return Patch(req.point, tactic, req.code_address, code, tuple(writes),
+                 trap_site=req.point if trap else None, routes=tuple(routes), post_at=post_at)
 
 
 def _overwrite(moved: Sequence[Insn], head: bytes, pad: int, tail: bytes = b"") -> Write:
@@ -244,8 +316,9 @@ def _overwrite(moved: Sequence[Insn], head: bytes, pad: int, tail: bytes = b"") 
 
 
 def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | str:
-    if not arch.jmp_reaches(req.point, req.code_address):
-        return f"the patch area at {req.code_address:#x} is out of jmp range"
+    if not arch.jmp_reaches(req.point, req.dest):
+        return f"{'the patch area' if req.dest == req.code_address else 'the replacement'} " \
+               f"at {req.dest:#x} is out of jmp range"
     moved = _window(req, arch.jmp_size)
     if isinstance(moved, str):
         return moved
@@ -253,12 +326,8 @@ def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | st
         return ("not needed: the instruction at the point suffices" if displace else
                 f"the instruction at the point is {moved[0].size} bytes, "
                 f"shorter than a {arch.jmp_size}-byte jmp")
-    code = _patch_code(arch, req, moved)
-    if isinstance(code, str):
-        return code
-    write = _overwrite(moved, arch.jmp(req.point, req.code_address), arch.pad_byte, req.func.tail)
-    tactic = "jmp+displace" if displace else "jmp"
-    return Patch(req.point, tactic, req.code_address, code, (write,))
+    write = _overwrite(moved, arch.jmp(req.point, req.dest), arch.pad_byte, req.func.tail)
+    return _patch(arch, req, "jmp+displace" if displace else "jmp", moved, (write,))
 
 
 def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
@@ -274,29 +343,23 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
             if len(filler) >= arch.jmp_size
             and (lo >= window_end or lo + arch.jmp_size <= req.point)
             and arch.short_jmp_reaches(req.point, lo)
-            and arch.jmp_reaches(lo, req.code_address)
+            and arch.jmp_reaches(lo, req.dest)
             and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
         ),
         None,
     )
     if slot is None:
         return "no free padding within short-jump reach"
-    code = _patch_code(arch, req, moved)
-    if isinstance(code, str):
-        return code
-    board = Write(slot[0], slot[1], arch.jmp(slot[0], req.code_address))
+    board = Write(slot[0], slot[1], arch.jmp(slot[0], req.dest))
     head = _overwrite(moved, arch.short_jmp(req.point, slot[0]), arch.pad_byte, req.func.tail)
     # the board goes in first: the short jump must never land on padding
-    return Patch(req.point, "springboard", req.code_address, code, (board, head))
+    return _patch(arch, req, "springboard", moved, (board, head))
 
 
 def _tactic_trap(arch: Arch, req: SpliceRequest) -> Patch | str:
     first = req.func.insns[req.func.index_of(req.point)]
-    code = _patch_code(arch, req, (first,))
-    if isinstance(code, str):
-        return code
     write = Write(req.point, first.raw[: len(arch.trap)], arch.trap)
-    return Patch(req.point, "trap", req.code_address, code, (write,), trap_site=req.point)
+    return _patch(arch, req, "trap", (first,), (write,), trap=True)
 
 
 TACTICS: dict[str, Callable[[Arch, SpliceRequest], Patch | str]] = {
@@ -314,6 +377,8 @@ def patch_size_bound(arch: Arch, req: SpliceRequest) -> int:
     the snippets at a provisional address, plus generous room for relocation
     (each displaced instruction can grow, e.g. jcc rel8 -> rel32) and the jump back."""
     body = len(req.compile(req.code_address))
+    if req.post is not None:
+        body += len(req.post(req.code_address)) + len(arch.trap)
     return body + 4 * 16 + 2 * arch.jmp_size + 16
 
 

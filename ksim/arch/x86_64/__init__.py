@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from ksim.arch.base import CallOperand, Insn
-from ksim.errors import OutOfRange
+from ksim.errors import OutOfRange, RelocationError
 
 from . import regs
 from .writer import INT8, INT32, fits
@@ -108,6 +108,14 @@ class X86_64:
         from .relocator import moved_call
 
         return moved_call(insn, at)
+
+    def redirect_call(self, insn: Insn, to: int) -> bytes:
+        if insn.size != 5 or insn.raw[0] != 0xE8:
+            raise RelocationError(f"{insn} is not a direct call rel32")
+        rel = to - insn.end
+        if not -2**31 <= rel < 2**31:
+            raise RelocationError(f"{to:#x} is out of a call's reach from {insn.address:#x}")
+        return b"\xe8" + (rel % 2**32).to_bytes(4, "little")
 
     def __repr__(self) -> str:
         return "X86_64()"
