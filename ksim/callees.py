@@ -174,12 +174,12 @@ class CalleeWatcher:
         if operand.segment is not None and not explicit:
             self.skipped[point.address] = f"segment-relative operand {operand}"
             return None
-        table = self.kmgr.target.alloc_data(WORD * (1 + self.slots))
+        table = self.kmgr.alloc_data(WORD * (1 + self.slots))
         try:
             handle = self.kmgr.insert_snippet(point, record_snippet(table, self.slots),
                                               splice=self.splice)
         except BaseException:
-            self.kmgr.target.free_data(table)
+            self.kmgr.free(table)
             raise
         return WatchedSite(point, operand, table, self.slots, handle)
 
@@ -191,7 +191,7 @@ class CalleeWatcher:
 
     def _unwatch_one(self, site: WatchedSite) -> None:
         self.kmgr.remove_snippet(site.handle)
-        self.kmgr.target.free_data(site.table)
+        self.kmgr.free(site.table)
         self.sites.pop(site.point.address, None)
 
     # --- reading back ------------------------------------------------------------------------

@@ -344,6 +344,45 @@ class ComponentBuildError(LinkError):
     code = "component-build"
 
 
+# --- snippet verifier (ksim.snippets.verify) -------------------------------------------
+class VerifierError(SnippetError):
+    """The verifier refused a snippet: it could harm the kernel.  Nothing was compiled."""
+
+    code = "verifier"
+
+
+class WriteOutsideHeap(VerifierError):
+    """An assignment to memory outside the heap blocks the session owns (kernel text,
+    kernel data, past a block's end, a per-cpu variable, the recursion guard)."""
+
+    code = "write-outside-heap"
+
+
+class ReadOutsideKnownMemory(VerifierError):
+    """A read at a constant address that is not known to be mapped, with no
+    fault-safe way to read it (or known to be unmapped)."""
+
+    code = "read-outside-known-memory"
+
+
+class UnsafeLoad(VerifierError):
+    """A load through a computed pointer on a kernel whose ABI offers no fault-safe read."""
+
+    code = "unsafe-load"
+
+
+class CallNotAllowed(VerifierError):
+    """A call to a function the user did not name as callable."""
+
+    code = "call-not-allowed"
+
+
+class NoRecursionGuard(VerifierError):
+    """A snippet that calls out, verified without a recursion guard to run it under."""
+
+    code = "no-recursion-guard"
+
+
 def all_error_classes() -> dict[str, type[KsimError]]:
     """Map each wire code to its class (used by the daemon and the live client)."""
     out: dict[str, type[KsimError]] = {}

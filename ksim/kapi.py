@@ -34,11 +34,13 @@ from ksim.errors import (
     RelocationError,
     ReplacementError,
     UnknownHandle,
+    WriteOutsideHeap,
 )
 from ksim.image.model import Function
 from ksim.snippets import ast
 from ksim.snippets.check import check as check_snippet
 from ksim.snippets.codegen import gprs
+from ksim.snippets.verify import Guard, Rules, verify
 from ksim.splice import planner
 from ksim.splice.patch import Patch, Write
 from ksim.splice.sites import SiteFacts
@@ -108,7 +110,15 @@ class Manager:
         self._owners: dict[int, int] = {}
         #: code blocks placed for users (components), by allocation address
         self._blocks: dict[int, CodeBlock] = {}
+        #: heap blocks this Manager allocated (address -> size): all snippets may write
+        self._heap: dict[int, int] = {}
+        #: functions snippets may call (address -> name), named by the user
+        self._calls: dict[int, str] = {}
         self._ids = itertools.count(1)
+        # the per-cpu recursion guard every snippet that calls out runs under
+        info = getattr(target, "info", None) or {}
+        slots = Guard.slots_for(max(1, int(info.get("nr_cpus", 1) or 1)))
+        self.guard = Guard(target.alloc_data(Guard.size_for(slots)), slots)
 
     # --- attach / detach ---------------------------------------------------------
     @classmethod
@@ -129,6 +139,7 @@ class Manager:
                 for splice in list(self._splices.values()):
                     for handle in list(splice.handles):
                         self.remove_snippet(handle)
+                self.target.free_data(self.guard.address)
         finally:
             self.target.close()
 
@@ -166,11 +177,42 @@ class Manager:
 
     # --- kernel data memory -------------------------------------------------------
     def malloc(self, size: int = 8) -> ast.Var:
-        """A zeroed integer variable on the kernel's data heap."""
-        return ast.Var(self.target.alloc_data(size), size)
+        """A zeroed integer variable on the kernel's data heap (snippets may write it)."""
+        return ast.Var(self.alloc_data(size), size)
+
+    def alloc_data(self, size: int, align: int = 8) -> int:
+        """A zeroed block of the kernel's data heap that snippets may write."""
+        address = self.target.alloc_data(size, align)
+        self._heap[address] = size
+        return address
 
     def free(self, var: ast.Var | int) -> None:
-        self.target.free_data(var.address if isinstance(var, ast.Var) else var)
+        address = var.address if isinstance(var, ast.Var) else var
+        self.target.free_data(address)
+        self._heap.pop(address, None)
+
+    def allow_calls(self, *functions: Function | str | int) -> None:
+        """Name functions snippets may call (a snippet calling anything else is
+        refused, CallNotAllowed).  A snippet that calls out runs under the per-cpu
+        recursion guard: a hit while its cpu runs one already is skipped and
+        counted (``missed()``)."""
+        for f in functions:
+            if isinstance(f, int):
+                func = self.target.image.function_at(f)
+                self._calls[f] = func.name if func is not None and func.address == f else hex(f)
+            else:
+                func = self._func(f)
+                self._calls[func.address] = func.name
+
+    def missed(self) -> int:
+        """Hits the recursion guard skipped (a snippet that calls out, hit again on
+        its cpu while it ran)."""
+        return self.read(ast.Var(self.guard.missed))
+
+    def rules(self) -> Rules:
+        """What this Manager's snippets may touch (ksim.snippets.verify)."""
+        return Rules.for_target(self.target, writable=self._heap.items(), calls=self._calls,
+                                guard=self.guard)
 
     def read(self, var: ast.Var) -> int:
         return int.from_bytes(self.target.read(var.address, var.size), "little", signed=False)
@@ -202,17 +244,31 @@ class Manager:
 
     def insert_snippet(self, point: Point, snippet: ast.Snippet | None, *, splice: str = "auto",
                        post: ast.Snippet | None = None, pre_hook: TrapHook | None = None,
-                       post_hook: TrapHook | None = None) -> Handle:
+                       post_hook: TrapHook | None = None, missed: ast.Var | None = None
+                       ) -> Handle:
         """Splice ``snippet`` at ``point``; what is already there runs first.
 
         ``post`` runs right after the instruction at the point (it must fall
         through).  ``pre_hook``/``post_hook`` are Python handlers, on a target that
-        calls Python at a trap (unicorn); a pre hook needs the trap tactic."""
+        calls Python at a trap (unicorn); a pre hook needs the trap tactic.
+        Snippets are verified first (ksim.snippets.verify): one that calls out runs
+        under the recursion guard, and a hit it skips is counted in ``missed()``
+        and in ``missed`` (an 8-byte variable from malloc) when given."""
         kind = point.kind
+        rules = self.rules()
         for code, where in ((snippet, kind), (post, PointKind.INSN)):
             if code is not None:
                 check_snippet(code, where, registers=gprs(self.arch),
                               call_operand=self._call_operand(point, [code]))
+        # the verifier's output is what runs (calling snippets wrapped in the guard)
+        snippet = verify([snippet], rules)[0] if snippet is not None else None
+        post = verify([post], rules)[0] if post is not None else None
+        if missed is not None:
+            if (missed.address, missed.size) not in rules.writable or missed.size != 8:
+                raise WriteOutsideHeap(f"the miss counter at {missed.address:#x} is not an "
+                                       "8-byte variable from malloc")
+            snippet, post = (dataclasses.replace(s, missed=missed.address)
+                             if isinstance(s, ast.Guarded) else s for s in (snippet, post))
         if (pre_hook or post_hook) and not hasattr(self.target, "add_trap_hook"):
             raise HandlerUnsupported(f"{self.target.name} cannot call Python at a trap: "
                                      "use snippet handlers")
@@ -296,6 +352,8 @@ class Manager:
                 if to is not None and block.base <= to < block.base + block.size:
                     raise AlreadySpliced(f"{splice.point.address:#x} still goes to {to:#x} "
                                          "in this code: undo that first")
+        for address in [a for a in self._calls if block.base <= a < block.base + block.size]:
+            del self._calls[address]
         if block.filled:
             code = self.target.read(block.base, block.size)
             self.target.poke([Write(block.base, code, block.old)])

@@ -412,7 +412,7 @@ class Probes:
                                            flag.assign(IDLE)))
         policy = "trap" if python_pre or post_hook is not None else kp.splice
         handle = self.kmgr.insert_snippet(
-            point, snippet, splice=policy, post=post_snippet,
+            point, snippet, splice=policy, post=post_snippet, missed=missed,
             pre_hook=self._python_pre(kp, after) if python_pre else None, post_hook=post_hook)
         return _Installed(point, handle)
 

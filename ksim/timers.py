@@ -91,6 +91,8 @@ class VTimers:
         self.kmgr = kmgr
         self.sampler = sampler if sampler is not None else Sampler(kmgr)
         self.component = components.load(kmgr, components.bundled("vtimer"))
+        # the timer snippets call the component's entry points, and only those
+        kmgr.allow_calls(*(self.component.symbol(f) for f in ("vt_start", "vt_stop", "vt_switch")))
         self.timers: dict[int, VTimer] = {}
         image = kmgr.target.image
         self.switch_points = [(kmgr.entry_point(name), prev, nxt)
@@ -112,7 +114,7 @@ class VTimers:
         if len(self.timers) >= VT_MAX:
             raise KsimError(f"at most {VT_MAX} timers at once")
         slot = next(i for i in range(VT_MAX) if i not in {t.id for t in self.timers.values()})
-        address = self.kmgr.target.alloc_data(8 * TIMER_WORDS)
+        address = self.kmgr.alloc_data(8 * TIMER_WORDS)
         timer = VTimer(slot, address, is_wall, owner=self)
         now = counter if counter is not None else tsc()
         sym = self.component.symbol
@@ -128,7 +130,7 @@ class VTimers:
         except BaseException:
             for h in reversed(timer.handles):
                 self.kmgr.remove_snippet(h)
-            self.kmgr.target.free_data(address)
+            self.kmgr.free(address)
             raise
         self.timers[slot] = timer
         if sample is not None:
@@ -142,7 +144,7 @@ class VTimers:
             t.handles.clear()
             del self.timers[t.id]
             self.sampler.remove(f"vtimer{t.id}")
-            self.kmgr.target.free_data(t.address)
+            self.kmgr.free(t.address)
 
     def cleanup(self) -> None:
         """Remove every timer and the context-switch code; unload the component."""

@@ -185,11 +185,15 @@ class LiveTarget:
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
+        from ksim.images.abi import linux_read_nofault
+
         self.abi = KernelABI(
             current_task=MemRef(int(i["current_task"]), "gs", 8),
             task_pid_offset=int(i["task_pid_offset"]),
             task_pid_size=int(i["task_pid_size"]),
             cpu_number=MemRef(int(i["cpu_number"]), "gs", 4),
+            # snippet loads through computed pointers go through it: they cannot fault
+            read_nofault=linux_read_nofault(self.lookup),
         )
 
     # -- what the engine asks for lazily -------------------------------------------

@@ -207,6 +207,7 @@ class Composition(RuleBasedStateMachine):
             assert self.m.target._code.allocated() == {}
             left = self.m.target._data.allocated()
             left.pop(self.probes.running.address, None)
+            left.pop(self.m.guard.address, None)
             assert left == {}
         finally:
             self.m.detach()

@@ -1,5 +1,6 @@
-"""Snippets: the AST users build (ast), its static check (check), and generic
-codegen through an architecture's Emitter (codegen)."""
+"""Snippets: the AST users build (ast), its static check (check), what it may do
+to the kernel (verify), and generic codegen through an architecture's Emitter
+(codegen)."""
 
 from ksim.snippets.ast import (
     Arg,
@@ -11,6 +12,8 @@ from ksim.snippets.ast import (
     Compare,
     Const,
     Cpu,
+    Guard,
+    Guarded,
     If,
     Load,
     LogicalAnd,
@@ -47,10 +50,12 @@ from ksim.snippets.ast import (
     ult,
 )
 from ksim.snippets.check import POINT_KINDS, check
+from ksim.snippets.verify import Rules, verify
 
 __all__ = [
-    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "Const", "Cpu", "If", "Load",
-    "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "Reg", "RetVal", "Seq",
-    "Snippet", "Tsc", "Unary", "Var", "arg", "call", "call_target", "check", "cpu", "if_", "land", "lnot",
-    "load", "lor", "lshr", "pid", "reg", "retval", "same", "seq", "tsc", "uge", "ugt", "ule", "ult",
+    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "Const", "Cpu", "Guard",
+    "Guarded", "If", "Load", "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "Reg",
+    "RetVal", "Rules", "Seq", "Snippet", "Tsc", "Unary", "Var", "arg", "call", "call_target", "check", "cpu",
+    "if_", "land", "lnot", "load", "lor", "lshr", "pid", "reg", "retval", "same", "seq", "tsc", "uge", "ugt",
+    "ule", "ult", "verify",
 ]

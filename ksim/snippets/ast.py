@@ -286,6 +286,57 @@ class Load(Node):
         return (self.ptr,)
 
 
+@dataclass(frozen=True, slots=True)
+class Guard:
+    """A per-cpu recursion guard: one zeroed heap block holding the count of hits
+    missed because the guard was held (8 bytes), then ``slots`` 8-byte flags.  A cpu
+    holds flag ``cpu & (slots - 1)`` while it runs a guarded snippet; ``slots`` is a
+    power of two, and cpus beyond it share flags (more misses, never more nesting)."""
+
+    address: int
+    slots: int = 1
+
+    @staticmethod
+    def size_for(slots: int) -> int:
+        """Bytes of the heap block a guard with ``slots`` flags needs."""
+        return 8 * (1 + slots)
+
+    @staticmethod
+    def slots_for(cpus: int) -> int:
+        """The flags for a kernel with ``cpus`` cpus: the next power of two (one each)."""
+        return 1 << max(cpus - 1, 0).bit_length()
+
+    @property
+    def size(self) -> int:
+        return self.size_for(self.slots)
+
+    @property
+    def missed(self) -> int:
+        """Address of the 8-byte count of missed hits."""
+        return self.address
+
+    def flag(self, slot: int) -> int:
+        return self.address + 8 * (1 + slot)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Guarded(Node):
+    """``body`` run under ``guard`` (the verifier wraps every snippet that calls
+    out in one, as kprobes and BPF guard their handlers): the cpu's flag is taken
+    atomically; if it was already held, the hit is counted in ``guard.missed`` and
+    ``body`` does not run.  So a snippet that calls into code instrumented by
+    itself, or by another guarded snippet, nests at most once per flag.
+    A statement: its value is 0.  ``missed``, when given, is the address of the
+    instrumentation's own 8-byte miss counter (a kprobe's nmissed), counted too."""
+
+    body: Any
+    guard: Guard
+    missed: int | None = None
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.body,)
+
+
 Snippet = Node
 Expr = Node | int
 

@@ -159,6 +159,16 @@ def _load(node: ast.Load, kind: str) -> None:
     _size(node.size, "Load")
 
 
+def _guarded(node: ast.Guarded, kind: str) -> None:
+    g = node.guard
+    if not isinstance(g, ast.Guard):
+        raise SlotError(f"Guarded holds {g!r}, not a Guard")
+    if isinstance(g.slots, bool) or not isinstance(g.slots, int) or g.slots < 1 or g.slots & (g.slots - 1):
+        raise BadOperand(f"guard slots {g.slots!r} is not a power of two")
+    if not isinstance(g.address, int) or g.address % 8 or not 0 < g.address < (1 << 64) - g.size:
+        raise BadOperand(f"guard address {g.address!r} is not an aligned 64-bit address")
+
+
 def _reg(node: ast.Reg, kind: str, site: _Site) -> None:
     if not isinstance(node.name, str):
         raise UnknownRegister(f"Reg({node.name!r}): a register is named by a string")
@@ -193,6 +203,7 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.Arg: _arg,
     ast.RetVal: _retval,
     ast.Load: _load,
+    ast.Guarded: _guarded,
 }
 
 #: rules that need more of the point than its kind
@@ -205,5 +216,5 @@ _SITE_RULES: dict[type, Callable[[Any, str, _Site], None]] = {
 _KNOWN: frozenset[type] = frozenset({
     ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
     ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
-    ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget,
+    ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget, ast.Guarded,
 })

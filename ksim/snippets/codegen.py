@@ -10,12 +10,20 @@ name except those the Arch contract names (argument and return registers).
 The frame (prologue/epilogue) saves exactly the registers the generated code
 clobbers that are live at the point, plus any clobbered register a snippet
 reads as it was at the point (Arg, RetVal), and the flags when live.
+
+A ``Load`` through a computed pointer is read the fault-safe way the kernel's ABI
+offers (:func:`read_mode`): checked inline against the ABI's ``readable`` regions
+(0 outside them), or through its ``read_nofault`` function (0 when it reports a
+fault), else plainly -- which ksim.snippets.verify refuses for user snippets.
+``Guarded`` (the verifier's recursion guard) takes and gives back a per-cpu flag
+around its body.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ksim.errors import CodegenError
@@ -73,6 +81,22 @@ class Emitter(ABC):
         """acc = memory at acc + offset."""
 
     @abstractmethod
+    def load_checked(self, size: int, signed: bool, regions: Sequence[tuple[int, int]]) -> None:
+        """acc = memory at acc if its ``size`` bytes lie inside one of ``regions``
+        ((start, end) pairs), else 0: a load that cannot fault."""
+
+    @abstractmethod
+    def load_nofault(self, function: int, size: int, signed: bool) -> None:
+        """acc = memory at acc read through ``function``, which has the contract of
+        Linux's copy_from_kernel_nofault ``(dst, src, size) -> 0 or -EFAULT``; 0 when
+        it fails.  A call: only in a frame begun with ``calls``."""
+
+    @abstractmethod
+    def swap_indirect(self, value: int) -> None:
+        """Atomically exchange the 8 bytes at address acc with ``value``; acc = the
+        bytes it held."""
+
+    @abstractmethod
     def narrow(self, size: int, signed: bool) -> None:
         """acc = acc's low ``size`` bytes, zero- or sign-extended."""
 
@@ -87,6 +111,10 @@ class Emitter(ABC):
     @abstractmethod
     def load_temp(self, index: int) -> None:
         """acc = the temporary pushed when depth was ``index``."""
+
+    @abstractmethod
+    def drop(self) -> None:
+        """Discard the top temporary (depth -= 1); acc and the flags unchanged."""
 
     @abstractmethod
     def binop(self, op: str) -> None:
@@ -152,6 +180,24 @@ def memref_load(emitter: Emitter, ref: MemRef) -> None:
     emitter.load(ref.address, ref.size, False, ref.segment)
 
 
+def read_mode(abi: Any) -> str:
+    """How a Load through a computed pointer is read with ``abi``: "checked" (inline
+    against the ABI's fixed memory map), "nofault" (through its read_nofault
+    function: a call) or "plain" (the ABI offers neither)."""
+    if abi is not None and abi.readable:
+        return "checked"
+    if abi is not None and abi.read_nofault is not None:
+        return "nofault"
+    return "plain"
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class OperandLoad(ast.Load):
+    """The memory operand of the indirect call at the point (CallTarget), read just
+    before the call reads it: a plain load, which faults only where the kernel's own
+    call would.  Built by codegen only; the check refuses it in a user's tree."""
+
+
 class Codegen:
     """Lowers a checked tree onto an Emitter."""
 
@@ -181,8 +227,11 @@ class Codegen:
             ast.Arg: lambda n: self.e.point_reg(self.arch.arg_regs[n.n]),
             ast.RetVal: lambda n: self.e.point_reg(self.arch.ret_reg),
             ast.Load: self._load,
+            OperandLoad: self._operand_load,
             ast.Reg: lambda n: self.e.point_reg(n.name),
+            ast.Guarded: self._guarded,
         }
+        self.read_mode = read_mode(abi)
 
     def gen(self, node: ast.Node) -> None:
         """Code leaving ``node``'s value in the accumulator."""
@@ -199,6 +248,8 @@ class Codegen:
             self._assign(node, value=False)
         elif isinstance(node, ast.AtomicAssign):
             self._atomic_assign(node, value=False)
+        elif isinstance(node, ast.Guarded):
+            self._guarded(node, value=False)
         else:
             self.gen(node)
 
@@ -343,7 +394,60 @@ class Codegen:
 
     def _load(self, n: ast.Load) -> None:
         self.gen(n.ptr)
+        if self.read_mode == "checked":
+            self.e.load_checked(n.size, n.signed, [(r.start, r.end) for r in self.abi.readable])
+        elif self.read_mode == "nofault":
+            self.e.load_nofault(self.abi.read_nofault, n.size, n.signed)
+        else:
+            self.e.load_indirect(0, n.size, n.signed)
+
+    def _operand_load(self, n: OperandLoad) -> None:
+        self.gen(n.ptr)
         self.e.load_indirect(0, n.size, n.signed)
+
+    def _guarded(self, n: ast.Guarded, value: bool = True) -> None:
+        """Take this cpu's flag with an atomic exchange; run the body if it was free
+        and give the flag back, else count a miss.  The flag's address stays in a
+        temporary: a task that migrates inside the body gives back the flag it took
+        (on a preemptible kernel nesting is then bounded by the number of flags)."""
+        g = n.guard
+        enter, leave = self.e.new_label(), self.e.new_label()
+        self._guard_flag(g)
+        flag = self.e.depth
+        self.e.push()
+        self.e.swap_indirect(1)
+        self.e.jump_if_zero(enter)
+        for counter in (g.missed, n.missed):
+            if counter is not None and not self.e.atomic_add_imm(counter, 8, None, 1):
+                self.e.const(1)
+                self.e.atomic_add(counter, 8, None, fetch=False)
+        self.e.jump(leave)
+        self.e.bind(enter)
+        self.effect(n.body)
+        self.e.load_temp(flag)
+        self.e.swap_indirect(0)
+        self.e.bind(leave)
+        self.e.drop()
+        if value:
+            self.e.const(0)
+
+    def _guard_flag(self, g: ast.Guard) -> None:
+        """acc = the address of the running cpu's flag of ``g``."""
+        cpu = self.abi.cpu_number if self.abi is not None else None
+        if cpu is None or g.slots == 1:
+            self.e.const(g.flag(0))
+            return
+        memref_load(self.e, cpu)
+        self._op_const("and", g.slots - 1)
+        self._op_const("shl", 3)
+        self._op_const("add", g.flag(0))
+
+    def _op_const(self, op: str, value: int) -> None:
+        """acc = acc ``op`` value."""
+        if not self.e.binop_imm(op, value):
+            self.e.push()
+            self.e.const(value)
+            self.e.binop(op)
 
 
 def _signed(value: int) -> int:
@@ -374,8 +478,11 @@ def _is_var(node: Any, t: ast.Var) -> bool:
             and node.signed == t.signed)
 
 
-def uses_calls(node: Any) -> bool:
-    return any(isinstance(x, ast.Call) for x in ast.walk(node))
+def uses_calls(node: Any, abi: Any = None) -> bool:
+    """Whether the code for ``node`` calls out: a Call, or a Load read through the
+    ABI's read_nofault function."""
+    nofault = read_mode(abi) == "nofault"
+    return any(isinstance(x, ast.Call) or (nofault and type(x) is ast.Load) for x in ast.walk(node))
 
 
 def point_reads(arch: Arch, node: Any) -> frozenset[str]:
@@ -413,7 +520,7 @@ def destination(op: CallOperand) -> ast.Node:
         address = address + term
     if terms and op.disp:
         address = address + disp
-    return ast.Load(address, op.size)
+    return OperandLoad(address, op.size)
 
 
 def expand_call_target(snippet: ast.Node, op: CallOperand | None) -> ast.Node:
@@ -452,7 +559,7 @@ def compile_snippets(
     body = ast.Seq(tuple(snippets))
     if abi is None and any(isinstance(x, ast.Pid | ast.Cpu) for x in ast.walk(body)):
         raise CodegenError("Pid and Cpu need the kernel's ABI (abi=KernelABI(...))")
-    calls = uses_calls(body)
+    calls = uses_calls(body, abi)
     needed = frozenset(live) | point_reads(arch, body)
     first = new_emitter()
     save = first.clobbers(calls) & needed

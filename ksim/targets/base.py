@@ -42,6 +42,14 @@ class KernelABI:
     task_pid_size: int = 4
     #: where the current cpu's number lives (None: a uniprocessor kernel, cpu is 0)
     cpu_number: MemRef | None = None
+    #: a kernel function with copy_from_kernel_nofault's contract, ``(dst, src, size)
+    #: -> 0, or -EFAULT without faulting`` (mm/maccess.c): snippet code reads memory at
+    #: computed addresses through it (None: the kernel has none ksim knows)
+    read_nofault: int | None = None
+    #: when the kernel's memory map is fixed and known (the toy kernel's): every region
+    #: a read may touch.  A computed address outside them reads as 0 instead of
+    #: faulting, checked inline; preferred over ``read_nofault`` (no call)
+    readable: tuple[Region, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,11 +1,18 @@
 """The x86-64 Emitter for snippet codegen (see ksim.snippets.codegen).
 
 Register use: rax is the accumulator, rcx holds a popped left operand (and the
-shift count, cl), rdx is the address scratch and idiv's high half.  The code
+shift count, cl; a checked load's offset; an exchanged value), rdx is the address
+scratch and idiv's high half.  The code
 may clobber rax, rcx, rdx and the flags (``writes()`` says which it does); a
 snippet that calls a function also clobbers every caller-saved register and
 rbx, which keeps the stack pointer of the frame while rsp is aligned to 16 for
 the call (System V ABI 3.2.2).
+
+Fault-safe loads: ``load_checked`` compares the address with each region of the
+kernel's fixed memory map (an unsigned ``address - start <= end - start - size``:
+one compare covers both ends) and reads 0 outside; ``load_nofault`` calls a
+copy_from_kernel_nofault-like function with an 8-byte buffer on the temporary
+stack.
 
 Frame, from high to low addresses::
 
@@ -16,6 +23,8 @@ Frame, from high to low addresses::
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ksim.errors import CodegenError
 from ksim.snippets.codegen import Emitter
@@ -143,6 +152,59 @@ class X86Emitter(Emitter):
     def load_indirect(self, offset: int, size: int, signed: bool) -> None:
         self.w.put_mov_reg_mem(ACC, Mem(base=ACC, disp=offset), size, signed)
 
+    def load_checked(self, size: int, signed: bool, regions: Sequence[tuple[int, int]]) -> None:
+        w = self.w
+        inside, done = w.new_label(), w.new_label()
+        for start, end in regions:
+            last = end - start - size           # the highest offset a read may start at
+            if last < 0:
+                continue
+            self._offset_from(start)            # rcx = rax - start, modulo 2**64
+            if fits(last, INT32):
+                w.put_cmp_reg_imm(LEFT, last)
+            else:
+                w.put_mov_reg_imm(SCRATCH, last)
+                w.put_alu_reg_reg("cmp", LEFT, SCRATCH)
+            w.put_jcc("be", inside)             # unsigned: below start wraps to a huge offset
+        w.put_mov_reg_imm(ACC, 0)
+        w.put_jmp(done)
+        w.put_label(inside)
+        w.put_mov_reg_mem(ACC, Mem(base=ACC), size, signed)
+        w.put_label(done)
+
+    def _offset_from(self, start: int) -> None:
+        """rcx = rax - start (modulo 2**64), rax unchanged."""
+        minus = signed64(-start)
+        if fits(minus, INT32):
+            self.w.put_lea(LEFT, Mem(base=ACC, disp=minus))
+        else:
+            self.w.put_mov_reg_imm(LEFT, minus)
+            self.w.put_alu_reg_reg("add", LEFT, ACC)
+
+    def load_nofault(self, function: int, size: int, signed: bool) -> None:
+        if not self._frame_reg:
+            raise CodegenError("a fault-safe load calls out: it needs begin(..., calls=True)")
+        w = self.w
+        failed = w.new_label()
+        w.put_mov_reg_reg("rsi", ACC)           # src
+        w.put_mov_reg_imm(ACC, 0)
+        self.push()                             # the buffer: one zeroed temporary
+        w.put_mov_reg_reg("rdi", "rsp")         # dst
+        w.put_mov_reg_imm("rdx", size)          # size
+        self._call(function)
+        w.put_test_reg_reg(ACC, ACC)            # 0, or -EFAULT
+        w.put_mov_reg_imm(ACC, 0)               # (a mov leaves the flags alone)
+        w.put_jcc("nz", failed)
+        w.put_mov_reg_mem(ACC, Mem(base="rsp"), size, signed)
+        w.put_label(failed)
+        self.drop()
+
+    def swap_indirect(self, value: int) -> None:
+        # xchg with a memory operand is locked without a lock prefix (SDM "XCHG")
+        self.w.put_mov_reg_imm(LEFT, value)
+        self.w.put_xchg_mem_reg(Mem(base=ACC), LEFT)
+        self.w.put_mov_reg_reg(ACC, LEFT)
+
     def narrow(self, size: int, signed: bool) -> None:
         if size != 8:
             self.w.put_extend(ACC, ACC, size, signed)
@@ -160,6 +222,9 @@ class X86Emitter(Emitter):
 
     def load_temp(self, index: int) -> None:
         self.w.put_mov_reg_mem(ACC, Mem(base="rsp", disp=8 * (self.depth - 1 - index)))
+
+    def drop(self) -> None:
+        self._pop(LEFT)                          # pop rcx: one byte, flags untouched
 
     # --- operations ------------------------------------------------------------------------
     def binop(self, op: str) -> None:
@@ -267,6 +332,10 @@ class X86Emitter(Emitter):
             raise CodegenError("a call needs the aligned frame: begin(..., calls=True)")
         for reg in reversed(ARG_REGS[:nargs]):
             self._pop(reg)
+        self._call(address)
+
+    def _call(self, address: int) -> None:
+        """call ``address`` with rsp 16-aligned (its arguments already in registers)."""
         pad = self.depth % 2 == 1               # rsp was 16-aligned at depth 0
         if pad:
             self.w.put_sub_reg_imm("rsp", 8)

@@ -362,6 +362,11 @@ class Writer:
         """xchg r/m64, r64: REX.W 87 /r."""
         self._put_op(b"\x87", reg_num(b), a, w=True)
 
+    def put_xchg_mem_reg(self, mem: Mem, reg: str) -> None:
+        """xchg m64, r64: REX.W 87 /r; locked whether or not a lock prefix is given
+        (SDM "XCHG")."""
+        self._put_op(b"\x87", reg_num(reg), mem, w=True)
+
     def put_lea(self, reg: str, mem: Mem) -> None:
         """lea r64, m: REX.W 8d /r."""
         if mem.segment is not None:
