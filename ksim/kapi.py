@@ -114,6 +114,10 @@ class Manager:
         self._heap: dict[int, int] = {}
         #: functions snippets may call (address -> name), named by the user
         self._calls: dict[int, str] = {}
+        #: patch-area allocations -> how many patches live in them; and the
+        #: allocation of each patch placed inside a shared one (a batch's)
+        self._code_users: dict[int, int] = {}
+        self._block_of: dict[int, int] = {}
         self._ids = itertools.count(1)
         # the per-cpu recursion guard every snippet that calls out runs under
         info = getattr(target, "info", None) or {}
@@ -317,6 +321,77 @@ class Manager:
 
     remove = remove_snippet
 
+    def insert_many(self, points: Sequence[Point],
+                    snippet: ast.Snippet | Callable[[Point], ast.Snippet], *,
+                    splice: str = "auto") -> list[Handle]:
+        """Splice a snippet at every one of ``points`` in one step, all or nothing:
+        one planning pass, one patch-area allocation, one poke for the patch code
+        and one for the text.  ``snippet`` is a snippet, or a function giving the
+        snippet of each point.  Points already spliced are refused (use
+        insert_snippet there); so is a batch naming a point twice."""
+        points = list(points)
+        seen: set[int] = set()
+        for p in points:
+            if p.address in seen:
+                raise AlreadySpliced(f"{p.address:#x} is named twice in one batch")
+            if p.address in self._splices:
+                raise AlreadySpliced(f"{p.address:#x} is already spliced: insert_many takes "
+                                     "points with nothing at them")
+            seen.add(p.address)
+        rules = self.rules()
+        handles = []
+        for p in points:
+            code = snippet(p) if callable(snippet) and not isinstance(snippet, ast.Node) else snippet
+            check_snippet(code, p.kind, registers=gprs(self.arch),
+                          call_operand=self._call_operand(p, [code]))
+            handles.append(Handle(next(self._ids), p, verify([code], rules)[0]))
+        if not handles:
+            return []
+        # one pass: each point's window is busy for the points planned after it
+        busy = _Busy(dict(self._owners), None)
+        reqs = [self._request(h.point, [h], splice, busy) for h in handles]
+        # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
+        bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
+                  for r in reqs]
+        block = self._alloc_code(max(sum(bounds), 1), points[0].address)
+        patches: list[Patch] = []
+        try:
+            at = block
+            for req, bound in zip(reqs, bounds, strict=True):
+                req = dataclasses.replace(req, busy=busy, code_address=at)
+                patch = planner.plan(self.arch, req)
+                if len(patch.code) > bound:
+                    raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound")
+                for address in planner.overwritten(patch):
+                    busy._owners[address] = req.point
+                patches.append(patch)
+                at += bound
+            self._commit_many(block, patches, handles)
+        except BaseException:
+            self._release_code(block)
+            raise
+        return handles
+
+    def remove_many(self, handles: Sequence[Handle]) -> None:
+        """Take ``handles`` out in one step: the points left with nothing are
+        restored by one poke; points that keep other instrumentation are re-planned."""
+        gone: dict[int, list[Handle]] = {}
+        for h in handles:
+            current = self._splices.get(h.point.address)
+            if current is None or not any(x is h for x in current.handles):
+                raise UnknownHandle(f"handle {h.id} is not inserted")
+            gone.setdefault(h.point.address, []).append(h)
+        emptied = [self._splices[a] for a, hs in gone.items()
+                   if len(hs) == len(self._splices[a].handles)]
+        self.target.poke([w for s in emptied for w in s.patch.undo])
+        for splice in emptied:
+            self._retire(splice)
+            del self._splices[splice.point.address]
+        for address, hs in gone.items():
+            if address in self._splices:
+                for h in hs:
+                    self.remove_snippet(h)
+
     def splices(self) -> dict[int, tuple[str, int]]:
         """Spliced points: address -> (tactic, number of instrumentations)."""
         return {a: (s.tactic, len(s.handles)) for a, s in self._splices.items()}
@@ -417,6 +492,28 @@ class Manager:
               *, dry_run: bool = False) -> Patch:
         """Plan against the original text, allocating patch memory for the result.
         On any failure (or a dry run) the allocation is returned; nothing else changes."""
+        # the point's own bytes and springboard slot count as free: a re-plan finds
+        # the same slot first and re-points it in place
+        req = self._request(point, handles, policy, self._busy(exclude=point.address))
+        if req.direct:  # straight to the replacement: no patch code
+            return planner.plan(self.arch, dataclasses.replace(req, code_address=0))
+        size = planner.patch_size_bound(self.arch, req)
+        address = self._alloc_code(size, point.address)
+        try:
+            patch = planner.plan(self.arch, dataclasses.replace(req, code_address=address))
+            if len(patch.code) > size:
+                raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound ({size})")
+        except BaseException:
+            self._release_code(address)
+            raise
+        if dry_run:
+            self._release_code(address)
+        return patch
+
+    def _request(self, point: Point, handles: Sequence[Handle], policy: str,
+                 busy: Container[int]) -> planner.SpliceRequest:
+        """The planner's question for everything ``handles`` put at ``point``,
+        checked (kprobes' check_kprobe_address_safe) but not yet placed."""
         diverts = {h.divert for h in handles if h.divert is not None}
         if len(diverts) > 1:
             raise AlreadySpliced(f"{point.address:#x} is already replaced "
@@ -449,27 +546,25 @@ class Manager:
                 return self.arch.compile_snippets(posts, address, live=after, abi=abi,
                                                   point_kind="insn")
 
-        # the point's own bytes and springboard slot count as free: a re-plan finds
-        # the same slot first and re-points it in place
         req = self.facts.request(point.address, func, compile_at, point.address, policy=policy,
-                                 busy=self._busy(exclude=point.address))
+                                 busy=busy)
         req = dataclasses.replace(req, post=post, post_trap=post_trap,
                                   divert=next(iter(diverts), None))
         planner.check_point(req)
-        if req.direct:  # straight to the replacement: no patch code
-            return planner.plan(self.arch, dataclasses.replace(req, code_address=0))
-        size = planner.patch_size_bound(self.arch, req)
-        address = self.target.alloc_code(size, near=point.address)
-        try:
-            patch = planner.plan(self.arch, dataclasses.replace(req, code_address=address))
-            if len(patch.code) > size:
-                raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound ({size})")
-        except BaseException:
-            self.target.free_code(address)
-            raise
-        if dry_run:
-            self.target.free_code(address)
-        return patch
+        return req
+
+    def _alloc_code(self, size: int, near: int) -> int:
+        address = self.target.alloc_code(size, near=near)
+        self._code_users[address] = 1
+        return address
+
+    def _release_code(self, address: int) -> None:
+        """One patch less in the allocation holding ``address`` (freed with its last)."""
+        block = self._block_of.pop(address, address)
+        self._code_users[block] -= 1
+        if not self._code_users[block]:
+            del self._code_users[block]
+            self.target.free_code(block)
 
     def _live_after(self, point: Point) -> frozenset[str]:
         """Registers live after the instruction at ``point`` (all of them if unknown)."""
@@ -524,12 +619,40 @@ class Manager:
             for undo in unhook:
                 undo()
             if new.code:
-                self.target.free_code(new.code_address)
+                self._release_code(new.code_address)
             raise
         if current is not None:
             self._retire(current, keep_routes={site for site, _ in new.routes})
         self._own(new, point.address)
         self._splices[point.address] = _Splice(point, new.tactic, new, list(handles), unhook)
+
+    def _commit_many(self, block: int, patches: Sequence[Patch], handles: Sequence[Handle]) -> None:
+        """Put fresh patches in (no splice at their points yet), all or nothing."""
+        codes = [p for p in patches if p.code]
+        routed: list[int] = []
+        try:
+            if codes:
+                end = max(p.code_address + len(p.code) for p in codes)
+                old = self.target.read(block, end - block)
+                self.target.poke([Write(p.code_address,
+                                        old[p.code_address - block:][:len(p.code)], p.code)
+                                  for p in codes])
+            for p in patches:
+                for site, dest in p.routes:
+                    self.target.set_trap(site, dest)
+                    routed.append(site)
+            self.target.poke([w for p in patches for w in p.writes])
+        except BaseException:
+            for site in routed:
+                self.target.clear_trap(site)
+            raise
+        for p, h in zip(patches, handles, strict=True):
+            if p.code:
+                self._block_of[p.code_address] = block
+                self._code_users[block] += 1
+            self._own(p, p.point)
+            self._splices[p.point] = _Splice(h.point, p.tactic, p, [h])
+        self._release_code(block)  # the batch's own hold: the block lives as long as a patch
 
     def _retire(self, splice: _Splice, *, keep_routes: Container[int] = ()) -> None:
         """Forget an old patch whose text is already gone: its hooks, routes, memory."""
@@ -539,7 +662,7 @@ class Manager:
             if site not in keep_routes:
                 self.target.clear_trap(site)
         if splice.patch.code:
-            self.target.free_code(splice.patch.code_address)
+            self._release_code(splice.patch.code_address)
         self._own(splice.patch, None)
 
     def _unsplice(self, current: _Splice) -> None:

@@ -49,6 +49,7 @@ class Composition(RuleBasedStateMachine):
     kprobes = Bundle("kprobes")
     kretprobes = Bundle("kretprobes")
     replacements = Bundle("replacements")
+    batches = Bundle("batches")
 
     def __init__(self) -> None:
         super().__init__()
@@ -92,6 +93,32 @@ class Composition(RuleBasedStateMachine):
         self.m.remove_snippet(h)
         var, _ = self.counters.pop(id(h))
         self.m.free(var)
+
+    @rule(target=batches, picks=st.lists(st.integers(0, 10**6), min_size=1, max_size=12),
+          policy=st.sampled_from(POLICIES))
+    def insert_batch(self, picks: list[int], policy: str) -> Any:
+        addresses = sorted({self.addresses[i % len(self.addresses)] for i in picks})
+        points = [self.m.point_at(a) for a in addresses]
+        counters = {a: self.m.malloc() for a in addresses}
+        hs = self.attempt(lambda: self.m.insert_many(
+            points, lambda p: counters[p.address].atomic_assign(counters[p.address] + 1),
+            splice=policy))
+        if hs is None:
+            for var in counters.values():
+                self.m.free(var)
+            return None
+        for h in hs:
+            self.counters[id(h)] = (counters[h.point.address], h.point.address)
+        return hs
+
+    @rule(hs=consumes(batches))
+    def remove_batch(self, hs: Any) -> None:
+        if hs is None:
+            return
+        self.m.remove_many(hs)
+        for h in hs:
+            var, _ = self.counters.pop(id(h))
+            self.m.free(var)
 
     # --- kprobes -----------------------------------------------------------------------
     @rule(target=kprobes, i=st.integers(0, 10**6), post=st.sampled_from(["none", "snippet", "python"]))
