@@ -39,6 +39,20 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
 
 
+def count_arg(text: str) -> int:
+    """argparse type of a count or seed: a whole number from 0 to 2**64-1 (decimal or 0x...)."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        try:
+            value = int(text, 0)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if not 0 <= value < 1 << 64:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**64-1, not {value}")
+    return value
+
+
 def emit_json(value: Any) -> None:
     json.dump(value, sys.stdout, indent=2, sort_keys=False)
     sys.stdout.write("\n")
@@ -56,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ksim: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print("ksim: interrupted", file=sys.stderr)
         return 130
 
 

@@ -283,6 +283,31 @@ class TargetTimeout(TargetError):
     code = "target-timeout"
 
 
+class RunOptionError(TargetError):
+    """A run asked for with an option or value the target cannot honour; nothing ran."""
+
+    code = "run-option"
+
+
+class UnknownRunOption(RunOptionError, TypeError):
+    """An option the target's run does not take: a typo, or another kind of target's option."""
+
+    code = "unknown-run-option"
+
+
+class BadRunValue(RunOptionError, ValueError):
+    """A run option with an impossible value (a negative count, a timeout that is
+    not a positive number of seconds, a progress callback that cannot be called)."""
+
+    code = "bad-run-value"
+
+
+class UnknownOracle(TargetError):
+    """An oracle kind that does not exist, or that the target does not have."""
+
+    code = "unknown-oracle"
+
+
 class EmulationError(TargetError):
     """The emulated kernel faulted (unmapped access, invalid instruction...)."""
 

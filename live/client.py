@@ -29,7 +29,15 @@ from ksim.errors import (
     TargetError,
     TargetTimeout,
 )
-from ksim.targets.base import KernelABI, MemRef, RunResult
+from ksim.targets.base import (
+    KernelABI,
+    MemRef,
+    RunResult,
+    check_callback,
+    check_seconds,
+    check_text,
+    run_options,
+)
 from live import protocol as wire
 
 if TYPE_CHECKING:
@@ -370,17 +378,23 @@ class LiveTarget:
             raise TargetError(f"guest command failed ({r['rc']}): {cmd}\n{r['stderr'].strip()}")
         return str(r["stdout"])
 
-    def run(self, while_cmd: str | None = None, timeout: float = 600.0,
-            progress: Callable[[], None] | None = None, **options: object) -> RunResult:
+    @run_options
+    def run(self, *, while_cmd: str | None = None, timeout: float = 600.0,
+            progress: Callable[[], None] | None = None) -> RunResult:
         """Run ``while_cmd`` in the guest (instrumentation stays in while it runs).
 
-        With ``progress``, the command runs over a second connection while this
-        one stays free: ``progress()`` is called about once a second, and may read
-        counters over the network while the guest runs (periodic sampling)."""
+        The command runs over a second connection while this one stays free:
+        ``progress()`` is called about once a second, and may read counters over
+        the network while the guest runs (periodic sampling); Ctrl-C ends the
+        wait at once and leaves this connection ready for the clean-up (no reply
+        half read).  The daemon kills a command still running after ``timeout``
+        seconds: TargetTimeout."""
+        check_text("while_cmd", while_cmd)
+        check_callback("progress", progress)
+        timeout = check_seconds("timeout", timeout)
         if not while_cmd:
             return RunResult()
-        r = self._exec(while_cmd, timeout) if progress is None else \
-            self._exec_with_progress(while_cmd, timeout, progress)
+        r = self._exec_with_progress(while_cmd, timeout, progress or (lambda: None))
         if r["rc"] != 0:
             raise TargetError(f"--while command failed ({r['rc']}): {while_cmd}\n"
                               f"{(r['stderr'] or r['stdout']).strip()[-2000:]}")

@@ -15,13 +15,45 @@ ignored (no interrupt is ever delivered, so runs are deterministic).
 Every Python callback runs through one wrapper: an exception raised inside a
 hook is kept, emulation is stopped, and the exception is re-raised after
 ``emu_start`` returns -- never swallowed.
+
+Slices
+    A run that is resumed after a stop -- one with a ``progress`` callback, which
+    reads the kernel between slices -- is a series of ``emu_start`` calls, each
+    bounded by a number of instructions (unicorn's ``count``), never by time.
+    Unicorn counts with a code hook of its own, placed first in the hook list;
+    when a slice's budget is spent it asks for a stop *before* the next
+    instruction's other code hooks run, so that instruction runs at the start of
+    the next slice with its hooks called once (an exact-address oracle hook counts
+    each execution once).  Such a stop falls on an instruction boundary where
+    nothing is half done: never between an int3 and its interrupt hook, never
+    after a hook that wrote RIP (unicorn drops a pending stop request when a hook
+    redirects execution).  Between slices the run calls ``progress()`` and checks
+    its timeout and a held Ctrl-C (``HeldInterrupt``: SIGINT only sets a flag
+    during a run).  Slices are sized to take about SLICE_SECONDS.  The kernel
+    executes the same instructions however a run is sliced, so counters, oracle
+    counts, checksums and instruction counts do not depend on the slicing
+    (``count_instructions`` adds a block's instructions when the block is
+    entered; a slice that stops inside it takes back those it did not run).
+
+    The count hook costs 10-20 ns per instruction (it about halves the speed of a
+    run without Python hooks), so a run without ``progress`` is one unbounded
+    ``emu_start``.  Its timeout and Ctrl-C are watched from another thread
+    (``_Watchdog``), whose stop may fall anywhere -- between an int3 and its
+    interrupt hook, after an oracle hook and before its instruction -- so such a
+    run is never resumed: it ends in TargetTimeout or KeyboardInterrupt, and a
+    count read after it may include one hit in flight, as any interrupted count.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import select
+import signal
 import struct
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,8 +64,15 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 from unicorn import x86_const as X
 
-from ksim.errors import EmulationError, MalformedImage, TargetTimeout
+from ksim.errors import BadRunValue, EmulationError, MalformedImage, TargetTimeout
 from ksim.images import toy
+from ksim.targets.base import (
+    HeldInterrupt,
+    check_callback,
+    check_count,
+    check_flag,
+    check_seconds,
+)
 
 PAGE = 0x1000
 
@@ -74,6 +113,12 @@ UART_LSR_READY = 0x60  # THR empty | transmitter empty: the UART is never busy
 DEBUG_EXIT_PORT = 0xF4
 DEBUG_EXIT_SUCCESS = 0x10  # images/toy/include/toy.h
 
+#: how long a slice of a run should take: how soon Ctrl-C, the timeout and
+#: progress() are seen (see "Slices" in the module doc)
+SLICE_SECONDS = 0.1
+#: instructions in a run's first slice (~10-20 ms), and the bounds of later ones
+FIRST_SLICE, MIN_SLICE, MAX_SLICE = 1_000_000, 10_000, 1 << 32
+
 
 @dataclass(frozen=True, slots=True)
 class MachineResult:
@@ -92,6 +137,8 @@ class MachineResult:
     #: ksim_bench_cycles (benchmark mode) else 0
     bench_cycles: int
     seconds: float
+    #: emu_start calls the run took (see "Slices" in the module doc)
+    slices: int = 1
 
 
 class UnicornMachine:
@@ -133,6 +180,8 @@ class UnicornMachine:
         self._interrupt_fns: list[Callable[[UnicornMachine, int], None]] = []
         self._block_sizes: dict[tuple[int, int], int] = {}
         self._icount = 0
+        #: (address, size, instructions) of the block entered last (count_instructions)
+        self._last_block: tuple[int, int, int] | None = None
         self._md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
         self._hooks: list[int] = []
 
@@ -141,7 +190,9 @@ class UnicornMachine:
         self._add(unicorn.UC_HOOK_INSN, self._on_in, arg1=X.UC_X86_INS_IN)
         self._add(unicorn.UC_HOOK_INSN, self._on_out, arg1=X.UC_X86_INS_OUT)
         self._add(unicorn.UC_HOOK_INTR, self._on_interrupt)
-        self._count_hook: int | None = None
+        self._icount_hook: int | None = None
+        #: whether translated blocks call unicorn's count hook (see "Slices")
+        self._counting = False
 
     # --- symbols ---------------------------------------------------------------
     def address_of(self, name: str) -> int:
@@ -311,13 +362,27 @@ class UnicornMachine:
             fn(self, vector)
 
     def _on_block(self, address: int, size: int, _user: Any) -> None:
+        n = self._instructions_in(address, size)
+        self._icount += n
+        self._last_block = (address, size, n)
+
+    def _instructions_in(self, address: int, size: int) -> int:
         key = (address, size)
         n = self._block_sizes.get(key)
         if n is None:
             code = bytes(self._uc.mem_read(address - self._offset, size))
             n = sum(1 for _ in self._md.disasm_lite(code, address))
             self._block_sizes[key] = n
-        self._icount += n
+        return n
+
+    def _end_slice(self, pc: int) -> None:
+        """A slice stopped at ``pc`` before running it: the block hook counted the
+        whole block ``pc`` lies in, so take back the instructions from ``pc`` on
+        (the next slice enters a block at ``pc`` and counts them then)."""
+        block, self._last_block = self._last_block, None
+        if block is not None and block[0] <= pc < block[0] + block[1]:
+            address, _, n = block
+            self._icount -= n - self._instructions_in(address, pc - address)
 
     # --- running ----------------------------------------------------------------
     def reset(self) -> None:
@@ -330,13 +395,25 @@ class UnicornMachine:
 
     def run(self, seed: int | None = None, iterations: int | None = None,
             bench_calls: int | None = None, count_instructions: bool = False,
-            timeout: float = 60.0, progress: Callable[[], None] | None = None) -> MachineResult:
+            timeout: float = 60.0, progress: Callable[[], None] | None = None,
+            slices: Iterable[int] | None = None) -> MachineResult:
         """Boot at ksim_entry64 and run until ksim_halt.
 
         ``seed``, ``iterations`` and ``bench_calls`` are written to the ABI
         globals first (None keeps the image's value).  A machine runs once per
         reset(): the kernel's data is not pristine after a run.
+
+        With ``progress`` (or ``slices``) the run goes in slices (module doc):
+        between two, ``progress()`` is called, TargetTimeout is raised once
+        ``timeout`` seconds have passed, and Ctrl-C raises KeyboardInterrupt with
+        the kernel stopped on an instruction boundary.  ``slices`` gives the
+        instruction budgets of the first slices (adapted to SLICE_SECONDS after
+        them); the results do not depend on it.  Without either, the run goes in
+        one piece, and the timeout and Ctrl-C end it wherever it is.
         """
+        timeout = check_run(seed=seed, iterations=iterations, bench_calls=bench_calls,
+                            count_instructions=count_instructions, timeout=timeout,
+                            progress=progress)
         if self._dirty:
             raise EmulationError("the machine already ran: call reset() before running again")
         self._dirty = True
@@ -350,13 +427,14 @@ class UnicornMachine:
         self._pending = None
         self._fault = None
         self._icount = 0
-        if count_instructions and self._count_hook is None:
-            self._count_hook = self._add(unicorn.UC_HOOK_BLOCK, self._on_block)
+        self._last_block = None
+        if count_instructions and self._icount_hook is None:
+            self._icount_hook = self._add(unicorn.UC_HOOK_BLOCK, self._on_block)
             self._uc.ctl_remove_cache(self._virt[0], self._virt[1])
-        elif not count_instructions and self._count_hook is not None:
-            self._hooks.remove(self._count_hook)
-            self._uc.hook_del(self._count_hook)
-            self._count_hook = None
+        elif not count_instructions and self._icount_hook is not None:
+            self._hooks.remove(self._icount_hook)
+            self._uc.hook_del(self._icount_hook)
+            self._icount_hook = None
 
         for name in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10",
                      "r11", "r12", "r13", "r14", "r15"):
@@ -366,19 +444,13 @@ class UnicornMachine:
         halt = self.address_of(toy.HALT)
         start = time.perf_counter()
         pc = self.address_of(toy.ENTRY)
-        # Run in slices so a progress callback and the timeout get a chance.
-        slice_us = 250_000 if progress is not None else int(min(timeout, 3600) * 1e6)
-        while True:
-            self._emulate(pc, halt, slice_us)
-            pc = self.reg("rip")
-            if pc == halt or self._exit_value is not None:
-                break
-            elapsed = time.perf_counter() - start
-            if elapsed >= timeout:
-                raise TargetTimeout(f"no halt after {elapsed:.1f} s; rip at {self.symbolize(pc)}; "
-                                    f"serial: {self._serial_text()[-300:]!r}")
-            if progress is not None:
-                progress()
+        done = 1
+        with HeldInterrupt() as ctrl_c:
+            if progress is None and slices is None:
+                pc = self._run_whole(pc, halt, start, timeout, ctrl_c)
+            else:
+                pc, done = self._run_sliced(pc, halt, start, timeout, ctrl_c, progress,
+                                            _Budgets(slices))
         if self._exit_value is not None and self._exit_value != DEBUG_EXIT_SUCCESS:
             raise EmulationError(f"the kernel failed (debug-exit value {self._exit_value:#x} at "
                                  f"{self.symbolize(pc)}); serial: {self._serial_text()[-500:]!r}")
@@ -390,17 +462,74 @@ class UnicornMachine:
             exit_status=None if self._exit_value is None else ((self._exit_value << 1) | 1) & 0xFF,
             bench_cycles=self.read_u64(self.address_of(toy.BENCH_CYCLES)),
             seconds=time.perf_counter() - start,
+            slices=done,
         )
 
-    def _emulate(self, pc: int, until: int, timeout_us: int) -> None:
+    def _run_sliced(self, pc: int, halt: int, start: float, timeout: float,
+                    ctrl_c: HeldInterrupt, progress: Callable[[], None] | None,
+                    budgets: _Budgets) -> tuple[int, int]:
+        """Run to ``halt`` in slices of counted instructions (module doc);
+        (where it stopped, slices taken)."""
+        if not self._counting:
+            # unicorn adds its count hook when counts are first asked for, and a
+            # block translated before it would not count: translate afresh
+            self._uc.ctl_remove_cache(self._virt[0], self._virt[1])
+            self._counting = True
+        done = 0
+        while True:
+            budget, began = budgets.next(), time.perf_counter()
+            self._emulate(pc, halt, budget)
+            done += 1
+            pc = self.reg("rip")
+            if pc == halt or self._exit_value is not None:
+                return pc, done
+            self._end_slice(pc)
+            budgets.took(budget, time.perf_counter() - began)
+            ctrl_c.deliver()  # stopped on an instruction boundary: Ctrl-C may end it here
+            if time.perf_counter() - start >= timeout:
+                raise self._timeout(pc, start)
+            if progress is not None:
+                progress()
+
+    def _run_whole(self, pc: int, halt: int, start: float, timeout: float,
+                   ctrl_c: HeldInterrupt) -> int:
+        """Run to ``halt`` in one emu_start at full speed; a watchdog ends it at
+        the timeout or on Ctrl-C (module doc).  Where it stopped."""
+        self._counting = False  # count 0: unicorn drops its count hook and its blocks
+        with _Watchdog(self._uc, start + timeout, sigint=ctrl_c.holding) as watchdog:
+            failure = self._emulate(pc, halt, 0, raise_fault=False)
+        pc = self.reg("rip")
+        if watchdog.fired is not None and pc != halt and self._exit_value is None:
+            # abandoned where the watchdog's stop fell (perhaps mid-dispatch, hence
+            # an emulator error): never resumed
+            if watchdog.fired == "interrupt":
+                ctrl_c.deliver()
+                raise KeyboardInterrupt  # a handler that returned cannot resume it
+            raise self._timeout(pc, start) from failure
+        if failure is not None:
+            raise failure
+        return pc
+
+    def _timeout(self, pc: int, start: float) -> TargetTimeout:
+        return TargetTimeout(f"no halt after {time.perf_counter() - start:.1f} s; rip at "
+                             f"{self.symbolize(pc)}; serial: {self._serial_text()[-300:]!r}")
+
+    def _emulate(self, pc: int, until: int, count: int,
+                 raise_fault: bool = True) -> EmulationError | None:
+        """One emu_start.  An exception a hook kept is raised; an emulator error
+        is raised as an EmulationError (or returned, with ``raise_fault`` false)."""
         try:
-            self._uc.emu_start(pc, until, timeout=timeout_us)
+            self._uc.emu_start(pc, until, count=count)
         except unicorn.UcError as exc:
             if self._pending is not None:
                 raise self._take_pending() from exc
-            raise self._fault_error(exc) from None
+            failure = self._fault_error(exc)
+            if raise_fault:
+                raise failure from None
+            return failure
         if self._pending is not None:
             raise self._take_pending()
+        return None
 
     def _take_pending(self) -> BaseException:
         exc, self._pending = self._pending, None
@@ -476,6 +605,104 @@ class UnicornMachine:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_run(*, seed: object, iterations: object, bench_calls: object,
+              count_instructions: object, timeout: object, progress: object) -> float:
+    """BadRunValue for a run option no run can use; the timeout as a float."""
+    for option, value in (("seed", seed), ("iterations", iterations),
+                          ("bench_calls", bench_calls)):
+        check_count(option, value)
+    check_flag("count_instructions", count_instructions)
+    check_callback("progress", progress)
+    return check_seconds("timeout", timeout)
+
+
+class _Watchdog:
+    """Ends an unsliced run from another thread: at its deadline, or on Ctrl-C.
+
+    While the main thread is inside emu_start with no Python hook to run, Python
+    runs no signal handler; Ctrl-C is seen through the wakeup fd to which
+    Python's C-level handler writes the signal's number (``signal.set_wakeup_fd``;
+    a wakeup fd set before is fed what arrives).  The stop is asked for again
+    every few ms until emu_start returns, since unicorn drops a stop request
+    that coincides with a hook redirecting execution.  ``fired`` says why it
+    stopped the run ("timeout", "interrupt"), None if it did not.
+    """
+
+    _WAKE = b"\0"  # what __exit__ writes to end the wait (no signal has number 0)
+
+    def __init__(self, uc: unicorn.Uc, deadline: float, *, sigint: bool) -> None:
+        self._uc, self._deadline, self._sigint = uc, deadline, sigint
+        self.fired: str | None = None
+        self._done = threading.Event()
+        self._read, self._write = os.pipe()
+        for fd in (self._read, self._write):
+            os.set_blocking(fd, False)
+        self._previous_fd = -1
+        self._thread = threading.Thread(target=self._watch, name="ksim-unicorn-watchdog",
+                                        daemon=True)
+
+    def __enter__(self) -> _Watchdog:
+        if self._sigint:
+            self._previous_fd = signal.set_wakeup_fd(self._write, warn_on_full_buffer=False)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._done.is_set():
+            if self.fired is not None:
+                self._uc.emu_stop()
+                self._done.wait(0.005)
+                continue
+            left = self._deadline - time.perf_counter()
+            if left <= 0:
+                self.fired = "timeout"
+                continue
+            if select.select([self._read], [], [], left)[0]:
+                with contextlib.suppress(BlockingIOError):
+                    self._signalled(os.read(self._read, 512))
+
+    def _signalled(self, numbers: bytes) -> None:
+        forward = numbers.replace(self._WAKE, b"")
+        if forward and self._previous_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._previous_fd, forward)
+        if self._sigint and int(signal.SIGINT) in forward:
+            self.fired = "interrupt"
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        with contextlib.suppress(OSError):
+            os.write(self._write, self._WAKE)
+        self._thread.join()
+        if self._sigint:
+            signal.set_wakeup_fd(self._previous_fd)
+        os.close(self._read)
+        os.close(self._write)
+
+
+class _Budgets:
+    """Instruction budgets of a run's slices: those given first, then adapted so
+    that a slice takes about SLICE_SECONDS."""
+
+    def __init__(self, given: Iterable[int] | None) -> None:
+        self._given: Iterator[int] | None = iter(given) if given is not None else None
+        self._next = FIRST_SLICE
+
+    def next(self) -> int:
+        if self._given is not None:
+            budget = next(self._given, None)
+            if budget is not None:
+                if isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0:
+                    raise BadRunValue(f"slices must be positive instruction counts, not {budget!r}")
+                return budget
+            self._given = None
+        return self._next
+
+    def took(self, budget: int, seconds: float) -> None:
+        scale = min(max(SLICE_SECONDS / max(seconds, 1e-4), 0.25), 4.0)
+        self._next = int(min(max(budget * scale, MIN_SLICE), MAX_SLICE))
 
 
 def _reg_id(name: str) -> int:

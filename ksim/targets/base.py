@@ -8,9 +8,18 @@ and hands the Patch's writes to the target.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import difflib
+import functools
+import inspect
+import math
+import signal
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from types import FrameType
+from typing import TYPE_CHECKING, Any, ParamSpec, Protocol, TypeVar
+
+from ksim.errors import BadRunValue, UnknownRunOption
 
 if TYPE_CHECKING:
     from ksim.arch.base import Arch
@@ -68,11 +77,20 @@ class Region:
 class Target(Protocol):
     """Implemented by ksim.targets.unicorn, ksim.targets.qemu and live.client."""
 
-    #: "unicorn:toy", "qemu:toy", "live://127.0.0.1:7070"
-    name: str
-    arch: Arch
-    image: Image
-    abi: KernelABI
+    # read-only to the engine: a target may hold them as attributes or properties
+    @property
+    def name(self) -> str:
+        """Like "unicorn:toy", "qemu:toy", "live://127.0.0.1:7070"."""
+        ...
+
+    @property
+    def arch(self) -> Arch: ...
+
+    @property
+    def image(self) -> Image: ...
+
+    @property
+    def abi(self) -> KernelABI: ...
 
     def read(self, address: int, size: int) -> bytes:
         """Read kernel memory (text or data); TargetFault on a bad address."""
@@ -111,10 +129,19 @@ class Target(Protocol):
         """Forget a trap route (after the trap bytes are gone)."""
         ...
 
-    def run(self, **options: object) -> RunResult:
+    def run(self, *args: Any, **options: Any) -> RunResult:
         """Let the kernel run: the emulators run the seeded workload to its end
-        (options: seed, iterations, progress callback); a live kernel runs a
-        command in the guest while instrumented (option: while_cmd)."""
+        (options: seed, iterations, ...); a live kernel runs a command in the
+        guest while instrumented (option: while_cmd).
+
+        Each target takes keyword options only, and only those it can honour
+        (wrap ``run`` in ``run_options``): an option it does not take raises
+        UnknownRunOption, an impossible value BadRunValue, before anything runs.
+        Every target takes ``progress`` (called now and then while the kernel
+        runs) and ``timeout`` (seconds; TargetTimeout when the run has not ended
+        by then).  Ctrl-C stops a run at a point where the kernel can be changed
+        again (see ``HeldInterrupt``) and raises KeyboardInterrupt.  (The
+        signature is loose only because each target names its own options.)"""
         ...
 
     def oracle_counter(self, address: int) -> OracleCounter:
@@ -144,3 +171,142 @@ class RunResult:
     instructions: int | None = None
     output: str = ""
     seconds: float = 0.0
+
+
+# --- run options ----------------------------------------------------------------------
+P = ParamSpec("P")
+R = TypeVar("R")
+
+#: workload values are u64 kernel globals (ksim_workload_seed, ...)
+U64_LIMIT = 1 << 64
+
+
+def run_options(run: Callable[P, R]) -> Callable[P, R]:
+    """Wrap a target's ``run`` so that an option it does not take raises
+    UnknownRunOption (naming it, with the closest option it does take) instead of
+    being ignored or reaching Python as a bare TypeError."""
+    _self, *params = inspect.signature(run).parameters.values()
+    if any(p.kind is not p.KEYWORD_ONLY for p in params):
+        raise TypeError(f"{run.__qualname__}: a run takes named options only, and names "
+                        f"every one (no catch-all)")
+    accepted = tuple(p.name for p in params)
+
+    @functools.wraps(run)
+    def checked(*args: P.args, **options: P.kwargs) -> R:
+        for name in options:
+            if name not in accepted:
+                target = getattr(args[0], "name", "the target") if args else "the target"
+                close = difflib.get_close_matches(name, accepted, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                err = UnknownRunOption(f"{target}: run takes no option {name!r}{hint}; "
+                                       f"its options: {', '.join(accepted)}")
+                err.option = name  # type: ignore[attr-defined]
+                raise err
+        return run(*args, **options)
+
+    return checked
+
+
+def run_option_names(target: object) -> tuple[str, ...]:
+    """The options ``target.run`` takes (what a command may pass it)."""
+    run = getattr(target, "run")  # noqa: B009 - any object with a run method
+    return tuple(p.name for p in inspect.signature(run).parameters.values()
+                 if p.kind is p.KEYWORD_ONLY)
+
+
+def check_count(option: str, value: object, *, limit: int = U64_LIMIT) -> None:
+    """None (keep the default) or a whole number in [0, limit)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRunValue(f"{option} must be a whole number, not {value!r}")
+    if not 0 <= value < limit:
+        raise BadRunValue(f"{option} must be between 0 and {limit - 1}, not {value}")
+
+
+def check_seconds(option: str, value: object) -> float:
+    """A positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value) or value <= 0:
+        raise BadRunValue(f"{option} must be a positive number of seconds, not {value!r}")
+    return float(value)
+
+
+def check_callback(option: str, value: object) -> None:
+    if value is not None and not callable(value):
+        raise BadRunValue(f"{option} must be a function to call, not {value!r}")
+
+
+def check_text(option: str, value: object) -> None:
+    if value is not None and not isinstance(value, str):
+        raise BadRunValue(f"{option} must be a string, not {value!r}")
+
+
+def check_flag(option: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise BadRunValue(f"{option} must be True or False, not {value!r}")
+
+
+class HeldInterrupt:
+    """Ctrl-C during a run, held until the run is at a point where it can stop.
+
+    While open -- in the main thread, where SIGINT has a Python handler -- SIGINT
+    only sets ``pending``.  A run checks it at its own safe points (between
+    emulator slices, between waits for a stop reply), stops the kernel there and
+    calls ``deliver()``, which puts the previous handler back and calls it: Python's
+    default handler raises KeyboardInterrupt at that point, never inside an
+    emulator hook or halfway through a socket exchange.  Without a Python handler
+    to defer (another thread, SIGINT ignored) it holds nothing.
+    """
+
+    def __init__(self) -> None:
+        self.pending = False
+        self._previous: Callable[[int, FrameType | None], Any] | None = None
+
+    def __enter__(self) -> HeldInterrupt:
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.getsignal(signal.SIGINT)
+            if callable(previous):
+                self._previous = previous
+                signal.signal(signal.SIGINT, self._hold)
+        return self
+
+    @property
+    def holding(self) -> bool:
+        """Whether SIGINT is held here (so that a run can wait for it)."""
+        return self._previous is not None
+
+    def _hold(self, signum: int, frame: FrameType | None) -> None:
+        self.pending = True
+
+    def _restore(self) -> Callable[[int, FrameType | None], Any] | None:
+        previous, self._previous = self._previous, None
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        return previous
+
+    def deliver(self) -> None:
+        """Hand a held Ctrl-C to the handler it was meant for (no-op if none came)."""
+        if not self.pending:
+            return
+        self.pending = False
+        previous = self._restore()
+        if previous is not None:
+            previous(signal.SIGINT, None)
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is None:
+            self.deliver()  # a Ctrl-C that came after the last check
+        self._restore()
+
+
+if TYPE_CHECKING:
+    # mypy checks every target class against the protocol (none is imported at run
+    # time: this module is below them all).
+    from ksim.targets.qemu import QemuTarget
+    from ksim.targets.unicorn import UnicornTarget
+    from live.client import LiveTarget
+
+    _UNICORN: type[Target] = UnicornTarget
+    _QEMU: type[Target] = QemuTarget
+    _LIVE: type[Target] = LiveTarget

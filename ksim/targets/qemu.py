@@ -55,7 +55,14 @@ from typing import Any
 
 from ksim import poke
 from ksim.arch import get_arch
-from ksim.errors import KsimError, TargetDied, TargetError, TargetFault, TargetTimeout
+from ksim.errors import (
+    BadRunValue,
+    KsimError,
+    TargetDied,
+    TargetError,
+    TargetFault,
+    TargetTimeout,
+)
 from ksim.image.elf import load_image
 from ksim.images import toy
 from ksim.images.abi import toy_abi
@@ -63,7 +70,15 @@ from ksim.machine.gdbstub import SIGTRAP, GdbStub
 from ksim.machine.qemu import QemuMachine
 from ksim.splice.alloc import RegionAllocator
 from ksim.splice.patch import Write
-from ksim.targets.base import RunResult
+from ksim.targets.base import (
+    HeldInterrupt,
+    RunResult,
+    check_callback,
+    check_count,
+    check_flag,
+    check_seconds,
+    run_options,
+)
 
 #: the toy kernel's isa-debug-exit values (images/toy/include/toy.h)
 DEBUG_EXIT_SUCCESS, DEBUG_EXIT_FAILURE = 0x10, 0x11
@@ -78,6 +93,8 @@ def toy_exit(value: int) -> int:
 BOOT_STOP = toy.ENTRY
 #: where a workload ends (it would exit QEMU); the target stops there so memory stays readable
 HALT = toy.HALT
+#: longest wait for a stop reply before run() looks at Ctrl-C, its timeout and progress
+POLL_SECONDS = 0.2
 
 
 @dataclass(slots=True)
@@ -319,14 +336,28 @@ class QemuTarget:
     def _get_u64(self, name: str) -> int:
         return int.from_bytes(self.read(self._sym(name), 8), "little")
 
+    @run_options
     def run(self, *, seed: int | None = None, iterations: int | None = None,
-            bench_calls: int | None = None, progress: Callable[[], None] | None = None,
-            timeout: float = 600.0, **_: Any) -> QemuRunResult:
+            bench_calls: int | None = None, count_instructions: bool = False,
+            progress: Callable[[], None] | None = None,
+            timeout: float = 600.0) -> QemuRunResult:
         """Run the workload to ``ksim_halt`` (see the module doc for repeated runs).
 
         ``progress()`` is called about once a second while the kernel runs.
         TargetTimeout after ``timeout`` seconds (the guest is stopped, QEMU kept);
-        TargetDied if QEMU ends (the kernel failed: the serial tail says why)."""
+        TargetDied if QEMU ends (the kernel failed: the serial tail says why).
+        Ctrl-C stops the guest where it is (within POLL_SECONDS) and raises
+        KeyboardInterrupt with the guest stopped, so ksim can still change it.
+        ``count_instructions`` is there for callers that compare with unicorn:
+        QEMU cannot count them (BadRunValue if asked to)."""
+        for option, value in (("seed", seed), ("iterations", iterations),
+                              ("bench_calls", bench_calls)):
+            check_count(option, value)
+        check_flag("count_instructions", count_instructions)
+        if count_instructions:
+            raise BadRunValue(f"{self.name} cannot count instructions (unicorn targets can)")
+        check_callback("progress", progress)
+        timeout = check_seconds("timeout", timeout)
         boot = self._reboot() if self.ran else 0.0
         for name, value in ((toy.WORKLOAD_SEED, seed), (toy.WORKLOAD_ITERATIONS, iterations),
                             (toy.BENCH_CALLS, bench_calls)):
@@ -339,46 +370,65 @@ class QemuTarget:
         start = time.monotonic()
         deadline, next_tick = start + timeout, start + 1.0
         self.ran = True
-        gdb.resume()
-        while True:
-            try:
-                stop = gdb.wait(timeout=max(0.01, min(next_tick, deadline) - time.monotonic()))
-            except TargetTimeout:
+        with HeldInterrupt() as ctrl_c:
+            gdb.resume()
+            while True:
+                if ctrl_c.pending:
+                    self._stop_guest(counters)
+                    ctrl_c.deliver()  # KeyboardInterrupt with the guest stopped
+                    gdb.resume()  # (a handler that does not raise lets the run go on)
                 now = time.monotonic()
                 if now >= deadline:
-                    machine.stop()
+                    self._stop_guest(counters)
                     raise TargetTimeout(
-                        f"{self.name}: the workload did not reach {HALT} within {timeout:.0f} s "
-                        f"(stopped at {gdb.read_register('rip'):#x})") from None
+                        f"{self.name}: the workload did not reach {HALT} within {timeout:g} s "
+                        f"(stopped at {gdb.read_register('rip'):#x})")
                 if progress is not None and now >= next_tick:
                     progress()
-                next_tick = now + 1.0
-                continue
-            except TargetDied as e:
-                status = machine.wait_exit()
-                why = {toy_exit(DEBUG_EXIT_FAILURE): "the kernel panicked",
-                       toy_exit(DEBUG_EXIT_SUCCESS): "the kernel exited"}.get(
-                           status if status is not None else -1, "QEMU ended")
-                raise TargetDied(f"{self.name}: {why} during the run (QEMU exit status "
-                                 f"{status}); serial:\n{machine.serial_text()[-2000:]}") from e
-            if stop.exited:
-                raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
-                                 f"{machine.serial_text()[-2000:]}")
-            rip = gdb.read_register("rip")
-            if rip == halt:
-                break
-            counter = counters.get(rip)
-            if counter is not None and stop.signal == SIGTRAP:
-                counter._count += 1
-                gdb.resume()  # steps off the breakpoint first
-                continue
-            raise TargetError(f"{self.name}: unexpected stop at {rip:#x} ({stop.raw})")
+                    next_tick = now + 1.0
+                try:
+                    stop = gdb.wait(timeout=max(0.01, min(next_tick, deadline,
+                                                          now + POLL_SECONDS) - now))
+                except TargetTimeout:
+                    continue  # still running: time for the checks above
+                except TargetDied as e:
+                    status = machine.wait_exit()
+                    why = {toy_exit(DEBUG_EXIT_FAILURE): "the kernel panicked",
+                           toy_exit(DEBUG_EXIT_SUCCESS): "the kernel exited"}.get(
+                               status if status is not None else -1, "QEMU ended")
+                    raise TargetDied(f"{self.name}: {why} during the run (QEMU exit status "
+                                     f"{status}); serial:\n{machine.serial_text()[-2000:]}") from e
+                if stop.exited:
+                    raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
+                                     f"{machine.serial_text()[-2000:]}")
+                rip = gdb.read_register("rip")
+                if rip == halt:
+                    break
+                counter = counters.get(rip)
+                if counter is not None and stop.signal == SIGTRAP:
+                    counter._count += 1
+                    if not ctrl_c.pending:
+                        gdb.resume()  # steps off the breakpoint first
+                    continue
+                raise TargetError(f"{self.name}: unexpected stop at {rip:#x} ({stop.raw})")
         seconds = time.monotonic() - start
         return QemuRunResult(
             checksum=self._get_u64(toy.WORKLOAD_CHECKSUM),
             output=machine.serial_text(), seconds=seconds,
             bench_cycles=self._get_u64(toy.BENCH_CYCLES) if bench_calls else None,
             accel=machine.accel, boot_seconds=boot)
+
+    def _stop_guest(self, counters: dict[int, _BreakpointCounter]) -> None:
+        """Stop a running guest where it is; a counted breakpoint it reports
+        having hit just before is counted."""
+        machine = self.machine
+        if machine is None or machine.gdb is None or not machine.gdb.running:
+            return
+        stop = machine.stop()
+        if stop.signal == SIGTRAP and not stop.exited:
+            counter = counters.get(machine.gdb.read_register("rip"))
+            if counter is not None:
+                counter._count += 1
 
     def oracle_counter(self, address: int) -> _BreakpointCounter:
         counter = _BreakpointCounter(self, address)

@@ -14,7 +14,7 @@ runs, like KernInst's on a running kernel).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,10 +23,10 @@ from ksim.arch import get_arch
 from ksim.errors import EmulationError, TargetFault
 from ksim.image.elf import load_image
 from ksim.images.abi import toy_abi
-from ksim.machine.unicorn import UnicornMachine
+from ksim.machine.unicorn import UnicornMachine, check_run
 from ksim.splice.alloc import RegionAllocator
 from ksim.splice.patch import Write
-from ksim.targets.base import RunResult
+from ksim.targets.base import RunResult, run_options
 
 TRAP_VECTOR = 3  # #BP
 
@@ -139,9 +139,20 @@ class UnicornTarget:
         machine.set_reg("rip", resume)
 
     # --- running -----------------------------------------------------------------
+    @run_options
     def run(self, *, seed: int | None = None, iterations: int | None = None,
             bench_calls: int | None = None, count_instructions: bool = False,
-            progress: Callable[[], None] | None = None, **_: Any) -> RunResult:
+            progress: Callable[[], None] | None = None, timeout: float = 60.0,
+            slices: Iterable[int] | None = None) -> RunResult:
+        """Run the workload from a fresh boot to ksim_halt (module doc).
+
+        As UnicornMachine.run: ``progress()`` is called between slices of the
+        run (about every 0.1 s), TargetTimeout after ``timeout`` seconds, and
+        Ctrl-C stops the run (KeyboardInterrupt), leaving everything ksim put in
+        the kernel as it was.  ``slices`` sets the emulator's first slice
+        budgets; a run's results do not depend on them, nor on ``progress``."""
+        check_run(seed=seed, iterations=iterations, bench_calls=bench_calls,
+                  count_instructions=count_instructions, timeout=timeout, progress=progress)
         keep = [(lo, hi - lo) for lo, hi in ((self._code.start, self._code.end),
                                               (self._data.start, self._data.end))]
         keep += self._text
@@ -151,7 +162,8 @@ class UnicornTarget:
             self.machine.write(a, data)
         start = time.perf_counter()
         result = self.machine.run(seed=seed, iterations=iterations, bench_calls=bench_calls,
-                                  count_instructions=count_instructions, progress=progress)
+                                  count_instructions=count_instructions, progress=progress,
+                                  timeout=timeout, slices=slices)
         return RunResult(checksum=result.checksum, instructions=result.instructions,
                          output=result.serial, seconds=time.perf_counter() - start)
 
