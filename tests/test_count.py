@@ -45,3 +45,35 @@ def test_unknown_function_suggests_names(capsys, toy_path):
     out = json.loads(capsys.readouterr().out)
     assert status == 2 and out["error"] == "unknown-symbol"
     assert "tcp_sync_mss" in out["message"]
+
+
+@pytest.mark.parametrize("splice", ["auto", "trap"])
+def test_a_wildcard_counts_every_matching_function(capsys, toy_path, splice):
+    status, report = run_count(capsys, "vfs_*", "--splice", splice)
+    names = {r["function"] for r in report["rows"]}
+    assert {"vfs_read", "vfs_write", "vfs_llseek"} <= names
+    assert all(n.startswith("vfs_") for n in names | set(report["skipped"]))
+    assert all(r["count"] == r["oracle"] for r in report["rows"]), report["rows"]
+    assert sum(r["count"] for r in report["rows"]) > 0 and status == 0
+    status = main(["count", "vfs_*"])  # the per-function table
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].split() == ["FUNCTION", "COUNT", "ORACLE", "TACTIC"]
+    assert "vfs_read" in out and status == 0
+
+
+def test_an_offset_and_an_address_name_one_instruction(capsys, toy_path):
+    from ksim.kapi import Manager
+
+    with Manager.attach("unicorn:toy") as m:
+        fn = m.find_function("tcp_sync_mss")
+        code = m.facts.function_code(m.entry_point(fn))
+        second = code.insns[1].address
+    _, by_offset = run_count(capsys, f"tcp_sync_mss+{second - fn.address:#x}")
+    _, by_address = run_count(capsys, hex(second))
+    assert by_offset["rows"][0]["function"] == f"tcp_sync_mss+{second - fn.address:#x}"
+    assert by_offset["count"] == by_offset["oracle"] == by_address["count"] > 0
+
+
+def test_a_wildcard_matching_nothing_is_an_error(capsys, toy_path):
+    assert main(["count", "no_such_*"]) == 2
+    assert "no_such_*" in capsys.readouterr().err

@@ -1,10 +1,14 @@
-"""``ksim count FUNC``: count entries of a kernel function (the guide's count_func).
+"""``ksim count FUNC``: count entries of kernel functions (the guide's count_func).
 
-A counter on the kernel's data heap is incremented atomically by a snippet
-spliced at FUNC's entry; an independent oracle counts the same entries without
-splicing (an exact address hook in unicorn, gdbstub breakpoints or the image's
-bookkeeping under QEMU, the kernel's own kprobe on Linux).  The exit status is
-non-zero when the two disagree.
+FUNC is a function's name, a wildcard over names (``'vfs_*'``, ``'tcp_?et*'``:
+every matching function whose entry can be spliced; the others are listed as
+skipped), ``NAME+OFFSET`` (an instruction inside a function) or an address
+(``0xffffffff81234567``).  A counter on the kernel's data heap is incremented
+atomically by a snippet spliced at each point, all of them in one batch; an
+independent oracle counts the same executions without splicing (an exact
+address hook in unicorn, gdbstub breakpoints or the image's bookkeeping under
+QEMU, the kernel's own kprobe on Linux).  The exit status is non-zero when the
+two disagree anywhere.
 
 Ctrl-C stops the run at once: what was counted so far is printed (exit status
 130) and the kernel's text is restored, as after every count.
@@ -13,6 +17,7 @@ Ctrl-C stops the run at once: what was counted so far is printed (exit status
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import sys
 import time
 from typing import Any
@@ -32,7 +37,8 @@ DEFAULT_SEED = 1
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("count", help="count entries of a kernel function, checked against an oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("function", metavar="FUNC")
+    p.add_argument("function", metavar="FUNC",
+                   help="a function name, a wildcard ('vfs_*'), NAME+OFFSET or an address")
     add_target_args(p)
     p.add_argument("--splice", choices=("jmp", "trap", "auto"), default="auto",
                    help="splicing policy (default: auto, the cheapest safe tactic)")
@@ -63,49 +69,111 @@ def target_spec(args: argparse.Namespace) -> str:
 def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = None,
           iterations: int | None = None, oracle: str = "auto", while_cmd: str | None = None,
           progress: bool = False) -> dict[str, Any]:
-    """Count entries of ``function`` on target ``spec``; return the report as a dict.
+    """Count executions of the points ``function`` names (see the module doc) on
+    target ``spec``; return the report as a dict: one point's fields at the top
+    level, and one row per point under ``rows``.
 
     ``seed`` is DEFAULT_SEED on a target that takes one; the target refuses
     options it does not take (``while_cmd`` on an emulator, ``seed`` on a live
     kernel) and impossible values.  ``oracle`` is one of ORACLES.  If Ctrl-C
     stops the run, the report holds what was counted until then and
-    ``interrupted`` is true (the count and the oracle may then differ by a hit
-    in flight).  The splice is removed whatever happens."""
+    ``interrupted`` is true (a count and its oracle may then differ by a hit
+    in flight).  The splices are removed whatever happens."""
     from ksim.kapi import Manager
 
     if oracle not in ORACLES:
         raise UnknownOracle(f"unknown oracle {oracle!r}: choose from {', '.join(ORACLES)}")
     with Manager.attach(spec) as m:
-        fn = m.find_function(function)
-        point = m.entry_point(fn)
-        counter = m.malloc(8)
-        handle = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=splice)
+        points, skipped = resolve_points(m, function, splice)
+        counters = {p.address: m.malloc(8) for p, _ in points}
+        handles = m.insert_many([p for p, _ in points],
+                                lambda p: counters[p.address].atomic_assign(counters[p.address] + 1),
+                                splice=splice)
+        oracles: dict[int, Any] = {}
         try:
-            tactic = m.patch_of(handle).tactic
+            tactics = {h.point.address: m.patch_of(h).tactic for h in handles}
             options = _run_options(m, seed, iterations, while_cmd)
             if progress:
-                options["progress"] = _Ticker(m, counter)
-            oracle_name, oracle_count, interrupted = None, None, False
-            if oracle == "none":
-                interrupted = _run(m, options)
-            else:
-                with m.oracle(fn.address) as oc:
-                    if oracle != "auto" and oc.name != oracle:
+                options["progress"] = _Ticker(m, list(counters.values()))
+            if oracle != "none":
+                for p, at in points:
+                    oracles[p.address] = m.target.oracle_counter(at)
+                    name = oracles[p.address].name
+                    if oracle != "auto" and name != oracle:
                         raise UnknownOracle(f"{spec} has no {oracle} oracle (its oracle is "
-                                            f"{oc.name}; --oracle auto picks it)")
-                    interrupted = _run(m, options)
-                    oracle_name, oracle_count = oc.name, oc.count
-            value = m.read(counter)
+                                            f"{name}; --oracle auto picks it)")
+            interrupted = _run(m, options)
+            rows = [{"function": label, "address": p.address, "tactic": tactics[p.address],
+                     "count": m.read(counters[p.address]),
+                     "oracle": oracles[p.address].count if oracles else None}
+                    for (p, _), label in zip(points, labels(m, points), strict=True)]
         finally:
             with HeldInterrupt():  # a second Ctrl-C waits until the text is restored
-                m.remove_snippet(handle)
-    report: dict[str, Any] = {
-        "function": function, "target": spec, "splice": splice, "tactic": tactic,
-        "count": value, "oracle": oracle_count, "interrupted": interrupted,
-    }
-    if oracle_name is not None:
-        report["oracle_kind"] = oracle_name
+                for o in oracles.values():
+                    o.close()
+                m.remove_many(handles)
+    report: dict[str, Any] = {"function": function, "target": spec, "splice": splice,
+                              "interrupted": interrupted, "rows": rows, "skipped": skipped}
+    if len(rows) == 1:
+        report.update(tactic=rows[0]["tactic"], count=rows[0]["count"], oracle=rows[0]["oracle"])
+    if oracles:
+        report["oracle_kind"] = next(iter(oracles.values())).name
     return report
+
+
+def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]], dict[str, str]]:
+    """The points ``what`` names, each with the address its oracle watches (a
+    function's own address for its entry), and the functions a wildcard matched
+    whose entry cannot be spliced (name -> why)."""
+    from ksim.errors import KsimError, UnknownSymbol
+
+    image = m.target.image
+    if any(c in what for c in "*?["):
+        names = sorted({f.name: f for f in image.functions if fnmatch.fnmatchcase(f.name, what)
+                        }.items(), key=lambda kv: kv[1].address)
+        if not names:
+            raise UnknownSymbol(what, [])
+        out, skipped, seen = [], {}, set()
+        for name, f in names:
+            if f.address in seen:
+                continue  # an alias of a function already matched
+            seen.add(f.address)
+            try:
+                point = m.entry_point(f)
+                why = m.can_insert(point, splice)
+            except KsimError as exc:
+                why = str(exc)
+            if why is None:
+                out.append((point, f.address))
+            else:
+                skipped[name] = why
+        if not out:
+            raise KsimError(f"no function matching {what!r} can be spliced "
+                            f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
+        return out, skipped
+    base, plus, offset = what.partition("+")
+    if plus:
+        point = m.point_at(m.find_function(base).address + int(offset, 0))
+        return [(point, point.address)], {}
+    if base.lower().startswith("0x") or base.isdigit():
+        point = m.point_at(int(base, 0))
+        return [(point, point.address)], {}
+    fn = m.find_function(base)
+    return [(m.entry_point(fn), fn.address)], {}
+
+
+def labels(m: Any, points: list[tuple[Any, int]]) -> list[str]:
+    """``name`` for a function's entry, ``name+0xOFF`` for any other point."""
+    out = []
+    for p, oracle_at in points:
+        f = m.target.image.function_at(p.address)
+        if f is None:
+            out.append(f"{p.address:#x}")
+        elif oracle_at == f.address:
+            out.append(f.name)
+        else:
+            out.append(f"{f.name}+{p.address - f.address:#x}")
+    return out
 
 
 def _run_options(m: Any, seed: int | None, iterations: int | None,
@@ -131,34 +199,57 @@ def _run(m: Any, options: dict[str, Any]) -> bool:
 
 
 class _Ticker:
-    """Prints the counter about once a second while the kernel runs (count_func's loop)."""
+    """Prints the total count about once a second while the kernel runs (count_func's loop)."""
 
-    def __init__(self, manager: Any, counter: Any) -> None:
-        self.manager, self.counter, self.last = manager, counter, time.monotonic()
+    def __init__(self, manager: Any, counters: list[Any]) -> None:
+        self.manager, self.counters, self.last = manager, counters, time.monotonic()
 
     def __call__(self) -> None:
         now = time.monotonic()
         if now - self.last >= 1.0:
             self.last = now
-            print(f"  ... {self.manager.read(self.counter)} so far", file=sys.stderr)
+            total = sum(self.manager.read(c) for c in self.counters)
+            print(f"  ... {total} so far", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
     report = count(args.function, target_spec(args), splice=args.splice, seed=args.seed,
                    iterations=args.iterations, oracle=args.oracle, while_cmd=args.while_cmd,
                    progress=not args.json)
-    ok = report["oracle"] is None or report["count"] == report["oracle"]
+    rows = report["rows"]
+    ok = all(r["oracle"] is None or r["count"] == r["oracle"] for r in rows)
     if args.json:
         emit_json(report)
-    elif report["interrupted"]:
-        oracle = "" if report["oracle"] is None else f"; the oracle had {report['oracle']}"
-        print(f"{report['function']}: {report['count']} entries so far on {report['target']} "
-              f"[{report['tactic']}]  (interrupted{oracle})")
+    elif len(rows) == 1 and not report["skipped"]:
+        r = rows[0]
+        if report["interrupted"]:
+            oracle = "" if r["oracle"] is None else f"; the oracle had {r['oracle']}"
+            print(f"{r['function']}: {r['count']} entries so far on {report['target']} "
+                  f"[{r['tactic']}]  (interrupted{oracle})")
+        else:
+            verdict = "" if r["oracle"] is None else (
+                "  (matches the oracle)" if r["count"] == r["oracle"]
+                else f"  (ORACLE SAYS {r['oracle']})")
+            print(f"{r['function']}: {r['count']} entries on {report['target']} "
+                  f"[{r['tactic']}]{verdict}")
     else:
-        verdict = "" if report["oracle"] is None else (
-            "  (matches the oracle)" if ok else f"  (ORACLE SAYS {report['oracle']})")
-        print(f"{report['function']}: {report['count']} entries on {report['target']} "
-              f"[{report['tactic']}]{verdict}")
+        print_table(report)
     if report["interrupted"]:
         return 130
     return 0 if ok else 1
+
+
+def print_table(report: dict[str, Any]) -> None:
+    """One row per point, most counted first (bpftrace's map order, reversed)."""
+    rows = sorted(report["rows"], key=lambda r: (-r["count"], r["function"]))
+    width = max([len("FUNCTION")] + [len(r["function"]) for r in rows])
+    print(f"{'FUNCTION':<{width}}  {'COUNT':>10}  {'ORACLE':>10}  TACTIC")
+    for r in rows:
+        oracle = "-" if r["oracle"] is None else str(r["oracle"])
+        mark = "" if r["oracle"] is None or r["oracle"] == r["count"] else "  MISMATCH"
+        print(f"{r['function']:<{width}}  {r['count']:>10}  {oracle:>10}  {r['tactic']}{mark}")
+    total = sum(r["count"] for r in rows)
+    note = "  (interrupted)" if report["interrupted"] else ""
+    print(f"{len(rows)} points on {report['target']}, {total} hits{note}")
+    for name, why in report["skipped"].items():
+        print(f"skipped {name}: {why}", file=sys.stderr)
