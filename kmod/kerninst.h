@@ -10,6 +10,16 @@
  * Versioning: KERNINST_ABI_VERSION changes whenever a structure or a command
  * changes meaning.  kerninstd refuses to run against a module whose
  * KERNINST_IOC_VERSION answer differs from the version it was built for.
+ *
+ * Owners: the module is the last arbiter of who may change what.  Every live
+ * text write, trap route and patch-area or data-heap block belongs to one
+ * owner, a number the module hands out (KERNINST_IOC_OWNER_NEW); kerninstd
+ * makes one per client session and names it in every request that changes
+ * something.  A request over bytes, a route or a block another owner holds is
+ * refused (-EADDRINUSE).  An owner is dropped (everything it holds undone) when
+ * its session ends, or when the device is closed, unless it is kept: a kept
+ * owner has a name, survives kerninstd, and is listed (KERNINST_IOC_STATE),
+ * re-adopted by name (KERNINST_IOC_OWNER_ADOPT) or dropped by a later session.
  */
 #ifndef KERNINST_H
 #define KERNINST_H
@@ -20,11 +30,12 @@
 #else
 #include <stdint.h>
 #include <sys/ioctl.h>
+typedef uint8_t __u8;
 typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 2
+#define KERNINST_ABI_VERSION 3
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
@@ -33,9 +44,9 @@ typedef uint64_t __u64;
 #define KERNINST_MAX_WRITES 64       /* writes per poke batch */
 #define KERNINST_MAX_TEXT_WRITE 16   /* bytes per write into kernel text */
 #define KERNINST_MAX_CODE_WRITE 4096 /* bytes per write into the patch area */
-#define KERNINST_MAX_TRAPS 512       /* trap routes at once */
-#define KERNINST_MAX_SPLICES 4096    /* live text writes remembered for unload */
-#define KERNINST_NAME_LEN 128        /* symbol name, NUL included */
+#define KERNINST_MAX_ROUTES 65536    /* trap routes at once: default of parameter max_routes */
+#define KERNINST_MAX_SPLICES 65536   /* live text writes at once: default of parameter max_splices */
+#define KERNINST_NAME_LEN 128        /* symbol or kept-owner name, NUL included */
 #define KERNINST_MAX_RANGES 1024     /* ranges per HAZARDS request */
 
 /*
@@ -76,11 +87,12 @@ struct kerninst_info {
 	__u32 version;           /* KERNINST_ABI_VERSION */
 };
 
-/* Read kernel memory (any address) or write the data heap (only). */
+/* Read kernel memory (any address) or write a data-heap block of owner (only). */
 struct kerninst_mem {
 	__u64 address;
 	__u64 buf;      /* user pointer */
 	__u64 size;     /* <= KERNINST_MAX_IO */
+	__u64 owner;    /* WRITE: the block's owner; READ: ignored */
 };
 
 /* One write of a poke batch: replace old by new at address (len bytes each). */
@@ -93,14 +105,17 @@ struct kerninst_write {
 };
 
 /*
- * A poke batch, applied all or nothing: every write is checked (range, old
- * bytes) before the first one is made.  On -ESTALE, failed_index names the
- * write whose old bytes differ from memory.
+ * A poke batch by owner, applied all or nothing: every write is checked
+ * (range, hazards, who holds the bytes, old bytes) and everything the batch
+ * needs (splice-log records, the temporary trap routes of multi-byte writes)
+ * is reserved before the first byte changes.  On -ESTALE, failed_index names
+ * the write whose old bytes differ from memory.
  */
 struct kerninst_poke {
 	__u64 writes;   /* user pointer to count struct kerninst_write */
 	__u32 count;    /* <= KERNINST_MAX_WRITES */
 	__u32 failed_index;
+	__u64 owner;
 };
 
 struct kerninst_lookup {
@@ -108,10 +123,11 @@ struct kerninst_lookup {
 	__u64 address;  /* out: 0 when unknown (-ENOENT) */
 };
 
-/* Route an int3 at site (kernel text) to patch (patch area). */
+/* Route an int3 at site (kernel text) to patch (a patch-area block of owner). */
 struct kerninst_trap {
 	__u64 site;
-	__u64 patch;
+	__u64 patch;    /* CLEAR_TRAP: ignored */
+	__u64 owner;
 };
 
 /* One range of a HAZARDS request: [address, address + len), len 1..KERNINST_MAX_TEXT_WRITE. */
@@ -128,6 +144,65 @@ struct kerninst_hazards {
 	__u32 reserved;
 };
 
+/* Owners (see the top of this file). */
+#define KERNINST_OWNER_KEPT   (1u << 0) /* outlives its session; re-adopted by name */
+#define KERNINST_OWNER_ORPHAN (1u << 1) /* a drop could not undo all its text: kept, never reused */
+
+struct kerninst_owner {
+	__u64 id;                      /* OWNER_NEW: out; the others: in */
+	__u32 flags;                   /* KERNINST_OWNER_* (STATE: out) */
+	__u32 reserved;
+	char name[KERNINST_NAME_LEN];  /* OWNER_KEEP: the name to keep under ("": keep no more);
+					* OWNER_ADOPT: the kept owner to take over */
+};
+
+/* The two regions a block is claimed in. */
+#define KERNINST_REGION_CODE 1         /* patch area */
+#define KERNINST_REGION_DATA 2         /* data heap */
+
+/*
+ * A block of the patch area or of the data heap.  kerninstd allocates; the
+ * module records who holds each block (CLAIM, FREE), so that pokes, trap
+ * routes and heap writes stay inside their owner's blocks and a restarted
+ * kerninstd never hands out a block a kept owner still uses.  A freed patch
+ * block is held by no one (owner 0) until QUIESCE: a task may still be running
+ * in it.
+ */
+struct kerninst_block {
+	__u64 owner;
+	__u64 address;
+	__u64 size;
+	__u32 region;   /* KERNINST_REGION_* */
+	__u32 reserved;
+};
+
+/* One live text write, as STATE lists it: orig is what unload or a drop puts back. */
+struct kerninst_splice {
+	__u64 owner;
+	__u64 address;
+	__u32 len;
+	__u32 reserved;
+	__u8 orig[KERNINST_MAX_TEXT_WRITE];
+	__u8 cur[KERNINST_MAX_TEXT_WRITE];
+};
+
+/*
+ * The module's log: every owner, live text write (oldest first), trap route
+ * and block.  Each nr_* says, in, how many entries its user array has room
+ * for and, out, how many there are; only as many as fit are written, so a
+ * caller that finds nr_* grown past its room asks again with more.
+ */
+struct kerninst_state {
+	__u64 owners;   /* user pointer to struct kerninst_owner[nr_owners] */
+	__u64 splices;  /* struct kerninst_splice[nr_splices] */
+	__u64 routes;   /* struct kerninst_trap[nr_routes] */
+	__u64 blocks;   /* struct kerninst_block[nr_blocks] */
+	__u32 nr_owners;
+	__u32 nr_splices;
+	__u32 nr_routes;
+	__u32 nr_blocks;
+};
+
 #define KERNINST_IOC_VERSION    _IOR(KERNINST_IOC_MAGIC, 0x00, struct kerninst_version)
 #define KERNINST_IOC_INFO       _IOR(KERNINST_IOC_MAGIC, 0x01, struct kerninst_info)
 #define KERNINST_IOC_READ       _IOW(KERNINST_IOC_MAGIC, 0x02, struct kerninst_mem)
@@ -136,26 +211,51 @@ struct kerninst_hazards {
 #define KERNINST_IOC_LOOKUP     _IOWR(KERNINST_IOC_MAGIC, 0x05, struct kerninst_lookup)
 #define KERNINST_IOC_SET_TRAP   _IOW(KERNINST_IOC_MAGIC, 0x06, struct kerninst_trap)
 #define KERNINST_IOC_CLEAR_TRAP _IOW(KERNINST_IOC_MAGIC, 0x07, struct kerninst_trap)
-/* Wait until no task can still be running in freed patch code (synchronize_rcu_tasks). */
+/* Wait until no task can still run in freed patch code (synchronize_rcu_tasks); forget those blocks. */
 #define KERNINST_IOC_QUIESCE    _IO(KERNINST_IOC_MAGIC, 0x08)
 /* The hazards of text ranges (answers through the ranges' user buffer). */
 #define KERNINST_IOC_HAZARDS    _IOW(KERNINST_IOC_MAGIC, 0x09, struct kerninst_hazards)
+/* A new owner (for a client session). */
+#define KERNINST_IOC_OWNER_NEW  _IOR(KERNINST_IOC_MAGIC, 0x0a, struct kerninst_owner)
+/* Keep an owner past its session under a name, or ("") no more. */
+#define KERNINST_IOC_OWNER_KEEP _IOW(KERNINST_IOC_MAGIC, 0x0b, struct kerninst_owner)
+/* Owner id takes over everything the kept owner called name holds. */
+#define KERNINST_IOC_OWNER_ADOPT _IOW(KERNINST_IOC_MAGIC, 0x0c, struct kerninst_owner)
+/* Undo everything an owner holds: text newest first, then routes, then blocks; forget it. */
+#define KERNINST_IOC_OWNER_DROP _IOW(KERNINST_IOC_MAGIC, 0x0d, struct kerninst_owner)
+/* Record a block kerninstd allocated as owner's; FREE gives it back. */
+#define KERNINST_IOC_CLAIM      _IOW(KERNINST_IOC_MAGIC, 0x0e, struct kerninst_block)
+#define KERNINST_IOC_FREE       _IOW(KERNINST_IOC_MAGIC, 0x0f, struct kerninst_block)
+/* The module's log (owners, text writes, routes, blocks). */
+#define KERNINST_IOC_STATE      _IOWR(KERNINST_IOC_MAGIC, 0x10, struct kerninst_state)
 
 /*
  * Errors (negative errno from ioctl), each one cause:
  *   EFAULT  bad user pointer, or the kernel address cannot be read (no oops)
  *   ERANGE  the address is outside the region the command may touch (text for
  *           pokes and trap sites: core kernel text or a live module's text other
- *           than kerninst's own; the patch area; the data heap)
- *   ESTALE  a poke's old bytes differ from memory; nothing was written
- *   EBUSY   the site already has a trap route, or a trap is still in text;
- *           from open(): the device is already open (one owner at a time)
+ *           than kerninst's own; a block of the owner in the patch area, for
+ *           code pokes and trap patches, or in the data heap, for WRITE)
+ *   ESTALE  a poke's old bytes differ from memory; nothing was written.  From
+ *           OWNER_DROP: text changed behind kerninst, so some writes were left
+ *           in place; the owner stays, as a kept orphan, with its blocks
+ *   EADDRINUSE  the bytes, trap route or block belong to another owner (another
+ *           session, or a kept owner); nothing was changed
+ *   EBUSY   the owner's site already has a trap route, a trap is still in text,
+ *           a multi-byte write would cover the owner's own route, a freed
+ *           block is still the target of a route or a jump, or an orphan was
+ *           asked to stop being kept;
+ *           from open(): the device is already open (one opener at a time)
+ *   EEXIST  OWNER_KEEP: another kept owner has that name
  *   EPERM   the text has a hazard (KERNINST_HAZARD_*: blacklisted code, an ftrace,
  *           jump-label or static-call site, a kprobe, an exception-table or
  *           bug-table instruction, or a check that could not be made)
  *   EINVAL  malformed request (sizes, overlapping writes, no int3 destination)
- *   ENOSPC  trap table or splice log full
- *   ENOENT  unknown symbol or trap route
+ *   ENOSPC  max_routes trap routes or max_splices text writes are live; nothing
+ *           was changed
+ *   ENOMEM  the kernel has no memory for a record; nothing was changed
+ *   ENOENT  unknown symbol, trap route, block, or kept owner name
+ *   ESRCH   unknown owner id
  */
 
 #endif /* KERNINST_H */

@@ -408,6 +408,14 @@ class NoRecursionGuard(VerifierError):
     code = "no-recursion-guard"
 
 
+class TextOwned(AlreadySpliced):
+    """On a live kernel, another owner holds these bytes, this trap route, this
+    block or this name: another client's session, or a kept splice.  The kernel
+    module refuses to let one owner change what another holds; nothing was changed."""
+
+    code = "text-owned"
+
+
 def all_error_classes() -> dict[str, type[KsimError]]:
     """Map each wire code to its class (used by the daemon and the live client)."""
     out: dict[str, type[KsimError]] = {}

@@ -12,7 +12,7 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 DEVICE = "/dev/kerninst"
 IOC_MAGIC = "K"
 
@@ -22,8 +22,8 @@ LIMITS: dict[str, int] = {
     "MAX_WRITES": 64,
     "MAX_TEXT_WRITE": 16,
     "MAX_CODE_WRITE": 4096,
-    "MAX_TRAPS": 512,
-    "MAX_SPLICES": 4096,
+    "MAX_ROUTES": 65536,     # default of the module parameter max_routes
+    "MAX_SPLICES": 65536,    # default of the module parameter max_splices
     "NAME_LEN": 128,
     "MAX_RANGES": 1024,
 }
@@ -43,6 +43,15 @@ HAZARDS: dict[str, int] = {
     "unknown": 1 << 9,      # a check could not be made (its kernel symbol is missing)
 }
 
+# KERNINST_OWNER_* flag name -> bit.
+OWNER_FLAGS: dict[str, int] = {
+    "kept": 1 << 0,     # outlives its session; re-adopted by name
+    "orphan": 1 << 1,   # a drop could not undo all its text: kept, its blocks never reused
+}
+
+# KERNINST_REGION_* name -> value: where a block is claimed.
+REGIONS: dict[str, int] = {"code": 1, "data": 2}
+
 # struct name -> ((field, format), ...); every field little-endian, no implicit padding.
 STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "kerninst_version": (("version", "I"), ("reserved", "I")),
@@ -54,15 +63,29 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("task_pid_offset", "I"), ("task_pid_size", "I"),
         ("nr_cpus", "I"), ("version", "I"),
     ),
-    "kerninst_mem": (("address", "Q"), ("buf", "Q"), ("size", "Q")),
+    "kerninst_mem": (("address", "Q"), ("buf", "Q"), ("size", "Q"), ("owner", "Q")),
     "kerninst_write": (
         ("address", "Q"), ("old_buf", "Q"), ("new_buf", "Q"), ("len", "I"), ("reserved", "I"),
     ),
-    "kerninst_poke": (("writes", "Q"), ("count", "I"), ("failed_index", "I")),
+    "kerninst_poke": (("writes", "Q"), ("count", "I"), ("failed_index", "I"), ("owner", "Q")),
     "kerninst_lookup": (("name", f"{LIMITS['NAME_LEN']}s"), ("address", "Q")),
-    "kerninst_trap": (("site", "Q"), ("patch", "Q")),
+    "kerninst_trap": (("site", "Q"), ("patch", "Q"), ("owner", "Q")),
     "kerninst_range": (("address", "Q"), ("len", "I"), ("hazards", "I")),
     "kerninst_hazards": (("ranges", "Q"), ("count", "I"), ("reserved", "I")),
+    "kerninst_owner": (
+        ("id", "Q"), ("flags", "I"), ("reserved", "I"), ("name", f"{LIMITS['NAME_LEN']}s"),
+    ),
+    "kerninst_block": (
+        ("owner", "Q"), ("address", "Q"), ("size", "Q"), ("region", "I"), ("reserved", "I"),
+    ),
+    "kerninst_splice": (
+        ("owner", "Q"), ("address", "Q"), ("len", "I"), ("reserved", "I"),
+        ("orig", f"{LIMITS['MAX_TEXT_WRITE']}s"), ("cur", f"{LIMITS['MAX_TEXT_WRITE']}s"),
+    ),
+    "kerninst_state": (
+        ("owners", "Q"), ("splices", "Q"), ("routes", "Q"), ("blocks", "Q"),
+        ("nr_owners", "I"), ("nr_splices", "I"), ("nr_routes", "I"), ("nr_blocks", "I"),
+    ),
 }
 
 # _IOC directions (include/uapi/asm-generic/ioctl.h)
@@ -81,6 +104,13 @@ COMMANDS: dict[str, tuple[str, int, str | None]] = {
     "CLEAR_TRAP": ("w", 0x07, "kerninst_trap"),
     "QUIESCE": ("", 0x08, None),
     "HAZARDS": ("w", 0x09, "kerninst_hazards"),
+    "OWNER_NEW": ("r", 0x0A, "kerninst_owner"),
+    "OWNER_KEEP": ("w", 0x0B, "kerninst_owner"),
+    "OWNER_ADOPT": ("w", 0x0C, "kerninst_owner"),
+    "OWNER_DROP": ("w", 0x0D, "kerninst_owner"),
+    "CLAIM": ("w", 0x0E, "kerninst_block"),
+    "FREE": ("w", 0x0F, "kerninst_block"),
+    "STATE": ("rw", 0x10, "kerninst_state"),
 }
 
 # (command or "*", errno) -> ksim error code (ksim.errors); the first match wins.
@@ -99,6 +129,16 @@ ERRORS: dict[tuple[str, int], str] = {
     ("CLEAR_TRAP", errno.ENOENT): "unknown-handle",
     ("LOOKUP", errno.ENOENT): "unknown-symbol",
     ("WRITE", errno.ERANGE): "target-fault",
+    ("OWNER_KEEP", errno.EEXIST): "text-owned",       # another kept owner has the name
+    ("OWNER_KEEP", errno.EBUSY): "already-spliced",   # an orphan stays kept
+    ("OWNER_ADOPT", errno.ENOENT): "unknown-handle",
+    ("OWNER_DROP", errno.ESTALE): "stale-text",       # text changed behind ksim: kept as an orphan
+    ("CLAIM", errno.ERANGE): "target-fault",
+    ("FREE", errno.ENOENT): "unknown-handle",
+    ("FREE", errno.EBUSY): "already-spliced",         # a route or a live jump still leads there
+    ("*", errno.EADDRINUSE): "text-owned",
+    ("*", errno.ESRCH): "unknown-handle",             # no such owner
+    ("*", errno.ENOMEM): "out-of-memory",
     ("*", errno.EFAULT): "target-fault",
     ("*", errno.EINVAL): "protocol",
     ("*", errno.ENOTTY): "protocol",
@@ -119,7 +159,9 @@ class Struct:
         return struct.calcsize(self.format)
 
     def pack(self, **values: int | bytes) -> bytes:
-        return struct.pack(self.format, *(values.get(n, 0) for n, _ in self.fields))
+        """The structure with ``values``; fields not named are zero (b"" for byte arrays)."""
+        return struct.pack(self.format, *(values.get(n, b"" if f.endswith("s") else 0)
+                                          for n, f in self.fields))
 
     def unpack(self, data: bytes) -> dict[str, int | bytes]:
         return dict(zip((n for n, _ in self.fields), struct.unpack(self.format, data), strict=True))
@@ -142,6 +184,11 @@ def command(name: str) -> int:
 
 def error_code(command_name: str, err: int) -> str:
     return ERRORS.get((command_name, err)) or ERRORS.get(("*", err)) or "target"
+
+
+def owner_flag_names(flags: int) -> list[str]:
+    """The names of the KERNINST_OWNER_* bits set in ``flags``."""
+    return [name for name, bit in OWNER_FLAGS.items() if flags & bit]
 
 
 def hazard_names(flags: int) -> list[str]:

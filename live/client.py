@@ -336,9 +336,26 @@ class LiveTarget:
         """Read, write or append a tracefs file in the guest (no shell involved)."""
         return str(self.conn.request("tracefs", file=file, mode=mode, data=data).get("data", ""))
 
-    def keep(self, keep: bool = True) -> None:
-        """Leave this client's splices in the kernel after it disconnects."""
-        self.conn.request("keep", keep=keep)
+    def keep(self, keep: bool = True, name: str | None = None) -> str | None:
+        """Leave this client's splices in the kernel after it disconnects (and after
+        kerninstd restarts), kept under ``name`` (default ``kept-OWNER``); returns the
+        name.  ``keep(False)``: undo them at disconnect after all."""
+        reply = self.conn.request("keep", keep=keep, name=name or "")
+        return None if reply.get("name") is None else str(reply["name"])
+
+    def kept(self) -> list[dict[str, Any]]:
+        """The kept splices in the kernel, each with its ``name``, ``owner``, ``orphan``
+        (text it could not undo), ``session`` (the peer still holding it, or None),
+        ``writes`` (address, orig and cur hex), ``routes`` and ``blocks``."""
+        return list(self.conn.request("kept")["kept"])
+
+    def adopt(self, name: str) -> dict[str, Any]:
+        """Take the kept splice ``name`` over: undone when this client disconnects."""
+        return dict(self.conn.request("adopt", name=name)["adopted"])
+
+    def remove_kept(self, name: str) -> dict[str, Any]:
+        """Undo the kept splice ``name`` now; returns what it held."""
+        return dict(self.conn.request("remove_kept", name=name)["removed"])
 
     # -- running things in the guest ---------------------------------------------------
     def _exec(self, cmd: str, timeout: float) -> dict[str, Any]:

@@ -6,9 +6,14 @@
 
 One asyncio server; device calls are quick ioctls made from the event loop, so
 they are serialised; ``exec`` runs its command as a subprocess and does not
-block other clients.  Each client owns what it made (text writes, trap routes,
-patch-area and data-heap blocks); when it disconnects they are undone, newest
-first, unless it sent ``keep``.
+block other clients.  Each client session is one owner in the module, which
+knows who holds every text write, trap route and patch-area or data-heap block
+and refuses one owner's change over another's (TextOwned).  When a client
+disconnects the module undoes what its owner holds, newest first, unless it
+sent ``keep``: a kept owner has a name, outlives the session and kerninstd
+itself, and is listed (``kept``), taken over (``adopt``) or undone
+(``remove_kept``) by a later client.  kerninstd allocates inside the patch area
+and the heap, and builds its allocators from the module's log when it starts.
 
 Peers that have not authenticated are held to small frames, a deadline and a
 count (``Limits``): when the count is reached the oldest of them is closed, so
@@ -26,30 +31,36 @@ import hashlib
 import hmac
 import logging
 import os
+import re
 import resource
 import secrets
 import stat
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ksim.errors import (
+    AlreadySpliced,
     AuthError,
     Blacklisted,
     KsimError,
+    OutOfMemory,
     OutsideText,
     ProtocolError,
+    StaleText,
     TargetError,
     TargetFault,
     TargetTimeout,
+    TextOwned,
     UnknownHandle,
 )
 from ksim.splice import hazards
 from ksim.splice.alloc import RegionAllocator
 from live import abi
 from live import protocol as wire
-from live.device import Device
+from live.device import Device, ModuleState, Owner
 
 log = logging.getLogger("kerninstd")
 
@@ -152,35 +163,52 @@ def fit_fd_limit(limits: Limits) -> Limits:
                    max_unauthenticated=min(limits.max_unauthenticated, fit))
 
 
-@dataclass
-class TextWrite:
-    address: int
-    orig: bytes
-    cur: bytes
-
-
 @dataclass(eq=False)
 class Session:
+    """One client connection.  ``owner``: its owner in the module, made when it first
+    changes something; ``keep_name``: the name it is kept under, if it sent ``keep``."""
+
     peer: str
     nonce: str = field(default_factory=lambda: secrets.token_hex(32))
     authenticated: bool = False
-    keep: bool = False
-    text: list[TextWrite] = field(default_factory=list)
-    traps: set[int] = field(default_factory=set)
-    code: set[int] = field(default_factory=set)
-    data: set[int] = field(default_factory=set)
+    owner: int | None = None
+    keep_name: str | None = None
 
-    def log_write(self, address: int, old: bytes, new: bytes) -> None:
-        """The module's splice-log rule: a write that restores a record's bytes retires it."""
-        for i in range(len(self.text) - 1, -1, -1):
-            rec = self.text[i]
-            if rec.address == address and rec.cur == old:
-                if new == rec.orig:
-                    del self.text[i]
-                else:
-                    rec.cur = new
-                return
-        self.text.append(TextWrite(address, old, new))
+
+# A kept owner's name: what `ksim kept --remove NAME` takes.  "orphan-N" is the
+# module's own name for an owner whose text could not all be undone.
+KEEP_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@+-]{0,63}")
+
+
+def check_keep_name(name: str) -> str:
+    if not KEEP_NAME.fullmatch(name) or name.startswith("orphan-"):
+        raise ProtocolError(f"keep: argument 'name' must be 1 to 64 letters, digits or ._:@+- "
+                            f"(starting with a letter or digit, not orphan-), got {wire.clip(repr(name))}")
+    return name
+
+
+def mirror(start: int, end: int, name: str, blocks: Iterable[tuple[int, int]]) -> RegionAllocator:
+    """An allocator over start..end whose allocated blocks are exactly ``blocks``
+    (address, size): the module's, when kerninstd starts or after a drop.  Built with
+    the allocator's own first-fit rule: allocating, from the start and in address
+    order, each gap and then each block, byte-aligned, hands out exactly these
+    addresses; the gaps are then given back."""
+    region = RegionAllocator(start, end, name=name)
+    gaps = []
+    cursor = start
+    for address, size in sorted(blocks):
+        if address < cursor or address + size > end:
+            log.error("%s: block %#x+%d overlaps another or leaves the region; not mirrored",
+                      name, address, size)
+            continue
+        if address > cursor:
+            gaps.append(region.alloc(address - cursor, 1))
+        got = region.alloc(size, 1)
+        assert got == address, (hex(got), hex(address))
+        cursor = address + size
+    for gap in gaps:
+        region.free(gap)
+    return region
 
 
 def peer_name(writer: asyncio.StreamWriter) -> str:
@@ -216,6 +244,15 @@ class Daemon:
         self.data = RegionAllocator(ds, ds + dsz, name="data heap")
         # Freed patch code is reused only after QUIESCE: a task preempted inside it must leave first.
         self.quarantine: list[int] = []
+        # The module's log is the truth: blocks that kept owners (kept splices of
+        # clients gone, perhaps with an earlier kerninstd) hold are never handed out.
+        state = device.state()
+        self.follow(state)
+        for owner in state.owners:
+            splices, routes, blocks = state.of(owner.id)
+            log.info("kept %s%r: %d text writes, %d trap routes, %d blocks",
+                     "orphan " if "orphan" in owner.flags else "", owner.name,
+                     len(splices), len(routes), len(blocks))
         self.sessions: set[Session] = set()
         # Connections not yet authenticated, oldest first (dicts keep insertion order).
         self.unauthenticated: dict[Session, asyncio.StreamWriter] = {}
@@ -387,40 +424,106 @@ class Daemon:
             return wire.reply_error(request_id, KsimError(
                 f"{name}: kerninstd failed: {detail}")), False
 
-    # -- cleanup -----------------------------------------------------------------
+    # -- cleanup and the module's log ------------------------------------------------
     def cleanup(self, session: Session) -> None:
-        """Undo what the session made, newest text write first; one step that fails
-        (logged) does not keep the others from being undone."""
-        if session.keep:
-            if session.text or session.traps:
-                log.info("%s: keeping %d text writes, %d traps", session.peer,
-                         len(session.text), len(session.traps))
+        """End a session: unless it is kept, the module undoes everything its owner
+        holds (text newest first, then trap routes, then blocks).  What the module
+        could not undo stays with the owner, kept as an orphan; the allocators
+        follow the module's log, so its blocks are never handed out again."""
+        owner, session.owner = session.owner, None
+        if owner is None:
             return
-        for rec in reversed(session.text):
-            self._undo_step(session, f"undo the write at {rec.address:#x}",
-                            self.device.poke, [(rec.address, rec.cur, rec.orig)])
-        session.text.clear()
-        for site in sorted(session.traps):
-            self._undo_step(session, f"clear the trap at {site:#x}", self.device.clear_trap, site)
-        session.traps.clear()
-        for address in list(session.code):
-            self._free_code(session, address)
-        for address in list(session.data):
-            self._undo_step(session, f"free the data block at {address:#x}", self.data.free, address)
-        session.data.clear()
+        if session.keep_name is not None:
+            log.info("%s: its splices stay, kept as %r", session.peer, session.keep_name)
+            return
+        try:
+            self.device.owner_drop(owner)
+        except KsimError as exc:
+            log.error("%s: cannot undo everything it made: %s", session.peer, exc)
+        except Exception:
+            log.exception("%s: cannot undo what it made", session.peer)
+        self._follow_module()
+
+    def follow(self, state: ModuleState) -> None:
+        """Make the allocators hold exactly the blocks the module records (freed patch
+        blocks among them, in quarantine until QUIESCE)."""
+        for attr, region in (("code", "code"), ("data", "data")):
+            old = getattr(self, attr)
+            setattr(self, attr, mirror(old.start, old.end, old.name,
+                                       ((b.address, b.size) for b in state.blocks
+                                        if b.region == region)))
+        self.quarantine = [b.address for b in state.blocks if b.region == "code" and not b.owner]
+
+    def _follow_module(self) -> None:
+        try:
+            self.follow(self.device.state())
+        except Exception:
+            # The allocators keep every block they had: none is handed out twice.
+            log.exception("cannot read the module's log; the allocators stay as they were")
+
+    def _owner(self, session: Session) -> int:
+        """The session's owner in the module, made on first use."""
+        if session.owner is None:
+            session.owner = self.device.owner_new()
+        return session.owner
+
+    def _describe(self, state: ModuleState, owner: Owner) -> dict[str, Any]:
+        splices, routes, blocks = state.of(owner.id)
+        live = next((s.peer for s in self.sessions if s.owner == owner.id), None)
+        return {
+            "name": owner.name, "owner": owner.id, "orphan": "orphan" in owner.flags,
+            "session": live,
+            "writes": [{"address": x.address, "orig": x.orig.hex(), "cur": x.cur.hex()}
+                       for x in splices],
+            "routes": [{"site": r.site, "patch": r.patch} for r in routes],
+            "blocks": [{"region": b.region, "address": b.address, "size": b.size} for b in blocks],
+        }
+
+    def _kept(self, state: ModuleState, name: str, what: str) -> Owner:
+        """The kept owner called ``name``, free to be taken over by this session."""
+        for owner in state.owners:
+            if "kept" in owner.flags and owner.name == name:
+                live = next((s for s in self.sessions if s.owner == owner.id), None)
+                if live is not None:
+                    raise TextOwned(f"{what}: {name!r} is kept by a session still connected "
+                                    f"({live.peer}); it is free once that session ends")
+                return owner
+        raise UnknownHandle(f"{what}: no kept splice is called {name!r}")
+
+    def _holder(self, state: ModuleState, address: int, size: int, me: int | None) -> str | None:
+        """Who other than owner ``me`` holds some of [address, address + size), in words."""
+        owners = {x.owner for x in state.splices if x.address < address + size
+                  and address < x.address + len(x.cur)}
+        owners |= {r.owner for r in state.routes if address <= r.site < address + size}
+        owners |= {b.owner for b in state.blocks if b.owner and b.address < address + size
+                   and address < b.address + b.size}
+        for owner in state.owners:
+            if owner.id in owners and owner.id != me:
+                live = next((s.peer for s in self.sessions if s.owner == owner.id), None)
+                if live is not None:
+                    return f"another client's session ({live})"
+                return f"the kept splice {owner.name!r}"
+        return None
+
+    def _owned(self, session: Session, what: str, places: list[tuple[int, int]]) -> TextOwned:
+        """The error for a change the module refused because another owner holds the place."""
+        try:
+            state = self.device.state()
+            held = [(a, n, self._holder(state, a, n, session.owner)) for a, n in places]
+            found = "; ".join(f"{a:#x}+{n}: {who}" for a, n, who in held if who)
+        except KsimError:
+            found = ""
+        who = f"held by {found}" if found else "another owner holds it"
+        return TextOwned(f"{what} refused: {who}; nothing was changed")
 
     @staticmethod
-    def _undo_step(session: Session, what: str, fn: Any, *args: Any) -> None:
+    def _undo_step(session: Session, what: str, fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
         except KsimError as exc:
             log.error("%s: cannot %s: %s", session.peer, what, exc)
         except Exception:
             log.exception("%s: cannot %s", session.peer, what)
-
-    def _free_code(self, session: Session, address: int) -> None:
-        session.code.discard(address)
-        self.quarantine.append(address)
 
     # -- ops -----------------------------------------------------------------------
     def op_hello(self, session: Session) -> dict[str, Any]:
@@ -461,28 +564,27 @@ class Daemon:
             raise ProtocolError(f"read: {address:#x}+{size} passes the end of the address space")
         return {"data": self.device.read(address, size).hex()}
 
-    def _data_block(self, address: int, size: int) -> None:
-        for start, length in self.data.allocated().items():
-            if start <= address and address + size <= start + length:
-                return
-        raise TargetFault(f"{address:#x}+{size} is not inside an allocated data-heap block "
-                          "(text changes go through poke)")
-
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
-        self._data_block(address, len(data))
-        self.device.write(address, data)
+        if session.owner is None:
+            raise TargetFault(f"write: {address:#x}+{len(data)} is not inside a data-heap "
+                              "block of this client (text changes go through poke)")
+        try:
+            self.device.write(address, data, session.owner)
+        except TargetFault:
+            raise TargetFault(f"write: {address:#x}+{len(data)} is not inside a data-heap "
+                              "block of this client (text changes go through poke)") from None
+        except TextOwned:
+            raise self._owned(session, "write", [(address, len(data))]) from None
         return {}
 
-    def op_alloc_code(self, session: Session, size: int) -> dict[str, Any]:
+    def _alloc_code(self, size: int) -> int:
         try:
-            address = self.code.alloc(size, 16)
-        except KsimError:
+            return self.code.alloc(size, 16)
+        except OutOfMemory:
             if not self.quarantine:
                 raise
-            self._release_quarantine()
-            address = self.code.alloc(size, 16)
-        session.code.add(address)
-        return {"address": address}
+        self._release_quarantine()
+        return self.code.alloc(size, 16)
 
     def _release_quarantine(self) -> None:
         self.device.quiesce()
@@ -490,28 +592,54 @@ class Daemon:
             self.code.free(address)
         self.quarantine.clear()
 
+    def _claim(self, session: Session, region: str, alloc: RegionAllocator, address: int,
+               size: int) -> None:
+        try:
+            self.device.claim(self._owner(session), region, address, size)
+        except BaseException:
+            alloc.free(address)
+            raise
+
+    def op_alloc_code(self, session: Session, size: int) -> dict[str, Any]:
+        address = self._alloc_code(size)
+        self._claim(session, "code", self.code, address, size)
+        return {"address": address}
+
+    def _free(self, session: Session, region: str, address: int) -> None:
+        op, kind = f"free_{region}", "patch" if region == "code" else "data"
+        if session.owner is None:
+            raise UnknownHandle(f"{op}: {address:#x} is not a {kind} block of this client")
+        try:
+            self.device.free(session.owner, region, address)
+        except UnknownHandle:
+            raise UnknownHandle(f"{op}: {address:#x} is not a {kind} block of this client") from None
+        except TextOwned:
+            raise self._owned(session, op, [(address, 1)]) from None
+        except AlreadySpliced:
+            raise AlreadySpliced(f"{op}: a trap route or a jump in text still leads into the "
+                                 f"patch block at {address:#x}; undo them first") from None
+
     def op_free_code(self, session: Session, address: int) -> dict[str, Any]:
-        if address not in session.code:
-            raise UnknownHandle(f"free_code: {address:#x} is not a patch block of this client")
-        self._free_code(session, address)
+        self._free(session, "code", address)
+        self.quarantine.append(address)
         return {}
 
     def op_alloc_data(self, session: Session, size: int, align: int) -> dict[str, Any]:
         if align & (align - 1):
             raise ProtocolError(f"alloc_data: argument 'align' must be a power of two, got {align}")
         address = self.data.alloc(size, align)
+        self._claim(session, "data", self.data, address, size)
         try:
-            self.device.write(address, bytes(size))
+            self.device.write(address, bytes(size), self._owner(session))
         except Exception:
+            self._undo_step(session, f"free the data block at {address:#x}", self.device.free,
+                            session.owner, "data", address)
             self.data.free(address)
             raise
-        session.data.add(address)
         return {"address": address}
 
     def op_free_data(self, session: Session, address: int) -> dict[str, Any]:
-        if address not in session.data:
-            raise UnknownHandle(f"free_data: {address:#x} is not a data block of this client")
-        session.data.discard(address)
+        self._free(session, "data", address)
         self.data.free(address)
         return {}
 
@@ -519,14 +647,6 @@ class Daemon:
         """Whether a write touches the patch area; everything else is text to the module
         (core kernel text or a live module's text; the module refuses anything else)."""
         return address < self.code.end and address + size > self.code.start
-
-    def _check_code_write(self, session: Session, address: int, size: int) -> None:
-        allocated = self.code.allocated()
-        for start in session.code:
-            if start <= address and address + size <= start + allocated[start]:
-                return
-        raise OutsideText(f"poke at {address:#x}+{size}: inside the patch area but not "
-                          "inside a patch block of this client")
 
     def _refusal(self, what: str, writes: list[tuple[int, bytes, bytes]]) -> KsimError:
         """The error for a poke or trap the module refused with EPERM: the class of
@@ -554,15 +674,19 @@ class Daemon:
             if address + len(new) > wire.U64_MAX + 1:
                 raise ProtocolError(f"poke: argument 'writes[{i}]': {address:#x}+{len(new)} "
                                     "passes the end of the address space")
-            if self._in_code(address, len(new)):
-                self._check_code_write(session, address, len(new))
         try:
-            self.device.poke(writes)
+            self.device.poke(writes, self._owner(session))
         except Blacklisted:
             raise self._refusal("poke", writes) from None
-        for address, old, new in writes:
-            if not self._in_code(address, len(new)):
-                session.log_write(address, old, new)
+        except TextOwned:
+            raise self._owned(session, "poke", [(a, len(new)) for a, _, new in writes]) from None
+        except OutsideText as exc:
+            code = [f"{a:#x}+{len(new)}" for a, _, new in writes if self._in_code(a, len(new))]
+            if not code:
+                raise
+            raise OutsideText(f"poke at {', '.join(code)}: inside the patch area but not "
+                              "inside a patch block of this client (or another write is "
+                              f"outside text: {exc})") from None
         return {}
 
     def op_hazards(self, session: Session, ranges: list[tuple[int, int]]) -> dict[str, Any]:
@@ -575,22 +699,60 @@ class Daemon:
 
     def op_set_trap(self, session: Session, site: int, patch: int) -> dict[str, Any]:
         try:
-            self.device.set_trap(site, patch)
+            self.device.set_trap(site, patch, self._owner(session))
         except Blacklisted:
             raise self._refusal("set_trap", [(site, b"", b"?")]) from None
-        session.traps.add(site)
+        except TextOwned:
+            raise self._owned(session, f"set_trap {site:#x} -> {patch:#x}",
+                              [(site, 1), (patch, 1)]) from None
         return {}
 
     def op_clear_trap(self, session: Session, site: int) -> dict[str, Any]:
-        if site not in session.traps:
+        if session.owner is None:
             raise UnknownHandle(f"clear_trap: no trap of this client at {site:#x}")
-        self.device.clear_trap(site)
-        session.traps.discard(site)
+        try:
+            self.device.clear_trap(site, session.owner)
+        except UnknownHandle:
+            raise UnknownHandle(f"clear_trap: no trap of this client at {site:#x}") from None
+        except TextOwned:
+            raise self._owned(session, "clear_trap", [(site, 1)]) from None
         return {}
 
-    def op_keep(self, session: Session, keep: bool) -> dict[str, Any]:
-        session.keep = keep
-        return {}
+    def op_keep(self, session: Session, keep: bool, name: str) -> dict[str, Any]:
+        if not keep:
+            if session.owner is not None and session.keep_name is not None:
+                self.device.owner_keep(session.owner, "")
+            session.keep_name = None
+            return {"name": None}
+        owner = self._owner(session)
+        name = check_keep_name(name) if name else session.keep_name or f"kept-{owner}"
+        self.device.owner_keep(owner, name)
+        session.keep_name = name
+        return {"name": name}
+
+    def op_kept(self, session: Session) -> dict[str, Any]:
+        state = self.device.state()
+        return {"kept": [self._describe(state, o) for o in state.owners if "kept" in o.flags]}
+
+    def op_adopt(self, session: Session, name: str) -> dict[str, Any]:
+        state = self.device.state()
+        kept = self._kept(state, name, "adopt")
+        described = self._describe(state, kept)
+        self.device.owner_adopt(self._owner(session), name)
+        return {"adopted": described}
+
+    def op_remove_kept(self, session: Session, name: str) -> dict[str, Any]:
+        state = self.device.state()
+        kept = self._kept(state, name, "remove_kept")
+        described = self._describe(state, kept)
+        try:
+            self.device.owner_drop(kept.id)
+        except StaleText as exc:
+            self._follow_module()
+            raise StaleText(f"remove_kept {name!r}: some of its text changed behind ksim and "
+                            f"was left as it is; it stays, kept as an orphan ({exc})") from None
+        self._follow_module()
+        return {"removed": described}
 
     TRACEFS = "/sys/kernel/tracing/"
     KPROBES_OPTIMIZATION = "/proc/sys/debug/kprobes-optimization"

@@ -2,7 +2,8 @@
 
 Errors come back from the module as a negative errno; they are raised here as
 the ksim error class the ABI table names for that command and errno, so the
-daemon can carry them over the wire unchanged.
+daemon can carry them over the wire unchanged.  Every request that changes
+something names its owner (``owner_new``), the module's unit of who holds what.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ctypes
 import fcntl
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ksim.errors import KsimError, StaleText
@@ -21,6 +23,56 @@ from live.protocol import make_error
 def _buffer(data: bytes | int) -> ctypes.Array[ctypes.c_char]:
     return ctypes.create_string_buffer(data) if isinstance(data, int) else \
         ctypes.create_string_buffer(bytes(data), len(data))
+
+
+@dataclass(frozen=True, slots=True)
+class Owner:
+    id: int
+    flags: frozenset[str]   # abi.OWNER_FLAGS names
+    name: str               # a kept owner's
+
+
+@dataclass(frozen=True, slots=True)
+class Splice:
+    """A live text write: ``orig`` is what a drop or unload puts back."""
+
+    owner: int
+    address: int
+    orig: bytes
+    cur: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    owner: int
+    site: int
+    patch: int
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    owner: int              # 0: freed patch code, waiting for QUIESCE
+    region: str             # abi.REGIONS name
+    address: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModuleState:
+    """The module's log (KERNINST_IOC_STATE): who holds what, text writes oldest first."""
+
+    owners: tuple[Owner, ...]
+    splices: tuple[Splice, ...]
+    routes: tuple[Route, ...]
+    blocks: tuple[Block, ...]
+
+    def of(self, owner: int) -> tuple[list[Splice], list[Route], list[Block]]:
+        return ([s for s in self.splices if s.owner == owner],
+                [r for r in self.routes if r.owner == owner],
+                [b for b in self.blocks if b.owner == owner])
+
+
+_REGION_NAMES = {v: k for k, v in abi.REGIONS.items()}
 
 
 class Device:
@@ -82,16 +134,18 @@ class Device:
             out += buf.raw[:n]
         return bytes(out)
 
-    def write(self, address: int, data: bytes) -> None:
+    def write(self, address: int, data: bytes, owner: int) -> None:
+        """Write into a data-heap block of ``owner``."""
         s = abi.structure("kerninst_mem")
         limit = abi.LIMITS["MAX_IO"]
         for off in range(0, len(data), limit):
             chunk = data[off:off + limit]
             buf = _buffer(chunk)
             self._ioctl("WRITE", s.pack(address=address + off, buf=ctypes.addressof(buf),
-                                        size=len(chunk)), what=f"{address + off:#x}+{len(chunk)}")
+                                        size=len(chunk), owner=owner),
+                        what=f"{address + off:#x}+{len(chunk)}")
 
-    def poke(self, writes: Sequence[tuple[int, bytes, bytes]]) -> None:
+    def poke(self, writes: Sequence[tuple[int, bytes, bytes]], owner: int) -> None:
         """Apply (address, old, new) writes all or nothing; StaleText names the first mismatch."""
         ws = abi.structure("kerninst_write")
         keep: list[ctypes.Array[ctypes.c_char]] = []
@@ -104,7 +158,8 @@ class Device:
         tbuf = _buffer(bytes(table))
         ps = abi.structure("kerninst_poke")
         try:
-            self._ioctl("POKE", ps.pack(writes=ctypes.addressof(tbuf), count=len(writes)),
+            self._ioctl("POKE", ps.pack(writes=ctypes.addressof(tbuf), count=len(writes),
+                                        owner=owner),
                         what=", ".join(f"{a:#x}" for a, _, _ in writes))
         except StaleText as exc:
             index = int(ps.unpack(exc.reply)["failed_index"])  # type: ignore[attr-defined]
@@ -119,13 +174,83 @@ class Device:
             raise KsimError(f"symbol name too long: {name!r}")
         return int(s.unpack(self._ioctl("LOOKUP", s.pack(name=raw), what=name))["address"])
 
-    def set_trap(self, site: int, patch: int) -> None:
+    def set_trap(self, site: int, patch: int, owner: int) -> None:
         s = abi.structure("kerninst_trap")
-        self._ioctl("SET_TRAP", s.pack(site=site, patch=patch), what=f"{site:#x}->{patch:#x}")
+        self._ioctl("SET_TRAP", s.pack(site=site, patch=patch, owner=owner),
+                    what=f"{site:#x}->{patch:#x}")
 
-    def clear_trap(self, site: int) -> None:
+    def clear_trap(self, site: int, owner: int) -> None:
         s = abi.structure("kerninst_trap")
-        self._ioctl("CLEAR_TRAP", s.pack(site=site), what=f"{site:#x}")
+        self._ioctl("CLEAR_TRAP", s.pack(site=site, owner=owner), what=f"{site:#x}")
+
+    # -- owners and blocks -------------------------------------------------------
+    def _owner(self, command: str, owner: int, name: str = "") -> bytes:
+        s = abi.structure("kerninst_owner")
+        raw = name.encode()
+        if len(raw) >= abi.LIMITS["NAME_LEN"]:
+            raise KsimError(f"owner name too long: {name!r}")
+        what = f"{owner}" + (f" {name!r}" if name else "")
+        return self._ioctl(command, s.pack(id=owner, name=raw), what=what)
+
+    def owner_new(self) -> int:
+        s = abi.structure("kerninst_owner")
+        return int(s.unpack(self._ioctl("OWNER_NEW", s.pack()))["id"])
+
+    def owner_keep(self, owner: int, name: str) -> None:
+        """Keep ``owner`` past its session under ``name`` ("": no longer kept)."""
+        self._owner("OWNER_KEEP", owner, name)
+
+    def owner_adopt(self, owner: int, name: str) -> None:
+        """``owner`` takes over everything the kept owner ``name`` holds."""
+        self._owner("OWNER_ADOPT", owner, name)
+
+    def owner_drop(self, owner: int) -> None:
+        """Undo everything ``owner`` holds and forget it (StaleText: some text was
+        changed behind ksim; the owner stays, kept as an orphan)."""
+        self._owner("OWNER_DROP", owner)
+
+    def claim(self, owner: int, region: str, address: int, size: int) -> None:
+        s = abi.structure("kerninst_block")
+        self._ioctl("CLAIM", s.pack(owner=owner, region=abi.REGIONS[region], address=address,
+                                    size=size), what=f"{region} {address:#x}+{size}")
+
+    def free(self, owner: int, region: str, address: int) -> None:
+        s = abi.structure("kerninst_block")
+        self._ioctl("FREE", s.pack(owner=owner, region=abi.REGIONS[region], address=address),
+                    what=f"{region} {address:#x}")
+
+    def state(self) -> ModuleState:
+        """The module's log.  Asked again, with more room, while it outgrows the buffers."""
+        st = abi.structure("kerninst_state")
+        kinds = (("owners", "kerninst_owner"), ("splices", "kerninst_splice"),
+                 ("routes", "kerninst_trap"), ("blocks", "kerninst_block"))
+        room = dict.fromkeys((k for k, _ in kinds), 64)
+        while True:
+            bufs = {k: _buffer(max(1, room[k]) * abi.structure(sname).size) for k, sname in kinds}
+            reply = st.unpack(self._ioctl("STATE", st.pack(
+                **{k: ctypes.addressof(b) for k, b in bufs.items()},
+                **{f"nr_{k}": n for k, n in room.items()})))
+            counts = {k: int(reply[f"nr_{k}"]) for k, _ in kinds}
+            if all(counts[k] <= room[k] for k in room):
+                break
+            room = {k: max(room[k], 2 * counts[k]) for k in room}
+        rows = {}
+        for k, sname in kinds:
+            s = abi.structure(sname)
+            raw = bufs[k].raw
+            rows[k] = [s.unpack(raw[i * s.size:(i + 1) * s.size]) for i in range(counts[k])]
+        return ModuleState(
+            owners=tuple(Owner(int(o["id"]), frozenset(abi.owner_flag_names(int(o["flags"]))),
+                               bytes(o["name"]).split(b"\0", 1)[0].decode(errors="replace"))
+                         for o in rows["owners"]),
+            splices=tuple(Splice(int(x["owner"]), int(x["address"]),
+                                 bytes(x["orig"])[:int(x["len"])], bytes(x["cur"])[:int(x["len"])])
+                          for x in rows["splices"]),
+            routes=tuple(Route(int(r["owner"]), int(r["site"]), int(r["patch"]))
+                         for r in rows["routes"]),
+            blocks=tuple(Block(int(b["owner"]), _REGION_NAMES.get(int(b["region"]), "?"),
+                               int(b["address"]), int(b["size"])) for b in rows["blocks"]),
+        )
 
     def quiesce(self) -> None:
         self._ioctl("QUIESCE")

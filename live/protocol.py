@@ -44,6 +44,7 @@ MAX_RANGE = LIMITS["MAX_TEXT_WRITE"]   # bytes per hazards range
 MAX_WRITES = LIMITS["MAX_WRITES"]      # writes per poke (the module's batch limit)
 MAX_POKE_BYTES = LIMITS["MAX_CODE_WRITE"]  # bytes per poke write (text writes are 16 at most)
 MAX_NAME = LIMITS["NAME_LEN"] - 1      # UTF-8 bytes of a symbol name (the module adds a NUL)
+MAX_KEEP_NAME = 64           # characters of a kept splice's name
 MAX_PATH = 4095              # UTF-8 bytes of a tracefs path (PATH_MAX less its NUL)
 MAX_CMD = (128 << 10) - 1    # UTF-8 bytes of an exec command: one execve argument (MAX_ARG_STRLEN)
 MAX_ALIGN = 4096             # data-heap alignment: the heap itself is only page-aligned
@@ -118,7 +119,14 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("clear_trap", {"site": U64}),
     Op("hazards", {"ranges": items(MAX_RANGES, address=U64, length=integer(1, MAX_RANGE))},
        doc="[[address, length], ...] -> why the kernel relies on each text range staying as it is"),
-    Op("keep", {"keep": BOOL}, doc="leave this client's splices in place when it disconnects"),
+    Op("keep", {"keep": BOOL, "name": text(0, MAX_KEEP_NAME)},
+       doc="leave this client's splices in place when it disconnects, kept under a name "
+           "(given, or kept-OWNER) that a later client lists, adopts or removes; false: no more"),
+    Op("kept", {}, doc="the kept splices: name, text writes, trap routes and blocks of each"),
+    Op("adopt", {"name": text(1, MAX_KEEP_NAME)},
+       doc="take a kept splice over: it is this client's from now on (undone when it leaves)"),
+    Op("remove_kept", {"name": text(1, MAX_KEEP_NAME)},
+       doc="undo a kept splice now: its text restored, routes cleared, blocks freed"),
     Op("tracefs", {"file": text(1, MAX_PATH), "mode": text(1, 1), "data": text()},
        doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization"),
     Op("exec", {"cmd": text(1, MAX_CMD), "timeout": Arg("number", 1e-3, MAX_EXEC_TIMEOUT)},
@@ -130,7 +138,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
     "alloc_data": {"align": 8},
-    "keep": {"keep": True},
+    "keep": {"keep": True, "name": ""},
     "exec": {"timeout": 60.0},
     "tracefs": {"mode": "r", "data": ""},
 }

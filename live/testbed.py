@@ -289,8 +289,11 @@ for keep in @KEEP@; do
 done
 echo "ksim-init: starting kerninstd"
 cd /
-# If kerninstd dies, unload the module (which restores every splice it made) and
-# start both again: this is how the tests check unload.
+# If kerninstd dies, start it again.  The module stays, and with it every kept
+# splice (closing the device undid the others); the new kerninstd reads them
+# from the module.  When @RELOAD@ (in the chroot) exists, unload the module
+# first (which restores every splice) and load it again: this is how the tests
+# check unload (live.testing.restart_kerninstd).
 n=0
 while [ $n -lt 20 ]; do
     chroot /host /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
@@ -298,13 +301,19 @@ while [ $n -lt 20 ]; do
         --token-file @TOKEN@ --device /dev/kerninst --allow-exec
     echo "ksim-init: kerninstd exited ($?)"
     n=$((n + 1))
-    rmmod kerninst || break
-    echo "ksim-init: kerninst unloaded"
-    insmod /kerninst.ko || break
+    if [ -e "/host@RELOAD@" ]; then
+        rm -f "/host@RELOAD@"
+        rmmod kerninst || break
+        echo "ksim-init: kerninst unloaded"
+        insmod /kerninst.ko || break
+    fi
     echo "ksim-init: restarting kerninstd"
 done
 poweroff -f
 """
+
+# Made in the guest (under its own /tmp) to have /init reload the module when kerninstd exits.
+RELOAD_FLAG = "/tmp/kerninst-reload"
 
 
 def host_python() -> str:
@@ -330,7 +339,7 @@ def make_initramfs(root: Path, abi: str, ko: Path, port: int, out: Path) -> Path
     keep = " ".join(sorted({str(p) for p in (REPO, Path(host_python()).parent)
                             if str(p).startswith("/tmp/")}))
     init = (INIT.replace("@REPO@", str(REPO)).replace("@PYTHON@", host_python())
-            .replace("@KEEP@", keep)
+            .replace("@KEEP@", keep).replace("@RELOAD@", RELOAD_FLAG)
             .replace("@PORT@", str(port)).replace("@TOKEN@", str(token_path())))
     archive.file("init", init.encode(), 0o755)
     out.write_bytes(archive.finish())

@@ -10,12 +10,14 @@ from __future__ import annotations
 import re
 import struct
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from ksim.errors import KsimError, TargetDied
 from live import testbed as tb
 from live.client import LiveTarget
 
@@ -58,16 +60,23 @@ def plain_site(target: LiveTarget, name: str) -> int:
     """The first instruction of ``name`` that a raw 5-byte splice may cover and copy
     as it is: at least 5 bytes, straight-line, not PC-relative, and no hazard the
     kernel reports (its first bytes are the ftrace location, which the kernel owns)."""
+    return plain_insn(target, name)[0]
+
+
+def plain_insn(target: LiveTarget, name: str) -> tuple[int, bytes]:
+    """plain_site's instruction: its address and all its bytes (a patch that
+    displaces it copies them all and jumps back past them)."""
     from ksim.arch.base import Flow
     from ksim.arch.x86_64.reader import decode
 
     start = target.lookup(name)
-    insns = list(decode(target.read(start, 64), start))
+    code = target.read(start, 64)
+    insns = list(decode(code, start))
     hazards = target.text_hazards([(i.address, i.size) for i in insns])
     for insn, found in zip(insns, hazards, strict=True):
         if (insn.address > start and insn.size >= 5 and insn.flow is Flow.SEQ
                 and insn.pc_ref is None and not found):
-            return insn.address
+            return insn.address, code[insn.address - start:insn.address - start + insn.size]
     raise AssertionError(f"{name} has no plain 5-byte instruction in its first 64 bytes")
 
 
@@ -77,6 +86,33 @@ def dmesg_problems(target: LiveTarget) -> list[str]:
 
 def read_u64(target: LiveTarget, address: int) -> int:
     return int(struct.unpack("<Q", target.read(address, 8))[0])
+
+
+def connect(testbed: dict[str, Any], timeout: float = 90.0) -> LiveTarget:
+    """A new client, waiting (up to ``timeout``) for kerninstd to answer."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return LiveTarget("127.0.0.1", int(testbed["port"]), token_file=testbed["token_file"])
+        except (KsimError, OSError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(1)
+
+
+def restart_kerninstd(t: LiveTarget, testbed: dict[str, Any], *, unload: bool = False) -> LiveTarget:
+    """Kill kerninstd (the parent of the shell its exec op runs) and return a client
+    of the next one, which the guest's /init starts; with ``unload``, /init unloads
+    the module (undoing every splice) and loads it again in between.  ``t`` ends."""
+    flag = f"touch {tb.RELOAD_FLAG} && " if unload else ""
+    try:
+        t.exec(f"{flag}kill -KILL $PPID")
+    except (TargetDied, OSError):
+        pass
+    else:
+        raise AssertionError("kerninstd survived kill -KILL")
+    t.close()
+    return connect(testbed)
 
 
 @pytest.fixture(scope="session")

@@ -4,9 +4,9 @@ process.
 
 No kernel is needed: every op these tests make a daemon answer (hello, auth, info,
 bye, and every malformed request) is answered without touching the device.  The
-daemon gets ``NoDevice``, which holds the layout a daemon reads once when it starts
-and fails on any other use, and each test says which uses it expects (almost always
-none).
+daemon gets ``NoDevice``, which holds the layout and the module's log a daemon reads
+when it starts and fails on any other use, and each test says which uses it expects
+(almost always none).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ksim.errors import KsimError, ProtocolError, TargetTimeout
 from live import abi, daemon
 from live import protocol as wire
 from live.client import Connection
+from live.device import Block, ModuleState, Owner
 
 TOKEN = b"k" * 32
 LAYOUT = {
@@ -41,14 +42,19 @@ LAYOUT = {
 
 
 class NoDevice:
-    """Stands where /dev/kerninst would.  A daemon reads its layout once, at start;
-    any other call is recorded in ``used`` and fails."""
+    """Stands where /dev/kerninst would.  A daemon reads its layout and the module's
+    log (``log``, empty unless a test says otherwise); any other call is recorded in
+    ``used`` and fails."""
 
     def __init__(self) -> None:
         self.used: list[str] = []
+        self.log = ModuleState((), (), (), ())
 
     def info(self) -> dict[str, int]:
         return dict(LAYOUT)
+
+    def state(self) -> ModuleState:
+        return self.log
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         if name.startswith("__"):
@@ -452,15 +458,16 @@ def test_malformed_requests_leave_the_session_and_its_splices_alone(serve) -> No
     d = serve()
     with d.connect() as c:
         session = d.on_loop(lambda: next(s for s in d.daemon.sessions if s.authenticated))
-        record = daemon.TextWrite(LAYOUT["text_start"] + 0x100, b"\x0f\x1f\x44\x00\x00",
-                                  b"\xe9\x00\x00\x00\x00")
-        d.on_loop(lambda: session.text.append(record))
+
+        def holds_splices() -> None:          # as if it had spliced, then sent keep
+            session.owner, session.keep_name = 7, "mine"
+
+        d.on_loop(holds_splices)
         for _, fields, _ in MALFORMED:
             assert _request(c, fields)["error"]["code"] == "protocol"
         assert c.request("info")["ok"]
-        assert d.on_loop(lambda: list(session.text)) == [record]
+        assert d.on_loop(lambda: (session.owner, session.keep_name)) == (7, "mine")
         assert d.on_loop(lambda: session in d.daemon.sessions)
-        c.request("keep")
         c.request("bye")
     d.wait_for(lambda: not d.daemon.sessions)
     assert d.device.used == []                # kept: nothing undone, nothing touched
@@ -474,26 +481,37 @@ def test_an_unexpected_failure_in_an_op_is_an_error_reply(serve, caplog) -> None
             c.request("lookup", name="jiffies")
         assert not isinstance(info.value, ProtocolError)
         assert c.request("info")["ok"]        # the session goes on
-        c.request("keep")
     assert d.device.used == ["lookup"]
     assert any(r.name == "kerninstd" and r.exc_info and "lookup failed unexpectedly" in r.getMessage()
                for r in caplog.records)
 
 
-def test_cleanup_goes_on_past_a_step_that_fails(serve) -> None:
+def test_a_session_that_ends_is_dropped_and_its_blocks_follow_the_module(serve) -> None:
+    """A session's cleanup is one drop of its owner in the module.  Here the drop
+    fails (this device fails every use) and the module's log still holds the
+    session's block: the daemon's allocator keeps it, so it is never handed out."""
     d = serve()
     with d.connect() as c:
         session = d.on_loop(lambda: next(s for s in d.daemon.sessions if s.authenticated))
-        free = d.daemon.data.bytes_free
 
-        def own_things() -> None:
-            session.text.append(daemon.TextWrite(LAYOUT["text_start"], b"\x90", b"\xcc"))
-            session.traps.add(LAYOUT["text_start"] + 16)
-            session.data.add(d.daemon.data.alloc(64))
+        def own_a_block() -> int:
+            session.owner = 7
+            address = d.daemon.data.alloc(64)
+            d.device.log = ModuleState(
+                owners=(Owner(7, frozenset({"kept", "orphan"}), "orphan-7"),), splices=(),
+                routes=(), blocks=(Block(7, "data", address, 64),))
+            return address
 
-        d.on_loop(own_things)
+        address = d.on_loop(own_a_block)
         c.request("bye")
     d.wait_for(lambda: not d.daemon.sessions)
-    # Undoing the write and clearing the trap both fail on this device; the block is freed.
-    assert d.device.used == ["poke", "clear_trap"]
-    assert d.daemon.data.bytes_free == free
+    assert d.device.used == ["owner_drop"]
+    assert d.on_loop(lambda: d.daemon.data.allocated()) == {address: 64}
+    # Once the module's log no longer has it, neither has the allocator.
+    d.device.log = ModuleState((), (), (), ())
+    with d.connect() as c:
+        session = d.on_loop(lambda: next(s for s in d.daemon.sessions if s.authenticated))
+        d.on_loop(lambda: setattr(session, "owner", 8))
+        c.request("bye")
+    d.wait_for(lambda: not d.daemon.sessions)
+    assert d.on_loop(lambda: d.daemon.data.allocated()) == {}

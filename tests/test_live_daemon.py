@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from ksim.errors import AuthError
+from ksim.errors import AuthError, ProtocolError
 from live import daemon
 
 
@@ -42,10 +42,23 @@ def test_daemon_refuses_to_start_with_a_public_token(tmp_path: Path, capsys) -> 
     assert "refusing to start" in capsys.readouterr().err
 
 
-def test_session_log_retires_undone_writes() -> None:
-    s = daemon.Session("peer")
-    s.log_write(0x100, b"\x0f\x1f", b"\xe9\x00")
-    s.log_write(0x100, b"\xe9\x00", b"\xe9\x01")   # re-pointed: still one record
-    assert len(s.text) == 1 and s.text[0].orig == b"\x0f\x1f" and s.text[0].cur == b"\xe9\x01"
-    s.log_write(0x100, b"\xe9\x01", b"\x0f\x1f")   # restored: no record left
-    assert s.text == []
+def test_allocators_mirror_the_modules_blocks() -> None:
+    """A restarted kerninstd builds its allocators from the module's log: the blocks
+    kept owners hold (and freed patch code not yet reusable) are never handed out."""
+    base = 0xFFFFFFFFC0000000
+    kept = [(base + 0x40, 24), (base, 64), (base + 0x1000, 16)]
+    region = daemon.mirror(base, base + 0x2000, "patch area", kept)
+    assert region.allocated() == dict(kept)
+    assert region.bytes_free == 0x2000 - 104
+    fresh = [region.alloc(64, 16) for _ in range(4)]
+    assert all(not (a < k + n and k < a + 64) for a in fresh for k, n in kept)
+    assert fresh[0] == base + 0x60          # first fit: the first gap that holds 64 bytes
+    # a block that leaves the region is not mirrored (and logged)
+    assert daemon.mirror(base, base + 0x100, "patch area", [(base + 0xF0, 32)]).allocated() == {}
+
+
+def test_keep_names_are_checked() -> None:
+    assert daemon.check_keep_name("getppid-counter.1") == "getppid-counter.1"
+    for bad in ("", "-x", "a b", "orphan-3", "x" * 65, "a/b"):
+        with pytest.raises(ProtocolError, match="name"):
+            daemon.check_keep_name(bad)

@@ -247,11 +247,11 @@ def test_round_trip_time(target: LiveTarget) -> None:
     assert rtt < 0.5
 
 
-def test_device_has_one_owner(target: LiveTarget) -> None:
+def test_device_has_one_owner(testbed: dict, target: LiveTarget) -> None:
     # A second kerninstd on the same device would allocate the same patch bytes.
     import sys
 
-    token = target.exec("ls /root/.cache/ksim/testbed/token").strip() or "/dev/null"
+    token = testbed["token_file"]
     r = target.conn.request(
         "exec", timeout=60.0, reply_timeout=90,
         cmd=f"cd / && {sys.executable} -m live.daemon --listen 127.0.0.1:7999 "

@@ -443,7 +443,7 @@ def test_module_going_away_takes_its_splices_with_it(warn_module: str, testbed: 
         with pytest.raises(OutsideText):
             other.poke([Write(block.address, b"\xcc", bytes(block.bytes[:1]))])
     finally:
-        other.close()  # its undo of the forgotten write is refused, and logged by kerninstd
+        other.close()  # nothing left to undo: the module forgot the write and the route
         tb.load_test_module(WARN_MODULE, testbed)
     problems = dmesg_problems(target)
     assert all(WARN_FUNC in x for x in problems), problems
