@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Dynamic kernel instrumentation: points + snippets, spliced by jump or trap "
         "into a kernel running in unicorn, QEMU or live Linux.",
     )
+    parser.add_argument("--version", action="version", version=f"ksim {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for info in sorted(pkgutil.iter_modules(commands_pkg.__path__), key=lambda m: m.name):
@@ -33,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
         if register is not None:
             register(sub)
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (the source tree's, when run from it)."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("ksim")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:
@@ -62,7 +74,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # inside the try: a reader that left is seen here
+        return status
     except KsimError as exc:
         if getattr(args, "json", False):
             emit_json({"error": exc.code, "message": str(exc)})
@@ -72,6 +86,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ksim: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``ksim ... | head``): stop quietly, as Unix tools do;
+        # stdout is pointed at /dev/null so the interpreter's final flush cannot fail
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

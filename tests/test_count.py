@@ -77,3 +77,21 @@ def test_an_offset_and_an_address_name_one_instruction(capsys, toy_path):
 def test_a_wildcard_matching_nothing_is_an_error(capsys, toy_path):
     assert main(["count", "no_such_*"]) == 2
     assert "no_such_*" in capsys.readouterr().err
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(toy_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "ksim", "funcs"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # like `ksim funcs | head -0`
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0 and capsys.readouterr().out.startswith("ksim ")
