@@ -21,10 +21,16 @@ from pathlib import Path
 
 from ksim.errors import ImageBuildError, UnknownImage
 
-#: images/ at the top of the source tree (next to the ksim package); KSIM_IMAGES_DIR
-#: overrides it (an installed, non-editable ksim has no source tree beside it)
-IMAGES_DIR = Path(os.environ.get("KSIM_IMAGES_DIR")
-                  or Path(__file__).resolve().parent.parent.parent / "images")
+def _images_dir() -> Path:
+    """KSIM_IMAGES_DIR; else images/ at the top of the source tree (next to the ksim
+    package); else the copy an installed, non-editable ksim carries (setup.py)."""
+    if os.environ.get("KSIM_IMAGES_DIR"):
+        return Path(os.environ["KSIM_IMAGES_DIR"])
+    tree = Path(__file__).resolve().parent.parent.parent / "images"
+    return tree if tree.is_dir() else Path(__file__).resolve().parent / "src"
+
+
+IMAGES_DIR = _images_dir()
 
 
 @dataclass(frozen=True, slots=True)
