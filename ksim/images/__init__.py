@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ksim.errors import ImageBuildError, UnknownImage
 
+
 def _images_dir() -> Path:
     """KSIM_IMAGES_DIR; else images/ at the top of the source tree (next to the ksim
     package); else the copy an installed, non-editable ksim carries (setup.py)."""

@@ -286,6 +286,66 @@ class Load(Node):
         return (self.ptr,)
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class Frame(Node):
+    """``body`` run with ``slots`` scratch variables, ``Local(0)`` .. ``Local(slots - 1)``,
+    each 8 bytes and 0 when the body starts.  They live on the snippet's own stack,
+    so every hit (and every cpu) has its own: they need no heap block and are never
+    shared.  Frames do not nest.  Yields the body's value."""
+
+    slots: int
+    body: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.body,)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Local(Node):
+    """Scratch variable ``slot`` of the enclosing Frame (read it, or ``assign`` it)."""
+
+    slot: int
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Elem(Node):
+    """Element ``index`` of a table of ``count`` integers of ``size`` bytes at
+    ``base``: the integer at ``base + size * min(index, count - 1)``, the index
+    taken unsigned.  Clamping keeps every access inside the table whatever the
+    index computes to, so the verifier checks the table's bounds, not the index.
+    The index must have no side effects.  Read it, ``assign`` or ``atomic_assign``
+    it, or use it as a CompareExchange target, like a Var."""
+
+    base: int
+    count: int
+    index: Any
+    size: int = 8
+    signed: bool = False
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.index,)
+
+    @property
+    def table(self) -> tuple[int, int]:
+        """(start, size in bytes) of the whole table."""
+        return (self.base & _MASK64, self.count * self.size)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class CompareExchange(Node):
+    """Atomically: if ``target`` (a Var or an Elem) holds ``expected``, store ``new``
+    there.  Yields the value ``target`` held before, zero-extended (so the store
+    happened exactly when that equals ``expected``): one ``lock cmpxchg``, never a
+    loop.  The target's address is computed first, then ``expected``, then ``new``."""
+
+    target: Any
+    expected: Any
+    new: Any
+
+    def children(self) -> tuple[Any, ...]:
+        return (self.target, self.expected, self.new)
+
+
 @dataclass(frozen=True, slots=True)
 class Guard:
     """A per-cpu recursion guard: one zeroed heap block holding the count of hits
@@ -416,6 +476,22 @@ def call_target() -> CallTarget:
 
 def load(ptr: Expr, size: int = 8, signed: bool = False) -> Load:
     return Load(lift(ptr), size, signed)
+
+
+def frame(slots: int, *body: Expr) -> Frame:
+    return Frame(slots, seq(*body))
+
+
+def local(slot: int) -> Local:
+    return Local(slot)
+
+
+def elem(base: int, count: int, index: Expr, size: int = 8, signed: bool = False) -> Elem:
+    return Elem(base, count, lift(index), size, signed)
+
+
+def compare_exchange(target: Node, expected: Expr, new: Expr) -> CompareExchange:
+    return CompareExchange(target, lift(expected), lift(new))
 
 
 def same(a: Any, b: Any) -> bool:

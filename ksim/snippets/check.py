@@ -59,6 +59,7 @@ def check(snippet: Any, point_kind: str = "entry", *, registers: frozenset[str] 
     if point_kind not in POINT_KINDS:
         raise PointKindError(f"unknown point kind {point_kind!r} (known: {sorted(POINT_KINDS)})")
     _check(snippet, point_kind, "snippet", _Site(registers, call_operand))
+    _check_frames(snippet, None)
 
 
 def _check(node: Any, kind: str, slot: str, site: _Site) -> None:
@@ -114,19 +115,84 @@ def _compare(node: ast.Compare, kind: str) -> None:
 
 
 def _assign(node: ast.Assign | ast.AtomicAssign, kind: str) -> None:
-    if not isinstance(node.target, ast.Var):
+    if not isinstance(node.target, ast.Var | ast.Elem | ast.Local):
         what = type(node.target).__name__ if isinstance(node.target, ast.Node) else repr(node.target)
-        raise NotAssignable(f"cannot assign to {what}: only a Var can be assigned")
+        raise NotAssignable(f"cannot assign to {what}: only a Var, an Elem or a Local can be assigned")
 
 
 def _atomic_assign(node: ast.AtomicAssign, kind: str) -> None:
     _assign(node, kind)
-    key = node.target.key
+    if isinstance(node.target, ast.Local):
+        raise NotAssignable("atomic assignment to a Local: scratch variables belong to one "
+                            "hit, assign them plainly")
     for x in ast.walk(node.value):
-        if isinstance(x, ast.Assign | ast.AtomicAssign) and isinstance(x.target, ast.Var) \
-                and x.target.key == key:
+        if isinstance(x, ast.Assign | ast.AtomicAssign | ast.CompareExchange) \
+                and _same_memory(x.target, node.target):
             # the compare-and-swap would see its own store as interference, forever
             raise SlotError("the value of an atomic assignment must not assign its own target")
+        if isinstance(node.target, ast.Elem) and isinstance(x, ast.Assign) \
+                and isinstance(x.target, ast.Local) and _reads_local(node.target.index, x.target.slot):
+            raise SlotError("the value of an atomic assignment to an Elem must not change "
+                            "the Local its index reads")
+
+
+def _same_memory(a: Any, b: Any) -> bool:
+    """Whether two assignment targets may name the same memory (a table: any element)."""
+    if isinstance(a, ast.Var) and isinstance(b, ast.Var):
+        return a.key == b.key
+    if isinstance(a, ast.Elem) and isinstance(b, ast.Elem):
+        return a.table[0] == b.table[0]
+    return False
+
+
+def _reads_local(node: Any, slot: int) -> bool:
+    return any(isinstance(x, ast.Local) and x.slot == slot for x in ast.walk(node))
+
+
+def _elem(node: ast.Elem, kind: str) -> None:
+    _size(node.size, "Elem")
+    if not isinstance(node.base, int) or not 0 <= node.base < (1 << 64):
+        raise BadOperand(f"Elem base {node.base!r} is not a 64-bit address")
+    if isinstance(node.count, bool) or not isinstance(node.count, int) or node.count < 1 \
+            or node.base + node.count * node.size > (1 << 64):
+        raise BadOperand(f"Elem count {node.count!r} is not a table of at least one element "
+                         "inside the address space")
+    for x in ast.walk(node.index):
+        if isinstance(x, ast.Assign | ast.AtomicAssign | ast.CompareExchange | ast.Call):
+            raise SlotError(f"an Elem's index must have no side effects ({type(x).__name__})")
+
+
+def _compare_exchange(node: ast.CompareExchange, kind: str) -> None:
+    t = node.target
+    if not isinstance(t, ast.Var | ast.Elem) or (isinstance(t, ast.Var) and t.segment is not None):
+        what = type(t).__name__ if isinstance(t, ast.Node) else repr(t)
+        raise NotAssignable(f"compare-exchange on {what}: only an absolute Var or an Elem")
+
+
+def _frame(node: ast.Frame, kind: str) -> None:
+    if isinstance(node.slots, bool) or not isinstance(node.slots, int) or not 0 <= node.slots <= 64:
+        raise BadOperand(f"Frame slots {node.slots!r} is not a count from 0 to 64")
+
+
+def _local(node: ast.Local, kind: str) -> None:
+    if isinstance(node.slot, bool) or not isinstance(node.slot, int) or node.slot < 0:
+        raise BadOperand(f"Local({node.slot!r}) is not a slot number")
+
+
+def _check_frames(node: Any, frame: ast.Frame | None) -> None:
+    """Every Local lies in a Frame with that many slots; Frames do not nest."""
+    if isinstance(node, ast.Frame):
+        if frame is not None:
+            raise SlotError("a Frame inside a Frame: a snippet has one set of scratch variables")
+        frame = node
+    elif isinstance(node, ast.Local):
+        if frame is None:
+            raise SlotError(f"Local({node.slot}) outside any Frame")
+        if node.slot >= frame.slots:
+            raise BadOperand(f"Local({node.slot}) in a Frame of {frame.slots} slots")
+    if isinstance(node, ast.Node):
+        for child in node.children():
+            _check_frames(child, frame)
 
 
 def _seq(node: ast.Seq, kind: str) -> None:
@@ -204,6 +270,10 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.RetVal: _retval,
     ast.Load: _load,
     ast.Guarded: _guarded,
+    ast.Elem: _elem,
+    ast.CompareExchange: _compare_exchange,
+    ast.Frame: _frame,
+    ast.Local: _local,
 }
 
 #: rules that need more of the point than its kind
@@ -217,4 +287,5 @@ _KNOWN: frozenset[type] = frozenset({
     ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
     ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
     ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget, ast.Guarded,
+    ast.Elem, ast.CompareExchange, ast.Frame, ast.Local,
 })

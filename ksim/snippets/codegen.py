@@ -141,6 +141,35 @@ class Emitter(ABC):
     def counter(self) -> None:
         """acc = the cycle counter."""
 
+    # --- tables and scratch variables (Elem, Frame) ---------------------------------------
+    @abstractmethod
+    def element(self, base: int, count: int, size: int) -> None:
+        """acc = the address of element acc (unsigned, clamped to ``count - 1``) of the
+        table of ``count`` ``size``-byte integers at ``base``."""
+
+    @abstractmethod
+    def store_temp(self, index: int) -> None:
+        """The temporary pushed when depth was ``index`` = acc; acc unchanged."""
+
+    @abstractmethod
+    def store_via(self, temp: int, size: int) -> None:
+        """Memory at the address held by temporary ``temp`` = low ``size`` bytes of
+        acc; acc unchanged."""
+
+    @abstractmethod
+    def atomic_add_via(self, temp: int, size: int, fetch: bool = True) -> None:
+        """atomic_add on the memory at the address held by temporary ``temp``."""
+
+    @abstractmethod
+    def compare_and_swap_via(self, temp: int, size: int, retry: Any) -> None:
+        """compare_and_swap on the memory at the address held by temporary ``temp``."""
+
+    @abstractmethod
+    def compare_exchange_via(self, temp: int, size: int) -> None:
+        """The top temporary is the expected value (popped), acc the new one: store acc
+        at the address held by temporary ``temp`` if the memory holds the expected
+        value, atomically; acc = what the memory held (its low ``size`` bytes valid)."""
+
     # --- control flow -----------------------------------------------------------------------
     @abstractmethod
     def new_label(self) -> Any: ...
@@ -207,6 +236,10 @@ class Codegen:
         self.abi = abi
         #: Var key -> temporary holding its snapshot (inside a compare-and-swap loop)
         self.bound: dict[tuple[int, str | None], int] = {}
+        #: the same for Elem targets: (element, temporary holding its snapshot)
+        self.bound_elems: list[tuple[ast.Elem, int]] = []
+        #: the temporary of Local(0) of the Frame being generated
+        self.frame_base: int | None = None
         self._gen: dict[type, Callable[[Any], None]] = {
             ast.Const: lambda n: self.e.const(n.value),
             ast.Var: self._var,
@@ -230,6 +263,10 @@ class Codegen:
             OperandLoad: self._operand_load,
             ast.Reg: lambda n: self.e.point_reg(n.name),
             ast.Guarded: self._guarded,
+            ast.Frame: self._frame,
+            ast.Local: self._local,
+            ast.Elem: self._elem,
+            ast.CompareExchange: self._compare_exchange,
         }
         self.read_mode = read_mode(abi)
 
@@ -250,6 +287,8 @@ class Codegen:
             self._atomic_assign(node, value=False)
         elif isinstance(node, ast.Guarded):
             self._guarded(node, value=False)
+        elif isinstance(node, ast.Frame):
+            self._frame(node, value=False)
         else:
             self.gen(node)
 
@@ -330,6 +369,13 @@ class Codegen:
             self.gen(stmt)
 
     def _assign(self, n: ast.Assign, value: bool = True) -> None:
+        if isinstance(n.target, ast.Local):
+            self.gen(n.value)
+            self.e.store_temp(self._local_temp(n.target))
+            return
+        if isinstance(n.target, ast.Elem):
+            self._assign_elem(n.target, n.value, value)
+            return
         t: ast.Var = n.target
         self.gen(n.value)
         self.e.store(t.address, t.size, t.segment)
@@ -337,6 +383,9 @@ class Codegen:
             self.e.narrow(t.size, t.signed)
 
     def _atomic_assign(self, n: ast.AtomicAssign, value: bool = True) -> None:
+        if isinstance(n.target, ast.Elem):
+            self._atomic_elem(n.target, n.value, value)
+            return
         t: ast.Var = n.target
         delta = _additive_delta(t, n.value)
         if delta is None:
@@ -375,6 +424,92 @@ class Codegen:
         else:
             self.bound[t.key] = outer
         self.e.compare_and_swap(t.address, t.size, t.segment, retry)
+
+    # --- scratch variables and tables --------------------------------------------------------
+    def _frame(self, n: ast.Frame, value: bool = True) -> None:
+        """Push the Frame's zeroed slots, run the body, drop them (acc is kept)."""
+        base = self.e.depth
+        if n.slots:
+            self.e.const(0)
+        for _ in range(n.slots):
+            self.e.push()
+        outer, self.frame_base = self.frame_base, base
+        (self.gen if value else self.effect)(n.body)
+        self.frame_base = outer
+        for _ in range(n.slots):
+            self.e.drop()
+
+    def _local_temp(self, n: ast.Local) -> int:
+        if self.frame_base is None:
+            raise CodegenError(f"Local({n.slot}) outside any Frame")
+        return self.frame_base + n.slot
+
+    def _local(self, n: ast.Local) -> None:
+        self.e.load_temp(self._local_temp(n))
+
+    def _elem_address(self, n: ast.Elem) -> None:
+        self.gen(n.index)
+        self.e.element(n.base, n.count, n.size)
+
+    def _elem(self, n: ast.Elem) -> None:
+        for bound, slot in self.bound_elems:
+            if _same_elem(bound, n):
+                self.e.load_temp(slot)
+                return
+        self._elem_address(n)
+        self.e.load_indirect(0, n.size, n.signed)
+
+    def _assign_elem(self, t: ast.Elem, value_node: ast.Node, value: bool) -> None:
+        """The element's address (index first), then the value, then the store."""
+        self._elem_address(t)
+        address = self.e.depth
+        self.e.push()
+        self.gen(value_node)
+        self.e.store_via(address, t.size)
+        self.e.drop()
+        if value:
+            self.e.narrow(t.size, t.signed)
+
+    def _atomic_elem(self, t: ast.Elem, value_node: ast.Node, value: bool) -> None:
+        self._elem_address(t)
+        address = self.e.depth
+        self.e.push()
+        delta = _elem_delta(t, value_node)
+        if delta is not None:
+            term, negate = delta
+            self.gen(term)
+            if negate:
+                self.e.unary("neg")
+            self.e.atomic_add_via(address, t.size, fetch=value)
+        else:
+            retry = self.e.new_label()
+            self.e.bind(retry)
+            self.e.load_temp(address)
+            self.e.load_indirect(0, t.size, t.signed)
+            slot = self.e.depth
+            self.e.push()
+            self.bound_elems.append((t, slot))
+            self.gen(value_node)
+            self.bound_elems.pop()
+            self.e.compare_and_swap_via(address, t.size, retry)
+        self.e.drop()
+        if value:
+            self.e.narrow(t.size, t.signed)
+
+    def _compare_exchange(self, n: ast.CompareExchange) -> None:
+        t = n.target
+        if isinstance(t, ast.Elem):
+            self._elem_address(t)
+        else:
+            self.e.const(t.address)
+        address = self.e.depth
+        self.e.push()
+        self.gen(n.expected)
+        self.e.push()
+        self.gen(n.new)
+        self.e.compare_exchange_via(address, t.size)
+        self.e.drop()
+        self.e.narrow(t.size, False)
 
     def _call(self, n: ast.Call) -> None:
         for a in n.args:
@@ -468,6 +603,32 @@ def _additive_delta(t: ast.Var, value: ast.Node) -> tuple[ast.Node, bool] | None
     if _is_var(left, t) and not _reads_var(right, t.key):
         return right, value.op == "sub"
     if value.op == "add" and _is_var(right, t) and not _reads_var(left, t.key):
+        return left, False
+    return None
+
+
+def _same_elem(a: ast.Elem, b: ast.Elem) -> bool:
+    """The same element of the same table (indexes have no side effects: checked)."""
+    return (a.base, a.count, a.size) == (b.base, b.count, b.size) and ast.same(a.index, b.index)
+
+
+def _reads_table(node: Any, t: ast.Elem) -> bool:
+    return any(isinstance(x, ast.Elem) and x.table[0] == t.table[0] for x in ast.walk(node))
+
+
+def _elem_delta(t: ast.Elem, value: ast.Node) -> tuple[ast.Node, bool] | None:
+    """(term, negate) when ``value`` is ``t + term``, ``term + t`` or ``t - term`` and
+    the term reads nothing of ``t``'s table: one locked add."""
+    if not isinstance(value, ast.BinOp) or value.op not in ("add", "sub"):
+        return None
+    left, right = value.left, value.right
+
+    def is_t(x: Any) -> bool:
+        return isinstance(x, ast.Elem) and _same_elem(x, t) and x.signed == t.signed
+
+    if is_t(left) and not _reads_table(right, t):
+        return right, value.op == "sub"
+    if value.op == "add" and is_t(right) and not _reads_table(left, t):
         return left, False
     return None
 

@@ -133,9 +133,17 @@ class _Verifier:
         """The replacement of one node (None: keep it, visit its children)."""
         if isinstance(node, ast.Assign | ast.AtomicAssign):
             self._write(node.target)
-            return dataclasses.replace(node, value=self.rewrite(node.value))
+            return dataclasses.replace(node, target=self._target(node.target),
+                                       value=self.rewrite(node.value))
+        if isinstance(node, ast.CompareExchange):
+            self._write(node.target)
+            return dataclasses.replace(node, target=self._target(node.target),
+                                       expected=self.rewrite(node.expected),
+                                       new=self.rewrite(node.new))
         if isinstance(node, ast.Var):
             return self._read_var(node)
+        if isinstance(node, ast.Elem):
+            return self._read_elem(node)
         if isinstance(node, ast.Load):
             return self._load(node)
         if isinstance(node, ast.Call):
@@ -145,14 +153,32 @@ class _Verifier:
         return None
 
     # --- writes -------------------------------------------------------------------------
+    def _target(self, target: Any) -> Any:
+        """An assignment's target with its index (an Elem's) verified as a read."""
+        if isinstance(target, ast.Elem):
+            return dataclasses.replace(target, index=self.rewrite(target.index))
+        return target
+
     def _write(self, target: Any) -> None:
+        if isinstance(target, ast.Local):
+            return              # the snippet's own stack
+        if isinstance(target, ast.Elem):
+            # the index is clamped to the table: the whole table is what may be written
+            start, size = target.table
+            self._write_range(start, start + size, f"table of {target.count} {target.size}-byte "
+                              f"elements at {start:#x}")
+            return
         if not isinstance(target, ast.Var):
-            raise NotAssignable(f"cannot assign to {type(target).__name__}: only a Var can be assigned")
+            raise NotAssignable(f"cannot assign to {type(target).__name__}: only a Var, an Elem "
+                                "or a Local can be assigned")
         where = f"{target.size}-byte Var at {target.address:#x}"
         if target.segment is not None:
             raise WriteOutsideHeap(f"{where} is {target.segment}-relative (per-cpu data); snippets "
                                    "write only the heap blocks they own, which are absolute")
         start, end = target.address & _MASK64, (target.address & _MASK64) + target.size
+        self._write_range(start, end, where)
+
+    def _write_range(self, start: int, end: int, where: str) -> None:
         g = self.rules.guard
         if g is not None and _overlaps(start, end, (g.address, g.size)):
             raise WriteOutsideHeap(f"{where} overlaps the recursion guard at {g.address:#x}")
@@ -168,6 +194,13 @@ class _Verifier:
                                "(allocate the variable with malloc)")
 
     # --- reads --------------------------------------------------------------------------
+    def _read_elem(self, node: ast.Elem) -> ast.Node:
+        start, size = node.table
+        if not self._known(start, start + size):
+            raise ReadOutsideKnownMemory(f"table of {node.count} {node.size}-byte elements at "
+                                         f"{start:#x} is not in memory known to be mapped")
+        return dataclasses.replace(node, index=self.rewrite(node.index))
+
     def _read_var(self, var: ast.Var) -> ast.Node:
         if var.segment is not None:
             if self._percpu_readable(var):

@@ -313,6 +313,61 @@ class X86Emitter(Emitter):
         self.w.put_shift_imm("shl", SCRATCH, 32)
         self.w.put_alu_reg_reg("or", ACC, SCRATCH)
 
+    # --- tables and scratch variables -------------------------------------------------------
+    def element(self, base: int, count: int, size: int) -> None:
+        w = self.w
+        last = count - 1
+        inside = w.new_label()
+        if fits(last, INT32):
+            w.put_cmp_reg_imm(ACC, last)
+        else:
+            w.put_mov_reg_imm(LEFT, last)
+            w.put_alu_reg_reg("cmp", ACC, LEFT)
+        w.put_jcc("be", inside)                 # unsigned: a negative index clamps too
+        w.put_mov_reg_imm(ACC, last)
+        w.put_label(inside)
+        if size > 1:
+            w.put_shift_imm("shl", ACC, size.bit_length() - 1)
+        b = signed64(base)
+        if fits(b, INT32):
+            w.put_alu_reg_imm("add", ACC, b)
+        else:
+            w.put_mov_reg_imm(LEFT, base)
+            w.put_alu_reg_reg("add", ACC, LEFT)
+
+    def _temp(self, index: int) -> Mem:
+        return Mem(base="rsp", disp=8 * (self.depth - 1 - index))
+
+    def store_temp(self, index: int) -> None:
+        self.w.put_mov_mem_reg(self._temp(index), ACC)
+
+    def _via(self, temp: int) -> Mem:
+        """rdx = the address held by temporary ``temp``; the operand [rdx]."""
+        self.w.put_mov_reg_mem(SCRATCH, self._temp(temp))
+        return Mem(base=SCRATCH)
+
+    def store_via(self, temp: int, size: int) -> None:
+        self.w.put_mov_mem_reg(self._via(temp), ACC, size)
+
+    def atomic_add_via(self, temp: int, size: int, fetch: bool = True) -> None:
+        mem = self._via(temp)
+        if not fetch:
+            self.w.put_lock_add_mem_reg(mem, ACC, size)
+            return
+        self.w.put_mov_reg_reg(LEFT, ACC)
+        self.w.put_lock_xadd(mem, ACC, size)     # rax = old value
+        self.w.put_alu_reg_reg("add", ACC, LEFT)
+
+    def compare_and_swap_via(self, temp: int, size: int, retry: Label) -> None:
+        self.compare_exchange_via(temp, size)
+        self.w.put_jcc("nz", retry)              # ZF: cmpxchg stored (SDM "CMPXCHG")
+        self.w.put_mov_reg_reg(ACC, LEFT)
+
+    def compare_exchange_via(self, temp: int, size: int) -> None:
+        self.w.put_mov_reg_reg(LEFT, ACC)        # new value
+        self._pop(ACC)                           # expected old value
+        self.w.put_lock_cmpxchg(self._via(temp), LEFT, size)   # rax = the old value
+
     # --- control flow ----------------------------------------------------------------------
     def new_label(self) -> Label:
         return self.w.new_label()

@@ -1,0 +1,140 @@
+"""printf(): an event ring in the kernel's data heap, drained by the client while
+the kernel runs.
+
+Layout (8-byte words)::
+
+    header   [head, tail, lost]
+    ring     RECORDS records of [seq, format, arg_0 .. arg_6]
+
+A snippet reserves record ``h = head`` by a compare-and-swap of ``head`` from ``h``
+to ``h + 1`` (CompareExchange), only while ``h - tail < RECORDS`` (the ring is not
+full); it writes the format's number and the arguments, then ``seq = h + 1`` last,
+which publishes the record (x86-64 keeps stores in order, SDM Vol. 3A 9.2.2).  An
+event that finds the ring full, or loses the race for ``head``, is counted in
+``lost``.  The client reads records from ``tail`` while their ``seq`` says they are
+published, formats them, and stores the new ``tail`` for the producers to see.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from ksim.snippets import ast
+
+from .maps import MASK, WORD, signed
+
+RECORDS = 1024
+MAX_ARGS = 7
+STRIDE = 2 + MAX_ARGS
+#: one conversion of a printf format: flags, width, precision, length, conversion
+SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
+                  r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocs%])")
+
+
+def conversions(fmt: str) -> list[str]:
+    """The conversion letter of each argument ``fmt`` takes ("%%" takes none)."""
+    return [m.group("conv") for m in SPEC.finditer(fmt) if m.group("conv") != "%"]
+
+
+def unknown_conversion(fmt: str) -> str | None:
+    """The first '%...' of ``fmt`` that is not a conversion this printf knows."""
+    rest = SPEC.sub("", fmt)
+    at = rest.find("%")
+    return None if at < 0 else rest[at:at + 3]
+
+
+def render(fmt: str, args: Sequence[int], names: Sequence[str]) -> str:
+    """``fmt`` with its conversions filled as C's printf would (64-bit integers;
+    ``%s`` takes a name's index)."""
+    values = iter(args)
+
+    def one(m: re.Match[str]) -> str:
+        conv = m.group("conv")
+        if conv == "%":
+            return "%"
+        v = next(values, 0)
+        spec = f"%{m.group('flags')}{m.group('width')}"
+        if m.group("prec") is not None:
+            spec += f".{m.group('prec')}"
+        if conv == "s":
+            return (spec + "s") % (names[v] if 0 <= v < len(names) else "")
+        if conv == "c":
+            return (spec + "c") % chr(v & 0xFF)
+        if conv in "di":
+            return (spec + "d") % signed(v)
+        return (spec + ("d" if conv == "u" else conv)) % (v & MASK)
+
+    return SPEC.sub(one, fmt)
+
+
+@dataclass
+class Ring:
+    header: int
+    base: int
+    formats: list[str]
+
+    @property
+    def head(self) -> ast.Var:
+        return ast.Var(self.header)
+
+    @property
+    def tail(self) -> ast.Var:
+        return ast.Var(self.header + WORD)
+
+    @property
+    def lost(self) -> ast.Var:
+        return ast.Var(self.header + 2 * WORD)
+
+    def word(self, h: ast.Node, index: int) -> ast.Elem:
+        return ast.Elem(self.base, RECORDS * STRIDE, (h & ast.Const(RECORDS - 1)) * STRIDE + index)
+
+    def emit(self, h: ast.Local, fmt: int, args: Sequence[ast.Node]) -> ast.Node:
+        """Reserve a record (``h`` a free Local), fill it, publish it; or count it lost."""
+        lost = self.lost.atomic_assign(self.lost + 1)
+        fill = ast.seq(self.word(h, 1).assign(fmt),
+                       *(self.word(h, 2 + i).assign(a) for i, a in enumerate(args)),
+                       self.word(h, 0).assign(h + 1))
+        reserve = ast.CompareExchange(self.head, h, h + 1) == h
+        return ast.seq(h.assign(self.head),
+                       ast.If(ast.ult(h - self.tail, ast.Const(RECORDS)),
+                              ast.If(reserve, fill, lost), lost))
+
+
+def allocate_ring(alloc: Callable[[int], int], formats: list[str]) -> Ring:
+    return Ring(alloc(3 * WORD), alloc(RECORDS * STRIDE * WORD), formats)
+
+
+class Drain:
+    """The client's side: published records, in order, formatted."""
+
+    def __init__(self, ring: Ring, read: Callable[[int, int], bytes],
+                 write: Callable[[int, bytes], None], names: Sequence[str]) -> None:
+        self.ring, self._read, self._write, self.names = ring, read, write, names
+        self.tail = 0
+
+    def _word(self, address: int) -> int:
+        return int.from_bytes(self._read(address, WORD), "little")
+
+    def __call__(self) -> list[str]:
+        ring = self.ring
+        head = self._word(ring.header)
+        out = []
+        while self.tail < head:
+            at = ring.base + WORD * STRIDE * (self.tail % RECORDS)
+            raw = self._read(at, WORD * STRIDE)
+            rec = [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
+            if rec[0] != self.tail + 1:
+                break                       # reserved, not yet published
+            fmt = ring.formats[rec[1]]
+            out.append(render(fmt, rec[2:2 + len(conversions(fmt))], self.names))
+            self.tail += 1
+        self._write(ring.header + WORD, self.tail.to_bytes(WORD, "little"))
+        return out
+
+    def lost(self) -> int:
+        return self._word(self.ring.header + 2 * WORD)
+
+
+__all__ = ["Drain", "MAX_ARGS", "RECORDS", "Ring", "allocate_ring", "conversions", "render"]

@@ -1,0 +1,149 @@
+"""Maps printed the way bpftrace's language prints them, and as JSON.
+
+Text (at exit, and for ``print(@m)``): one ``@name[key]: value`` line per key,
+sorted by value (ascending, as bpftrace's language sorts count, sum, int, min and
+max maps; averages by average; histograms by their total count), then a blank
+line.  A histogram prints its non-empty range of buckets::
+
+    @:
+    [4, 8)                 3 |@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@@|
+    [8, 16)                1 |@@@@@@@@@@@@@@@@@                                   |
+
+(a 16-wide left-aligned label, an 8-wide count, a bar of up to 52 '@').
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .maps import HIST_BUCKETS, MapLayout, scalar, signed
+
+BAR = 52
+
+
+def hist_label(power: int) -> str:
+    """``2**power`` with a K/M/G/T suffix for every ten powers."""
+    for suffix, at in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+        if power >= at:
+            return f"{1 << (power - at)}{suffix}"
+    return str(1 << power)
+
+
+def lhist_label(n: int) -> str:
+    if n == 0:
+        return "0"
+    if n % (1 << 20) == 0:
+        return f"{n // (1 << 20)}M"
+    if n % 1024 == 0:
+        return f"{n // 1024}K"
+    return str(n)
+
+
+def hist_rows(values: list[int]) -> list[tuple[str, dict[str, int], int]]:
+    """(label, JSON bounds, count) of each bucket from the first to the last non-empty."""
+    used = [i for i, v in enumerate(values) if v]
+    if not used:
+        return []
+    rows = []
+    for i in range(used[0], used[-1] + 1):
+        if i == 0:
+            label, bounds = "(..., 0)", {"max": -1}
+        elif i == 1:
+            label, bounds = "[0]", {"min": 0, "max": 0}
+        elif i == 2:
+            label, bounds = "[1]", {"min": 1, "max": 1}
+        else:
+            label = f"[{hist_label(i - 2)}, {hist_label(i - 1)})"
+            bounds = {"min": 1 << (i - 2), "max": (1 << (i - 1)) - 1}
+        rows.append((label, bounds, values[i]))
+    return rows
+
+
+def lhist_rows(values: list[int], lo: int, hi: int, step: int) -> list[tuple[str, dict[str, int], int]]:
+    used = [i for i, v in enumerate(values) if v]
+    if not used:
+        return []
+    buckets = (hi - lo) // step
+    rows = []
+    for i in range(used[0], used[-1] + 1):
+        if i == 0:
+            label, bounds = f"(..., {lhist_label(lo)})", {"max": lo - 1}
+        elif i == buckets + 1:
+            label, bounds = f"[{lhist_label(hi)}, ...)", {"min": hi}
+        else:
+            a, b = (i - 1) * step + lo, i * step + lo
+            label, bounds = f"[{lhist_label(a)}, {lhist_label(b)})", {"min": a, "max": b - 1}
+        rows.append((label, bounds, values[i]))
+    return rows
+
+
+def _rows(lay: MapLayout, values: list[int]) -> list[tuple[str, dict[str, int], int]]:
+    if lay.type.kind == "lhist":
+        assert lay.type.lhist is not None
+        return lhist_rows(values, *lay.type.lhist)
+    return hist_rows(values[:HIST_BUCKETS])
+
+
+def hist_text(rows: list[tuple[str, dict[str, int], int]]) -> str:
+    top = max((c for _, _, c in rows), default=0)
+    out = []
+    for label, _, count in rows:
+        bar = "@" * int(count / top * BAR) if top else ""
+        out.append(f"{label:<16}{count:>8} |{bar:<{BAR}}|\n")
+    return "".join(out)
+
+
+class MapPrinter:
+    """Formats one map's entries (``Table.entries()``), keys by the program's names."""
+
+    def __init__(self, lay: MapLayout) -> None:
+        self.lay = lay
+
+    @property
+    def hist(self) -> bool:
+        return self.lay.type.kind in ("hist", "lhist")
+
+    def key_parts(self, key: tuple[int, ...]) -> list[str]:
+        kinds = self.lay.type.keys or ()
+        return [self.lay.names[k] if kind in ("ksym", "probe") and k < len(self.lay.names)
+                else str(signed(k)) for k, kind in zip(key, kinds, strict=True)]
+
+    def sorted(self, entries: dict[tuple[int, ...], list[int]]) -> list[tuple[tuple[int, ...], list[int]]]:
+        def order(item: tuple[tuple[int, ...], list[int]]) -> tuple[int, tuple[int, ...]]:
+            key, values = item
+            if self.hist:
+                return (sum(values), key)
+            return (scalar(self.lay.type.kind, values), key)
+        return sorted(entries.items(), key=order)
+
+    def text(self, entries: dict[tuple[int, ...], list[int]]) -> str:
+        """The map as bpftrace's language prints it (empty string: an empty map)."""
+        name = self.lay.type.name
+        lines = []
+        for key, values in self.sorted(entries):
+            head = name + (f"[{', '.join(self.key_parts(key))}]" if self.lay.keyed else "")
+            if self.hist:
+                lines.append(f"{head}: \n{hist_text(_rows(self.lay, values))}")
+            else:
+                lines.append(f"{head}: {scalar(self.lay.type.kind, values)}")
+        if not lines:
+            return ""
+        if self.hist:       # each histogram ends its own last line; one blank line between
+            return "\n".join(lines)
+        return "\n".join(lines) + "\n"
+
+    def json(self, entries: dict[tuple[int, ...], list[int]]) -> Any:
+        """The map's data as bpftrace's JSON output holds it: a value (or a histogram's
+        bucket list) for a map without keys, else {"k1,k2": value}."""
+        def value(values: list[int]) -> Any:
+            if self.hist:
+                return [{**bounds, "count": count} for _, bounds, count in _rows(self.lay, values)]
+            return scalar(self.lay.type.kind, values)
+
+        items = self.sorted(entries)
+        if not self.lay.keyed:
+            return value(items[0][1]) if items else None
+        return {",".join(self.key_parts(k)): value(v) for k, v in items}
+
+
+__all__ = ["MapPrinter", "hist_label", "hist_rows", "hist_text", "lhist_label", "lhist_rows"]

@@ -1,0 +1,439 @@
+"""A trace program on a Manager: maps allocated, probes resolved and spliced in one
+batch, BEGIN and END run by the client, maps read back and printed.
+
+    with Manager.attach("unicorn:toy") as m:
+        s = TraceSession(m, parse("kprobe:vfs_* { @[func] = count(); }"))
+        s.attach()
+        try:
+            s.begin(); m.run(seed=1); s.end()
+        finally:
+            s.detach()
+        print(s.output())
+
+BEGIN and END actions are interpreted here, over the same maps (read and written
+through the Manager): the kernel is not running while they do.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ksim.analysis.points import PointKind
+from ksim.errors import KsimError, UnknownSymbol
+from ksim.snippets import ast
+
+from . import syntax as t
+from .compiler import BINOPS, COMPARES, STATEMENTS, ProbeCompiler, Site, analyse
+from .errors import TraceError, TraceSemanticError
+from .events import Drain, Ring, allocate_ring, render
+from .maps import MASK, MapLayout, Table, encode_extreme, layout_for, scalar, signed
+from .output import MapPrinter
+
+
+@dataclass
+class Attached:
+    """One spliced point and what runs there."""
+
+    point: Any
+    site: Site
+    probes: list[t.Probe] = field(default_factory=list)
+
+
+class Exited(Exception):
+    """An action called exit(): the run stops (raised from the run's progress)."""
+
+
+class TraceSession:
+    def __init__(self, manager: Any, program: t.Program, *, splice: str = "auto") -> None:
+        self.m = manager
+        self.program = program
+        self.splice = splice
+        try:
+            self.analysis = analyse(program)
+        except TraceError as exc:
+            raise exc.located(program.source, program.filename) from None
+        self.names: list[str] = []
+        self.layouts: dict[str, MapLayout] = {}
+        self.stop: ast.Var | None = None
+        self.attached: dict[int, Attached] = {}
+        self.skipped: dict[str, str] = {}
+        self.handles: list[Any] = []
+        #: what print() and the exit printed, in order: (kind, text, json data)
+        self.printed: list[tuple[str, str, Any]] = []
+        self.exited = False
+        self.ring: Ring | None = None
+        self.drain: Drain | None = None
+        #: called with each piece of text as soon as it is printed (printf while running)
+        self.out: Callable[[str], None] | None = None
+
+    # --- setting up -------------------------------------------------------------------------
+    def name_index(self, name: str) -> int:
+        if name not in self.names:
+            self.names.append(name)
+        return self.names.index(name)
+
+    def table(self, name: str) -> Table:
+        return Table(self.layouts[name], self.m.copy_from_kernel, self.m.copy_to_kernel)
+
+    def preclaim(self, lay: MapLayout, key: tuple[int, ...]) -> int | None:
+        return Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel).find(key, claim=True)
+
+    def allocate(self) -> None:
+        for name, mtype in sorted(self.analysis.maps.items()):
+            self.layouts[name] = layout_for(mtype, self.m.alloc_data, self.names)
+        if self.analysis.exits:
+            self.stop = self.m.malloc(8)
+        if self.analysis.formats:
+            self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats)
+            self.drain = Drain(self.ring, self.m.copy_from_kernel, self.m.copy_to_kernel, self.names)
+
+    def resolve(self) -> None:
+        """The points every kprobe/kretprobe attach point names."""
+        for probe in self.program.probes:
+            for ap in probe.points:
+                if ap.provider in ("BEGIN", "END"):
+                    continue
+                try:
+                    found = self._points(ap)
+                except KsimError as exc:
+                    if isinstance(exc, TraceError):
+                        raise
+                    raise TraceSemanticError(str(exc), ap.loc).located(
+                        self.program.source, self.program.filename) from None
+                for point, site in found:
+                    at = self.attached.setdefault(point.address, Attached(point, site))
+                    if at.site.kind != site.kind:
+                        raise TraceSemanticError(
+                            f"{ap.text}: {point.address:#x} is both a {at.site.kind} and a "
+                            f"{site.kind} point", ap.loc).located(self.program.source,
+                                                                  self.program.filename)
+                    if probe not in at.probes:
+                        at.probes.append(probe)
+        if not self.attached and any(ap.provider not in ("BEGIN", "END")
+                                     for p in self.program.probes for ap in p.points):
+            raise TraceSemanticError("no probe could be attached")
+
+    def _points(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
+        from ksim.commands.count import resolve_points
+
+        image = self.m.target.image
+        if ap.provider == "kprobe":
+            what = ap.func if ap.offset is None else f"{ap.func}+{ap.offset:#x}"
+            points, skipped = resolve_points(self.m, what, self.splice)
+            self.skipped.update(skipped)
+            out = []
+            for point, _ in points:
+                func = image.function_at(point.address)
+                kind = "entry" if point.kind is PointKind.ENTRY else "insn"
+                out.append((point, Site(kind, func.name if func else hex(point.address), ap.text)))
+            return out
+        # kretprobe: every return of every matching function
+        funcs = sorted({f.name: f for f in image.functions
+                        if fnmatch.fnmatchcase(f.name, ap.func)}.values(), key=lambda f: f.address)
+        if not funcs:
+            if ap.wildcard:
+                raise UnknownSymbol(ap.func, [])
+            funcs = [self.m.find_function(ap.func)]
+        out = []
+        seen: set[int] = set()
+        for f in funcs:
+            if f.address in seen:
+                continue
+            seen.add(f.address)
+            try:
+                exits = self.m.exit_points(f)
+            except KsimError as exc:
+                self.skipped[f.name] = str(exc)
+                continue
+            why = next((w for w in (self.m.can_insert(p, self.splice) for p in exits) if w), None)
+            if not exits or why is not None:
+                self.skipped[f.name] = why or "no return instruction"
+                continue
+            out += [(p, Site("exit", f.name, ap.text)) for p in exits]
+        if not out and not ap.wildcard:
+            raise KsimError(f"kretprobe:{ap.func} cannot be spliced: {self.skipped.get(ap.func)}")
+        return out
+
+    def snippet(self, point: Any) -> ast.Node:
+        at = self.attached[point.address]
+        parts = []
+        for probe in at.probes:
+            compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
+                                     name_index=self.name_index, preclaim=self.preclaim,
+                                     ring=self.ring)
+            try:
+                parts.append(compiler.compile(probe))
+            except TraceError as exc:
+                raise exc.located(self.program.source, self.program.filename) from None
+        return parts[0] if len(parts) == 1 else ast.Seq(tuple(parts))
+
+    def attach(self) -> None:
+        """Allocate the maps, resolve the probes and splice them in one batch."""
+        self.allocate()
+        self.resolve()
+        points = [a.point for a in self.attached.values()]
+        snippets = {a.point.address: self.snippet(a.point) for a in self.attached.values()}
+        self.handles = self.m.insert_many(points, lambda p: snippets[p.address], splice=self.splice)
+
+    def detach(self) -> None:
+        if self.handles:
+            self.m.remove_many(self.handles)
+            self.handles = []
+
+    def tactics(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for h in self.handles:
+            tactic = self.m.patch_of(h).tactic
+            out[tactic] = out.get(tactic, 0) + 1
+        return out
+
+    # --- running ----------------------------------------------------------------------------
+    def progress(self) -> Callable[[], None] | None:
+        """A progress callback that drains printf's events and ends the run once an
+        action called exit()."""
+        stop = self.stop
+        if stop is None and self.drain is None:
+            return None
+
+        def check() -> None:
+            self.events()
+            if stop is not None and self.m.read(stop):
+                raise Exited()
+
+        return check
+
+    def emit(self, kind: str, text: str, data: Any) -> None:
+        self.printed.append((kind, text, data))
+        if self.out is not None:
+            self.out(text)
+
+    def events(self) -> None:
+        """Print the events printf published since the last call."""
+        if self.drain is not None:
+            for line in self.drain():
+                self.emit("printf", line, line)
+
+    def lost_events(self) -> int:
+        return self.drain.lost() if self.drain is not None else 0
+
+    def begin(self) -> None:
+        self._special("BEGIN")
+
+    def end(self) -> None:
+        self.events()
+        if self.lost_events():
+            self.emit("lost", f"Lost {self.lost_events()} events\n", self.lost_events())
+        if self.stop is not None and self.m.read(self.stop):
+            self.exited = True
+        self._special("END")
+        for name in sorted(self.layouts):
+            self.print_map(name)
+
+    def _special(self, which: str) -> None:
+        for probe in self.program.probes:
+            if any(ap.provider == which for ap in probe.points):
+                try:
+                    Interpreter(self, which).run(probe)
+                except TraceError as exc:
+                    raise exc.located(self.program.source, self.program.filename) from None
+
+    # --- reading maps ----------------------------------------------------------------------------
+    def print_map(self, name: str) -> None:
+        lay = self.layouts[name]
+        if lay.type.kind is None:
+            return
+        entries = self.table(name).entries()
+        printer = MapPrinter(lay)
+        text = printer.text(entries)
+        if text:
+            self.emit("map", text + "\n", {name: printer.json(entries)})
+
+    def maps_json(self) -> dict[str, Any]:
+        out = {}
+        for name in sorted(self.layouts):
+            lay = self.layouts[name]
+            if lay.type.kind is not None:
+                out[name] = MapPrinter(lay).json(self.table(name).entries())
+        return out
+
+    def lost(self) -> dict[str, int]:
+        return {name: n for name in sorted(self.layouts) if (n := self.table(name).lost())}
+
+    def output(self) -> str:
+        return "".join(text for _, text, _ in self.printed)
+
+
+class Interpreter:
+    """BEGIN and END actions, run by the client over the maps in the kernel's heap."""
+
+    def __init__(self, session: TraceSession, which: str) -> None:
+        self.s = session
+        self.which = which
+        self.vars: dict[str, int] = {}
+
+    def run(self, probe: t.Probe) -> None:
+        if probe.pred is not None and not self.expr(probe.pred):
+            return
+        self.block(probe.body)
+
+    def block(self, stmts: tuple[t.Stmt, ...]) -> None:
+        for s in stmts:
+            self.stmt(s)
+
+    def stmt(self, s: t.Stmt) -> None:
+        if isinstance(s, t.If):
+            self.block(s.then if self.expr(s.cond) else s.orelse)
+        elif isinstance(s, t.Assign):
+            if isinstance(s.target, t.Scratch):
+                value = self.expr(s.value)
+                if s.op != "=":
+                    value = self.binop(s.op[:-1], self.vars.get(s.target.name, 0), value, s.loc)
+                self.vars[s.target.name] = value
+            else:
+                self.assign_map(s.target, s.op, s.value)
+        elif isinstance(s, t.ExprStmt):
+            e = s.expr
+            if isinstance(e, t.Call) and e.name in STATEMENTS:
+                self.call(e)
+            else:
+                self.expr(e)
+
+    def call(self, e: t.Call) -> None:
+        if e.name == "printf":
+            assert isinstance(e.args[0], t.Str)
+            args = [self.s.name_index(self.which) if isinstance(a, t.Builtin)
+                    and a.name in ("func", "probe") else self.expr(a) for a in e.args[1:]]
+            text = render(e.args[0].value, args, self.s.names)
+            self.s.emit("printf", text, text)
+            return
+        if e.name == "exit":
+            self.s.exited = True
+            return
+        if e.name == "print" and e.args and not isinstance(e.args[0], t.MapRef):
+            value = self.expr(e.args[0])
+            self.s.emit("value", f"{value}\n", value)
+            return
+        ref = e.args[0]
+        assert isinstance(ref, t.MapRef)
+        if e.name == "print":
+            self.s.print_map(ref.name)
+        elif e.name == "clear":
+            self.s.table(ref.name).clear()
+        else:
+            self.s.table(ref.name).delete(self.keys(ref))
+
+    def keys(self, ref: t.MapRef) -> tuple[int, ...]:
+        return tuple(self.expr(k) & MASK for k in ref.keys)
+
+    def assign_map(self, ref: t.MapRef, op: str, value: t.Expr) -> None:
+        table = self.s.table(ref.name)
+        lay = table.layout
+        kind = lay.type.kind
+        slot = table.find(self.keys(ref), claim=True)
+        if slot is None:
+            raise TraceSemanticError(f"{ref.name} is full", ref.loc)
+        arg = 0
+        if isinstance(value, t.Call) and value.name in ("count", "sum", "min", "max", "avg",
+                                                         "hist", "lhist") and op == "=":
+            arg = self.expr(value.args[0]) if value.args else 0
+        else:
+            arg = self.expr(value)
+        table.put(slot, lay.present, 1)
+        w = lay.value0
+        old = table.get(slot, w)
+        if kind == "count":
+            table.put(slot, w, old + 1)
+        elif kind == "sum":
+            table.put(slot, w, old + arg)
+        elif kind == "avg":
+            table.put(slot, w, old + arg)
+            table.put(slot, w + 1, table.get(slot, w + 1) + 1)
+        elif kind in ("min", "max"):
+            table.put(slot, w, max(old, encode_extreme(kind, arg)))
+        elif kind in ("hist", "lhist"):
+            b = w + bucket(lay, arg)
+            table.put(slot, b, table.get(slot, b) + 1)
+        elif op == "=":
+            table.put(slot, w, arg)
+        else:
+            table.put(slot, w, self.binop(op[:-1], signed(old), arg, ref.loc))
+
+    def expr(self, e: t.Expr) -> int:
+        if isinstance(e, t.Int):
+            return e.value
+        if isinstance(e, t.Builtin):
+            if e.name == "nsecs":
+                return time.monotonic_ns()
+            if e.name in ("pid", "tid", "cpu"):
+                return 0
+            raise TraceSemanticError(f"The {e.name} builtin has no value in BEGIN or END", e.loc)
+        if isinstance(e, t.Scratch):
+            if e.name not in self.vars:
+                raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
+            return self.vars[e.name]
+        if isinstance(e, t.MapRef):
+            table = self.s.table(e.name)
+            lay = table.layout
+            if lay.type.kind in ("hist", "lhist"):
+                raise TraceSemanticError(f"{e.name} holds a {lay.type.kind}, which has no "
+                                         "integer value", e.loc)
+            slot = table.find(self.keys(e), claim=False)
+            if slot is None or not table.get(slot, lay.present):
+                return 0
+            return scalar(lay.type.kind, [table.get(slot, lay.value0 + i)
+                                          for i in range(lay.type.value_words)])
+        if isinstance(e, t.Binary):
+            left = self.expr(e.left)
+            if e.op == "&&":
+                return int(bool(left) and bool(self.expr(e.right)))
+            if e.op == "||":
+                return int(bool(left) or bool(self.expr(e.right)))
+            return self.binop(e.op, left, self.expr(e.right), e.loc)
+        if isinstance(e, t.Unary):
+            v = self.expr(e.operand)
+            return {"!": int(not v), "~": signed(~v), "-": signed(-v), "+": v}[e.op]
+        if isinstance(e, t.Ternary):
+            return self.expr(e.then) if self.expr(e.cond) else self.expr(e.orelse)
+        raise TraceSemanticError("this expression has no integer value", e.loc)
+
+    def binop(self, op: str, a: int, b: int, loc: Any) -> int:
+        """The snippets' semantics (ksim.snippets.ast), in Python."""
+        a, b = signed(a), signed(b)
+        if op in COMPARES:
+            return int({"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b,
+                        ">=": a >= b}[op])
+        assert op in BINOPS
+        if op in ("/", "%"):
+            if b == 0:
+                return -1 if op == "/" else a
+            q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)
+            return signed(q if op == "/" else a - q * b)
+        if op in ("<<", ">>"):
+            return signed(a << (b & 63)) if op == "<<" else a >> (b & 63)
+        return signed({"+": a + b, "-": a - b, "*": a * b, "&": a & b, "|": a | b,
+                       "^": a ^ b}[op])
+
+
+def bucket(lay: MapLayout, v: int) -> int:
+    """The histogram bucket of ``v`` (what the snippet computes)."""
+    v = signed(v)
+    if lay.type.kind == "lhist":
+        assert lay.type.lhist is not None
+        lo, hi, step = lay.type.lhist
+        if v < lo:
+            return 0
+        if v > hi:
+            return 1 + (hi - lo) // step
+        return 1 + (v - lo) // step
+    if v < 0:
+        return 0
+    if v == 0:
+        return 1
+    return 2 + v.bit_length() - 1
+
+
+__all__ = ["Exited", "Interpreter", "TraceSession", "bucket"]

@@ -1,0 +1,139 @@
+"""The tree a trace program parses to (ksim.trace.parser builds it, the compiler
+reads it).  Every node carries its span for error messages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import Loc
+
+
+# --- expressions --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Expr:
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Int(Expr):
+    value: int
+
+
+@dataclass(frozen=True)
+class Str(Expr):
+    value: str
+
+
+@dataclass(frozen=True)
+class Builtin(Expr):
+    """pid, tid, cpu, nsecs, arg0..arg5, retval, func, probe."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Scratch(Expr):
+    """``$name``: a variable of one probe hit."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class MapRef(Expr):
+    """``@name`` or ``@name[k1, k2]`` (``@`` alone is the map named "@")."""
+
+    name: str
+    keys: tuple[Expr, ...] = ()
+
+
+@dataclass(frozen=True)
+class Binary(Expr):
+    op: str
+    left: Expr
+    right: Expr
+
+
+@dataclass(frozen=True)
+class Unary(Expr):
+    op: str
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Ternary(Expr):
+    cond: Expr
+    then: Expr
+    orelse: Expr
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    name: str
+    args: tuple[Expr, ...] = ()
+    #: the span of the function's name alone
+    name_loc: Loc | None = None
+
+
+# --- statements -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Stmt:
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class ExprStmt(Stmt):
+    expr: Expr
+
+
+@dataclass(frozen=True)
+class Assign(Stmt):
+    """``target op value``: op is "=" or a compound "+=", "-=", ...; ``++``/``--`` are
+    "+=" / "-=" of 1."""
+
+    target: MapRef | Scratch
+    op: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class If(Stmt):
+    cond: Expr
+    then: tuple[Stmt, ...]
+    orelse: tuple[Stmt, ...] = ()
+
+
+# --- probes ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class AttachPoint:
+    """``kprobe:vfs_*``, ``kretprobe:f``, ``kprobe:f+0x10``, ``BEGIN``, ``END``."""
+
+    provider: str           # "kprobe", "kretprobe", "BEGIN", "END"
+    func: str = ""
+    offset: int | None = None
+    text: str = ""
+    loc: Loc = field(default_factory=lambda: Loc(1, 1, 2))
+
+    @property
+    def wildcard(self) -> bool:
+        return any(c in self.func for c in "*?[")
+
+
+@dataclass(frozen=True)
+class Probe:
+    points: tuple[AttachPoint, ...]
+    pred: Expr | None
+    body: tuple[Stmt, ...]
+    loc: Loc
+
+
+@dataclass(frozen=True)
+class Program:
+    probes: tuple[Probe, ...]
+    source: str
+    filename: str = "stdin"
+
+
+__all__ = [
+    "Assign", "AttachPoint", "Binary", "Builtin", "Call", "Expr", "ExprStmt", "If", "Int", "MapRef",
+    "Probe", "Program", "Scratch", "Stmt", "Str", "Ternary", "Unary",
+]

@@ -1,0 +1,214 @@
+"""`ksim trace` on unicorn:toy: every counting program's maps equal what exact
+address hooks (the oracle, independent of splicing) saw at the same points."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from ksim.cli import main
+from ksim.commands.trace import trace
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+
+
+def pid_of(machine, abi) -> int:
+    task = int.from_bytes(machine.read(abi.current_task.address, 8), "little")
+    return int.from_bytes(machine.read(task + abi.task_pid_offset, abi.task_pid_size), "little")
+
+
+def signed(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
+
+
+class Hooks:
+    """Python hooks at the points a session spliced: ``seen[kind]`` gets one value per
+    hit, computed by ``fn(machine, abi)`` at that point (before its snippet runs)."""
+
+    def __init__(self, **fns) -> None:
+        self.fns = fns
+        self.seen: dict[str, list] = {kind: [] for kind in fns}
+
+    def __call__(self, session) -> None:
+        target = session.m.target
+        for at in session.attached.values():
+            fn = self.fns.get(at.site.kind)
+            if fn is not None:
+                target.machine.hook_code(
+                    at.point.address,
+                    lambda machine, _a, fn=fn, seen=self.seen[at.site.kind], site=at.site:
+                    seen.append(fn(machine, target.abi, site)))
+
+
+def run_trace(program: str, hooks: Hooks | None = None, **options) -> dict:
+    report, _ = trace(program, "unicorn:toy", on_attach=hooks, **options)
+    return report
+
+
+def hist(values) -> list[dict]:
+    """Power-of-two buckets as bpftrace's language defines them, computed here in the
+    most direct way (not the trace code's)."""
+    def index(v):
+        if v < 0:
+            return 0
+        if v == 0:
+            return 1
+        i = 2
+        while 1 << (i - 1) <= v:
+            i += 1
+        return i
+
+    counts = Counter(index(v) for v in values)
+    out = []
+    for i in range(min(counts), max(counts) + 1):
+        bounds = ({"max": -1} if i == 0 else {"min": 0, "max": 0} if i == 1 else
+                  {"min": 1 << (i - 2), "max": (1 << (i - 1)) - 1})
+        out.append({**bounds, "count": counts.get(i, 0)})
+    return out
+
+
+def test_count_per_function_equals_the_oracle(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: site.function)
+    report = run_trace("kprobe:vfs_* { @[func] = count(); }", hooks, seed=5)
+    expected = dict(Counter(hooks.seen["entry"]))
+    assert report["maps"]["@"] == expected and len(expected) >= 3
+    assert report["maps"]["@"]["vfs_read"] > 0 and report["lost"] == {}
+    assert report["probes"] == len({s for s in hooks.seen["entry"]} | set(report["maps"]["@"]))
+
+
+def test_count_per_pid_and_a_filter_equal_the_oracle(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: (pid_of(m, abi), m.reg("rdx")))
+    report = run_trace("kprobe:vfs_read { @[pid] = count(); }\n"
+                       "kprobe:vfs_read /pid == 3 && arg2 > 100/ { @big = count(); @bytes = sum(arg2); "
+                       "@most = max(arg2); @least = min(arg2); @mean = avg(arg2); }", hooks)
+    seen = hooks.seen["entry"]
+    assert report["maps"]["@"] == {str(p): n for p, n in Counter(p for p, _ in seen).items()}
+    big = [n for p, n in seen if p == 3 and n > 100]
+    assert len(set(p for p, _ in seen)) > 2 and big
+    assert report["maps"]["@big"] == len(big) and report["maps"]["@bytes"] == sum(big)
+    assert report["maps"]["@most"] == max(big) and report["maps"]["@least"] == min(big)
+    assert report["maps"]["@mean"] == sum(big) // len(big)
+
+
+def test_a_return_histogram_equals_the_oracle(toy_path):
+    hooks = Hooks(exit=lambda m, abi, site: signed(m.reg("rax")))
+    report = run_trace("kretprobe:vfs_read, kretprobe:vfs_llseek { @ = hist(retval); "
+                       "@l[func] = lhist(retval, 0, 500, 100); @r = count() }", hooks, seed=2)
+    values = hooks.seen["exit"]
+    assert report["maps"]["@r"] == len(values) > 0
+    assert report["maps"]["@"] == hist(values)
+    total = sum(b["count"] for key in report["maps"]["@l"].values() for b in key)
+    assert total == len(values) and set(report["maps"]["@l"]) == {"vfs_read", "vfs_llseek"}
+
+
+def test_many_keys_hash_into_the_table_without_loss(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: (pid_of(m, abi), m.reg("rdx")))
+    report = run_trace("kprobe:vfs_read, kprobe:vfs_write { @[arg2] = count(); "
+                       "@two[pid, arg2 & 7] = count(); }", hooks, seed=7)
+    seen = hooks.seen["entry"]
+    assert report["maps"]["@"] == {str(n): c for n, c in Counter(n for _, n in seen).items()}
+    assert len(report["maps"]["@"]) > 50
+    assert report["maps"]["@two"] == {f"{p},{n & 7}": c
+                                      for (p, n), c in Counter((p, n & 7) for p, n in seen).items()}
+    assert report["lost"] == {}
+
+
+def test_a_full_table_counts_its_lost_updates(toy_path):
+    """Every hit has its own key: what no record took is counted as lost."""
+    hooks = Hooks(entry=lambda m, abi, site: 1)
+    report = run_trace("kprobe:kmem_cache_alloc { @[nsecs] = count(); }", hooks)
+    hits = len(hooks.seen["entry"])
+    kept = sum(report["maps"]["@"].values())
+    assert kept + report["lost"].get("@", 0) == hits
+    assert report["lost"]["@"] > 0 and kept >= 512
+
+
+def test_map_values_in_filters_time_a_function(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: 1)
+    report = run_trace((EXAMPLES / "time_func.bt").read_text(), hooks, seed=3)
+    calls = len(hooks.seen["entry"])
+    assert sum(b["count"] for per_pid in report["maps"]["@ns"].values() for b in per_pid) == calls
+    assert report["maps"]["@start"] == {}          # every start deleted at its return
+    assert report["maps"]["@calls"] == calls
+
+
+def test_exit_stops_the_updates(toy_path):
+    report = run_trace("kprobe:vfs_read { @c = count(); if (@c >= 5) { exit(); } } "
+                       "kprobe:vfs_write { @w = count(); }")
+    assert report["exited"] and report["maps"]["@c"] == 5
+
+
+def test_begin_end_print_clear_delete(capsys, toy_path):
+    program = ("BEGIN { @start = 7; @k[1] = 1; @k[2] = 2; delete(@k[1]); } "
+               "kprobe:vfs_read { @n = count(); @gone[pid] = count(); } "
+               "END { print(@start + 1); print(@k); clear(@gone); @seen = @n > 0; }")
+    assert main(["trace", "-e", program]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Attaching 1 probe..."
+    n = next(line for line in out if line.startswith("@n: "))
+    assert int(n.split()[-1]) > 0
+    assert out[1:] == ["8", "@k[2]: 2", "", "@k[2]: 2", "", n, "", "@seen: 1", "", "@start: 7", ""]
+
+
+def test_the_command_reads_files_and_prints_json(capsys, tmp_path, toy_path):
+    prog = tmp_path / "prog.bt"
+    prog.write_text("kprobe:vfs_read\n{\n  @[func] = count();\n}\n")
+    assert main(["trace", str(prog), "--json", "--seed", "4", "--iterations", "500"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["maps"]["@"]) == {"vfs_read"} and report["target"] == "unicorn:toy"
+    assert sum(report["tactics"].values()) == report["probes"] == 1
+    prog.write_text("kprobe:vfs_read\n{\n  @ = count()\n  @x = 1;\n}\n")
+    assert main(["trace", str(prog)]) == 2
+    err = capsys.readouterr().err
+    assert f"{prog}:4:3-5: ERROR: syntax error, unexpected '@x', expecting ';' or '}}'" in err
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+def test_counts_match_ksim_count_under_both_tactics(capsys, toy_path, splice):
+    assert main(["count", "kmem_cache_free", "--json", "--seed", "9"]) == 0
+    count = json.loads(capsys.readouterr().out)["count"]
+    report = run_trace("k:kmem_cache_free { @ = count(); }", seed=9, splice=splice)
+    assert report["maps"]["@"] == count
+
+
+def test_example_count_func_runs(capsys, toy_path):
+    assert main(["trace", str(EXAMPLES / "count_func.bt")]) == 0
+    out = capsys.readouterr().out
+    assert "@calls[vfs_read]: " in out and "@calls[tcp_sendmsg]: " in out
+
+
+def test_printf_events_are_drained_while_the_kernel_runs(capsys, toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: (site.function, pid_of(m, abi), m.reg("rdx")))
+    report, text = trace('BEGIN { printf("tracing %s\\n", probe); } '
+                         'kprobe:vfs_read, kprobe:vfs_write /arg2 > 300/ '
+                         '{ printf("%-9s|%d|%5u|%x%%\\n", func, pid, arg2, arg2); }',
+                         "unicorn:toy", on_attach=hooks, seed=6)
+    expected = [f"{f:<9}|{p}|{n:5}|{n:x}%\n" for f, p, n in hooks.seen["entry"] if n > 300]
+    assert report["printf"][0] == "tracing BEGIN\n" and report["lost_events"] == 0
+    assert report["printf"][1:] == expected and len(expected) > 20
+    assert text.startswith("tracing BEGIN\n" + expected[0])
+
+
+def test_printf_counts_the_events_it_loses(toy_path):
+    """One emulator slice for the whole run: the client drains only at its end, so
+    the ring keeps its first RECORDS events and counts the rest as lost."""
+    from ksim.trace.events import RECORDS
+
+    hooks = Hooks(entry=lambda m, abi, site: 1)
+    report = run_trace('kprobe:kmem_cache_alloc, kprobe:kmem_cache_free, kprobe:memcpy '
+                       '{ printf("%d %d\\n", nsecs, cpu); }', hooks,
+                       run_options={"slices": [10**9]})
+    hits = len(hooks.seen["entry"])
+    assert len(report["printf"]) == RECORDS and report["lost_events"] == hits - RECORDS > 0
+
+
+def test_scratch_variables_start_at_zero_and_clear_keeps_constant_records(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: m.reg("rdx"))
+    report = run_trace("BEGIN { @[1] = count(); clear(@); } "
+                       "kprobe:vfs_read { if (@big[1] > 2) { $x = arg2 } @[1] = count(); "
+                       "@big[1] = count(); @last = $x; }", hooks)
+    assert report["maps"]["@"] == {"1": len(hooks.seen["entry"])} == report["maps"]["@big"]
+    assert report["maps"]["@last"] == hooks.seen["entry"][-1]

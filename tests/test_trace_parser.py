@@ -1,0 +1,178 @@
+"""The trace language's parser and static checks: the tree it builds, errors that
+name line and columns the way bpftrace's language reports them, and constructs
+outside the subset refused by name."""
+
+from __future__ import annotations
+
+import pytest
+
+from ksim.trace import syntax as t
+from ksim.trace.compiler import analyse
+from ksim.trace.errors import TraceError, TraceSemanticError, TraceSyntaxError, TraceUnsupported
+from ksim.trace.parser import parse
+
+
+def error_of(source: str, filename: str = "stdin") -> TraceError:
+    with pytest.raises(TraceError) as info:
+        analyse(parse(source, filename))
+    return info.value.located(source, filename) if info.value.source is None else info.value
+
+
+def test_probes_filters_and_statements():
+    p = parse("kprobe:vfs_*, k:f+0x10, kr:g /pid == 1 && arg0 > 2/ {\n"
+              "  @[func] = count(); $x = 1 + 2 * 3;\n"
+              "  if ($x > 6) { @a++ } else if ($x) { @b[pid, tid] += 2; } else { delete(@b[1, 2]) }\n"
+              "}\nBEGIN { @a = 0 } END { print(@a); clear(@b); exit() }")
+    first = p.probes[0]
+    assert [(a.provider, a.func, a.offset) for a in first.points] == [
+        ("kprobe", "vfs_*", None), ("kprobe", "f", 16), ("kretprobe", "g", None)]
+    assert first.points[0].wildcard and not first.points[1].wildcard
+    assert isinstance(first.pred, t.Binary) and first.pred.op == "&&"
+    count, scratch, cond = first.body
+    assert isinstance(count, t.Assign) and count.target == t.MapRef(count.target.loc, "@", (
+        t.Builtin(count.target.keys[0].loc, "func"),))
+    # C precedence: 1 + (2 * 3)
+    assert isinstance(scratch, t.Assign) and scratch.value.op == "+" and scratch.value.right.op == "*"
+    assert isinstance(cond, t.If) and isinstance(cond.orelse[0], t.If)
+    assert cond.then[0] == t.Assign(cond.then[0].loc, t.MapRef(cond.then[0].target.loc, "@a"), "+=",
+                                    t.Int(cond.then[0].value.loc, 1))
+    assert [ap.provider for pr in p.probes[1:] for ap in pr.points] == ["BEGIN", "END"]
+
+
+@pytest.mark.parametrize("expr,shape", [
+    ("1 | 2 ^ 3 & 4", ("|", 1, ("^", 2, ("&", 3, 4)))),
+    ("1 == 2 < 3", ("==", 1, ("<", 2, 3))),
+    ("1 << 2 + 3", ("<<", 1, ("+", 2, 3))),
+    ("1 - 2 - 3", ("-", ("-", 1, 2), 3)),
+    ("1 || 2 && 3", ("||", 1, ("&&", 2, 3))),
+    ("-1 * !2", ("*", ("-", 1), ("!", 2))),
+    ("1 ? 2 : 3 ? 4 : 5", ("?", 1, 2, ("?", 3, 4, 5))),
+    ("0x10 + 1_000", ("+", 16, 1000)),
+])
+def test_operator_precedence_is_c(expr, shape):
+    def tree(e):
+        if isinstance(e, t.Int):
+            return e.value
+        if isinstance(e, t.Binary):
+            return (e.op, tree(e.left), tree(e.right))
+        if isinstance(e, t.Unary):
+            return (e.op, tree(e.operand))
+        assert isinstance(e, t.Ternary)
+        return ("?", tree(e.cond), tree(e.then), tree(e.orelse))
+
+    stmt = parse(f"BEGIN {{ $x = {expr}; }}").probes[0].body[0]
+    assert tree(stmt.value) == shape
+
+
+def test_a_filter_may_divide():
+    pred = parse("kprobe:f /arg0 / 2 > 1/ { @ = count() }").probes[0].pred
+    assert pred.op == ">" and pred.left.op == "/"
+
+
+def test_comments_and_files_name_the_file():
+    source = "// counts\n/* block\n comment */ kprobe:f {\n  @ = count();\n  @x = );\n}\n"
+    err = error_of(source, "prog.bt")
+    assert str(err).splitlines() == [
+        "prog.bt:5:8-9: ERROR: syntax error, unexpected ')', expecting an expression",
+        "  @x = );",
+        "       ~",
+    ]
+
+
+@pytest.mark.parametrize("source,head", [
+    ("kprobe:f { @ = ); }", "stdin:1:16-17: ERROR: syntax error, unexpected ')'"),
+    ("kprobe:f { @x = 1 @y = 2 }", "stdin:1:19-21: ERROR: syntax error, unexpected '@y', expecting ';' or '}'"),
+    ("kprobe:f { @x = 1;", "stdin:1:19-20: ERROR: syntax error, unexpected end of file, expecting '}'"),
+    ("kprobe:f /pid { }", "stdin:1:15-16: ERROR: syntax error, unexpected '{', expecting '/'"),
+    ("kprobes:f {}", "stdin:1:1-10: ERROR: Invalid probe type: kprobes"),
+    ("kprobe:f { @x = \"abc }", "stdin:1:17-23: ERROR: unterminated string"),
+    ("kprobe:f { @x = 1 $ }", "stdin:1:19-21: ERROR: expected a variable name after '$'"),
+    ("kprobe:f { @x = 12ab; }", "stdin:1:17-20: ERROR: invalid integer literal '12a'"),
+    ("kretprobe:f+1 {}", "stdin:1:1-14: ERROR: Offset not allowed for kretprobe"),
+    ("kprobe:f* +1 {}", "stdin:1:11-12: ERROR: syntax error, unexpected '+', expecting '{'"),
+])
+def test_syntax_errors_name_line_and_columns(source, head):
+    err = error_of(source)
+    assert isinstance(err, TraceSyntaxError | TraceSemanticError)
+    assert str(err).startswith(head), str(err)
+    line, marks = str(err).splitlines()[1:]
+    assert line == source.splitlines()[0]
+    col, end = err.loc.col, err.loc.end
+    assert marks == " " * (col - 1) + "~" * (end - col)
+
+
+@pytest.mark.parametrize("source,construct", [
+    ("tracepoint:syscalls:sys_enter_read { }", "tracepoint probes"),
+    ("uprobe:/bin/sh:main { }", "uprobe probes"),
+    ("interval:s:1 { }", "interval probes"),
+    ("kfunc:vfs_read { }", "kfunc probes"),
+    ("kprobe:mod:f { }", "kprobe with a module"),
+    ("#include <linux/fs.h>\nkprobe:f { }", "preprocessor directives"),
+    ("struct S { int x; } kprobe:f { }", "struct definitions"),
+    ("kprobe:f { while (1) { } }", "while loops"),
+    ("kprobe:f { for ($i : 1..2) { } }", "for loops"),
+    ("kprobe:f { unroll(2) { } }", "unroll"),
+    ("kprobe:f { return; }", "return"),
+    ("kprobe:f { @x = (uint8)arg0; }", "casts"),
+    ("kprobe:f { @x = *arg0; }", "pointer dereference"),
+    ("kprobe:f { @x = &arg0; }", "taking an address"),
+    ("kprobe:f { @x = arg0->next; }", "field access (->)"),
+    ("kprobe:f { @x = $s.a; }", "field access (.)"),
+    ("kprobe:f { @x = $1; }", "positional parameters"),
+    ("kprobe:f { @x = (1, 2); }", "tuples"),
+    ("kprobe:f { @x = comm; }", "builtin comm"),
+    ("kprobe:f { @[kstack] = count(); }", "builtin kstack"),
+    ("kprobe:f { @x = stats(arg0); }", "function stats()"),
+    ("kprobe:f { time(\"%H\"); }", "function time()"),
+    ("kprobe:f { printf(\"%f\\n\", 1); }", "printf conversion '%f\\n'"),
+    ("kprobe:f { printf(\"%s\\n\", arg0); }", "printf %s of anything but func or probe"),
+    ("kprobe:f { @x = str(arg0); }", "function str()"),
+    ("kprobe:f { @x = hist(arg0, 2); }", "hist() with a precision argument"),
+    ("kprobe:f { @x = \"s\"; }", "strings are not supported here"),
+    ("kprobe:f { @x = func; }", "func is not supported outside a map key"),
+    ("kprobe:f { exit(1); }", "exit() with an exit code"),
+])
+def test_constructs_outside_the_subset_are_refused_by_name(source, construct):
+    err = error_of(source)
+    assert isinstance(err, TraceUnsupported), str(err)
+    assert construct in str(err) and "not supported" in str(err)
+    assert str(err).startswith("stdin:") and err.loc is not None
+
+
+@pytest.mark.parametrize("source,message", [
+    ("kprobe:f { @x = count(); @x = sum(arg0); }",
+     "Type mismatch for @x: trying to assign value of type 'sum' when map already contains a "
+     "value of type 'count'"),
+    ("kprobe:f { @x[pid] = count(); @x[func] = count(); }",
+     "Argument mismatch for @x: trying to access with arguments: [ksym] when map expects "
+     "arguments: [int]"),
+    ("kprobe:f { @x = foo; }", "Unknown identifier: 'foo'"),
+    ("kprobe:f { @x = foo(1); }", "Unknown function: foo"),
+    ("kprobe:f { @x = 1 + count(); }", "count() should be directly assigned to a map"),
+    ("kprobe:f { @x = lhist(arg0, 0, 10); }", "lhist() expects 4 arguments (3 provided)"),
+    ("kprobe:f { @x = lhist(arg0, 10, 0, 1); }", "lhist() needs max > min and step > 0"),
+    ("kprobe:f { @x = lhist(arg0, 0, 10, $s); }", "integer literals"),
+    ("kprobe:f { @x = @y; }", "Undefined map: @y"),
+    ("kprobe:f { print(@x[1]); @x[1] = 1 }", "print() expects a map with no keys"),
+    ("kprobe:f { clear(1); }", "clear() expects a map argument"),
+    ("kprobe:f { printf(\"%d %d\\n\", 1); }", "printf: Not enough arguments for format string"),
+    ("kprobe:f { printf(\"%d\\n\", 1, 2); }", "printf: Too many arguments for format string"),
+    ("kprobe:f { printf(\"%d\\n\", func); }", "printf: %d specifier expects a value of type integer"),
+    ("kprobe:f { printf(arg0); }", "printf() expects a format string first"),
+    ("kprobe:f { @x = 1 / 0; }", None),
+])
+def test_meaningless_programs_are_refused(source, message):
+    try:
+        analyse(parse(source))
+    except TraceSemanticError as exc:
+        assert message is not None and message in str(exc), str(exc)
+    else:
+        assert message is None      # refused later, when compiled for a point
+
+
+def test_errors_have_their_own_wire_codes():
+    from ksim.errors import all_error_classes
+
+    codes = all_error_classes()
+    for cls in (TraceError, TraceSyntaxError, TraceUnsupported, TraceSemanticError):
+        assert codes[cls.code] is cls
