@@ -11,6 +11,7 @@ import argparse
 import importlib
 import json
 import pkgutil
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -45,6 +46,13 @@ def version() -> str:
         return dist_version("ksim")
     except PackageNotFoundError:
         return "unknown"
+
+
+def help_text(doc: str | None) -> str:
+    """A module docstring as a command's --help text: reStructuredText literals
+    (double backquotes) and roles (:class:`X`) shown as plain text."""
+    text = re.sub(r":[a-z]+:`([^`]+)`", r"\1", doc or "")
+    return text.replace("``", "")
 
 
 def add_json_flag(parser: argparse.ArgumentParser) -> None:

@@ -95,3 +95,17 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--version"])
     assert exc.value.code == 0 and capsys.readouterr().out.startswith("ksim ")
+
+
+@pytest.mark.parametrize("command", ["count", "trace", "demo", "kept", "testbed", "bench", "funcs"])
+def test_help_is_plain_text_and_every_option_is_explained(capsys, command):
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out
+    from ksim.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    for action in sub._actions:
+        assert action.help, (command, action.option_strings or action.dest)

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from ksim.cli import add_json_flag, count_arg, emit_json
+from ksim.cli import add_json_flag, count_arg, emit_json, help_text
 from ksim.errors import UnknownOracle
 from ksim.targets.base import HeldInterrupt, run_option_names
 
@@ -36,7 +36,7 @@ DEFAULT_SEED = 1
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("count", help="count entries of a kernel function, checked against an oracle",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("function", metavar="FUNC",
                    help="a function name, a wildcard ('vfs_*'), NAME+OFFSET or an address")
     add_target_args(p)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ksim.cli import add_json_flag, count_arg, emit_json
+from ksim.cli import add_json_flag, count_arg, emit_json, help_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="count toy-kernel functions with jmp and trap splicing",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--image", default="toy")
-    p.add_argument("--seed", type=count_arg, default=1)
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--image", default="toy", help="bundled image to instrument (default: toy)")
+    p.add_argument("--seed", type=count_arg, default=1, help="workload seed (default: 1)")
     p.add_argument("--functions", nargs="+", metavar="FUNC",
                    help="functions to count (default: the image's hard cases and a few others)")
     add_json_flag(p)

@@ -17,7 +17,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING, Any
 
-from ksim.cli import add_json_flag, emit_json
+from ksim.cli import add_json_flag, emit_json, help_text
 from ksim.errors import KsimError
 
 if TYPE_CHECKING:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kept", help="list or remove the kept splices of a live kernel",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", required=True, metavar="live://HOST:PORT",
                    help="the kerninstd to ask (ksim testbed up prints the testbed's)")
     p.add_argument("--token-file", metavar="PATH",

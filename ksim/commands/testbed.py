@@ -12,22 +12,25 @@ import sys
 import time
 from typing import Any
 
-from ksim.cli import add_json_flag, emit_json
+from ksim.cli import add_json_flag, emit_json, help_text
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("testbed", help="boot, query or stop the live Linux testbed (QEMU)",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    actions = p.add_subparsers(dest="action", metavar="ACTION")
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
+    actions = p.add_subparsers(dest="action", metavar="ACTION", help="what to do")
     actions.required = True
     up = actions.add_parser("up", help="boot the testbed (reuses a running one)")
     up.add_argument("--port", type=int, default=None, help="host port for kerninstd (default 7070)")
-    up.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto")
+    up.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
+                    help="QEMU accelerator (default: auto, KVM when /dev/kvm works, else TCG)")
     up.add_argument("--timeout", type=float, default=300.0, help="boot timeout in seconds")
     st = actions.add_parser("status", help="is the testbed up, and where")
     ex = actions.add_parser("exec", help="run a shell command in the guest")
-    ex.add_argument("--timeout", type=float, default=120.0)
-    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD")
+    ex.add_argument("--timeout", type=float, default=120.0,
+                    help="seconds the command may run (default 120)")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD",
+                    help="the shell command, after --")
     dn = actions.add_parser("down", help="stop the testbed; leaves no process behind")
     for q in (up, st, ex, dn):
         add_json_flag(q)

@@ -19,14 +19,14 @@ import argparse
 import sys
 from typing import Any
 
-from ksim.cli import add_json_flag, emit_json
+from ksim.cli import add_json_flag, emit_json, help_text
 from ksim.commands.count import _run_options, add_target_args, target_spec
 from ksim.targets.base import HeldInterrupt
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="run a program in a subset of bpftrace's language",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", nargs="?", metavar="FILE.bt", help="the program's file")
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program's text")
     add_target_args(p)
