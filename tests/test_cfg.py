@@ -226,3 +226,83 @@ def test_guard_forms(guard: str, recovered: bool) -> None:
         assert list(cfg.tables[jump.address].entries) == cases
     else:
         assert not cfg.tables and cfg.unresolved == (jump.address,)
+
+
+# --- the compact analysis (the whole-kernel pass and its store) -------------------------------
+def _one_function_image(code: bytes, name: str = "f") -> Image:
+    from ksim.image import Section, Symbol
+
+    text = Section(".text", BASE, len(code), True, False, code)
+    return Image("<bytes>", "x86_64", "vmlinux", [text], [Symbol(name, BASE, len(code), "func", "vmlinux")])
+
+
+def _compact_agrees(image: Image, func) -> None:
+    from ksim.analysis.abi import support_for
+    from ksim.analysis.compact import cfg_of, compute
+
+    support = support_for(image.arch)
+    comp = compute(image, support, func)
+    insns = list(decode(image.code(func), func.address))
+    cfg = build_cfg(insns, func.address, func.end, image.read)
+    points = analyze(image, func).points
+    assert comp.blocks == len(cfg.blocks), func.name
+    assert (comp.exits, comp.block_points, comp.callsites) == (points.exits, points.blocks, points.callsites)
+    rebuilt, rcfg = cfg_of(support, image, func, comp)
+    assert rebuilt == insns and rcfg.blocks == cfg.blocks and rcfg.edges == cfg.edges, func.name
+    assert comp.own_writes == frozenset().union(*(i.writes for i in insns)), func.name
+
+
+def test_compact_analysis_agrees_with_the_cfg(image: Image) -> None:
+    for func in image.functions:
+        _compact_agrees(image, func)
+
+
+def test_sweep_agrees_with_the_compact_analysis(image: Image) -> None:
+    from ksim.analysis.abi import support_for
+    from ksim.analysis.compact import compute
+    from ksim.analysis.sweep import sweep
+
+    support = support_for(image.arch)
+    rows, sizes, codes, targets, _tail = sweep(image, support, image.functions)
+    at = 0
+    for func, row in zip(image.functions, rows, strict=True):
+        comp = compute(image, support, func)
+        assert (row.blocks, tuple(row.exits), tuple(row.block_points), tuple(row.callsites)) == (
+            comp.blocks, comp.exits, comp.block_points, comp.callsites), func.name
+        assert (row.own_writes, row.worst, row.calls_out, row.jumps_out, row.tables) == (
+            comp.own_writes, comp.worst, comp.calls_out, comp.jumps_out, comp.tables), func.name
+        assert sizes[at:at + row.instructions] == comp.sizes
+        at += row.instructions
+    assert at == len(sizes) == len(codes)
+
+
+@pytest.mark.parametrize("hexcode,points", [
+    # ret, then padding no path reaches: one block point, four blocks
+    ("c3 cc cc cc", [0]),
+    # a call that does not return, then padding: the first int3 is reached (call-return)
+    ("e8 00 00 00 00 cc cc cc", [0, 5]),
+    # a jump into the padding reaches that int3 alone
+    ("74 03 c3 cc cc cc", [0, 2, 5]),
+    # nop filler after a jmp is no point; the code after it is
+    ("eb 02 66 90 c3 cc", [0, 4]),
+    # filler alone at the entry is reached
+    ("90 eb fe cc", [0, 1]),
+    # bytes that do not decode end the function: a block with no point
+    ("31 c0 06 06", [0]),
+    # an instruction ending in 0xcc is not padding
+    ("b8 cc cc cc cc c3", [0]),
+])
+def test_compact_padding_and_filler(hexcode: str, points: list[int]) -> None:
+    image = _one_function_image(bytes.fromhex(hexcode))
+    func = image.functions[0]
+    _compact_agrees(image, func)
+    assert list(analyze(image, func).points.blocks) == [BASE + p for p in points]
+
+
+def test_scan_follows_the_packing_analysis_documents() -> None:
+    from ksim.analysis import abi
+    from ksim.arch.x86_64 import scan
+
+    assert (scan.FLOWS, scan.FILLER_BIT, scan.TARGET_BIT, scan.EFFECT_SHIFT) == (
+        abi.FLOWS, abi.FILLER_BIT, abi.TARGET_BIT, abi.EFFECT_SHIFT)
+    assert abi.FLOW_MASK + 1 >= len(abi.FLOWS)

@@ -8,7 +8,7 @@ name itself.  Conventions are data.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ksim.arch.base import Flow, Insn
@@ -97,6 +97,29 @@ CONVENTIONS: dict[str, CallConvention] = {"x86_64": X86_64_LINUX}
 #: cost of register effects
 FlowScan = Callable[[bytes, int], Iterator[tuple[int, int, Flow, int | None]]]
 
+#: The facts of a linear sweep in bulk, for analyses of a whole kernel:
+#: ``(sizes, codes, targets, tail, tail_code)``.  ``sizes`` holds one byte per decoded
+#: instruction; ``codes`` one int per instruction packed as :data:`FLOW_MASK` (index
+#: into :data:`FLOWS`) | :data:`FILLER_BIT` (alignment filler: nop, int3) |
+#: :data:`TARGET_BIT` (has a direct target) | effects << :data:`EFFECT_SHIFT` (index
+#: into the architecture's ``effects`` table of (reads, writes)); ``targets`` the
+#: direct targets of the instructions that have one, in order.  ``tail`` one-byte
+#: padding instructions of code ``tail_code`` follow the decoded ones (0 when none):
+#: a scan need not decode the padding that ends most kernel functions.  The sweep
+#: stops where ``decode`` would.
+CodeScan = Callable[[bytes, int], tuple[bytes, Sequence[int], Sequence[int], int, int]]
+#: a CodeScan of many functions ``(code, address)`` at once: (sizes of each, codes of
+#: all in order, targets of all in order, tail of each, tail code)
+CodeScanMany = Callable[[Sequence[tuple[bytes, int]]],
+                        tuple[list[bytes], Sequence[int], Sequence[int], list[int], int]]
+FLOWS: tuple[Flow, ...] = tuple(Flow)
+FLOW_MASK = 0b111
+FILLER_BIT = 1 << 3
+TARGET_BIT = 1 << 4
+EFFECT_SHIFT = 5
+_FLOW_INDEX = {flow: i for i, flow in enumerate(FLOWS)}
+_FILLERS = frozenset({"nop", "int3"})
+
 
 def _x86_64_flows() -> FlowScan:
     from ksim.arch.x86_64.reader import flows
@@ -104,8 +127,26 @@ def _x86_64_flows() -> FlowScan:
     return flows
 
 
+Effects = Sequence[tuple[frozenset[str], frozenset[str]]]
+#: the instructions a scan found, as objects: (code, address, sizes, codes, targets,
+#: effects) -> instructions, stopping at the first whose size differs from the scan's
+Rebuild = Callable[[bytes, int, bytes, Sequence[int], Sequence[int], Effects], list[Insn]]
+
+
+def _x86_64_scan() -> tuple[CodeScan, CodeScanMany, Rebuild, Effects]:
+    from ksim.arch.x86_64.reader import EFFECTS
+    from ksim.arch.x86_64.scan import rebuild, scan, scan_many
+
+    return scan, scan_many, rebuild, EFFECTS
+
+
 #: architecture name -> its fast control-flow scan, where it has one
 FLOW_SCANS: dict[str, Callable[[], FlowScan]] = {"x86_64": _x86_64_flows}
+#: architecture name -> its bulk scan, the rebuilding of instructions from one, and the
+#: effects table their codes index, where it has them
+CODE_SCANS: dict[str, Callable[[], tuple[CodeScan, CodeScanMany, Rebuild, Effects]]] = {
+    "x86_64": _x86_64_scan,
+}
 
 
 @dataclass(frozen=True)
@@ -114,6 +155,11 @@ class ArchSupport:
     decode: Callable[[bytes, int], Iterator[Insn]]
     convention: CallConvention
     flows: FlowScan
+    scan: CodeScan
+    scan_many: CodeScanMany
+    rebuild: Rebuild
+    #: (reads, writes) by the effects index of a code (grows as new effects are met)
+    effects: Effects
 
 
 _CACHE: dict[str, ArchSupport] = {}
@@ -125,6 +171,52 @@ def _slow_flows(decode: Callable[[bytes, int], Iterator[Insn]]) -> FlowScan:
             yield insn.address, insn.size, insn.flow, insn.target
 
     return scan
+
+
+def _slow_scan(decode: Callable[[bytes, int], Iterator[Insn]]
+               ) -> tuple[CodeScan, CodeScanMany, Rebuild, Effects]:
+    """A CodeScan from an architecture's ``decode`` (one object per instruction)."""
+    table: list[tuple[frozenset[str], frozenset[str]]] = []
+    ids: dict[tuple[frozenset[str], frozenset[str]], int] = {}
+
+    def scan(code: bytes, address: int) -> tuple[bytes, list[int], list[int], int, int]:
+        sizes, codes, targets = bytearray(), [], []
+        for insn in decode(code, address):
+            key = (insn.reads, insn.writes)
+            if key not in ids:
+                ids[key] = len(table)
+                table.append(key)
+            packed = _FLOW_INDEX[insn.flow] | ids[key] << EFFECT_SHIFT
+            if insn.mnemonic.rsplit(" ", 1)[-1] in _FILLERS:
+                packed |= FILLER_BIT
+            if insn.target is not None:
+                packed |= TARGET_BIT
+                targets.append(insn.target)
+            sizes.append(insn.size)
+            codes.append(packed)
+        return bytes(sizes), codes, targets, 0, 0
+
+    def rebuild(code: bytes, address: int, sizes: bytes, codes: Sequence[int],
+                targets: Sequence[int], effects: Effects) -> list[Insn]:
+        out = []
+        for insn, size in zip(decode(code[:sum(sizes)], address), sizes, strict=False):
+            if insn.size != size:
+                break
+            out.append(insn)
+        return out
+
+    def scan_many(items: Sequence[tuple[bytes, int]]
+                  ) -> tuple[list[bytes], list[int], list[int], list[int], int]:
+        sizes_of, codes, targets, tails = [], [], [], []
+        for code, address in items:
+            sizes, c, t, tail, _code = scan(code, address)
+            sizes_of.append(sizes)
+            codes += c
+            targets += t
+            tails.append(tail)
+        return sizes_of, codes, targets, tails, 0
+
+    return scan, scan_many, rebuild, table
 
 
 def support_for(arch_name: str) -> ArchSupport:
@@ -139,7 +231,10 @@ def support_for(arch_name: str) -> ArchSupport:
         convention = CONVENTIONS.get(arch.name)
         if convention is None:
             raise UnsupportedImage(f"no calling convention known for architecture {arch.name!r}")
-        scan = FLOW_SCANS.get(arch.name)
+        flows = FLOW_SCANS.get(arch.name)
+        code_scan = CODE_SCANS.get(arch.name)
+        scan, scan_many, rebuild, effects = code_scan() if code_scan else _slow_scan(arch.decode)
         _CACHE[arch_name] = ArchSupport(arch.name, arch.decode, convention,
-                                        scan() if scan else _slow_flows(arch.decode))
+                                        flows() if flows else _slow_flows(arch.decode),
+                                        scan, scan_many, rebuild, effects)
     return _CACHE[arch_name]

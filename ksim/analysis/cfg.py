@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 import enum
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ksim.arch.base import Flow, Insn
@@ -117,27 +117,33 @@ class CFG:
 ImageReader = Callable[[int, int], bytes]
 
 
-def build_cfg(insns: Sequence[Insn], start: int, end: int, read: ImageReader | None = None) -> CFG:
-    """The CFG of the function ``[start, end)`` whose linear-sweep decode is ``insns``."""
+def build_cfg(insns: Sequence[Insn], start: int, end: int, read: ImageReader | None = None, *,
+              tables: Mapping[int, JumpTable] | None = None) -> CFG:
+    """The CFG of the function ``[start, end)`` whose linear-sweep decode is ``insns``.
+
+    ``tables``, when given, are the function's jump tables (by address of their jmp),
+    recovered before: they are used as they are, and no more are looked for.
+    """
     insns = tuple(insns)
     by_addr = {i.address: i for i in insns}
-    tables: dict[int, JumpTable] = {}
+    known = tables is not None
+    table: dict[int, JumpTable] = dict(tables or {})
     # Tables add leaders, which split blocks, which can expose more guards: iterate.
     for _ in range(4):
-        blocks, edges = _blocks(insns, by_addr, start, end, tables)
+        blocks, edges = _blocks(insns, by_addr, start, end, table)
         _mark_reachable(blocks, start)
-        found = _recover_tables(blocks, by_addr, start, end, read, tables) if read else {}
+        found = _recover_tables(blocks, by_addr, start, end, read, table) if read and not known else {}
         if not found:
             break
-        tables.update(found)
-    unresolved = tuple(i.address for i in insns if i.flow is Flow.JMP_INDIRECT and i.address not in tables)
+        table.update(found)
+    unresolved = tuple(i.address for i in insns if i.flow is Flow.JMP_INDIRECT and i.address not in table)
     misaligned = tuple(sorted({
         i.target for i in insns
         if i.flow in (Flow.JMP, Flow.JCC) and i.target is not None
         and start <= i.target < end and i.target not in by_addr
     }))
     _mark_reachable(blocks, start)
-    return CFG(start, end, insns, blocks, tuple(edges), tables, unresolved, misaligned)
+    return CFG(start, end, insns, blocks, tuple(edges), table, unresolved, misaligned)
 
 
 # --- blocks and edges ---------------------------------------------------------------

@@ -21,76 +21,163 @@ the convention lets a callee change when it makes an indirect call, an indirect
 tail call, a call to something that is not a known function, or a call back into
 a cycle (gcc assumes the convention for callees it has not compiled yet).  A
 recovered jump table adds nothing: it stays inside the function.
+
+Only the caller-saved part of a function's clobbers is ever used (a callee-saved
+register comes back intact either way), so every function of a cycle gets the
+same answer, the union over the cycle.  The per-function inputs come from a
+:class:`Summary`, which an image's analysis store keeps for every function: no
+callee is decoded to answer.
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass
 
 from ksim.analysis.abi import ArchSupport
-from ksim.arch.base import Flow
 from ksim.image.image import Image
 from ksim.image.model import Function
 
-_MAX_DEPTH = 200
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """What the clobber analysis needs of one function, without its instructions."""
+
+    #: registers its own instructions write
+    own_writes: frozenset[str]
+    #: it makes an indirect call, an indirect jmp that is no jump table, or has
+    #: undecodable bytes: it may write whatever the convention allows
+    worst: bool
+    #: direct calls, and direct jumps (jmp, jcc), to addresses outside it
+    calls_out: tuple[int, ...]
+    jumps_out: tuple[int, ...]
+
+
+_SUMMARIES: weakref.WeakKeyDictionary[Image, dict[int, Summary]] = weakref.WeakKeyDictionary()
 _CACHE: weakref.WeakKeyDictionary[Image, dict[int, frozenset[str]]] = weakref.WeakKeyDictionary()
 
 
-def function_clobbers(image: Image, support: ArchSupport, func: Function) -> frozenset[str]:
-    """Registers ``func`` (or anything it calls or tail-calls) may write."""
-    memo = _CACHE.setdefault(image, {})
-    return _clobbers(image, support, func, memo, set(), 0)
+def summary(image: Image, support: ArchSupport, func: Function) -> Summary:
+    """The clobber summary of ``func``: from the image's analysis store when it has
+    one, else from a compact analysis of the function (kept per image)."""
+    memo = _SUMMARIES.setdefault(image, {})
+    found = memo.get(func.address)
+    if found is None:
+        from ksim.analysis import compact, store
 
-
-def _clobbers(image: Image, support: ArchSupport, func: Function, memo: dict[int, frozenset[str]],
-              active: set[int], depth: int) -> frozenset[str]:
-    cc = support.convention
-    worst = cc.caller_saved
-    if func.address in memo:
-        return memo[func.address]
-    if func.address in active or depth > _MAX_DEPTH:
-        return worst  # a cycle or a very deep chain: assume the worst, do not memoise
-    active.add(func.address)
-    try:
-        written: set[str] = set()
-        code = image.read(func.address, func.size)
-        end = func.address
-        for insn in support.decode(code, func.address):
-            end = insn.end
-            written |= insn.writes
-            if insn.flow is Flow.CALL_INDIRECT:
-                written |= worst
-            elif insn.flow is Flow.JMP_INDIRECT:
-                if insn.address not in _tables(image, func):
-                    written |= worst  # an indirect tail call
-            elif insn.flow in (Flow.CALL, Flow.JMP, Flow.JCC) and insn.target is not None:
-                if insn.target in func:
-                    continue
-                # a jump into another function's middle (a .cold part) runs part of it
-                callee = image.function_at(insn.target)
-                if callee is None or (insn.flow is Flow.CALL and callee.address != insn.target):
-                    written |= worst
-                else:
-                    written |= _clobbers(image, support, callee, memo, active, depth + 1)
-        if end != func.end:
-            written |= worst  # undecodable bytes
-    finally:
-        active.discard(func.address)
-    result = frozenset(written - {cc.stack_reg})
-    memo[func.address] = result
-    return result
-
-
-def _tables(image: Image, func: Function) -> frozenset[int]:
-    """Addresses of the recovered jump-table jumps of ``func``."""
-    from ksim.analysis.function import analyze  # analysis uses this module
-
-    return frozenset(analyze(image, func).tables)
+        kept = store.store_for(image)
+        stored = kept.summary(func) if kept is not None else None
+        if stored is not None:
+            found = Summary(*stored)
+        else:
+            comp = compact.compute(image, support, func)
+            found = Summary(comp.own_writes, comp.worst, comp.calls_out, comp.jumps_out)
+        memo[func.address] = found
+    return found
 
 
 def own_writes(image: Image, support: ArchSupport, func: Function) -> frozenset[str]:
     """Registers the function's own instructions write (flow-insensitive, no callees)."""
-    written: set[str] = set()
-    for insn in support.decode(image.read(func.address, func.size), func.address):
-        written |= insn.writes
-    return frozenset(written)
+    return summary(image, support, func).own_writes
+
+
+def function_clobbers(image: Image, support: ArchSupport, func: Function) -> frozenset[str]:
+    """Registers ``func`` (or anything it calls or tail-calls) may write.
+
+    A function writes what its own instructions write, plus what every function it
+    calls or jumps into writes; when it calls something that is not a function's
+    entry, or is part of a cycle of calls (a strongly connected component of more
+    than one function: gcc assumes the convention for callees it has not compiled
+    yet), it may write every register the convention lets it.  Computed for all the
+    functions ``func`` reaches at once (Tarjan's algorithm, without recursion), so
+    the answer does not depend on what was asked before.
+    """
+    memo = _CACHE.setdefault(image, {})
+    found = memo.get(func.address)
+    if found is None:
+        _solve(image, support, func, memo)
+        found = memo[func.address]
+    return found
+
+
+def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str], list[Function]]:
+    """(registers written whatever the callees do, functions called or jumped into)."""
+    worst = support.convention.caller_saved
+    s = summary(image, support, func)
+    base = set(s.own_writes)
+    if s.worst:
+        base |= worst
+    succs = []
+    for target in s.calls_out:
+        callee = image.function_at(target)
+        if callee is None or callee.address != target:
+            base |= worst
+        else:
+            succs.append(callee)
+    for target in s.jumps_out:
+        # a jump into another function's middle (a .cold part) runs part of it
+        callee = image.function_at(target)
+        if callee is None:
+            base |= worst
+        else:
+            succs.append(callee)
+    return base, succs
+
+
+def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, frozenset[str]]) -> None:
+    """Tarjan's strongly connected components over the functions ``root`` reaches,
+    memoising the clobbers of every one of them."""
+    cc = support.convention
+    index: dict[int, int] = {}
+    low: dict[int, int] = {}
+    base: dict[int, set[str]] = {}
+    succs: dict[int, list[Function]] = {}
+    stack: list[int] = []
+    on_stack: set[int] = set()
+
+    def enter(func: Function) -> None:
+        a = func.address
+        index[a] = low[a] = len(index)
+        base[a], succs[a] = _edges(image, support, func)
+        stack.append(a)
+        on_stack.add(a)
+
+    enter(root)
+    frames: list[tuple[int, int]] = [(root.address, 0)]  # (function, next successor)
+    while frames:
+        a, i = frames[-1]
+        if i < len(succs[a]):
+            frames[-1] = (a, i + 1)
+            b = succs[a][i].address
+            if b in memo:
+                continue
+            if b not in index:
+                enter(succs[a][i])
+                frames.append((b, 0))
+            elif b in on_stack:
+                low[a] = min(low[a], index[b])
+            continue
+        frames.pop()
+        if frames:
+            parent = frames[-1][0]
+            low[parent] = min(low[parent], low[a])
+        if low[a] != index[a]:
+            continue
+        members = []
+        while True:
+            m = stack.pop()
+            on_stack.discard(m)
+            members.append(m)
+            if m == a:
+                break
+        written: set[str] = set()
+        for m in members:
+            written |= base[m]
+            for callee in succs[m]:
+                if callee.address in memo:
+                    written |= memo[callee.address]
+        if len(members) > 1:
+            written |= cc.caller_saved  # a cycle: the convention's worst
+        result = frozenset(written - {cc.stack_reg})
+        for m in members:
+            memo[m] = result

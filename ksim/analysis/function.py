@@ -1,7 +1,10 @@
 """``analyze(image, function)``: everything analysis knows about one function.
 
 The result is computed once per (image, function) and cached (weakly on the image,
-so that dropping an image drops its analyses).
+so that dropping an image drops its analyses).  When the image has an analysis
+store (``ksim.analysis.store``), the instructions and CFG are rebuilt from it
+rather than decoded, and the clobber analysis behind liveness reads its callees'
+summaries from it: attaching to a function analyses that function only.
 """
 
 from __future__ import annotations
@@ -150,6 +153,21 @@ def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
 _CACHE: weakref.WeakKeyDictionary[Image, dict[int, FunctionAnalysis]] = weakref.WeakKeyDictionary()
 
 
+def _from_store(image: Image, support: ArchSupport, func: Function) -> CFG | None:
+    """The CFG of ``func`` rebuilt from the image's analysis store, if it has one."""
+    from ksim.analysis.compact import StaleRecord, cfg_of
+    from ksim.analysis.store import store_for
+
+    kept = store_for(image, build_missing=False)
+    comp = kept.get(func) if kept is not None else None
+    if comp is None:
+        return None
+    try:
+        return cfg_of(support, image, func, comp)[1]
+    except StaleRecord:
+        return None  # the bytes are not what the store was made from: analyse afresh
+
+
 def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
     """The analysis of ``function`` (a name or a Function of ``image``), cached."""
     func = image.function(function) if isinstance(function, str) else function
@@ -159,8 +177,10 @@ def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
     if cached is not None and cached.function == func:
         return cached
     support = support_for(image.arch)
-    insns = list(support.decode(image.read(func.address, func.size), func.address))
-    cfg = build_cfg(insns, func.address, func.end, image.read)
+    cfg = _from_store(image, support, func)
+    if cfg is None:
+        insns = list(support.decode(image.read(func.address, func.size), func.address))
+        cfg = build_cfg(insns, func.address, func.end, image.read)
     sites = []
     for insn in cfg.insns:
         if insn.flow is Flow.CALL:

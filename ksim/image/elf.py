@@ -52,6 +52,8 @@ _EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
 _SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
 _RELA = struct.Struct("<QQq")
+_NOTE = struct.Struct("<III")  # namesz, descsz, type (System V gABI, "Note Section")
+_NT_GNU_BUILD_ID = 3
 
 #: sections of a module whose relocations are applied (see the module docstring)
 TABLE_SECTIONS = frozenset({
@@ -152,7 +154,30 @@ def _build(elf: ELFFile, path: str) -> Image:
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
         ))
     symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable)
-    return Image(path, "x86_64", module, sections, symbols, bindings=bindings)
+    return Image(path, "x86_64", module, sections, symbols, bindings=bindings,
+                 build_id=_build_id(raw_sections))
+
+
+def _build_id(raw_sections: list) -> bytes | None:
+    """The GNU build id: the descriptor of the note named "GNU" of type
+    NT_GNU_BUILD_ID in an SHT_NOTE section (a vmlinux keeps it in ``.notes`` next to
+    Xen's notes, whose type numbers overlap)."""
+    for sec in raw_sections:
+        if sec["sh_type"] != "SHT_NOTE":
+            continue
+        data = sec.data()
+        at = 0
+        while at + _NOTE.size <= len(data):
+            namesz, descsz, kind = _NOTE.unpack_from(data, at)
+            name_at = at + _NOTE.size
+            desc_at = name_at + (namesz + 3 & ~3)
+            end = desc_at + (descsz + 3 & ~3)
+            if end > len(data):
+                break
+            if kind == _NT_GNU_BUILD_ID and data[name_at:name_at + namesz] == b"GNU\0" and descsz:
+                return bytes(data[desc_at:desc_at + descsz])
+            at = end
+    return None
 
 
 def _layout(raw_sections: list) -> dict[int, int]:

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import bisect
 import difflib
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 from ksim.errors import ImageError, UnknownSymbol
@@ -38,20 +40,23 @@ class Image:
         *,
         bindings: dict[str, str] | None = None,
         reader: MemoryReader | None = None,
+        build_id: bytes | None = None,
     ) -> None:
         self.path = path
+        #: the ELF's GNU build id (``.note.gnu.build-id``), when the file has one
+        self.build_id = build_id
         self.arch = arch
         self.module = module
         self.sections: tuple[Section, ...] = tuple(sorted(sections, key=lambda s: (s.address, -s.size)))
-        self.symbols: tuple[Symbol, ...] = tuple(sorted(symbols, key=lambda s: (s.address, s.name)))
+        self.symbols: tuple[Symbol, ...] = tuple(sorted(symbols, key=attrgetter("address", "name")))
         self._reader = reader
-        self._by_name: dict[str, Symbol] = {}
-        for sym in self.symbols:
-            self._by_name.setdefault(sym.name, sym)
+        # the first symbol of each name (in address order) is the one a name means
+        self._by_name: dict[str, Symbol] = {sym.name: sym for sym in reversed(self.symbols)}
         self.functions, self._func_by_name = _functions(self.symbols, bindings or {})
         self._func_starts = [f.address for f in self.functions]
         self._sym_starts = [s.address for s in self.symbols]
         self._names_at: dict[int, list[str]] | None = None
+        self._aliases: dict[int, list[str]] | None = None
         self._sec_starts = [s.address for s in self.sections]
         self.text_regions: tuple[tuple[int, int], ...] = merge_ranges(
             (s.address, s.end) for s in self.sections if s.executable and s.size
@@ -102,7 +107,13 @@ class Image:
 
     def aliases(self, func: Function) -> list[str]:
         """Every name under which ``func`` is known (its own first)."""
-        others = sorted(n for n, f in self._func_by_name.items() if f == func and n != func.name)
+        if self._aliases is None:
+            table: dict[int, list[str]] = {}
+            for name, f in self._func_by_name.items():
+                if name != f.name:
+                    table.setdefault(f.address, []).append(name)
+            self._aliases = table
+        others = sorted(n for n in self._aliases.get(func.address, ()) if self._func_by_name[n] == func)
         return [func.name, *others]
 
     # --- addresses -------------------------------------------------------------
@@ -154,6 +165,23 @@ class Image:
         return self.read(func.address, func.size)
 
     @cached_property
+    def content_id(self) -> bytes:
+        """What identifies these bytes: the build id when the file has one, else a hash
+        of every section (name, place, flags and contents).  An image read from a
+        running kernel has neither: its text is patched at boot (alternatives,
+        ftrace, static calls) and differs from any file."""
+        if self.reads_memory:
+            raise ImageError(f"{self.module}: the bytes come from a running kernel; they have no fixed identity")
+        if self.build_id:
+            return b"build-id:" + self.build_id
+        digest = hashlib.blake2b(digest_size=32)
+        for sec in self.sections:
+            digest.update(f"{sec.name}\0{sec.address:x}\0{sec.size:x}\0{sec.executable:d}{sec.writable:d}\0"
+                          .encode())
+            digest.update(hashlib.blake2b(sec.data, digest_size=32).digest())
+        return b"content:" + digest.digest()
+
+    @cached_property
     def tables(self) -> KernelTables:
         """The kernel's address-keyed tables (bug, exception, ftrace, jump-label,
         static-call sites and the kprobe blacklist), read on first use."""
@@ -183,23 +211,35 @@ def _name_rank(name: str, bindings: dict[str, str]) -> tuple[int, int, int, str]
 def _functions(
     symbols: Sequence[Symbol], bindings: dict[str, str]
 ) -> tuple[tuple[Function, ...], dict[str, Function]]:
-    """Functions from STT_FUNC symbols with a size, one per start address.
+    """Functions from STT_FUNC symbols with a size (sorted by address), one per start
+    address (and module).
 
     Symbols at the same address are aliases of one function (``SYM_FUNC_ALIAS``,
     ``__x64_sys_*`` pairs); the largest size wins, so that the function covers
     every alias's bytes.
     """
-    groups: dict[tuple[str, int], list[Symbol]] = {}
-    for sym in symbols:
-        if sym.kind == "func" and sym.size > 0:
-            groups.setdefault((sym.module, sym.address), []).append(sym)
+    sized = [s for s in symbols if s.kind == "func" and s.size > 0]
     functions: list[Function] = []
     by_name: dict[str, Function] = {}
-    for (module, address), group in sorted(groups.items(), key=lambda kv: kv[0][1]):
-        size = max(s.size for s in group)
-        names = sorted({s.name for s in group}, key=lambda n: _name_rank(n, bindings))
-        func = Function(names[0], address, size, module)
-        functions.append(func)
-        for name in names:
-            by_name.setdefault(name, func)
+    i, count = 0, len(sized)
+    while i < count:  # symbols come sorted by address: aliases are neighbours
+        first = sized[i]
+        j = i + 1
+        while j < count and sized[j].address == first.address:
+            j += 1
+        if j == i + 1:
+            func = Function(first.name, first.address, first.size, first.module)
+            functions.append(func)
+            by_name.setdefault(func.name, func)
+        else:
+            modules: dict[str, list[Symbol]] = {}
+            for sym in sized[i:j]:
+                modules.setdefault(sym.module, []).append(sym)
+            for module, group in modules.items():
+                names = sorted({s.name for s in group}, key=lambda n: _name_rank(n, bindings))
+                func = Function(names[0], first.address, max(s.size for s in group), module)
+                functions.append(func)
+                for name in names:
+                    by_name.setdefault(name, func)
+        i = j
     return tuple(functions), by_name

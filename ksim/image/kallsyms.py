@@ -30,6 +30,24 @@ _ABS_TYPES = frozenset("Aa")
 
 def parse_kallsyms(text: str, source: str = "<kallsyms>") -> list[tuple[int, str, str, str]]:
     """(address, type letter, name, module) per line; module is "vmlinux" for the kernel."""
+    # The kernel's own format (one space, a tab before the module) matched in one
+    # pass over the whole text; anything else goes line by line.
+    found = _STRICT.findall(text)
+    if found and len(found) == text.count("\n") + (not text.endswith("\n")):
+        entries = [(int(a, 16), t, n, m or "vmlinux") for a, t, n, m in found]
+    else:
+        entries = _parse_lines(text, source)
+    if not entries:
+        raise MalformedImage(f"{source}: no symbols")
+    if all(addr == 0 for addr, *_ in entries):
+        raise MalformedImage(f"{source}: every address is zero (kallsyms read without privilege?)")
+    return entries
+
+
+_STRICT = re.compile(r"^([0-9a-fA-F]{1,16}) ([A-Za-z?]) (\S+)(?:\t\[(\S+)\])?$", re.M)
+
+
+def _parse_lines(text: str, source: str) -> list[tuple[int, str, str, str]]:
     entries = []
     for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
@@ -38,10 +56,6 @@ def parse_kallsyms(text: str, source: str = "<kallsyms>") -> list[tuple[int, str
         if m is None:
             raise MalformedImage(f"{source}:{lineno}: not a kallsyms line: {line[:80]!r}")
         entries.append((int(m.group(1), 16), m.group(2), m.group(3), m.group(4) or "vmlinux"))
-    if not entries:
-        raise MalformedImage(f"{source}: no symbols")
-    if all(addr == 0 for addr, *_ in entries):
-        raise MalformedImage(f"{source}: every address is zero (kallsyms read without privilege?)")
     return entries
 
 
@@ -60,9 +74,10 @@ def load_kallsyms(
     except UnicodeDecodeError as exc:
         raise MalformedImage(f"{source}: not text ({exc})") from exc
     entries = parse_kallsyms(text, source)
+    build_id = None
     if image_path is not None:
         base = load_image(image_path)
-        sections = base.sections
+        sections, build_id = base.sections, base.build_id
     else:
         sections = _synthetic_text(entries)
     symbols = list(_with_sizes(entries, sections))
@@ -74,6 +89,7 @@ def load_kallsyms(
         symbols,
         bindings={name: "global" if t.isupper() else "local" for _a, t, name, _m in entries},
         reader=reader,
+        build_id=build_id,
     )
 
 
@@ -121,26 +137,35 @@ def _with_sizes(
     entries: list[tuple[int, str, str, str]], sections: Iterable[Section]
 ) -> Iterable[Symbol]:
     exec_sections = sorted((s.address, s.end) for s in sections if s.executable)
+    exec_starts = [start for start, _end in exec_sections]
+    disjoint = all(a[1] <= b[0] for a, b in zip(exec_sections, exec_sections[1:], strict=False))
     by_module: dict[str, list[tuple[int, str, str]]] = {}
     for addr, letter, name, module in entries:
         by_module.setdefault(module, []).append((addr, letter, name))
+    out: list[Symbol] = []
+    append = out.append
+    bisect_right = bisect.bisect_right
     for module, items in by_module.items():
         items.sort()
         starts = sorted({addr for addr, letter, _n in items if letter not in _ABS_TYPES})
         for addr, letter, name in items:
-            if letter in _ABS_TYPES:
-                yield Symbol(name, addr, 0, "other", module)
-                continue
-            if letter not in _TEXT_TYPES:
-                yield Symbol(name, addr, 0, "object", module)
-                continue
-            section_end = _section_end(exec_sections, addr)
-            if section_end is None:
-                yield Symbol(name, addr, 0, "other", module)  # a text label outside text
-                continue
-            i = bisect.bisect_right(starts, addr)
-            end = starts[i] if i < len(starts) else section_end
-            yield Symbol(name, addr, min(end, section_end) - addr, "func", module)
+            if letter in _TEXT_TYPES:
+                if disjoint:
+                    k = bisect_right(exec_starts, addr) - 1
+                    section_end = exec_sections[k][1] if k >= 0 and addr < exec_sections[k][1] else None
+                else:
+                    section_end = _section_end(exec_sections, addr)
+                if section_end is None:
+                    append(Symbol(name, addr, 0, "other", module))  # a text label outside text
+                    continue
+                i = bisect_right(starts, addr)
+                end = starts[i] if i < len(starts) else section_end
+                append(Symbol(name, addr, min(end, section_end) - addr, "func", module))
+            elif letter in _ABS_TYPES:
+                append(Symbol(name, addr, 0, "other", module))
+            else:
+                append(Symbol(name, addr, 0, "object", module))
+    return out
 
 
 def _section_end(exec_sections: list[tuple[int, int]], addr: int) -> int | None:

@@ -3,9 +3,12 @@
 Decoding is capstone's.  Full capstone detail is slow (~0.09 M insn/s against
 ~0.8 M insn/s for ``disasm_lite``), so the reader sweeps with ``disasm_lite`` and
 asks for detail only for what the mnemonic and operand text cannot give: the
-registers read and written.  Those depend only on the instruction's text (not on
-its address, once direct-branch targets are left out of the key), so they are
-computed once per distinct instruction text and cached.
+registers read and written.  Those depend only on the instruction's text, and not
+on the numbers in it (see ``_NUMBER``), so they are computed once per class of
+text and cached; :func:`classify` is the one place that turns a text into flow,
+target and effects, for ``decode`` and for the bulk scan of whole kernels
+(:mod:`ksim.arch.x86_64.scan`) alike.  The detail is read through capstone's C
+interface (``cs_regs_access``), not the binding's per-instruction objects.
 
 Register effects are reported the way a liveness analysis needs them:
 
@@ -22,6 +25,7 @@ Register effects are reported the way a liveness analysis needs them:
 
 from __future__ import annotations
 
+import ctypes
 import re
 from collections.abc import Iterator
 
@@ -34,7 +38,9 @@ from ksim.errors import CallOperandError, DecodeError
 __all__ = [
     "GPRS",
     "ALL_REGS",
+    "EFFECTS",
     "canonical_reg",
+    "classify",
     "reg_width",
     "decode",
     "decode_one",
@@ -155,9 +161,25 @@ def _make_cs(detail: bool) -> capstone.Cs:
 _CS_LITE = _make_cs(False)
 _CS_FULL = _make_cs(True)
 
-# (mnemonic, operand text) -> (reads, writes); bounded so a whole-kernel sweep
+#: every distinct (reads, writes) pair met so far; an instruction's effects are an
+#: index into it (append-only, so an index stays valid for the life of the process)
+EFFECTS: list[tuple[frozenset[str], frozenset[str]]] = []
+_EFFECT_IDS: dict[tuple[frozenset[str], frozenset[str]], int] = {}
+
+# Register effects depend on the operation and its registers, never on the value
+# of an immediate, a displacement or a RIP-relative offset (capstone's access
+# tables are per opcode).  So they are computed once per *class* of instruction
+# text -- the text with every hexadecimal number replaced by "#" -- which a whole
+# vmlinux has ~40 K of, against ~270 K distinct texts (checked equal, text by text,
+# on the Debian 6.1 vmlinux, even with decimal numbers merged as well).  Register
+# names hold no "0x".
+_NUMBER = re.compile(r"0x[0-9a-f]+")
+# (mnemonic, normalised operand text) -> effect index
+_CLASSES: dict[tuple[str, str], int] = {}
+# (mnemonic, operand text) -> effect index; "" for the operand of a direct branch,
+# whose effects do not depend on its target.  Bounded so that a whole-kernel sweep
 # cannot grow it without limit.
-_EFFECTS: dict[tuple[str, str], tuple[frozenset[str], frozenset[str]]] = {}
+_EFFECTS_BY_TEXT: dict[tuple[str, str], int] = {}
 _EFFECTS_MAX = 400_000
 
 
@@ -196,23 +218,31 @@ def _pc_ref(op_str: str, end: int) -> int | None:
     return (end - disp if m.group(1) == "-" else end + disp) & 0xFFFFFFFFFFFFFFFF
 
 
-def _effects(raw: bytes, address: int, base: str, op_str: str) -> tuple[frozenset[str], frozenset[str]]:
+def _intern_effects(reads: frozenset[str], writes: frozenset[str]) -> int:
+    key = (reads, writes)
+    index = _EFFECT_IDS.get(key)
+    if index is None:
+        index = _EFFECT_IDS[key] = len(EFFECTS)
+        EFFECTS.append(key)
+    return index
+
+
+def _effects(raw: bytes, address: int, mnemonic: str, op_str: str) -> tuple[frozenset[str], frozenset[str]]:
     """Registers read and written, from capstone's detail plus the rules above."""
-    insn = next(_CS_FULL.disasm(raw, address, 1))
-    regs_read, regs_write = insn.regs_access()
+    regs_read, regs_write, eflags = _detail(raw, address)
+    base = _base(mnemonic)
     reads: set[str] = set()
     writes: set[str] = set()
     for reg in regs_read:
-        hit = _REG_WIDTH.get(insn.reg_name(reg))
+        hit = _reg_by_id(reg)
         if hit:
             reads.add(hit[0])
     for reg in regs_write:
-        hit = _REG_WIDTH.get(insn.reg_name(reg))
+        hit = _reg_by_id(reg)
         if hit:
             writes.add(hit[0])
             if hit[1] < 32:  # partial write: the rest of the register survives
                 reads.add(hit[0])
-    eflags = insn.eflags
     if eflags & _FLAGS_TESTED:
         reads.add("flags")
     if eflags & _FLAGS_WRITTEN:
@@ -224,7 +254,7 @@ def _effects(raw: bytes, address: int, base: str, op_str: str) -> tuple[frozense
         # a shift or rotate by cl leaves every flag alone when the count is zero
         if partial or (base[:2] in ("sh", "sa", "ro", "rc") and "cl" in op_str):
             reads.add("flags")
-    repeated = insn.mnemonic.startswith("rep") and " " in insn.mnemonic  # may run zero times
+    repeated = mnemonic.startswith("rep") and " " in mnemonic  # may run zero times
     if base.startswith(_CONDITIONAL_WRITE_PREFIXES) or repeated:
         reads |= writes
     if base in _ZEROING:
@@ -237,7 +267,45 @@ def _effects(raw: bytes, address: int, base: str, op_str: str) -> tuple[frozense
     return frozenset(reads), frozenset(writes)
 
 
-def _build(code: bytes, offset: int, address: int, size: int, mnemonic: str, op_str: str) -> Insn:
+# --- capstone's detail, read through its C interface -------------------------------
+# The Python binding copies the whole detail structure into Python objects for
+# every instruction (~80 us); the registers and flags are all that is needed here.
+_INSN_PTR = ctypes.POINTER(capstone._cs_insn)
+_REG_NAMES: dict[int, tuple[str, int] | None] = {}
+
+
+def _detail(raw: bytes, address: int) -> tuple[list[int], list[int], int]:
+    """(registers read, registers written, eflags) of the instruction ``raw`` at
+    ``address``, as capstone's ``cs_regs_access`` and x86 detail report them."""
+    cs = _CS_FULL
+    insns = _INSN_PTR()
+    count = capstone._cs.cs_disasm(cs.csh, raw, len(raw), address, 1, ctypes.byref(insns))
+    if not count:
+        raise DecodeError(f"undecodable bytes at {address:#x}: {raw.hex()}")
+    try:
+        reads = (ctypes.c_uint16 * 64)()
+        writes = (ctypes.c_uint16 * 64)()
+        n_reads, n_writes = ctypes.c_uint8(), ctypes.c_uint8()
+        status = capstone._cs.cs_regs_access(cs.csh, insns, ctypes.byref(reads), ctypes.byref(n_reads),
+                                             ctypes.byref(writes), ctypes.byref(n_writes))
+        if status != capstone.CS_ERR_OK:
+            raise DecodeError(f"no register access for {raw.hex()} at {address:#x} (capstone {status})")
+        eflags = insns[0].detail.contents.arch.x86.flags.eflags
+        return reads[:n_reads.value], writes[:n_writes.value], eflags
+    finally:
+        capstone._cs.cs_free(insns, count)
+
+
+def _reg_by_id(reg: int) -> tuple[str, int] | None:
+    """(64-bit name, width) of capstone's register ``reg``; None if liveness ignores it."""
+    if reg not in _REG_NAMES:
+        name = capstone._cs.cs_reg_name(_CS_FULL.csh, reg)
+        _REG_NAMES[reg] = _REG_WIDTH.get(name.decode("ascii")) if name else None
+    return _REG_NAMES[reg]
+
+
+def classify(mnemonic: str, op_str: str, raw: bytes, address: int) -> tuple[Flow, int | None, int]:
+    """(flow, direct target, index into :data:`EFFECTS`) of one decoded instruction."""
     kinds = _KINDS.get(mnemonic)
     if kinds is None:
         kinds = _KINDS[mnemonic] = _branch_kinds(mnemonic)
@@ -247,15 +315,24 @@ def _build(code: bytes, offset: int, address: int, size: int, mnemonic: str, op_
     if direct is not None and op_str[:2] == "0x" and _HEX.match(op_str):
         # the effects of a direct branch do not depend on its target: one cache entry
         flow, target, key = direct, int(op_str, 16), (mnemonic, "")
-    raw = code[offset : offset + size]
-    effects = _EFFECTS.get(key)
+    effects = _EFFECTS_BY_TEXT.get(key)
     if effects is None:
-        effects = _effects(bytes(raw), address, _base(mnemonic), op_str)
-        if len(_EFFECTS) >= _EFFECTS_MAX:
-            _EFFECTS.clear()
-        _EFFECTS[key] = effects
+        norm = (mnemonic, _NUMBER.sub("#", key[1]))
+        effects = _CLASSES.get(norm)
+        if effects is None:
+            effects = _CLASSES[norm] = _intern_effects(*_effects(bytes(raw), address, mnemonic, op_str))
+        if len(_EFFECTS_BY_TEXT) >= _EFFECTS_MAX:
+            _EFFECTS_BY_TEXT.clear()
+        _EFFECTS_BY_TEXT[key] = effects
+    return flow, target, effects
+
+
+def _build(code: bytes, offset: int, address: int, size: int, mnemonic: str, op_str: str) -> Insn:
+    raw = bytes(code[offset : offset + size])
+    flow, target, effects = classify(mnemonic, op_str, raw, address)
+    reads, writes = EFFECTS[effects]
     pc_ref = _pc_ref(op_str, address + size) if "rip" in op_str else None
-    return Insn(address, size, bytes(raw), mnemonic, op_str, flow, target, pc_ref, effects[0], effects[1])
+    return Insn(address, size, raw, mnemonic, op_str, flow, target, pc_ref, reads, writes)
 
 
 def decode(code: bytes, address: int) -> Iterator[Insn]:

@@ -1,0 +1,547 @@
+"""The persistent analysis store: every function's compact analysis, kept on disk
+per image, so that the next process starts without analysing anything.
+
+:func:`build` analyses every function of an image (:func:`ksim.analysis.sweep.sweep`,
+the same answers as :func:`ksim.analysis.compact.compute` for a run of functions at
+once), spread over the machine's cores (forked workers, each on runs of functions
+of about equal work); :class:`Store` answers for one function
+(:meth:`Store.get`, a :class:`~ksim.analysis.compact.Compact`) and for the whole image
+(:meth:`Store.totals`, :meth:`Store.function_points`).  ``analyze()`` builds its
+instructions and CFG from the store when the image has one, and the clobber
+analysis reads its per-function summaries from it, so attaching to N functions
+analyses those N functions and no callee.
+
+**Where and under which key.**  ``$KSIM_CACHE/analysis/<key>.ksa`` (``~/.cache/ksim``
+when KSIM_CACHE is unset; ``$KSIM_ANALYSIS_CACHE`` names another directory;
+``KSIM_ANALYSIS_STORE=off`` turns stores off).  The key hashes :data:`ANALYSIS_VERSION`, the decoder
+(architecture and capstone's version), the image's identity (its GNU build id, else
+a hash of every section; see ``Image.content_id``), its module name and its whole
+function table (address and size of every function: a vmlinux loaded with its ELF
+symbols and the same file loaded with kallsyms extents are different analyses).
+An image read from a running kernel has no store: its text is patched at boot.
+The file repeats the key and the function table, and both are checked on load.
+
+**Format** (all little-endian): a header (magic, :data:`ANALYSIS_VERSION`, key, body
+length, BLAKE2b-256 of the body), then the body: a directory of named arrays
+(name, ``array`` type code, length) followed by their bytes, 8-byte aligned.  Arrays
+per function (``addr``, ``size``, ``status``, counts, ``own`` ...) and the data they
+count (``sizes``, ``codes``, ``targets``, points ...) concatenated in function order;
+``meta`` is JSON: per chunk of functions, the register names and the effects table
+its codes index; the jump tables; the errors of functions that could not be read.
+
+**Corruption.**  A file that is missing, short, from another version, for another
+key or function table, or whose digest does not match its body, is ignored (and
+replaced when the store is rebuilt).  A record whose bytes no longer decode as
+recorded is not used either (``compact.StaleRecord``): ``analyze()`` then analyses
+the function afresh.  Writes go to a temporary file in the same
+directory, then ``os.replace``: a reader sees the old file or the new one, whole.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import multiprocessing
+import os
+import struct
+import sys
+import tempfile
+import threading
+import weakref
+from array import array
+from collections.abc import Callable, Iterator
+from itertools import accumulate
+from operator import attrgetter
+from pathlib import Path
+from typing import Any
+
+from ksim.analysis.abi import support_for
+from ksim.analysis.cfg import JumpTable
+from ksim.analysis.compact import Compact
+from ksim.analysis.points import FunctionPoints
+from ksim.errors import KsimError
+from ksim.image.image import Image
+from ksim.image.model import Function
+
+#: bump whenever the analysis (what compact.compute or the decoder derive) or this
+#: file format changes: older files are then ignored
+ANALYSIS_VERSION = 1
+
+_MAGIC = b"KSIMANA\x00"
+_HEADER = struct.Struct("<8sI4x32sQ32s")  # magic, version, key, body length, body digest
+_ENTRY = struct.Struct("<16scxxxxxxxQ")    # name, array type code, length in bytes
+_SUFFIX = ".ksa"
+
+#: images with at least this many functions get a store built the first time the
+#: clobber analysis needs one (smaller ones are quick to analyse function by function)
+AUTO_BUILD_FUNCTIONS = 5000
+
+# per function
+_PER_FUNCTION = {
+    "addr": "Q", "size": "Q", "status": "B", "n_insns": "I", "tail": "I", "tail_code": "I",
+    "n_targets": "I", "blocks": "I", "n_exits": "I", "n_bpoints": "I", "n_calls": "I",
+    "own": "Q", "worst": "B", "n_calls_out": "I", "n_jumps_out": "I", "chunk": "I",
+}
+# what the per-function counts count, concatenated in function order
+_DATA = {"sizes": "B", "codes": "I", "targets": "Q", "exits": "Q", "bpoints": "Q",
+         "calls": "Q", "calls_out": "Q", "jumps_out": "Q"}
+_COUNTED_BY = {"sizes": "n_insns", "codes": "n_insns", "targets": "n_targets", "exits": "n_exits",
+               "bpoints": "n_bpoints", "calls": "n_calls", "calls_out": "n_calls_out",
+               "jumps_out": "n_jumps_out"}
+_OK, _FAILED = 0, 1
+
+
+class StoreError(KsimError):
+    """A store file that cannot be used (missing, corrupt, for something else)."""
+
+
+def cache_dir() -> Path:
+    """$KSIM_ANALYSIS_CACHE, else the ksim cache root's ``analysis/``."""
+    own = os.environ.get("KSIM_ANALYSIS_CACHE")
+    if own:
+        return Path(own)
+    from ksim.images import cache_root
+
+    return cache_root() / "analysis"
+
+
+def _decoder_identity(arch: str) -> str:
+    import capstone
+
+    return f"{arch}/capstone-{capstone.__version__}"
+
+
+def image_key(image: Image) -> bytes:
+    """The 32-byte key of ``image``'s analysis (see the module docstring)."""
+    digest = hashlib.blake2b(digest_size=32)
+    digest.update(f"ksim-analysis/{ANALYSIS_VERSION}/{_decoder_identity(image.arch)}/{image.module}\0"
+                  .encode())
+    digest.update(image.content_id)
+    digest.update(_function_table(image.functions).tobytes())
+    return digest.digest()
+
+
+def _function_table(functions: tuple[Function, ...]) -> array:
+    table = array("Q")
+    for f in functions:
+        table.append(f.address)
+        table.append(f.size)
+    return table
+
+
+def path_for(image: Image, directory: Path | None = None) -> Path:
+    return (directory or cache_dir()) / f"{image_key(image).hex()[:40]}{_SUFFIX}"
+
+
+# --- the store --------------------------------------------------------------------------
+class Store:
+    """Every function's compact analysis of one image (read-only)."""
+
+    def __init__(self, image: Image, key: bytes, arrays: dict[str, array], meta: dict[str, Any]) -> None:
+        self.key = key
+        self._arrays = arrays
+        self._meta = meta
+        functions = image.functions
+        addr, size = arrays["addr"], arrays["size"]
+        if len(addr) != len(functions) or addr.tobytes() + size.tobytes() != (
+                array("Q", (f.address for f in functions)).tobytes()
+                + array("Q", (f.size for f in functions)).tobytes()):
+            raise StoreError("the store's function table is not the image's")
+        self._addr = addr
+        self._offsets: dict[str, list[int]] = {}
+        for name, counter in _COUNTED_BY.items():
+            if counter not in self._offsets:
+                self._offsets[counter] = list(accumulate(arrays[counter], initial=0))
+            if self._offsets[counter][-1] != len(arrays[name]):
+                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not "
+                                 f"{self._offsets[counter][-1]}")
+        for name in _PER_FUNCTION:
+            if len(arrays[name]) != len(functions):
+                raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
+        self._chunks = meta["chunks"]
+        self._effects: dict[int, list[tuple[frozenset[str], frozenset[str]]]] = {}
+        self._regs: dict[int, list[str]] = {}
+        self._tables: dict[str, list] = meta["tables"]
+
+    # --- one function ----------------------------------------------------------------
+    def index_of(self, func: Function) -> int | None:
+        i = bisect.bisect_left(self._addr, func.address)
+        if i < len(self._addr) and self._addr[i] == func.address and self._arrays["size"][i] == func.size:
+            return i
+        return None
+
+    def get(self, func: Function) -> Compact | None:
+        """The compact analysis of ``func``; None when it is not in the store or could
+        not be analysed (its bytes could not be read: a fresh analysis says why)."""
+        i = self.index_of(func)
+        if i is None or self._arrays["status"][i] != _OK:
+            return None
+        a = self._arrays
+        chunk = a["chunk"][i]
+
+        def part(name: str) -> array:
+            offsets = self._offsets[_COUNTED_BY[name]]
+            return a[name][offsets[i]:offsets[i + 1]]
+
+        tables = tuple(JumpTable(jump, table, reg, tuple(entries))
+                       for jump, table, reg, entries in self._tables.get(str(i), ()))
+        return Compact(
+            start=func.address, end=func.end, sizes=part("sizes").tobytes(), codes=part("codes"),
+            targets=part("targets"), tail=a["tail"][i], tail_code=a["tail_code"][i],
+            effects=self._effects_of(chunk), tables=tables, blocks=a["blocks"][i],
+            exits=tuple(part("exits")), block_points=tuple(part("bpoints")), callsites=tuple(part("calls")),
+            own_writes=self._names(chunk, a["own"][i]), worst=bool(a["worst"][i]),
+            calls_out=tuple(part("calls_out")), jumps_out=tuple(part("jumps_out")),
+        )
+
+    def summary(self, func: Function) -> tuple[frozenset[str], bool, tuple[int, ...], tuple[int, ...]] | None:
+        """(registers written, worst, calls out, jumps out) of ``func`` -- what the
+        clobber analysis needs, without the rest of its record; None as for get()."""
+        i = self.index_of(func)
+        a = self._arrays
+        if i is None or a["status"][i] != _OK:
+            return None
+        calls, jumps = self._offsets["n_calls_out"], self._offsets["n_jumps_out"]
+        return (self._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
+                tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
+
+    def _names(self, chunk: int, mask: int) -> frozenset[str]:
+        regs = self._chunks[chunk]["regs"]
+        return frozenset(r for k, r in enumerate(regs) if mask >> k & 1)
+
+    def _effects_of(self, chunk: int) -> list[tuple[frozenset[str], frozenset[str]]]:
+        if chunk not in self._effects:
+            self._effects[chunk] = [(self._names(chunk, r), self._names(chunk, w))
+                                    for r, w in self._chunks[chunk]["effects"]]
+        return self._effects[chunk]
+
+    # --- the whole image ------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self._addr)
+
+    def totals(self) -> dict[str, int]:
+        """Functions analysed and failed, instructions, blocks and points of the image."""
+        a = self._arrays
+        ok = [s == _OK for s in a["status"]]
+        return {
+            "functions": sum(ok), "failed": len(ok) - sum(ok),
+            "instructions": sum(a["n_insns"]) + sum(a["tail"]), "blocks": sum(a["blocks"]),
+            "points": sum(ok) + sum(a["n_exits"]) + sum(a["n_bpoints"]) + sum(a["n_calls"]),
+            "bytes": sum(s for s, good in zip(a["size"], ok, strict=True) if good),
+        }
+
+    def function_points(self, image: Image) -> Iterator[FunctionPoints]:
+        """The points of every function analysed, in address order."""
+        a = self._arrays
+        exits, bpoints, calls = a["exits"], a["bpoints"], a["calls"]
+        ex, bp, ca = (self._offsets[n] for n in ("n_exits", "n_bpoints", "n_calls"))
+        for i, func in enumerate(image.functions):
+            if a["status"][i] == _OK:
+                yield FunctionPoints(func.name, func.address, tuple(exits[ex[i]:ex[i + 1]]),
+                                     tuple(bpoints[bp[i]:bp[i + 1]]), tuple(calls[ca[i]:ca[i + 1]]))
+
+    # --- bytes ------------------------------------------------------------------------------
+    def body(self) -> bytes:
+        return _encode(self._arrays, self._meta)
+
+    def save(self, path: Path) -> None:
+        """Write the store to ``path`` atomically (a temporary file, then rename)."""
+        body = self.body()
+        header = _HEADER.pack(_MAGIC, ANALYSIS_VERSION, self.key, len(body), _digest(body))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as out:
+                out.write(header)
+                out.write(body)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep other users' processes out
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: Path, image: Image) -> Store | None:
+        """The store at ``path`` for ``image``; None when there is none or it cannot be
+        trusted (short, corrupt, another version, key or function table)."""
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            return cls.from_bytes(data, image)
+        except (StoreError, ValueError, KeyError, TypeError, IndexError, struct.error,
+                UnicodeDecodeError, OverflowError):
+            return None
+
+    @classmethod
+    def from_bytes(cls, data: bytes, image: Image) -> Store:
+        if len(data) < _HEADER.size:
+            raise StoreError("short file")
+        magic, version, key, length, digest = _HEADER.unpack_from(data)
+        if magic != _MAGIC or version != ANALYSIS_VERSION:
+            raise StoreError(f"not a version-{ANALYSIS_VERSION} analysis store")
+        if key != image_key(image):
+            raise StoreError("the store is for another image")
+        body = memoryview(data)[_HEADER.size:]
+        if len(body) != length or _digest(body) != digest:
+            raise StoreError("the store's body is damaged")
+        arrays, meta = _decode(body)
+        return cls(image, key, arrays, meta)
+
+
+def _digest(body: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(body, digest_size=32).digest()
+
+
+def _encode(arrays: dict[str, array], meta: dict[str, Any]) -> bytes:
+    entries: list[tuple[str, str, bytes]] = [(name, arr.typecode, arr.tobytes())
+                                             for name, arr in arrays.items()]
+    entries.append(("meta", "J", json.dumps(meta, separators=(",", ":")).encode()))
+    head = struct.pack("<I", len(entries)) + b"".join(
+        _ENTRY.pack(name.encode(), code.encode(), len(raw)) for name, code, raw in entries)
+    out = [head, bytes(-len(head) % 8)]
+    for _name, _code, raw in entries:
+        out += [raw, bytes(-len(raw) % 8)]
+    return b"".join(out)
+
+
+def _decode(body: memoryview) -> tuple[dict[str, array], dict[str, Any]]:
+    (count,) = struct.unpack_from("<I", body)
+    if count > 256:
+        raise StoreError(f"{count} arrays")
+    at = 4 + count * _ENTRY.size
+    at += -at % 8
+    arrays: dict[str, array] = {}
+    meta: dict[str, Any] | None = None
+    for k in range(count):
+        raw_name, code, length = _ENTRY.unpack_from(body, 4 + k * _ENTRY.size)
+        name = raw_name.rstrip(b"\0").decode()
+        if at + length > len(body):
+            raise StoreError(f"array {name!r} runs past the end")
+        chunk = body[at:at + length]
+        if code == b"J":
+            meta = json.loads(bytes(chunk))
+        else:
+            typecode = code.decode()
+            expected = _PER_FUNCTION.get(name) or _DATA.get(name)
+            if expected != typecode:
+                raise StoreError(f"array {name!r} has type {typecode!r}")
+            arr = array(typecode)
+            arr.frombytes(chunk)
+            arrays[name] = arr
+        at += length + (-length % 8)
+    missing = (set(_PER_FUNCTION) | set(_DATA)) - set(arrays)
+    if meta is None or missing:
+        raise StoreError(f"the store lacks {sorted(missing) or ['meta']}")
+    return arrays, meta
+
+
+# --- building -------------------------------------------------------------------------------
+_WORK: Image | None = None  # the image forked workers analyse
+
+
+def build(image: Image, *, jobs: int | None = None) -> Store:
+    """Analyse every function of ``image`` (in ``jobs`` processes; default: one per
+    core) into a store (not saved: see :meth:`Store.save`)."""
+    functions = image.functions
+    jobs = max(1, jobs if jobs is not None else os.cpu_count() or 1)
+    parts = _parts(image, jobs * 6) if jobs > 1 and len(functions) > 64 else [(0, len(functions))]
+    if jobs > 1 and len(parts) > 1 and _can_fork():
+        global _WORK
+        _WORK = image
+        try:
+            with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
+                bodies = pool.map(_analyse_forked, parts, chunksize=1)
+        finally:
+            _WORK = None
+    else:
+        bodies = [_analyse(image, lo, hi) for lo, hi in parts]
+    arrays, meta = _merge([_decode(memoryview(b)) for b in bodies])
+    return Store(image, image_key(image), arrays, meta)
+
+
+def _can_fork() -> bool:
+    # forking a process with other threads may copy a lock another thread holds
+    return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
+
+
+def _parts(image: Image, count: int) -> list[tuple[int, int]]:
+    """``count`` runs of functions with about as much work each: the bytes before
+    their padding (which costs next to nothing), plus a little per function."""
+    functions = image.functions
+    weights = []
+    for f in functions:
+        try:
+            weights.append(64 + len(image.read(f.address, f.size).rstrip(_PADDING)))
+        except KsimError:
+            weights.append(64)
+    total = sum(weights) or 1
+    bounds = [0]
+    acc = 0
+    for i, w in enumerate(weights):
+        acc += w
+        if acc * count >= total * len(bounds) and i + 1 < len(functions):
+            bounds.append(i + 1)
+    bounds.append(len(functions))
+    return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
+
+
+_PADDING = b"\xcc"
+
+
+def _analyse_forked(part: tuple[int, int]) -> bytes:
+    assert _WORK is not None
+    return _analyse(_WORK, *part)
+
+
+#: functions are swept in groups of about this many bytes of code (small enough for
+#: the decoder's records of a group to stay in the processor's caches)
+_GROUP_BYTES = 1 << 14
+
+
+def _analyse(image: Image, lo: int, hi: int) -> bytes:
+    """The store body (arrays and meta) of functions ``lo`` to ``hi`` of ``image``."""
+    from ksim.analysis.sweep import Row, sweep
+
+    support = support_for(image.arch)
+    arrays = {name: array(code) for name, code in {**_PER_FUNCTION, **_DATA}.items()}
+    regs = sorted(support.convention.all_regs)
+    bit = {r: 1 << k for k, r in enumerate(regs)}
+    tables: dict[str, list] = {}
+    errors: dict[str, str] = {}
+
+    def mask(names: frozenset[str]) -> int:
+        out = 0
+        for name in names:
+            if name not in bit:
+                bit[name] = 1 << len(regs)
+                regs.append(name)
+            out |= bit[name]
+        return out
+
+    a = arrays
+    for group_lo, group_hi in _groups(image.functions, lo, hi):
+        group = image.functions[group_lo:group_hi]
+        rows, sizes, codes, targets, tail_code = sweep(image, support, group)
+        a["sizes"].frombytes(sizes)
+        a["codes"].extend(codes)
+        a["targets"].extend(targets)
+        ok = [r for r in rows if isinstance(r, Row)]
+        for i, row in enumerate(rows, start=group_lo):
+            if isinstance(row, Row):
+                if row.tables:
+                    tables[str(i)] = [[t.jump, t.table, t.index_reg, list(t.entries)] for t in row.tables]
+            else:
+                errors[str(i)] = row
+        a["addr"].extend(f.address for f in group)
+        a["size"].extend(f.size for f in group)
+        a["status"].extend(_OK if isinstance(r, Row) else _FAILED for r in rows)
+        for name, value in _COLUMNS:
+            a[name].extend(value(r) if isinstance(r, Row) else 0 for r in rows)
+        a["tail_code"].extend(tail_code if isinstance(r, Row) and r.tail else 0 for r in rows)
+        a["own"].extend(mask(r.own_writes) if isinstance(r, Row) else 0 for r in rows)
+        a["chunk"].extend(0 for _ in rows)
+        for row in ok:
+            a["exits"].extend(row.exits)
+            a["bpoints"].extend(row.block_points)
+            a["calls"].extend(row.callsites)
+            a["calls_out"].extend(row.calls_out)
+            a["jumps_out"].extend(row.jumps_out)
+    effects = [[mask(r), mask(w)] for r, w in list(support.effects)]
+    meta = {"chunks": [{"first": lo, "regs": regs, "effects": effects}], "tables": tables, "errors": errors}
+    return _encode(arrays, meta)
+
+
+#: per-function arrays filled from a sweep's rows
+_COLUMNS: tuple[tuple[str, Callable[[Any], int]], ...] = (
+    ("n_insns", attrgetter("instructions")), ("tail", attrgetter("tail")),
+    ("n_targets", attrgetter("targets")), ("blocks", attrgetter("blocks")),
+    ("n_exits", lambda r: len(r.exits)), ("n_bpoints", lambda r: len(r.block_points)),
+    ("n_calls", lambda r: len(r.callsites)), ("worst", attrgetter("worst")),
+    ("n_calls_out", lambda r: len(r.calls_out)), ("n_jumps_out", lambda r: len(r.jumps_out)),
+)
+
+
+def _groups(functions: tuple[Function, ...], lo: int, hi: int) -> list[tuple[int, int]]:
+    """Runs of functions from ``lo`` to ``hi`` of about _GROUP_BYTES bytes each."""
+    out = []
+    start, acc = lo, 0
+    for i in range(lo, hi):
+        acc += functions[i].size
+        if acc >= _GROUP_BYTES:
+            out.append((start, i + 1))
+            start, acc = i + 1, 0
+    if start < hi:
+        out.append((start, hi))
+    return out
+
+
+def _merge(parts: list[tuple[dict[str, array], dict[str, Any]]]) -> tuple[dict[str, array], dict[str, Any]]:
+    arrays = {name: array(code) for name, code in {**_PER_FUNCTION, **_DATA}.items()}
+    meta: dict[str, Any] = {"chunks": [], "tables": {}, "errors": {}}
+    for k, (part, part_meta) in enumerate(parts):
+        for name, arr in part.items():
+            if name == "chunk":
+                arrays[name].extend([k] * len(arr))
+            else:
+                arrays[name].extend(arr)
+        meta["chunks"] += part_meta["chunks"]
+        meta["tables"].update(part_meta["tables"])
+        meta["errors"].update(part_meta["errors"])
+    return arrays, meta
+
+
+# --- which store an image has -------------------------------------------------------------------
+_UNSET = object()
+_STORES: weakref.WeakKeyDictionary[Image, Any] = weakref.WeakKeyDictionary()
+
+
+def enabled() -> bool:
+    """Whether stores are used at all (``KSIM_ANALYSIS_STORE=off`` turns them off)."""
+    return os.environ.get("KSIM_ANALYSIS_STORE", "auto").lower() not in ("off", "0", "no", "false")
+
+
+def store_for(image: Image, *, build_missing: bool | None = None) -> Store | None:
+    """The analysis store of ``image``: loaded from disk once per image, or built
+    (and saved) when there is none and ``build_missing`` says so (default: when the
+    image has :data:`AUTO_BUILD_FUNCTIONS` functions or more).  None when the image
+    has none, or cannot have one (it is read from a running kernel)."""
+    found = _STORES.get(image, _UNSET)
+    if isinstance(found, Store):
+        return found
+    if found is None:
+        return None  # pinned: no store
+    if not enabled() or image.reads_memory or sys.byteorder != "little":
+        _STORES[image] = None
+        return None
+    if found is _UNSET:
+        store = Store.load(path_for(image), image)
+        if store is not None:
+            _STORES[image] = store
+            return store
+        _STORES[image] = False  # looked: none on disk
+    if build_missing is None:
+        build_missing = len(image.functions) >= AUTO_BUILD_FUNCTIONS
+    if not build_missing:
+        return None
+    return analyze_image(image)
+
+
+def analyze_image(image: Image, *, jobs: int | None = None, save: bool = True) -> Store:
+    """Analyse every function of ``image`` into a store, keep it for the image, and
+    (unless ``save`` is False) save it for the next process."""
+    store = build(image, jobs=jobs)
+    if save and enabled() and not image.reads_memory:
+        try:
+            store.save(path_for(image))
+        except OSError:
+            pass  # a read-only cache: the store still serves this process
+    _STORES[image] = store
+    return store
+
+
+def use(image: Image, store: Store | None) -> None:
+    """Pin the store ``image`` uses (None: none at all), whatever is on disk."""
+    _STORES[image] = store
