@@ -7,12 +7,14 @@
  *   - report where things are (text range, per-cpu offsets, task layout);
  *   - read any kernel address without faulting, write only ksim's data heap;
  *   - own a patch area (executable, reachable by rel32 from kernel text) and a
- *     data heap (reachable by disp32), both from module_alloc();
+ *     data heap (reachable by disp32), both made of areas from module_alloc()
+ *     that are added on demand and given back when empty;
  *   - answer whether text may be touched, asking the kernel itself (the checks
  *     kprobes makes: ftrace, jump labels, static calls, kprobes, the blacklist,
- *     exception and bug tables);
+ *     exception and bug tables), with the kernel's tables indexed at load;
  *   - change kernel or module text, SMP-safely, with the int3 -> sync -> tail ->
- *     sync -> head protocol, after checking the old bytes and those hazards;
+ *     sync -> head protocol, after checking the old bytes and those hazards,
+ *     for a whole batch of writes at once (as text_poke_bp_batch does);
  *   - route int3 hits at ksim's own sites to their patches (a DIE_INT3 notifier);
  *   - know who holds what: every live text write, trap route and patch-area or
  *     heap block belongs to one owner (a client session, or a kept owner that
@@ -45,16 +47,23 @@
 #include <linux/hashtable.h>
 #include <linux/rculist.h>
 #include <linux/moduleparam.h>
+#include <linux/sort.h>
+#include <linux/vmalloc.h>
+#include <linux/jump_label.h>
+#include <linux/static_call.h>
 #include <asm/current.h>
 #include <asm/smp.h>
 #include <asm/sync_core.h>
 #include <asm/ptrace.h>
 #include <asm/unaligned.h>
+#include <asm/text-patching.h>
 
 #include "kerninst.h"
 
-#define KI_CODE_SIZE (1UL << 20)	/* patch area */
-#define KI_DATA_SIZE (1UL << 20)	/* data heap */
+#define KI_CODE_SIZE (1UL << 20)	/* the first patch area */
+#define KI_DATA_SIZE (1UL << 20)	/* the first data heap area */
+/* Route changes, writes and text pokes between two chances to reschedule. */
+#define KI_RESCHED_EVERY 256
 #define KI_INT3 0xcc
 #define KI_JMP32 0xe9
 #define KI_JMP8 0xeb
@@ -100,6 +109,15 @@ static bool (*ki_within_kprobe_blacklist)(unsigned long addr);
 static const struct exception_table_entry *(*ki_search_exception_tables)(unsigned long addr);
 static struct bug_entry *(*ki_find_bug)(unsigned long bugaddr);
 static struct module *(*ki_module_text_address)(unsigned long addr);
+/*
+ * Optional: faster answers.  arch_jump_entry_size (arch/x86/kernel/jump_label.c)
+ * tells a 2-byte jump-label site from a 5-byte one (without it every site
+ * counts as 5 bytes: stricter); kallsyms_lookup_size_offset lets the
+ * blacklist be asked once per symbol instead of once per byte.
+ */
+static int (*ki_arch_jump_entry_size)(struct jump_entry *entry);
+static int (*ki_kallsyms_lookup_size_offset)(unsigned long addr, unsigned long *size,
+					     unsigned long *offset);
 
 static const struct {
 	const char *name;
@@ -120,8 +138,24 @@ static const struct {
 static u32 ki_unchecked;	/* hazards some check of which is missing */
 
 static unsigned long ki_text_start, ki_text_end;
-static u8 *ki_code;	/* patch area */
-static u8 *ki_data;	/* data heap */
+
+/*
+ * The patch area and the data heap: areas of module_alloc() memory (the module
+ * space, within +-2 GB of kernel text, so a rel32 jump and a disp32 reach
+ * them), one of each made at load and more added on demand (AREA_ADD).  A
+ * patch area is filled with int3, made RO then X, and written only with
+ * text_poke; a heap area is RW+NX.  Writers hold ki_lock.
+ */
+struct ki_area {
+	struct list_head node;		/* ki_areas */
+	unsigned long start;
+	unsigned long size;
+	u32 region;			/* KERNINST_REGION_* */
+	bool first;			/* made at load; stays until unload */
+};
+static LIST_HEAD(ki_areas);
+static unsigned long ki_area_bytes;	/* all areas together */
+static struct ki_area *ki_first_code, *ki_first_data;
 
 /* Sections whose code runs where an int3 or a jump into module memory is fatal. */
 static const char *const ki_forbidden[][2] = {
@@ -143,6 +177,9 @@ MODULE_PARM_DESC(max_routes, "trap routes at once");
 static unsigned int max_splices = KERNINST_MAX_SPLICES;
 module_param(max_splices, uint, 0644);
 MODULE_PARM_DESC(max_splices, "live text writes at once");
+static unsigned long max_area_bytes = KERNINST_MAX_AREA_BYTES;
+module_param(max_area_bytes, ulong, 0644);
+MODULE_PARM_DESC(max_area_bytes, "bytes of patch area and data heap at once, all areas together");
 
 /*
  * Who holds what.  An owner stands for a client session of kerninstd; a kept
@@ -184,10 +221,14 @@ static atomic_t ki_trap_hits = ATOMIC_INIT(0);
  * first, with its owner, so that a drop or unload undoes them newest first.  A
  * write that restores a record's original bytes removes the record.  Each
  * record carries the temporary route its multi-byte pokes use, so that an undo
- * never needs memory it might not get.
+ * never needs memory it might not get.  A hash table keyed by address finds
+ * the records at or near a place without walking the log (newest first within
+ * a bucket).
  */
+#define KI_SPLICE_BITS 14
 struct ki_splice {
 	struct list_head node;		/* ki_splices */
+	struct hlist_node hnode;	/* ki_splice_at */
 	struct ki_owner *owner;
 	unsigned long addr;
 	u32 len;
@@ -196,6 +237,7 @@ struct ki_splice {
 	struct ki_route bp;
 };
 static LIST_HEAD(ki_splices);
+static DEFINE_HASHTABLE(ki_splice_at, KI_SPLICE_BITS);
 static unsigned int ki_nsplices;
 
 /*
@@ -275,6 +317,8 @@ static int ki_resolve_all(void)
 			ki_unchecked |= ki_checks[i].hazard;
 		}
 	}
+	ki_arch_jump_entry_size = (void *)ki_lookup("arch_jump_entry_size");
+	ki_kallsyms_lookup_size_offset = (void *)ki_lookup("kallsyms_lookup_size_offset");
 	/* The jump-label lock and its check go together (jump_label_text_reserved's callers hold it). */
 	if (ki_unchecked & KERNINST_HAZARD_JUMP_LABEL) {
 		ki_jump_label_lock = NULL;
@@ -332,14 +376,25 @@ static bool ki_in_text(unsigned long addr, size_t len)
 	return mod && mod != THIS_MODULE;
 }
 
+/* The area of @region that holds all of [addr, addr + len), or NULL. */
+static struct ki_area *ki_area_of(u32 region, unsigned long addr, size_t len)
+{
+	struct ki_area *a;
+
+	list_for_each_entry(a, &ki_areas, node)
+		if (a->region == region && ki_in(addr, len, a->start, a->start + a->size))
+			return a;
+	return NULL;
+}
+
 static bool ki_in_code(unsigned long addr, size_t len)
 {
-	return ki_in(addr, len, (unsigned long)ki_code, (unsigned long)ki_code + KI_CODE_SIZE);
+	return ki_area_of(KERNINST_REGION_CODE, addr, len) != NULL;
 }
 
 static bool ki_in_data(unsigned long addr, size_t len)
 {
-	return ki_in(addr, len, (unsigned long)ki_data, (unsigned long)ki_data + KI_DATA_SIZE);
+	return ki_area_of(KERNINST_REGION_DATA, addr, len) != NULL;
 }
 
 /*
@@ -357,6 +412,59 @@ static bool ki_canonical(unsigned long addr)
 }
 
 /*
+ * within_kprobe_blacklist() walks the whole blacklist (thousands of entries:
+ * every symbol of the entry, noinstr and kprobes sections) and looks the
+ * symbol's name up; its answer for a core kernel symbol never changes, so it
+ * is asked once per symbol and remembered.
+ */
+#define KI_BLACKLIST_MEMO_BITS 12
+struct ki_bl_memo {
+	struct hlist_node node;
+	unsigned long symbol;
+	bool blacklisted;
+};
+static DEFINE_HASHTABLE(ki_bl_memo, KI_BLACKLIST_MEMO_BITS);
+static DEFINE_SPINLOCK(ki_bl_memo_lock);
+
+static bool ki_core_symbol_blacklisted(unsigned long symbol)
+{
+	struct ki_bl_memo *m;
+	unsigned long flags;
+	bool black;
+
+	spin_lock_irqsave(&ki_bl_memo_lock, flags);
+	hash_for_each_possible(ki_bl_memo, m, node, symbol)
+		if (m->symbol == symbol) {
+			black = m->blacklisted;
+			spin_unlock_irqrestore(&ki_bl_memo_lock, flags);
+			return black;
+		}
+	spin_unlock_irqrestore(&ki_bl_memo_lock, flags);
+	black = ki_within_kprobe_blacklist(symbol);
+	m = kmalloc(sizeof(*m), GFP_ATOMIC | __GFP_NOWARN);
+	if (m) {	/* without memory, asked again next time */
+		m->symbol = symbol;
+		m->blacklisted = black;
+		spin_lock_irqsave(&ki_bl_memo_lock, flags);
+		hash_add(ki_bl_memo, &m->node, symbol);
+		spin_unlock_irqrestore(&ki_bl_memo_lock, flags);
+	}
+	return black;
+}
+
+static void ki_bl_memo_free(void)
+{
+	struct ki_bl_memo *m;
+	struct hlist_node *tmp;
+	int bkt;
+
+	hash_for_each_safe(ki_bl_memo, bkt, tmp, m, node) {
+		hash_del(&m->node);
+		kfree(m);
+	}
+}
+
+/*
  * Code where an int3 or a jump into module memory is fatal or recursive: the
  * entry, noinstr and kprobes sections, the kprobes blacklist (NOKPROBE_SYMBOL
  * functions, kernel/kprobes.c, which also covers modules' own blacklists), and
@@ -364,18 +472,231 @@ static bool ki_canonical(unsigned long addr)
  */
 static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 {
-	size_t i, k;
+	unsigned long end = addr + len - 1, a, size, offset, next;
+	size_t i;
 
 	if (mod == THIS_MODULE)
 		return true;
 	for (i = 0; i < ARRAY_SIZE(ki_forbidden_range); i++)
 		if (addr < ki_forbidden_range[i][1] && addr + len > ki_forbidden_range[i][0])
 			return true;
-	if (ki_within_kprobe_blacklist)
-		for (k = 0; k < len; k++)
-			if (ki_within_kprobe_blacklist(addr + k))
+	if (!ki_within_kprobe_blacklist)
+		return false;
+	/*
+	 * The blacklist is made of whole symbols (kprobe_add_ksym_blacklist and
+	 * within_kprobe_blacklist's suffixed-symbol rule, kernel/kprobes.c): one
+	 * byte of each symbol the range overlaps answers for all of it.  Without
+	 * kallsyms_lookup_size_offset, every byte is asked.
+	 */
+	for (a = addr; a <= end; a = next) {
+		next = a + 1;
+		if (ki_kallsyms_lookup_size_offset &&
+		    ki_kallsyms_lookup_size_offset(a, &size, &offset) && offset < size &&
+		    a - offset + size > a) {
+			next = a - offset + size;
+			if (!mod ? ki_core_symbol_blacklisted(a - offset) : ki_within_kprobe_blacklist(a))
 				return true;
+		} else if (ki_within_kprobe_blacklist(a)) {
+			return true;
+		}
+		if (next <= a)
+			break;
+	}
 	return false;
+}
+
+/*
+ * The kernel's tables of text it rewrites or looks up by address -- jump-label
+ * sites, static-call sites, BUG()/WARN() ud2s -- indexed at load: the kernel's
+ * own lookups walk whole tables (jump_label_text_reserved, kernel/jump_label.c,
+ * decodes the instruction of every site before the range; find_bug, lib/bug.c,
+ * scans every entry), milliseconds per range under emulation.  Core kernel
+ * text's tables never change after boot; a module's are read from its struct
+ * module at each question (they are small).
+ */
+struct ki_hz {
+	unsigned long addr;
+	u32 len;
+	u32 flags;	/* KERNINST_HAZARD_* */
+};
+static struct ki_hz *ki_core_hz;	/* sorted by address */
+static unsigned int ki_core_nhz;
+static u32 ki_core_hz_reach;		/* the longest entry */
+
+/* lib/bug.c's bug_addr() */
+static unsigned long ki_bug_addr(const struct bug_entry *bug)
+{
+#ifdef CONFIG_GENERIC_BUG_RELATIVE_POINTERS
+	return (unsigned long)&bug->bug_addr_disp + bug->bug_addr_disp;
+#else
+	return bug->bug_addr;
+#endif
+}
+
+static u32 ki_bug_flag(const struct bug_entry *bug)
+{
+	return bug->flags & BUGFLAG_WARNING ? KERNINST_HAZARD_WARN : KERNINST_HAZARD_BUG;
+}
+
+/* What addr_conflict() in kernel/jump_label.c takes a site to cover. */
+static u32 ki_jump_size(struct jump_entry *entry)
+{
+	return ki_arch_jump_entry_size ? ki_arch_jump_entry_size(entry) : JMP32_INSN_SIZE;
+}
+
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE
+/* static_call_addr() and static_call_is_init() of kernel/static_call_inline.c */
+static unsigned long ki_static_call_addr(const struct static_call_site *site)
+{
+	return (long)site->addr + (long)&site->addr;
+}
+
+static bool ki_static_call_is_init(const struct static_call_site *site)
+{
+	return ((long)site->key + (long)&site->key) & STATIC_CALL_SITE_INIT;
+}
+#endif
+
+static int ki_hz_cmp(const void *a, const void *b)
+{
+	const struct ki_hz *x = a, *y = b;
+
+	return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+/* [start, stop) of a table the linker script delimits, or 0 entries. */
+static unsigned long ki_table(const char *start, const char *stop, size_t entry, void **base)
+{
+	unsigned long a = ki_lookup(start), b = ki_lookup(stop);
+
+	*base = (void *)a;
+	return a && b > a ? (b - a) / entry : 0;
+}
+
+/*
+ * Index core kernel text's jump-label sites (those of init text are gone, as
+ * jump_label_text_reserved skips them once the system runs), static-call sites
+ * and bug-table entries.  Without an index the kernel's own lookups answer.
+ */
+static void ki_index_core_tables(void)
+{
+	struct jump_entry *jumps;
+	struct bug_entry *bugs;
+	unsigned long nj, nb, ns = 0, i, n = 0;
+	struct ki_hz *z;
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE
+	struct static_call_site *sites;
+#endif
+
+	nj = ki_table("__start___jump_table", "__stop___jump_table", sizeof(*jumps), (void **)&jumps);
+	nb = ki_table("__start___bug_table", "__stop___bug_table", sizeof(*bugs), (void **)&bugs);
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE
+	ns = ki_table("__start_static_call_sites", "__stop_static_call_sites", sizeof(*sites),
+		      (void **)&sites);
+	if (!ns && ki_static_call_text_reserved)
+		return;
+#endif
+	if ((!nj && ki_jump_label_text_reserved) || (!nb && ki_find_bug))
+		return;
+	z = kvmalloc_array(nj + nb + ns, sizeof(*z), GFP_KERNEL);
+	if (!z)
+		return;
+	for (i = 0; i < nj; i++)
+		if (!jump_entry_is_init(&jumps[i]))
+			z[n++] = (struct ki_hz){ jump_entry_code(&jumps[i]), ki_jump_size(&jumps[i]),
+						 KERNINST_HAZARD_JUMP_LABEL };
+	for (i = 0; i < nb; i++)
+		z[n++] = (struct ki_hz){ ki_bug_addr(&bugs[i]), 1, ki_bug_flag(&bugs[i]) };
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE
+	for (i = 0; i < ns; i++)
+		if (!ki_static_call_is_init(&sites[i]))
+			z[n++] = (struct ki_hz){ ki_static_call_addr(&sites[i]), CALL_INSN_SIZE,
+						 KERNINST_HAZARD_STATIC_CALL };
+#endif
+	sort(z, n, sizeof(*z), ki_hz_cmp, NULL);
+	for (i = 0; i < n; i++)
+		ki_core_hz_reach = max(ki_core_hz_reach, z[i].len);
+	ki_core_hz = z;
+	ki_core_nhz = n;
+	pr_info("indexed %lu jump-label sites, %lu static-call sites, %lu bug-table entries\n",
+		nj, ns, nb);
+}
+
+/* What the index records over [addr, end] (end inclusive, as in addr_conflict). */
+static u32 ki_core_table_hazards(unsigned long addr, unsigned long end)
+{
+	unsigned int lo = 0, hi = ki_core_nhz, mid;
+	const struct ki_hz *z;
+	u32 h = 0;
+
+	while (lo < hi) {	/* the first entry that starts after end */
+		mid = lo + (hi - lo) / 2;
+		if (ki_core_hz[mid].addr <= end)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	while (lo > 0) {
+		z = &ki_core_hz[--lo];
+		if (z->addr + ki_core_hz_reach <= addr)
+			break;
+		if (z->addr + z->len > addr)
+			h |= z->flags;
+	}
+	return h;
+}
+
+/* The same from a live module's own tables, as the kernel's module lookups read them. */
+static u32 ki_module_table_hazards(struct module *mod, unsigned long addr, unsigned long end)
+{
+	unsigned long a;
+	unsigned int i;
+	u32 h = 0;
+
+#ifdef CONFIG_JUMP_LABEL
+	for (i = 0; i < mod->num_jump_entries; i++) {
+		struct jump_entry *e = &mod->jump_entries[i];
+
+		a = jump_entry_code(e);
+		if (!jump_entry_is_init(e) && a <= end && a + ki_jump_size(e) > addr)
+			h |= KERNINST_HAZARD_JUMP_LABEL;
+	}
+#endif
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE
+	for (i = 0; i < mod->num_static_call_sites; i++) {
+		a = ki_static_call_addr(&mod->static_call_sites[i]);
+		if (!ki_static_call_is_init(&mod->static_call_sites[i]) && a <= end &&
+		    a + CALL_INSN_SIZE > addr)
+			h |= KERNINST_HAZARD_STATIC_CALL;
+	}
+#endif
+#ifdef CONFIG_GENERIC_BUG
+	for (i = 0; i < mod->num_bugs; i++) {
+		a = ki_bug_addr(&mod->bug_table[i]);
+		if (a >= addr && a <= end)
+			h |= ki_bug_flag(&mod->bug_table[i]);
+	}
+#endif
+	return h;
+}
+
+/* The kernel's own (slow) answers, where there is no index. */
+static u32 ki_kernel_table_hazards(unsigned long addr, unsigned long end)
+{
+	const struct bug_entry *bug;
+	unsigned long a;
+	u32 h = 0;
+
+	if (ki_jump_label_text_reserved && ki_jump_label_text_reserved((void *)addr, (void *)end))
+		h |= KERNINST_HAZARD_JUMP_LABEL;
+	if (ki_static_call_text_reserved && ki_static_call_text_reserved((void *)addr, (void *)end))
+		h |= KERNINST_HAZARD_STATIC_CALL;
+	for (a = addr; a <= end; a++) {
+		bug = ki_find_bug ? ki_find_bug(a) : NULL;
+		if (bug)
+			h |= ki_bug_flag(bug);
+	}
+	return h;
 }
 
 /*
@@ -408,7 +729,6 @@ static void ki_hazard_unlock(void)
 static u32 ki_text_hazards(unsigned long addr, u32 len)
 {
 	unsigned long end = addr + len - 1, a;
-	const struct bug_entry *bug;
 	struct module *mod = NULL;
 	u32 h = 0;
 
@@ -430,10 +750,13 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 	/* The end is inclusive in these three (lookup_rec, addr_conflict). */
 	if (ki_ftrace_location_range && ki_ftrace_location_range(addr, end))
 		h |= KERNINST_HAZARD_FTRACE;
-	if (ki_jump_label_text_reserved && ki_jump_label_text_reserved((void *)addr, (void *)end))
-		h |= KERNINST_HAZARD_JUMP_LABEL;
-	if (ki_static_call_text_reserved && ki_static_call_text_reserved((void *)addr, (void *)end))
-		h |= KERNINST_HAZARD_STATIC_CALL;
+	/* Jump labels, static calls and the bug table (the module's tables are read under the jump-label lock). */
+	if (mod)
+		h |= ki_module_table_hazards(mod, addr, end);
+	else if (ki_core_hz)
+		h |= ki_core_table_hazards(addr, end);
+	else
+		h |= ki_kernel_table_hazards(addr, end);
 	/* get_kprobe walks an RCU hash list: preemption off is its read-side section. */
 	if (ki_get_kprobe)
 		for (a = addr - KI_OPTPROBE_REACH; a <= end; a++)
@@ -441,13 +764,9 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 				h |= KERNINST_HAZARD_KPROBE;
 				break;
 			}
-	for (a = addr; a <= end; a++) {
+	for (a = addr; a <= end; a++)
 		if (ki_search_exception_tables && ki_search_exception_tables(a))
 			h |= KERNINST_HAZARD_EXTABLE;
-		bug = ki_find_bug ? ki_find_bug(a) : NULL;
-		if (bug)
-			h |= bug->flags & BUGFLAG_WARNING ? KERNINST_HAZARD_WARN : KERNINST_HAZARD_BUG;
-	}
 	if (ki_unchecked)
 		h |= KERNINST_HAZARD_UNKNOWN;
 out:
@@ -576,17 +895,6 @@ static bool ki_route_within(const struct ki_route *r, const void *mod)
 	return within_module(r->site, (struct module *)mod);
 }
 
-/* Owned routes at a byte of [addr, addr + len). */
-static unsigned int ki_routes_in(unsigned long addr, u32 len)
-{
-	unsigned int n = 0;
-	u32 i;
-
-	for (i = 0; i < len; i++)
-		n += !!ki_route_at(addr + i);
-	return n;
-}
-
 /* ------------------------------------------------------------------------- */
 /* owners and blocks                                                          */
 
@@ -624,11 +932,14 @@ static bool ki_text_held(struct ki_owner *o, unsigned long addr, u32 len)
 {
 	struct ki_splice *s;
 	struct ki_route *r;
+	unsigned long a;
 	u32 i;
 
-	list_for_each_entry(s, &ki_splices, node)
-		if (s->owner != o && ki_overlaps(s->addr, s->len, addr, len))
-			return true;
+	/* A record overlapping the range starts at most MAX_TEXT_WRITE - 1 bytes before it. */
+	for (a = addr - (KERNINST_MAX_TEXT_WRITE - 1); a != addr + len; a++)
+		hash_for_each_possible(ki_splice_at, s, hnode, a)
+			if (s->addr == a && s->owner != o && ki_overlaps(s->addr, s->len, addr, len))
+				return true;
 	for (i = 0; i < len; i++) {
 		r = ki_route_at(addr + i);
 		if (r && r->owner != o)
@@ -746,34 +1057,75 @@ static void ki_poke_code(unsigned long addr, const u8 *new, u32 len)
 	}
 }
 
+static void ki_resched(u32 i)
+{
+	if (i % KI_RESCHED_EVERY == KI_RESCHED_EVERY - 1)
+		cond_resched();
+}
+
 /*
- * Change live kernel text, SMP-safely (the protocol of text_poke_bp_batch,
- * arch/x86/kernel/alternative.c, and the Intel SDM's cross-modifying code
- * rules, vol. 3 8.1.3):
- *   1. write int3 over the first byte, sync;
- *   2. write the remaining bytes, sync;
- *   3. write the first byte, sync.
- * While the int3 is in, a CPU that hits it is sent to @dest through @bp, a
- * temporary route the caller provides (so this cannot fail).  A one-byte write
- * is atomic and needs only the final sync.  Caller holds text_mutex and
- * ki_lock; @dest was validated.
+ * One write of a batch.  A write into text has its record (an existing one of
+ * the owner, or one reserved for it) and, when it is longer than a byte, the
+ * destination of the temporary int3 it goes in through.
  */
-static void ki_poke_text(unsigned long addr, const u8 *new, u32 len, unsigned long dest,
-			 struct ki_route *bp)
+struct ki_write {
+	unsigned long addr;
+	u32 len;
+	bool text;
+	bool fresh;			/* its record joins the log with it */
+	bool int3;			/* writes an int3 into text: needs a route at its site */
+	unsigned long dest;
+	struct ki_splice *rec;
+	const u8 *old;
+	const u8 *new;
+};
+
+/*
+ * Change live kernel text, SMP-safely, for a whole batch of non-overlapping
+ * writes at once: the protocol of text_poke_bp_batch
+ * (arch/x86/kernel/alternative.c) and the Intel SDM's cross-modifying code
+ * rules (vol. 3 8.1.3):
+ *   1. route each multi-byte write's site to its destination, write int3
+ *      over its first byte; sync;
+ *   2. write the remaining bytes of each; sync;
+ *   3. write the first byte of every write (one-byte writes are atomic to
+ *      instruction fetch and need only this step); sync;
+ *   4. retire the temporary routes; sync.
+ * A CPU that hits a temporary int3 meanwhile is sent to its destination
+ * through the route the write's record carries (so nothing here can fail).
+ * Caller holds text_mutex and ki_lock; the destinations were validated.
+ */
+static void ki_poke_text_batch(struct ki_write *w, u32 n)
 {
 	static const u8 int3 = KI_INT3;
+	u32 i, multi = 0;
 
-	if (len > 1) {
-		ki_route_publish(bp, addr, dest, NULL);
-		ki_text_poke((void *)addr, &int3, 1);
+	for (i = 0; i < n; i++) {
+		if (w[i].len < 2)
+			continue;
+		ki_route_publish(&w[i].rec->bp, w[i].addr, w[i].dest, NULL);
+		ki_text_poke((void *)w[i].addr, &int3, 1);
+		multi++;
+		ki_resched(i);
+	}
+	if (multi) {
 		ki_sync();
-		ki_text_poke((void *)(addr + 1), new + 1, len - 1);
+		for (i = 0; i < n; i++) {
+			if (w[i].len > 1)
+				ki_text_poke((void *)(w[i].addr + 1), w[i].new + 1, w[i].len - 1);
+			ki_resched(i);
+		}
 		ki_sync();
 	}
-	ki_text_poke((void *)addr, new, 1);
+	for (i = 0; i < n; i++) {
+		ki_text_poke((void *)w[i].addr, w[i].new, 1);
+		ki_resched(i);
+	}
 	ki_sync();
-	if (len > 1) {
-		hash_del_rcu(&bp->hnode);
+	if (multi) {
+		for (i = 0; i < n; i++)
+			if (w[i].len > 1)
+				hash_del_rcu(&w[i].rec->bp.hnode);
 		ki_sync();
 	}
 }
@@ -787,10 +1139,18 @@ static struct ki_splice *ki_splice_find(struct ki_owner *o, unsigned long addr,
 {
 	struct ki_splice *s;
 
-	list_for_each_entry_reverse(s, &ki_splices, node)
+	hash_for_each_possible(ki_splice_at, s, hnode, addr)
 		if (s->owner == o && s->addr == addr && s->len == len && !memcmp(s->cur, cur, len))
 			return s;
 	return NULL;
+}
+
+static void ki_splice_forget(struct ki_splice *s)
+{
+	list_del(&s->node);
+	hash_del(&s->hnode);
+	ki_nsplices--;
+	kfree(s);
 }
 
 /*
@@ -800,73 +1160,264 @@ static struct ki_splice *ki_splice_find(struct ki_owner *o, unsigned long addr,
 static void ki_splice_log(struct ki_splice *s, bool fresh, const u8 *new)
 {
 	if (!memcmp(s->orig, new, s->len)) {
-		if (!fresh) {
-			list_del(&s->node);
-			ki_nsplices--;
-		}
-		kfree(s);
+		if (fresh)
+			kfree(s);
+		else
+			ki_splice_forget(s);
 		return;
 	}
 	memcpy(s->cur, new, s->len);
 	if (fresh) {
 		list_add_tail(&s->node, &ki_splices);
+		hash_add(ki_splice_at, &s->hnode, s->addr);
 		ki_nsplices++;
 	}
 }
 
 /*
- * Put a record's original bytes back, whatever hazard appeared since: false
- * (logged) when the text no longer holds what ksim wrote.  The caller holds
- * ki_lock and text_mutex, and removes the record.
+ * Put back the original bytes of up to @n records, whatever hazard appeared
+ * since, as one batch; @s lists them newest first and they do not overlap.
+ * A record whose text no longer holds what ksim wrote is left (logged); so is
+ * a multi-byte one with no int3 destination.  Restored records are removed
+ * from the log.  Returns how many were left.  Caller holds ki_lock and
+ * text_mutex; @w has room for @n.
  */
-static bool ki_unsplice(struct ki_splice *s)
+static unsigned int ki_unsplice_batch(struct ki_splice **s, u32 n, struct ki_write *w)
 {
 	u8 cur[KERNINST_MAX_TEXT_WRITE];
-	unsigned long dest = ki_int3_dest(s->addr, s->cur, s->orig, s->len);
-
-	if (copy_from_kernel_nofault(cur, (void *)s->addr, s->len) ||
-	    memcmp(cur, s->cur, s->len)) {
-		pr_warn("text at %#lx changed behind ksim; left as is\n", s->addr);
-		return false;
-	}
-	if (s->len > 1 && !dest) {
-		pr_warn("no int3 destination to restore %#lx; left as is\n", s->addr);
-		return false;
-	}
-	ki_poke_text(s->addr, s->orig, s->len, dest, &s->bp);
-	return true;
-}
-
-struct ki_write {
-	unsigned long addr;
-	u32 len;
-	bool text;
-	unsigned long dest;
-	struct ki_splice *rec;		/* the owner's record the write changes, if any */
-	struct ki_splice *fresh;	/* reserved for a write that starts a record */
-	u8 *old;
-	u8 *new;
-};
-
-static void ki_free_writes(struct ki_write *w, u32 n)
-{
-	u32 i;
+	unsigned int left = 0;
+	u32 i, k = 0;
 
 	for (i = 0; i < n; i++) {
-		kfree(w[i].old);
-		kfree(w[i].fresh);
+		unsigned long dest = ki_int3_dest(s[i]->addr, s[i]->cur, s[i]->orig, s[i]->len);
+
+		if (copy_from_kernel_nofault(cur, (void *)s[i]->addr, s[i]->len) ||
+		    memcmp(cur, s[i]->cur, s[i]->len)) {
+			pr_warn("text at %#lx changed behind ksim; left as is\n", s[i]->addr);
+			left++;
+			continue;
+		}
+		if (s[i]->len > 1 && !dest) {
+			pr_warn("no int3 destination to restore %#lx; left as is\n", s[i]->addr);
+			left++;
+			continue;
+		}
+		w[k++] = (struct ki_write){ .addr = s[i]->addr, .len = s[i]->len, .text = true,
+					    .dest = dest, .rec = s[i], .old = s[i]->cur,
+					    .new = s[i]->orig };
 	}
-	kfree(w);
+	if (!k)
+		return left;
+	ki_poke_text_batch(w, k);
+	for (i = 0; i < k; i++)
+		ki_splice_forget(w[i].rec);
+	return left;
 }
 
 /*
- * Whether @o may make write @w, and what it needs.  Caller holds ki_lock,
- * ki_hazard_lock() and text_mutex, so the answers hold until the write.
+ * Undo the records @match selects, newest first, whoever holds them, in
+ * batches of records that do not overlap one another; returns how many could
+ * not be undone (they stay in the log).  Without memory for a batch, one
+ * record at a time (each carries its own temporary route: an undo never waits
+ * for memory).  Caller holds ki_lock and text_mutex.
  */
-static int ki_check_write(struct ki_owner *o, struct ki_write *w)
+static unsigned int ki_unsplice_where(bool (*match)(const struct ki_splice *s, const void *arg),
+				      const void *arg)
 {
+	struct ki_splice *s, *tmp, *one[1];
+	struct ki_splice **batch;
+	struct ki_write *w, w1[1];
+	unsigned int left = 0;
+	u32 n = 0, room = 0, i;
+
+	list_for_each_entry(s, &ki_splices, node)
+		room += match(s, arg);
+	if (!room)
+		return 0;
+	batch = kvmalloc_array(room, sizeof(*batch), GFP_KERNEL);
+	w = kvmalloc_array(room, sizeof(*w), GFP_KERNEL);
+	if (!batch || !w) {
+		kvfree(batch);
+		kvfree(w);
+		batch = one;
+		w = w1;
+		room = 1;
+	}
+	list_for_each_entry_safe_reverse(s, tmp, &ki_splices, node) {
+		if (!match(s, arg))
+			continue;
+		for (i = 0; i < n; i++)
+			if (ki_overlaps(s->addr, s->len, batch[i]->addr, batch[i]->len))
+				break;
+		if (i < n || n == room) {	/* an older record under a newer one: after it */
+			left += ki_unsplice_batch(batch, n, w);
+			n = 0;
+			cond_resched();
+		}
+		batch[n++] = s;
+	}
+	left += ki_unsplice_batch(batch, n, w);
+	if (batch != one) {
+		kvfree(batch);
+		kvfree(w);
+	}
+	return left;
+}
+
+static bool ki_splice_of(const struct ki_splice *s, const void *owner)
+{
+	return s->owner == owner;
+}
+
+static bool ki_splice_any(const struct ki_splice *s, const void *unused)
+{
+	return true;
+}
+
+/* One route change of a batch, with the route it adds (reserved) or retires. */
+struct ki_rop {
+	unsigned long site;
+	unsigned long patch;		/* 0: clear */
+	struct ki_route *route;
+};
+
+/* A poke batch: its route changes, its writes, and the order they are checked in. */
+struct ki_batch {
+	struct ki_owner *o;
+	struct ki_rop *r;
+	u32 nr;
+	u32 *rsorted;			/* route changes by site */
+	struct ki_write *w;
+	u32 nw;
+	u32 *wsorted;			/* writes by address */
+	struct ki_write *tw;		/* the text writes, by address, as applied */
+	u8 *bytes;			/* every write's old then new bytes */
+	struct ki_splice **fresh;	/* records reserved for text writes */
+	u32 nfresh;
+	u32 failed;
+};
+
+static int ki_cmp_rop(const void *a, const void *b, const void *batch)
+{
+	const struct ki_batch *k = batch;
+	unsigned long x = k->r[*(const u32 *)a].site, y = k->r[*(const u32 *)b].site;
+
+	return x < y ? -1 : x > y;
+}
+
+static int ki_cmp_write(const void *a, const void *b, const void *batch)
+{
+	const struct ki_batch *k = batch;
+	unsigned long x = k->w[*(const u32 *)a].addr, y = k->w[*(const u32 *)b].addr;
+
+	return x < y ? -1 : x > y;
+}
+
+/* The batch's change of the route at @site, or NULL. */
+static struct ki_rop *ki_batch_rop(struct ki_batch *b, unsigned long site)
+{
+	u32 lo = 0, hi = b->nr, mid;
+
+	while (lo < hi) {
+		mid = lo + (hi - lo) / 2;
+		if (b->r[b->rsorted[mid]].site < site)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	return lo < b->nr && b->r[b->rsorted[lo]].site == site ? &b->r[b->rsorted[lo]] : NULL;
+}
+
+/* Whether a route is at @site once the batch's route changes are made. */
+static bool ki_routed_after(struct ki_batch *b, unsigned long site)
+{
+	struct ki_rop *op = ki_batch_rop(b, site);
+
+	return op ? op->patch != 0 : ki_route_at(site) != NULL;
+}
+
+/*
+ * Whether @o may route an int3 at @site to @patch; caller holds ki_lock.  A
+ * route is of no use where POKE would refuse the int3 it waits for.
+ */
+static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long patch)
+{
+	int ret;
+
+	if (!ki_in_text(site, 1) || !ki_in_code(patch, 1))
+		return -ERANGE;
+	if (ki_text_hazards(site, 1))
+		return -EPERM;
+	ret = ki_check_block(o, KERNINST_REGION_CODE, patch, 1);
+	if (ret)
+		return ret;
+	if (ki_text_held(o, site, 1))
+		return -EADDRINUSE;
+	if (ki_route_at(site))
+		return -EBUSY;
+	return 0;
+}
+
+/* Whether @o may retire its route at @site: not while an int3 is still there. */
+static int ki_check_untrap(struct ki_owner *o, unsigned long site, struct ki_route **route)
+{
+	struct ki_route *r = ki_route_at(site);
+	u8 byte;
+
+	if (!ki_in_text(site, 1))
+		return -ERANGE;
+	if (!r)
+		return -ENOENT;
+	if (r->owner != o)
+		return -EADDRINUSE;
+	if (copy_from_kernel_nofault(&byte, (void *)site, 1))
+		return -EFAULT;
+	if (byte == KI_INT3)
+		return -EBUSY;
+	*route = r;
+	return 0;
+}
+
+/* The batch's route changes, in order; each one as SET_TRAP or CLEAR_TRAP would check it. */
+static int ki_check_rops(struct ki_batch *b)
+{
+	long routes = ki_nroutes;
+	u32 i;
+	int ret;
+
+	for (i = 1; i < b->nr; i++)
+		if (b->r[b->rsorted[i]].site == b->r[b->rsorted[i - 1]].site)
+			return -EINVAL;	/* two changes of one route */
+	for (i = 0; i < b->nr; i++) {
+		struct ki_rop *op = &b->r[i];
+
+		if (op->patch) {
+			ret = ki_check_trap(b->o, op->site, op->patch);
+			routes++;
+		} else {
+			ret = ki_check_untrap(b->o, op->site, &op->route);
+			routes--;
+		}
+		if (ret)
+			return ret;
+		ki_resched(i);
+	}
+	if (routes > READ_ONCE(max_routes) && routes > ki_nroutes)
+		return -ENOSPC;
+	return 0;
+}
+
+/*
+ * Whether @b's owner may make write @w, and what it needs.  Caller holds
+ * ki_lock, ki_hazard_lock() and text_mutex, so the answers hold until the
+ * write.
+ */
+static int ki_check_write(struct ki_batch *b, struct ki_write *w)
+{
+	struct ki_owner *o = b->o;
 	bool restore;
 	int ret;
+	u32 i;
 
 	if (ki_in_text(w->addr, w->len)) {
 		if (w->len > KERNINST_MAX_TEXT_WRITE)
@@ -882,6 +1433,7 @@ static int ki_check_write(struct ki_owner *o, struct ki_write *w)
 			ret = ki_check_jump(o, w->addr, w->new, w->len);
 			if (ret)
 				return ret;
+			w->int3 = w->len == 1 && w->new[0] == KI_INT3;
 		}
 		w->text = true;
 		if (w->len > 1) {
@@ -889,163 +1441,287 @@ static int ki_check_write(struct ki_owner *o, struct ki_write *w)
 			if (!w->dest)
 				return -EINVAL;
 			/* A trap route inside a multi-byte write would be overwritten. */
-			if (ki_routes_in(w->addr, w->len))
-				return -EBUSY;
+			for (i = 0; i < w->len; i++)
+				if (ki_routed_after(b, w->addr + i))
+					return -EBUSY;
 		}
 		return 0;
 	}
-	if (ki_in_code(w->addr, w->len)) {
-		if (w->len > KERNINST_MAX_CODE_WRITE)
-			return -EINVAL;
+	if (ki_in_code(w->addr, w->len))
 		return ki_check_block(o, KERNINST_REGION_CODE, w->addr, w->len);
-	}
 	return -ERANGE;
 }
 
 /* Every write of the batch checked, and the records it needs counted. */
-static int ki_check_batch(struct ki_owner *o, struct ki_write *w, u32 count)
+static int ki_check_writes(struct ki_batch *b)
 {
-	u32 i, j, fresh = 0;
+	u32 i, fresh = 0;
 	int ret;
 
-	for (i = 0; i < count; i++) {
-		ret = ki_check_write(o, &w[i]);
+	for (i = 1; i < b->nw; i++) {
+		struct ki_write *x = &b->w[b->wsorted[i - 1]], *y = &b->w[b->wsorted[i]];
+
+		if (ki_overlaps(x->addr, x->len, y->addr, y->len))
+			return -EINVAL;	/* overlapping writes in one batch */
+	}
+	for (i = 0; i < b->nw; i++) {
+		ret = ki_check_write(b, &b->w[i]);
 		if (ret)
 			return ret;
-		for (j = 0; j < i; j++)
-			if (ki_overlaps(w[i].addr, w[i].len, w[j].addr, w[j].len))
-				return -EINVAL;	/* overlapping writes in one batch */
-		if (w[i].text && !w[i].rec) {
-			if (!w[i].fresh)
-				return -EINVAL;
-			fresh++;
-		}
+		fresh += b->w[i].text && !b->w[i].rec;
+		ki_resched(i);
 	}
-	if (ki_nsplices + fresh > READ_ONCE(max_splices))
+	if (fresh > b->nfresh)
+		return -EINVAL;
+	if (ki_nsplices + fresh > READ_ONCE(max_splices) && fresh)
 		return -ENOSPC;
 	return 0;
 }
 
-/* Whether memory holds every write's old bytes; on -ESTALE, *failed names the first that differs. */
-static int ki_check_old(struct ki_write *w, u32 count, u8 *cur, u32 *failed)
+/* Whether memory holds every write's old bytes; on -ESTALE, b->failed names the first that differs. */
+static int ki_check_old(struct ki_batch *b)
 {
-	u32 i;
+	u8 cur[64];
+	u32 i, done, n;
 
-	for (i = 0; i < count; i++) {
-		if (copy_from_kernel_nofault(cur, (void *)w[i].addr, w[i].len))
-			return -EFAULT;
-		if (memcmp(cur, w[i].old, w[i].len)) {
-			*failed = i;
-			return -ESTALE;
+	for (i = 0; i < b->nw; i++) {
+		struct ki_write *w = &b->w[i];
+
+		for (done = 0; done < w->len; done += n) {
+			n = min_t(u32, sizeof(cur), w->len - done);
+			if (copy_from_kernel_nofault(cur, (void *)(w->addr + done), n))
+				return -EFAULT;
+			if (memcmp(cur, w->old + done, n)) {
+				b->failed = i;
+				return -ESTALE;
+			}
 		}
 	}
 	return 0;
 }
 
-/* Apply a checked batch; nothing here can fail. */
-static void ki_apply(struct ki_owner *o, struct ki_write *w, u32 count)
+/* An int3 with no route at its site would oops the CPU that hits it. */
+static int ki_check_int3_routes(struct ki_batch *b)
 {
-	struct ki_splice *s;
 	u32 i;
 
-	for (i = 0; i < count; i++) {
-		if (!w[i].text) {
-			ki_poke_code(w[i].addr, w[i].new, w[i].len);
+	for (i = 0; i < b->nw; i++)
+		if (b->w[i].int3 && !ki_routed_after(b, b->w[i].addr))
+			return -EINVAL;
+	return 0;
+}
+
+/* Apply a checked batch; nothing here can fail. */
+static void ki_apply(struct ki_batch *b)
+{
+	struct ki_route *r, *next;
+	LIST_HEAD(gone);
+	u32 i, n = 0, fresh = 0;
+
+	for (i = 0; i < b->nr; i++) {
+		struct ki_rop *op = &b->r[i];
+
+		if (op->patch) {
+			ki_route_publish(op->route, op->site, op->patch, b->o);
+			op->route = NULL;
+			ki_nroutes++;
+		} else {
+			hash_del_rcu(&op->route->hnode);
+			list_add(&op->route->node, &gone);
+			ki_nroutes--;
+		}
+	}
+	/* Patch code first: a CPU may be sent to it as soon as an int3 or a jump is in text. */
+	for (i = 0; i < b->nw; i++) {
+		if (!b->w[i].text)
+			ki_poke_code(b->w[i].addr, b->w[i].new, b->w[i].len);
+		ki_resched(i);
+	}
+	/* The text writes, by address, each with its record. */
+	for (i = 0; i < b->nw; i++) {
+		struct ki_write w = b->w[b->wsorted[i]];
+
+		if (!w.text)
 			continue;
+		w.fresh = !w.rec;
+		if (w.fresh) {
+			w.rec = b->fresh[fresh];
+			b->fresh[fresh++] = NULL;
+			w.rec->owner = b->o;
+			w.rec->addr = w.addr;
+			w.rec->len = w.len;
+			memcpy(w.rec->orig, w.old, w.len);
 		}
-		s = w[i].rec;
-		if (!s) {
-			s = w[i].fresh;
-			w[i].fresh = NULL;
-			s->owner = o;
-			s->addr = w[i].addr;
-			s->len = w[i].len;
-			memcpy(s->orig, w[i].old, w[i].len);
-		}
-		ki_poke_text(w[i].addr, w[i].new, w[i].len, w[i].dest, &s->bp);
-		ki_splice_log(s, !w[i].rec, w[i].new);
+		b->tw[n++] = w;
+	}
+	if (n)
+		ki_poke_text_batch(b->tw, n);
+	for (i = 0; i < n; i++)
+		ki_splice_log(b->tw[i].rec, b->tw[i].fresh, b->tw[i].new);
+	if (!list_empty(&gone)) {
+		if (!n)
+			ki_sync();	/* no CPU is still in the handler with a retired route */
+		list_for_each_entry_safe(r, next, &gone, node)
+			kfree(r);
 	}
 }
 
-static long ki_ioc_poke(struct kerninst_poke __user *uarg)
+static void ki_batch_free(struct ki_batch *b)
 {
-	struct kerninst_poke req;
-	struct kerninst_write *uw;
-	struct ki_owner *o;
-	struct ki_write *w;
-	u8 *cur = NULL;
-	long ret = 0;
 	u32 i;
 
-	if (copy_from_user(&req, uarg, sizeof(req)))
-		return -EFAULT;
-	if (!req.count || req.count > KERNINST_MAX_WRITES)
-		return -EINVAL;
-	uw = memdup_user(u64_to_user_ptr(req.writes), req.count * sizeof(*uw));
-	if (IS_ERR(uw))
-		return PTR_ERR(uw);
-	w = kcalloc(req.count, sizeof(*w), GFP_KERNEL);
-	if (!w) {
-		kfree(uw);
-		return -ENOMEM;
+	for (i = 0; i < b->nr; i++)
+		if (b->r[i].patch)
+			kfree(b->r[i].route);	/* reserved, not published */
+	for (i = 0; i < b->nfresh; i++)
+		kfree(b->fresh[i]);
+	kvfree(b->r);
+	kvfree(b->rsorted);
+	kvfree(b->w);
+	kvfree(b->wsorted);
+	kvfree(b->tw);
+	kvfree(b->bytes);
+	kvfree(b->fresh);
+}
+
+/*
+ * Copy a poke request in and reserve what it may need, before any lock: the
+ * routes it adds, a record for each write that may go into text.
+ */
+static int ki_batch_load(struct ki_batch *b, const struct kerninst_poke *req)
+{
+	struct kerninst_write *uw = NULL;
+	struct kerninst_route *ur = NULL;
+	u64 total = 0;
+	u32 i;
+	int ret = 0;
+
+	b->nr = req->nr_routes;
+	b->nw = req->nr_writes;
+	if (b->nr) {
+		ur = vmemdup_user(u64_to_user_ptr(req->routes), array_size(b->nr, sizeof(*ur)));
+		if (IS_ERR(ur))
+			return PTR_ERR(ur);
 	}
-	for (i = 0; i < req.count; i++) {
-		w[i].addr = uw[i].address;
-		w[i].len = uw[i].len;
-		if (!w[i].len || w[i].len > KERNINST_MAX_CODE_WRITE) {
+	if (b->nw) {
+		uw = vmemdup_user(u64_to_user_ptr(req->writes), array_size(b->nw, sizeof(*uw)));
+		if (IS_ERR(uw)) {
+			kvfree(ur);
+			return PTR_ERR(uw);
+		}
+	}
+	for (i = 0; i < b->nw; i++) {
+		if (!uw[i].len || uw[i].len > KERNINST_MAX_CODE_WRITE) {
 			ret = -EINVAL;
 			goto out;
 		}
-		w[i].old = kmalloc(2 * w[i].len, GFP_KERNEL);
-		if (!w[i].old) {
-			ret = -ENOMEM;
-			goto out;
-		}
-		w[i].new = w[i].old + w[i].len;
-		if (copy_from_user(w[i].old, u64_to_user_ptr(uw[i].old_buf), w[i].len) ||
-		    copy_from_user(w[i].new, u64_to_user_ptr(uw[i].new_buf), w[i].len)) {
-			ret = -EFAULT;
-			goto out;
-		}
-		/* Reserved before any lock: a write that may go into text may start a record. */
-		if (w[i].len <= KERNINST_MAX_TEXT_WRITE) {
-			w[i].fresh = kzalloc(sizeof(*w[i].fresh), GFP_KERNEL);
-			if (!w[i].fresh) {
+		total += uw[i].len;
+	}
+	if (total > KERNINST_MAX_POKE_BYTES) {
+		ret = -EINVAL;
+		goto out;
+	}
+	b->r = kvcalloc(b->nr, sizeof(*b->r), GFP_KERNEL);
+	b->rsorted = kvmalloc_array(b->nr, sizeof(u32), GFP_KERNEL);
+	b->w = kvcalloc(b->nw, sizeof(*b->w), GFP_KERNEL);
+	b->wsorted = kvmalloc_array(b->nw, sizeof(u32), GFP_KERNEL);
+	b->tw = kvmalloc_array(b->nw, sizeof(*b->tw), GFP_KERNEL);
+	b->bytes = kvmalloc(2 * total + 1, GFP_KERNEL);
+	b->fresh = kvcalloc(b->nw, sizeof(*b->fresh), GFP_KERNEL);
+	if ((b->nr && (!b->r || !b->rsorted)) ||
+	    (b->nw && (!b->w || !b->wsorted || !b->tw || !b->fresh)) || !b->bytes) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	for (i = 0; i < b->nr; i++) {
+		b->r[i].site = ur[i].site;
+		b->r[i].patch = ur[i].patch;
+		b->rsorted[i] = i;
+		if (b->r[i].patch) {
+			b->r[i].route = kzalloc(sizeof(*b->r[i].route), GFP_KERNEL);
+			if (!b->r[i].route) {
 				ret = -ENOMEM;
 				goto out;
 			}
 		}
 	}
-	cur = kmalloc(KERNINST_MAX_CODE_WRITE, GFP_KERNEL);
-	if (!cur) {
-		ret = -ENOMEM;
-		goto out;
+	total = 0;
+	for (i = 0; i < b->nw; i++) {
+		struct ki_write *w = &b->w[i];
+		u8 *old = b->bytes + 2 * total;
+
+		w->addr = uw[i].address;
+		w->len = uw[i].len;
+		w->old = old;
+		w->new = old + w->len;
+		b->wsorted[i] = i;
+		total += w->len;
+		if (copy_from_user(old, u64_to_user_ptr(uw[i].old_buf), w->len) ||
+		    copy_from_user(old + w->len, u64_to_user_ptr(uw[i].new_buf), w->len)) {
+			ret = -EFAULT;
+			goto out;
+		}
+		/* A write that may go into text may start a record. */
+		if (w->len <= KERNINST_MAX_TEXT_WRITE) {
+			b->fresh[b->nfresh] = kzalloc(sizeof(**b->fresh), GFP_KERNEL);
+			if (!b->fresh[b->nfresh]) {
+				ret = -ENOMEM;
+				goto out;
+			}
+			b->nfresh++;
+		}
 	}
+out:
+	kvfree(ur);
+	kvfree(uw);
+	return ret;
+}
+
+static long ki_ioc_poke(struct kerninst_poke __user *uarg)
+{
+	struct kerninst_poke req;
+	struct ki_batch b = {};
+	long ret;
+
+	if (copy_from_user(&req, uarg, sizeof(req)))
+		return -EFAULT;
+	if (req.nr_writes > KERNINST_MAX_WRITES || req.nr_routes > KERNINST_MAX_WRITES)
+		return -EINVAL;
+	ret = ki_batch_load(&b, &req);
+	if (ret)
+		goto out;
 
 	mutex_lock(&ki_lock);
-	o = ki_owner_find(req.owner);
-	if (!o) {
+	b.o = ki_owner_find(req.owner);
+	if (!b.o) {
 		ret = -ESRCH;
 		goto unlock_owner;
 	}
+	sort_r(b.rsorted, b.nr, sizeof(u32), ki_cmp_rop, NULL, &b);
+	sort_r(b.wsorted, b.nw, sizeof(u32), ki_cmp_write, NULL, &b);
 	ki_hazard_lock();
 	mutex_lock(ki_text_mutex);
-	/* All or nothing: every write checked, every record reserved, every old byte compared. */
-	ret = ki_check_batch(o, w, req.count);
+	/* All or nothing: every change checked, everything reserved, every old byte compared. */
+	ret = ki_check_rops(&b);
 	if (!ret)
-		ret = ki_check_old(w, req.count, cur, &req.failed_index);
+		ret = ki_check_writes(&b);
 	if (!ret)
-		ki_apply(o, w, req.count);
+		ret = ki_check_old(&b);
+	if (!ret)
+		ret = ki_check_int3_routes(&b);
+	if (!ret)
+		ki_apply(&b);
 	mutex_unlock(ki_text_mutex);
 	ki_hazard_unlock();
 unlock_owner:
 	mutex_unlock(&ki_lock);
-	if (ret == -ESTALE && copy_to_user(uarg, &req, sizeof(req)))
-		ret = -EFAULT;
+	if (ret == -ESTALE) {
+		req.failed_index = b.failed;
+		if (copy_to_user(uarg, &req, sizeof(req)))
+			ret = -EFAULT;
+	}
 out:
-	kfree(cur);
-	kfree(uw);
-	ki_free_writes(w, req.count);
+	ki_batch_free(&b);
 	return ret;
 }
 
@@ -1061,22 +1737,11 @@ out:
  */
 static int ki_owner_drop(struct ki_owner *o)
 {
-	struct ki_splice *s, *tmp;
 	struct ki_block *b, *btmp;
-	unsigned int left = 0;
+	unsigned int left;
 
 	mutex_lock(ki_text_mutex);
-	list_for_each_entry_safe_reverse(s, tmp, &ki_splices, node) {
-		if (s->owner != o)
-			continue;
-		if (!ki_unsplice(s)) {
-			left++;
-			continue;
-		}
-		list_del(&s->node);
-		ki_nsplices--;
-		kfree(s);
-	}
+	left = ki_unsplice_where(ki_splice_of, o);
 	mutex_unlock(ki_text_mutex);
 	if (left) {
 		o->flags |= KERNINST_OWNER_KEPT | KERNINST_OWNER_ORPHAN;
@@ -1204,25 +1869,23 @@ static long ki_ioc_claim(struct kerninst_block __user *uarg)
 	struct kerninst_block req;
 	struct ki_block *b, *other;
 	struct ki_owner *o;
-	bool in, freed = false;
+	bool freed = false;
 	long ret = 0;
 
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
 	if (!req.size)
 		return -EINVAL;
-	if (req.region == KERNINST_REGION_CODE)
-		in = ki_in_code(req.address, req.size);
-	else if (req.region == KERNINST_REGION_DATA)
-		in = ki_in_data(req.address, req.size);
-	else
+	if (req.region != KERNINST_REGION_CODE && req.region != KERNINST_REGION_DATA)
 		return -EINVAL;
-	if (!in)
-		return -ERANGE;
 	b = kzalloc(sizeof(*b), GFP_KERNEL);
 	if (!b)
 		return -ENOMEM;
 	mutex_lock(&ki_lock);
+	if (!ki_area_of(req.region, req.address, req.size)) {
+		ret = -ERANGE;
+		goto unlock;
+	}
 	o = ki_owner_find(req.owner);
 	if (!o) {
 		ret = -ESRCH;
@@ -1381,6 +2044,24 @@ static int ki_state_blocks(struct kerninst_block __user *out, u32 room, u32 *n)
 	return 0;
 }
 
+static int ki_state_areas(struct kerninst_area __user *out, u32 room, u32 *n)
+{
+	struct kerninst_area e;
+	struct ki_area *a;
+
+	*n = 0;
+	list_for_each_entry(a, &ki_areas, node) {
+		if (*n < room) {
+			e = (struct kerninst_area){ .address = a->start, .size = a->size,
+						    .region = a->region };
+			if (copy_to_user(&out[*n], &e, sizeof(e)))
+				return -EFAULT;
+		}
+		++*n;
+	}
+	return 0;
+}
+
 static long ki_ioc_state(struct kerninst_state __user *uarg)
 {
 	struct kerninst_state req;
@@ -1396,6 +2077,8 @@ static long ki_ioc_state(struct kerninst_state __user *uarg)
 		ret = ki_state_routes(u64_to_user_ptr(req.routes), req.nr_routes, &req.nr_routes);
 	if (!ret)
 		ret = ki_state_blocks(u64_to_user_ptr(req.blocks), req.nr_blocks, &req.nr_blocks);
+	if (!ret)
+		ret = ki_state_areas(u64_to_user_ptr(req.areas), req.nr_areas, &req.nr_areas);
 	mutex_unlock(&ki_lock);
 	if (!ret && copy_to_user(uarg, &req, sizeof(req)))
 		ret = -EFAULT;
@@ -1440,12 +2123,13 @@ static long ki_ioc_write(struct kerninst_mem __user *uarg)
 		return -EFAULT;
 	if (!req.size || req.size > KERNINST_MAX_IO)
 		return -EINVAL;
-	/* Data only: text changes go through the poke protocol. */
-	if (!ki_in_data(req.address, req.size))
-		return -ERANGE;
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
-	ret = o ? ki_check_block(o, KERNINST_REGION_DATA, req.address, req.size) : -ESRCH;
+	/* Data only: text changes go through the poke protocol. */
+	if (!ki_in_data(req.address, req.size))
+		ret = -ERANGE;
+	else
+		ret = o ? ki_check_block(o, KERNINST_REGION_DATA, req.address, req.size) : -ESRCH;
 	if (!ret && copy_from_user((void *)(unsigned long)req.address, u64_to_user_ptr(req.buf),
 				   req.size))
 		ret = -EFAULT;
@@ -1458,19 +2142,22 @@ static long ki_ioc_info(void __user *uarg)
 	struct kerninst_info info = {
 		.text_start = ki_text_start,
 		.text_end = ki_text_end,
-		.code_start = (unsigned long)ki_code,
-		.code_size = KI_CODE_SIZE,
-		.data_start = (unsigned long)ki_data,
-		.data_size = KI_DATA_SIZE,
+		.code_start = ki_first_code->start,
+		.code_size = ki_first_code->size,
+		.data_start = ki_first_data->start,
+		.data_size = ki_first_data->size,
 		/* Per-cpu symbols are offsets from the per-cpu base in GS (zero-based on x86-64). */
 		.current_task = (unsigned long)&current_task,
 		.cpu_number = (unsigned long)&cpu_number,
 		.task_pid_offset = offsetof(struct task_struct, pid),
 		.task_pid_size = sizeof(pid_t),
 		.nr_cpus = num_online_cpus(),
+		.task_tgid_offset = offsetof(struct task_struct, tgid),
+		.task_comm_offset = offsetof(struct task_struct, comm),
 		.version = KERNINST_ABI_VERSION,
 	};
 
+	BUILD_BUG_ON(sizeof(((struct task_struct *)NULL)->comm) != 16);
 	return copy_to_user(uarg, &info, sizeof(info)) ? -EFAULT : 0;
 }
 
@@ -1487,30 +2174,6 @@ static long ki_ioc_lookup(struct kerninst_lookup __user *uarg)
 	return req.address ? 0 : -ENOENT;
 }
 
-/* Whether @o may route an int3 at @site to @patch; caller holds ki_lock. */
-static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long patch)
-{
-	int ret = 0;
-
-	/* A route is of no use where POKE would refuse the int3 it waits for. */
-	ki_hazard_lock();
-	if (ki_text_hazards(site, 1))
-		ret = -EPERM;
-	ki_hazard_unlock();
-	if (ret)
-		return ret;
-	ret = ki_check_block(o, KERNINST_REGION_CODE, patch, 1);
-	if (ret)
-		return ret;
-	if (ki_text_held(o, site, 1))
-		return -EADDRINUSE;
-	if (ki_route_at(site))
-		return -EBUSY;
-	if (ki_nroutes >= READ_ONCE(max_routes))
-		return -ENOSPC;
-	return 0;
-}
-
 static long ki_ioc_set_trap(struct kerninst_trap __user *uarg)
 {
 	struct kerninst_trap req;
@@ -1520,14 +2183,18 @@ static long ki_ioc_set_trap(struct kerninst_trap __user *uarg)
 
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
-	if (!ki_in_text(req.site, 1) || !ki_in_code(req.patch, 1))
+	if (!ki_in_text(req.site, 1))
 		return -ERANGE;
 	r = kzalloc(sizeof(*r), GFP_KERNEL);
 	if (!r)
 		return -ENOMEM;
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
+	ki_hazard_lock();
 	ret = o ? ki_check_trap(o, req.site, req.patch) : -ESRCH;
+	ki_hazard_unlock();
+	if (!ret && ki_nroutes >= READ_ONCE(max_routes))
+		ret = -ENOSPC;
 	if (!ret) {
 		ki_route_publish(r, req.site, req.patch, o);
 		ki_nroutes++;
@@ -1542,9 +2209,8 @@ static long ki_ioc_clear_trap(struct kerninst_trap __user *uarg)
 {
 	struct kerninst_trap req;
 	struct ki_owner *o;
-	struct ki_route *r;
-	u8 byte;
-	long ret = 0;
+	struct ki_route *r = NULL;
+	long ret;
 
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
@@ -1552,19 +2218,9 @@ static long ki_ioc_clear_trap(struct kerninst_trap __user *uarg)
 		return -ERANGE;
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
-	r = ki_route_at(req.site);
-	if (!o)
-		ret = -ESRCH;
-	else if (!r)
-		ret = -ENOENT;
-	else if (r->owner != o)
-		ret = -EADDRINUSE;
 	/* Retiring the route while its int3 is in text would let a hit oops. */
-	else if (copy_from_kernel_nofault(&byte, (void *)(unsigned long)req.site, 1))
-		ret = -EFAULT;
-	else if (byte == KI_INT3)
-		ret = -EBUSY;
-	else
+	ret = o ? ki_check_untrap(o, req.site, &r) : -ESRCH;
+	if (!ret)
 		ki_route_retire(r);
 	mutex_unlock(&ki_lock);
 	return ret;
@@ -1610,6 +2266,129 @@ static long ki_ioc_quiesce(void)
 	return 0;
 }
 
+/* ------------------------------------------------------------------------- */
+/* areas                                                                      */
+
+/*
+ * A new area of @region, at least @size bytes: module_alloc memory (within
+ * rel32 reach of kernel text).  Patch code is filled with int3, so that a
+ * stray jump into unused space traps instead of running garbage, and is never
+ * writable and executable at once: RO first, then X (STRICT_MODULE_RWX).
+ */
+static struct ki_area *ki_area_new(u32 region, unsigned long size)
+{
+	struct ki_area *a = kzalloc(sizeof(*a), GFP_KERNEL);
+	void *base;
+
+	if (!a)
+		return NULL;
+	size = PAGE_ALIGN(size);
+	base = ki_module_alloc(size);
+	if (!base) {
+		kfree(a);
+		return NULL;
+	}
+	a->start = (unsigned long)base;
+	a->size = size;
+	a->region = region;
+	if (region == KERNINST_REGION_CODE) {
+		memset(base, KI_INT3, size);
+		ki_set_memory_ro(a->start, size >> PAGE_SHIFT);
+		ki_set_memory_x(a->start, size >> PAGE_SHIFT);
+	} else {
+		memset(base, 0, size);
+	}
+	list_add_tail(&a->node, &ki_areas);
+	ki_area_bytes += size;
+	return a;
+}
+
+static void ki_area_free(struct ki_area *a)
+{
+	if (a->region == KERNINST_REGION_CODE) {
+		ki_set_memory_nx(a->start, a->size >> PAGE_SHIFT);
+		ki_set_memory_rw(a->start, a->size >> PAGE_SHIFT);
+	}
+	ki_module_memfree((void *)a->start);
+	list_del(&a->node);
+	ki_area_bytes -= a->size;
+	kfree(a);
+}
+
+/* Whether a block (held or in quarantine), a route or a live jump is inside area @a. */
+static bool ki_area_used(const struct ki_area *a)
+{
+	const struct ki_splice *s;
+	struct ki_block *b;
+	struct ki_route *r;
+	unsigned long dest;
+	int bkt;
+
+	list_for_each_entry(b, &ki_blocks, node)
+		if (b->region == a->region && ki_overlaps(b->addr, b->size, a->start, a->size))
+			return true;
+	if (a->region != KERNINST_REGION_CODE)
+		return false;
+	hash_for_each(ki_routes, bkt, r, hnode)
+		if (ki_in(r->patch, 1, a->start, a->start + a->size))
+			return true;
+	list_for_each_entry(s, &ki_splices, node) {
+		dest = ki_jump_dest(s->addr, s->cur, s->len);
+		if (dest && ki_in(dest, 1, a->start, a->start + a->size))
+			return true;
+	}
+	return false;
+}
+
+static long ki_ioc_area_add(struct kerninst_area __user *uarg)
+{
+	struct kerninst_area req;
+	struct ki_area *a;
+	long ret = 0;
+
+	if (copy_from_user(&req, uarg, sizeof(req)))
+		return -EFAULT;
+	if (!req.size || req.size > KERNINST_MAX_AREA_BYTES * 16UL ||
+	    (req.region != KERNINST_REGION_CODE && req.region != KERNINST_REGION_DATA))
+		return -EINVAL;
+	mutex_lock(&ki_lock);
+	if (ki_area_bytes + PAGE_ALIGN(req.size) > READ_ONCE(max_area_bytes)) {
+		ret = -ENOSPC;
+	} else {
+		a = ki_area_new(req.region, req.size);
+		if (!a) {
+			ret = -ENOMEM;
+		} else {
+			req.address = a->start;
+			req.size = a->size;
+		}
+	}
+	mutex_unlock(&ki_lock);
+	if (!ret && copy_to_user(uarg, &req, sizeof(req)))
+		ret = -EFAULT;	/* the area stays, empty: STATE lists it, AREA_DROP gives it back */
+	return ret;
+}
+
+static long ki_ioc_area_drop(struct kerninst_area __user *uarg)
+{
+	struct kerninst_area req;
+	struct ki_area *a;
+	long ret = 0;
+
+	if (copy_from_user(&req, uarg, sizeof(req)))
+		return -EFAULT;
+	mutex_lock(&ki_lock);
+	a = ki_area_of(req.region, req.address, 1);
+	if (!a || a->start != req.address)
+		ret = -ENOENT;
+	else if (a->first || ki_area_used(a))
+		ret = -EBUSY;
+	else
+		ki_area_free(a);
+	mutex_unlock(&ki_lock);
+	return ret;
+}
+
 static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 {
 	void __user *uarg = (void __user *)arg;
@@ -1650,6 +2429,10 @@ static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return ki_ioc_free(uarg);
 	case KERNINST_IOC_STATE:
 		return ki_ioc_state(uarg);
+	case KERNINST_IOC_AREA_ADD:
+		return ki_ioc_area_add(uarg);
+	case KERNINST_IOC_AREA_DROP:
+		return ki_ioc_area_drop(uarg);
 	}
 	return -ENOTTY;
 }
@@ -1704,30 +2487,27 @@ static struct miscdevice ki_dev = {
 
 static int ki_alloc_regions(void)
 {
-	ki_code = ki_module_alloc(KI_CODE_SIZE);
-	ki_data = ki_module_alloc(KI_DATA_SIZE);
-	if (!ki_code || !ki_data)
+	ki_first_code = ki_area_new(KERNINST_REGION_CODE, KI_CODE_SIZE);
+	ki_first_data = ki_area_new(KERNINST_REGION_DATA, KI_DATA_SIZE);
+	if (!ki_first_code || !ki_first_data)
 		return -ENOMEM;
-	/* Stray jumps into unused patch space trap instead of running garbage. */
-	memset(ki_code, KI_INT3, KI_CODE_SIZE);
-	memset(ki_data, 0, KI_DATA_SIZE);
-	/* Never writable and executable at once: RO first, then X (STRICT_MODULE_RWX). */
-	ki_set_memory_ro((unsigned long)ki_code, KI_CODE_SIZE >> PAGE_SHIFT);
-	ki_set_memory_x((unsigned long)ki_code, KI_CODE_SIZE >> PAGE_SHIFT);
+	ki_first_code->first = true;
+	ki_first_data->first = true;
 	return 0;
 }
 
-static void ki_free_regions(void)
+/* Free every area; with @keep_code, patch areas stay allocated (text may still jump there). */
+static void ki_free_regions(bool keep_code)
 {
-	if (ki_code) {
-		ki_set_memory_nx((unsigned long)ki_code, KI_CODE_SIZE >> PAGE_SHIFT);
-		ki_set_memory_rw((unsigned long)ki_code, KI_CODE_SIZE >> PAGE_SHIFT);
-		ki_module_memfree(ki_code);
-		ki_code = NULL;
-	}
-	if (ki_data) {
-		ki_module_memfree(ki_data);
-		ki_data = NULL;
+	struct ki_area *a, *tmp;
+
+	list_for_each_entry_safe(a, tmp, &ki_areas, node) {
+		if (keep_code && a->region == KERNINST_REGION_CODE) {
+			list_del(&a->node);
+			kfree(a);
+			continue;
+		}
+		ki_area_free(a);
 	}
 }
 
@@ -1752,9 +2532,7 @@ static int ki_module_notify(struct notifier_block *nb, unsigned long state, void
 	list_for_each_entry_safe(s, tmp, &ki_splices, node) {
 		if (!within_module(s->addr, mod))
 			continue;
-		list_del(&s->node);
-		ki_nsplices--;
-		kfree(s);
+		ki_splice_forget(s);
 		writes++;
 	}
 	routes = ki_routes_retire(ki_route_within, mod);
@@ -1776,16 +2554,12 @@ static struct notifier_block ki_module_nb = {
 static unsigned int ki_unsplice_all(void)
 {
 	struct ki_splice *s, *tmp;
-	unsigned int left = 0;
+	unsigned int left;
 
 	mutex_lock(ki_text_mutex);
-	list_for_each_entry_safe_reverse(s, tmp, &ki_splices, node) {
-		if (!ki_unsplice(s))
-			left++;
-		list_del(&s->node);
-		kfree(s);
-	}
-	ki_nsplices = 0;
+	left = ki_unsplice_where(ki_splice_any, NULL);
+	list_for_each_entry_safe(s, tmp, &ki_splices, node)
+		ki_splice_forget(s);
 	mutex_unlock(ki_text_mutex);
 	return left;
 }
@@ -1819,6 +2593,7 @@ static int __init ki_init(void)
 	ret = ki_alloc_regions();
 	if (ret)
 		goto fail;
+	ki_index_core_tables();
 	ret = register_die_notifier(&ki_die_nb);
 	if (ret)
 		goto fail;
@@ -1833,13 +2608,14 @@ static int __init ki_init(void)
 		unregister_die_notifier(&ki_die_nb);
 		goto fail;
 	}
-	pr_info("abi %d: text %#lx-%#lx, patch area %px+%#lx, data heap %px+%#lx, hazard checks %s\n",
+	pr_info("abi %d: text %#lx-%#lx, patch area %#lx+%#lx, data heap %#lx+%#lx, hazard checks %s\n",
 		KERNINST_ABI_VERSION, ki_text_start, ki_text_end,
-		ki_code, KI_CODE_SIZE, ki_data, KI_DATA_SIZE,
+		ki_first_code->start, ki_first_code->size, ki_first_data->start, ki_first_data->size,
 		ki_unchecked ? "INCOMPLETE (text pokes refused)" : "complete");
 	return 0;
 fail:
-	ki_free_regions();
+	ki_free_regions(false);
+	kvfree(ki_core_hz);
 	return ret;
 }
 
@@ -1860,13 +2636,12 @@ static void __exit ki_exit(void)
 	/* atomic_notifier_chain_unregister waits for running notifiers (synchronize_rcu). */
 	unregister_die_notifier(&ki_die_nb);
 	synchronize_rcu_tasks();
-	if (left) {
+	if (left)
 		/* Text may still jump there: better a leak than a jump into freed memory. */
-		pr_err("%u text writes could not be undone; the patch area %px stays allocated\n",
-		       left, ki_code);
-		ki_code = NULL;
-	}
-	ki_free_regions();
+		pr_err("%u text writes could not be undone; the patch areas stay allocated\n", left);
+	ki_free_regions(left != 0);
+	kvfree(ki_core_hz);
+	ki_bl_memo_free();
 	pr_info("unloaded (%u kept owners undone, %d trap hits dispatched)\n", owners,
 		atomic_read(&ki_trap_hits));
 }
@@ -1875,4 +2650,4 @@ module_init(ki_init);
 module_exit(ki_exit);
 MODULE_LICENSE("GPL");
 MODULE_DESCRIPTION("ksim live-kernel driver: memory access, text poking, trap dispatch");
-MODULE_VERSION("3");
+MODULE_VERSION("4");

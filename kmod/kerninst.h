@@ -35,19 +35,21 @@ typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 3
+#define KERNINST_ABI_VERSION 4
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
 /* Limits (also enforced by the module). */
 #define KERNINST_MAX_IO 65536        /* bytes per read/write request */
-#define KERNINST_MAX_WRITES 64       /* writes per poke batch */
+#define KERNINST_MAX_WRITES 262144   /* writes per poke batch (and route changes) */
+#define KERNINST_MAX_POKE_BYTES (16 << 20) /* new bytes per poke batch, its writes together */
 #define KERNINST_MAX_TEXT_WRITE 16   /* bytes per write into kernel text */
 #define KERNINST_MAX_CODE_WRITE 4096 /* bytes per write into the patch area */
 #define KERNINST_MAX_ROUTES 65536    /* trap routes at once: default of parameter max_routes */
 #define KERNINST_MAX_SPLICES 65536   /* live text writes at once: default of parameter max_splices */
 #define KERNINST_NAME_LEN 128        /* symbol or kept-owner name, NUL included */
 #define KERNINST_MAX_RANGES 1024     /* ranges per HAZARDS request */
+#define KERNINST_MAX_AREA_BYTES (256 << 20) /* patch area and heap, all areas: default of parameter max_area_bytes */
 
 /*
  * Hazards: why the kernel relies on text staying as it is.  The checks are
@@ -75,9 +77,9 @@ struct kerninst_version {
 struct kerninst_info {
 	__u64 text_start;        /* _stext */
 	__u64 text_end;          /* _etext */
-	__u64 code_start;        /* patch area: executable, within +-2 GB of text */
-	__u64 code_size;
-	__u64 data_start;        /* data heap: read/write, within +-2 GB of text */
+	__u64 code_start;        /* the first patch area: executable, within +-2 GB of text */
+	__u64 code_size;         /* (more areas are added on demand: AREA_ADD, STATE) */
+	__u64 data_start;        /* the first data heap area: read/write, within +-2 GB of text */
 	__u64 data_size;
 	__u64 current_task;      /* per-cpu offset of current_task (reached as gs:offset) */
 	__u64 cpu_number;        /* per-cpu offset of cpu_number */
@@ -85,6 +87,8 @@ struct kerninst_info {
 	__u32 task_pid_size;     /* sizeof(pid_t) */
 	__u32 nr_cpus;           /* num_online_cpus() at load */
 	__u32 version;           /* KERNINST_ABI_VERSION */
+	__u32 task_tgid_offset;  /* offsetof(struct task_struct, tgid): a process's pid */
+	__u32 task_comm_offset;  /* offsetof(struct task_struct, comm): char[TASK_COMM_LEN] */
 };
 
 /* Read kernel memory (any address) or write a data-heap block of owner (only). */
@@ -104,18 +108,31 @@ struct kerninst_write {
 	__u32 reserved;
 };
 
+/* One route change of a poke batch: route an int3 at site to patch, or (patch 0) no more. */
+struct kerninst_route {
+	__u64 site;
+	__u64 patch;    /* a patch-area block of the owner; 0: clear the owner's route at site */
+};
+
 /*
- * A poke batch by owner, applied all or nothing: every write is checked
- * (range, hazards, who holds the bytes, old bytes) and everything the batch
- * needs (splice-log records, the temporary trap routes of multi-byte writes)
- * is reserved before the first byte changes.  On -ESTALE, failed_index names
- * the write whose old bytes differ from memory.
+ * A poke batch by owner, applied all or nothing: its route changes first, in
+ * order (each as SET_TRAP or CLEAR_TRAP would make it), then its writes, all
+ * at once.  Every route change and every write is checked (range, hazards,
+ * who holds the bytes, old bytes) and everything the batch needs (routes,
+ * splice-log records with their temporary trap routes) is reserved before the
+ * first byte changes.  The writes into text go in with one int3 -> sync ->
+ * tail -> sync -> head -> sync sequence for the whole batch, as
+ * text_poke_bp_batch does.  On -ESTALE, failed_index names the write whose old
+ * bytes differ from memory.
  */
 struct kerninst_poke {
-	__u64 writes;   /* user pointer to count struct kerninst_write */
-	__u32 count;    /* <= KERNINST_MAX_WRITES */
-	__u32 failed_index;
+	__u64 writes;   /* user pointer to nr_writes struct kerninst_write */
+	__u64 routes;   /* user pointer to nr_routes struct kerninst_route */
 	__u64 owner;
+	__u32 nr_writes;     /* <= KERNINST_MAX_WRITES */
+	__u32 nr_routes;     /* <= KERNINST_MAX_WRITES */
+	__u32 failed_index;  /* out */
+	__u32 reserved;
 };
 
 struct kerninst_lookup {
@@ -176,6 +193,20 @@ struct kerninst_block {
 	__u32 reserved;
 };
 
+/*
+ * An area of the patch area or of the data heap.  The module makes one of
+ * each at load (INFO names them) and more on demand (AREA_ADD): module_alloc
+ * memory, within rel32 reach of kernel text, patch areas filled with int3 and
+ * never writable and executable at once.  An added area that holds no block
+ * goes back (AREA_DROP).
+ */
+struct kerninst_area {
+	__u64 address;  /* AREA_ADD: out; AREA_DROP: in */
+	__u64 size;     /* AREA_ADD: in (rounded up to pages), out */
+	__u32 region;   /* KERNINST_REGION_* */
+	__u32 reserved;
+};
+
 /* One live text write, as STATE lists it: orig is what unload or a drop puts back. */
 struct kerninst_splice {
 	__u64 owner;
@@ -187,8 +218,8 @@ struct kerninst_splice {
 };
 
 /*
- * The module's log: every owner, live text write (oldest first), trap route
- * and block.  Each nr_* says, in, how many entries its user array has room
+ * The module's log: every owner, live text write (oldest first), trap route,
+ * block and area.  Each nr_* says, in, how many entries its user array has room
  * for and, out, how many there are; only as many as fit are written, so a
  * caller that finds nr_* grown past its room asks again with more.
  */
@@ -197,10 +228,13 @@ struct kerninst_state {
 	__u64 splices;  /* struct kerninst_splice[nr_splices] */
 	__u64 routes;   /* struct kerninst_trap[nr_routes] */
 	__u64 blocks;   /* struct kerninst_block[nr_blocks] */
+	__u64 areas;    /* struct kerninst_area[nr_areas] */
 	__u32 nr_owners;
 	__u32 nr_splices;
 	__u32 nr_routes;
 	__u32 nr_blocks;
+	__u32 nr_areas;
+	__u32 reserved;
 };
 
 #define KERNINST_IOC_VERSION    _IOR(KERNINST_IOC_MAGIC, 0x00, struct kerninst_version)
@@ -228,6 +262,9 @@ struct kerninst_state {
 #define KERNINST_IOC_FREE       _IOW(KERNINST_IOC_MAGIC, 0x0f, struct kerninst_block)
 /* The module's log (owners, text writes, routes, blocks). */
 #define KERNINST_IOC_STATE      _IOWR(KERNINST_IOC_MAGIC, 0x10, struct kerninst_state)
+/* Add an area to the patch area or the data heap; give an added, empty one back. */
+#define KERNINST_IOC_AREA_ADD   _IOWR(KERNINST_IOC_MAGIC, 0x11, struct kerninst_area)
+#define KERNINST_IOC_AREA_DROP  _IOW(KERNINST_IOC_MAGIC, 0x12, struct kerninst_area)
 
 /*
  * Errors (negative errno from ioctl), each one cause:
@@ -243,18 +280,21 @@ struct kerninst_state {
  *           session, or a kept owner); nothing was changed
  *   EBUSY   the owner's site already has a trap route, a trap is still in text,
  *           a multi-byte write would cover the owner's own route, a freed
- *           block is still the target of a route or a jump, or an orphan was
- *           asked to stop being kept;
+ *           block is still the target of a route or a jump, an orphan was
+ *           asked to stop being kept, or an area to drop still holds a block
+ *           (or is one the module made at load);
  *           from open(): the device is already open (one opener at a time)
  *   EEXIST  OWNER_KEEP: another kept owner has that name
  *   EPERM   the text has a hazard (KERNINST_HAZARD_*: blacklisted code, an ftrace,
  *           jump-label or static-call site, a kprobe, an exception-table or
  *           bug-table instruction, or a check that could not be made)
- *   EINVAL  malformed request (sizes, overlapping writes, no int3 destination)
- *   ENOSPC  max_routes trap routes or max_splices text writes are live; nothing
- *           was changed
+ *   EINVAL  malformed request (sizes, overlapping writes, two changes of one
+ *           route in a batch, no int3 destination: an int3 written into text
+ *           needs a route at its site)
+ *   ENOSPC  max_routes trap routes or max_splices text writes are live, or
+ *           max_area_bytes of areas; nothing was changed
  *   ENOMEM  the kernel has no memory for a record; nothing was changed
- *   ENOENT  unknown symbol, trap route, block, or kept owner name
+ *   ENOENT  unknown symbol, trap route, block, area, or kept owner name
  *   ESRCH   unknown owner id
  */
 

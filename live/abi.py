@@ -12,20 +12,22 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 DEVICE = "/dev/kerninst"
 IOC_MAGIC = "K"
 
 # Limits, as in kerninst.h.
 LIMITS: dict[str, int] = {
     "MAX_IO": 65536,
-    "MAX_WRITES": 64,
+    "MAX_WRITES": 262144,        # writes per poke batch (and route changes)
+    "MAX_POKE_BYTES": 16 << 20,  # new bytes per poke batch, its writes together
     "MAX_TEXT_WRITE": 16,
     "MAX_CODE_WRITE": 4096,
     "MAX_ROUTES": 65536,     # default of the module parameter max_routes
     "MAX_SPLICES": 65536,    # default of the module parameter max_splices
     "NAME_LEN": 128,
     "MAX_RANGES": 1024,
+    "MAX_AREA_BYTES": 256 << 20,  # all areas: default of the module parameter max_area_bytes
 }
 
 # Hazard name -> its KERNINST_HAZARD_* bit: why the kernel relies on text staying
@@ -61,13 +63,17 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
         ("data_start", "Q"), ("data_size", "Q"),
         ("current_task", "Q"), ("cpu_number", "Q"),
         ("task_pid_offset", "I"), ("task_pid_size", "I"),
-        ("nr_cpus", "I"), ("version", "I"),
+        ("nr_cpus", "I"), ("version", "I"), ("task_tgid_offset", "I"), ("task_comm_offset", "I"),
     ),
     "kerninst_mem": (("address", "Q"), ("buf", "Q"), ("size", "Q"), ("owner", "Q")),
     "kerninst_write": (
         ("address", "Q"), ("old_buf", "Q"), ("new_buf", "Q"), ("len", "I"), ("reserved", "I"),
     ),
-    "kerninst_poke": (("writes", "Q"), ("count", "I"), ("failed_index", "I"), ("owner", "Q")),
+    "kerninst_route": (("site", "Q"), ("patch", "Q")),
+    "kerninst_poke": (
+        ("writes", "Q"), ("routes", "Q"), ("owner", "Q"),
+        ("nr_writes", "I"), ("nr_routes", "I"), ("failed_index", "I"), ("reserved", "I"),
+    ),
     "kerninst_lookup": (("name", f"{LIMITS['NAME_LEN']}s"), ("address", "Q")),
     "kerninst_trap": (("site", "Q"), ("patch", "Q"), ("owner", "Q")),
     "kerninst_range": (("address", "Q"), ("len", "I"), ("hazards", "I")),
@@ -78,13 +84,15 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "kerninst_block": (
         ("owner", "Q"), ("address", "Q"), ("size", "Q"), ("region", "I"), ("reserved", "I"),
     ),
+    "kerninst_area": (("address", "Q"), ("size", "Q"), ("region", "I"), ("reserved", "I")),
     "kerninst_splice": (
         ("owner", "Q"), ("address", "Q"), ("len", "I"), ("reserved", "I"),
         ("orig", f"{LIMITS['MAX_TEXT_WRITE']}s"), ("cur", f"{LIMITS['MAX_TEXT_WRITE']}s"),
     ),
     "kerninst_state": (
-        ("owners", "Q"), ("splices", "Q"), ("routes", "Q"), ("blocks", "Q"),
+        ("owners", "Q"), ("splices", "Q"), ("routes", "Q"), ("blocks", "Q"), ("areas", "Q"),
         ("nr_owners", "I"), ("nr_splices", "I"), ("nr_routes", "I"), ("nr_blocks", "I"),
+        ("nr_areas", "I"), ("reserved", "I"),
     ),
 }
 
@@ -111,6 +119,8 @@ COMMANDS: dict[str, tuple[str, int, str | None]] = {
     "CLAIM": ("w", 0x0E, "kerninst_block"),
     "FREE": ("w", 0x0F, "kerninst_block"),
     "STATE": ("rw", 0x10, "kerninst_state"),
+    "AREA_ADD": ("rw", 0x11, "kerninst_area"),
+    "AREA_DROP": ("w", 0x12, "kerninst_area"),
 }
 
 # (command or "*", errno) -> ksim error code (ksim.errors); the first match wins.
@@ -136,6 +146,8 @@ ERRORS: dict[tuple[str, int], str] = {
     ("CLAIM", errno.ERANGE): "target-fault",
     ("FREE", errno.ENOENT): "unknown-handle",
     ("FREE", errno.EBUSY): "already-spliced",         # a route or a live jump still leads there
+    ("AREA_ADD", errno.ENOSPC): "out-of-memory",       # max_area_bytes
+    ("AREA_DROP", errno.ENOENT): "unknown-handle",
     ("*", errno.EADDRINUSE): "text-owned",
     ("*", errno.ESRCH): "unknown-handle",             # no such owner
     ("*", errno.ENOMEM): "out-of-memory",

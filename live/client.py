@@ -4,6 +4,8 @@
     t = open_target("live://127.0.0.1:7070")          # token: the testbed's by default
     t.read(addr, 16); t.poke([Write(addr, old, new)]); t.run(while_cmd="./workload")
     t.text_hazards([(addr, 5)])   # [frozenset({"ftrace"})]: the kernel's own answer
+    with t.batch():               # many splices, few round trips (see LiveTarget.batch)
+        m.insert_many(points, snippet, splice="trap")
 
 ``Connection`` is the wire client (hello, HMAC auth, request/reply); ``LiveTarget``
 adds the Target contract on top of it; ``KprobeCounter`` is the oracle: the
@@ -12,11 +14,13 @@ kernel's own kprobe on the same function, through tracefs.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import os
 import socket
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,6 +50,11 @@ if TYPE_CHECKING:
     from ksim.splice.patch import Write
 
 REL32 = 1 << 31
+#: bytes of kernel text the image reads at a time (and keeps): analysing a function
+#: reads a few hundred bytes, and neighbours are analysed next
+TEXT_CHUNK = 256 << 10
+#: untouched patch blocks a batch keeps for reuse (see LiveTarget.batch)
+SPARE_BLOCKS = 8
 
 
 def default_token_file() -> str:
@@ -185,6 +194,18 @@ class LiveTarget:
                  timeout: float = 60.0) -> None:
         self.name = f"live://{host}:{port}"
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
+        self._text_chunks: dict[int, bytes] = {}  # the image's reads of kernel text
+        self._blocks: dict[int, int] = {}    # this client's patch blocks: address -> size
+        self._block_starts: list[int] = []   # the same addresses, sorted
+        self._touched: set[int] = set()      # patch blocks a poke wrote into
+        # batch() state: nesting depth, route changes not sent yet (site -> patch, 0:
+        # clear; in order), sites whose queued route went down with a refused batch,
+        # hazard answers asked already, untouched patch blocks kept for reuse
+        self._batch = 0
+        self._routes: dict[int, int] = {}
+        self._unset: set[int] = set()
+        self._hazard_memo: dict[tuple[int, int], frozenset[str]] | None = None
+        self._spare: list[tuple[int, int]] = []
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
         self._token_file, self._timeout = token_file, timeout
         reply = self.conn.request("info")
@@ -193,15 +214,18 @@ class LiveTarget:
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
-        from ksim.images.abi import linux_read_nofault
+        from ksim.images.abi import linux_clock_ns, linux_read_nofault
 
         self.abi = KernelABI(
             current_task=MemRef(int(i["current_task"]), "gs", 8),
             task_pid_offset=int(i["task_pid_offset"]),
             task_pid_size=int(i["task_pid_size"]),
+            task_tgid_offset=int(i["task_tgid_offset"]),
+            task_comm_offset=int(i["task_comm_offset"]),
             cpu_number=MemRef(int(i["cpu_number"]), "gs", 4),
             # snippet loads through computed pointers go through it: they cannot fault
             read_nofault=linux_read_nofault(self.lookup),
+            clock_ns=linux_clock_ns(self.lookup),
         )
 
     # -- what the engine asks for lazily -------------------------------------------
@@ -237,7 +261,32 @@ class LiveTarget:
     def image(self) -> Image:
         from ksim.image import load_kallsyms
 
-        return load_kallsyms(self.kallsyms_path, reader=self.read)
+        return load_kallsyms(self.kallsyms_path, reader=self._image_read)
+
+    def _image_read(self, address: int, size: int) -> bytes:
+        """What the image reads: core kernel text as it was before this client's pokes,
+        fetched TEXT_CHUNK bytes at a time and kept (analysing every function of the
+        kernel is then some 50 reads, not one or two per function); anything else
+        read as it is now."""
+        lo, hi = self.text
+        if not (lo <= address and address + size <= hi) or size <= 0:
+            return self.read(address, size)
+        out = bytearray()
+        at = address
+        while at < address + size:
+            base = lo + (at - lo) // TEXT_CHUNK * TEXT_CHUNK
+            chunk = self._text_chunks.get(base)
+            if chunk is None:
+                chunk = self.read(base, min(TEXT_CHUNK, hi - base))
+                self._text_chunks[base] = chunk
+            take = min(address + size, base + len(chunk)) - at
+            out += chunk[at - base:at - base + take]
+            at += take
+        for i in range(size) if self._original else ():
+            b = self._original.get(address + i)
+            if b is not None:
+                out[i] = b
+        return bytes(out)
 
     @cached_property
     def _symbols(self) -> list[tuple[int, str]]:
@@ -263,6 +312,11 @@ class LiveTarget:
             raise TargetError(f"{address:#x} is below every kernel text symbol")
         return syms[i][1], address - syms[i][0]
 
+    def _request(self, op: str, **args: Any) -> dict[str, Any]:
+        """A request of this target; route changes a batch queued go first."""
+        self._flush_routes()
+        return self.conn.request(op, **args)
+
     def original(self, address: int, size: int) -> bytes:
         """Text as it was before this client's pokes changed it."""
         current = self.read(address, size)
@@ -273,26 +327,118 @@ class LiveTarget:
         out = bytearray()
         while len(out) < size:
             n = min(wire.MAX_READ, size - len(out))
-            out += bytes.fromhex(self.conn.request("read", address=address + len(out), size=n)["data"])
+            out += bytes.fromhex(self._request("read", address=address + len(out), size=n)["data"])
         return bytes(out)
 
     def write(self, address: int, data: bytes) -> None:
         for off in range(0, len(data), wire.MAX_WRITE):
             chunk = data[off:off + wire.MAX_WRITE]
-            self.conn.request("write", address=address + off, data=chunk.hex())
+            self._request("write", address=address + off, data=chunk.hex())
+
+    def _block_of(self, address: int) -> int | None:
+        """The patch block of this client holding ``address``, if any."""
+        i = bisect.bisect_right(self._block_starts, address) - 1
+        if i >= 0:
+            start = self._block_starts[i]
+            if address < start + self._blocks[start]:
+                return start
+        return None
 
     def poke(self, writes: Sequence[Write]) -> None:
-        """Apply writes all or nothing.  Text the kernel relies on (see text_hazards)
-        is refused with the hazard's own UnsafeSite error (FtraceSite, BugSite, ...),
-        naming the hazards; nothing is written then."""
+        """Apply writes all or nothing, as one request and one batch in the module
+        (with the route changes a batch queued, made first).  Text the kernel relies
+        on (see text_hazards) is refused with the hazard's own UnsafeSite error
+        (FtraceSite, BugSite, ...), naming the hazards; nothing is written then."""
         if not writes:
             return
-        self.conn.request("poke", writes=[[w.address, w.old.hex(), w.new.hex()] for w in writes])
-        lo, hi = self.code_region
+        # a patch-area write longer than the module takes at once goes as several
+        # (text writes are 16 bytes at most)
+        step = wire.MAX_POKE_BYTES
+        items = [[w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
+                 for w in writes for off in range(0, len(w.new), step)]
+        requests = [items]
+        if len(items) > wire.MAX_WRITES or sum(len(w.new) for w in writes) > wire.MAX_POKE_TOTAL:
+            # over one batch's limits: only code nothing reaches yet may go in parts
+            if any(self._block_of(w.address) is None for w in writes):
+                raise TargetError(f"a poke of {len(items)} writes into kernel text is over the "
+                                  f"module's batch limits ({wire.MAX_WRITES} writes, "
+                                  f"{wire.MAX_POKE_TOTAL} bytes)")
+            per = max(1, min(wire.MAX_WRITES, wire.MAX_POKE_TOTAL // step))
+            requests = [items[i:i + per] for i in range(0, len(items), per)]
+        routes, self._routes = self._routes, {}
+        for w in writes:  # a block a write may have reached is not handed out again as new
+            block = self._block_of(w.address)
+            if block is not None:
+                self._touched.add(block)
+        try:
+            for i, part in enumerate(requests):
+                args: dict[str, Any] = {"writes": part}
+                if routes and i == 0:
+                    args["routes"] = [[site, patch] for site, patch in routes.items()]
+                self.conn.request("poke", reply_timeout=self._batch_timeout(len(part) + len(routes)),
+                                  **args)
+        except BaseException:
+            self._unset |= {site for site, patch in routes.items() if patch}
+            raise
         for w in writes:
-            if not lo <= w.address < hi:  # kernel or module text
+            if self._block_of(w.address) is None:  # kernel or module text
                 for i, b in enumerate(w.old):
                     self._original.setdefault(w.address + i, b)
+
+    def _batch_timeout(self, items: int) -> float:
+        """How long a batch of ``items`` route changes and writes may take: the daemon
+        checks and packs each one (in an emulated guest, tens of microseconds to a
+        millisecond), the module pokes each."""
+        return self._timeout + 0.01 * items
+
+    def _flush_routes(self) -> None:
+        """Send the route changes a batch queued, as one request (all or nothing)."""
+        if not self._routes:
+            return
+        routes, self._routes = self._routes, {}
+        try:
+            self.conn.request("routes", reply_timeout=self._batch_timeout(len(routes)),
+                              routes=[[site, patch] for site, patch in routes.items()])
+        except BaseException:
+            self._unset |= {site for site, patch in routes.items() if patch}
+            raise
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Many changes with few round trips, for Manager.insert_many/remove_many
+        over thousands of points.  Inside:
+
+        * ``set_trap``/``clear_trap`` are queued and sent with the next ``poke``: the
+          module makes the route changes and then the writes as one batch, all or
+          nothing; before any other request they are sent on their own.  A refused
+          route is raised by that request (nothing of it was made), and a later
+          ``clear_trap`` of a route that went down with it does nothing;
+        * ``text_hazards`` asks the kernel once per range: planning works from one
+          look at the kernel, and the module checks every write again when it is
+          made (a hazard that appeared since is refused, never missed);
+        * a patch block freed without ever being written is kept and handed out
+          again by ``alloc_code`` (a dry run's, ``Manager.can_insert``).
+
+        On leaving, what is queued is sent and the kept blocks are freed."""
+        self._batch += 1
+        if self._batch == 1:
+            self._hazard_memo = {}
+        done = False
+        try:
+            yield
+            done = True
+        finally:
+            self._batch -= 1
+            if not self._batch:
+                self._hazard_memo = None
+                try:
+                    self._flush_routes()
+                    spare, self._spare = self._spare, []
+                    for address, _size in spare:
+                        self._free_block(address)
+                except KsimError:
+                    if done:
+                        raise
 
     def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
         """Why the kernel relies on each (address, length) text range staying as it is,
@@ -300,70 +446,130 @@ class LiveTarget:
         "jump_label", "static_call", "kprobe", "blacklist", "extable", "bug", "warn",
         "not_text", "unknown"); an empty set when the range may be written.
         A length is 1..16 bytes."""
-        out: list[frozenset[str]] = []
-        for start in range(0, len(ranges), wire.MAX_RANGES):
-            chunk = [[int(a), int(n)] for a, n in ranges[start:start + wire.MAX_RANGES]]
-            reply = self.conn.request("hazards", ranges=chunk)
-            out += [frozenset(names) for names in reply["hazards"]]
-        return out
+        memo = self._hazard_memo if self._hazard_memo is not None else {}
+        wanted = [(int(a), int(n)) for a, n in ranges]
+        ask = list(dict.fromkeys(r for r in wanted if r not in memo))
+        for start in range(0, len(ask), wire.MAX_RANGES):
+            chunk = ask[start:start + wire.MAX_RANGES]
+            reply = self._request("hazards", ranges=[list(r) for r in chunk])
+            memo.update(zip(chunk, (frozenset(n) for n in reply["hazards"]), strict=True))
+        return [memo[r] for r in wanted]
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
-        address = int(self.conn.request("alloc_code", size=size)["address"])
-        if near is not None and not (-REL32 <= address - near and address + size - near < REL32):
+        address = self._reuse_spare(size, near)
+        if address is not None:
+            return address
+        address = int(self._request("alloc_code", size=size)["address"])
+        bisect.insort(self._block_starts, address)
+        self._blocks[address] = size
+        if near is not None and not self._reaches(address, size, near):
             self.free_code(address)
             raise OutOfRange(f"patch area {address:#x} is beyond rel32 reach of {near:#x}")
         return address
 
+    @staticmethod
+    def _reaches(address: int, size: int, near: int) -> bool:
+        return -REL32 <= address - near and address + size - near < REL32
+
+    def _reuse_spare(self, size: int, near: int | None) -> int | None:
+        """The smallest untouched block a batch kept that fits (see batch)."""
+        fits = [(n, a) for a, n in self._spare
+                if n >= size and (near is None or self._reaches(a, n, near))]
+        if not fits:
+            return None
+        n, address = min(fits)
+        self._spare.remove((address, n))
+        return address
+
     def free_code(self, address: int) -> None:
-        self.conn.request("free_code", address=address)
+        size = self._blocks.get(address)
+        if self._batch and size is not None and address not in self._touched:
+            self._spare.append((address, size))
+            if len(self._spare) > SPARE_BLOCKS:  # keep the largest
+                self._spare.sort(reverse=True, key=lambda b: b[1])
+                self._free_block(self._spare.pop()[0])
+            return
+        self._free_block(address)
+
+    def _free_block(self, address: int) -> None:
+        self._request("free_code", address=address)
+        if self._blocks.pop(address, None) is not None:
+            self._block_starts.remove(address)
+        self._touched.discard(address)
 
     def alloc_data(self, size: int, align: int = 8) -> int:
-        return int(self.conn.request("alloc_data", size=size, align=align)["address"])
+        return int(self._request("alloc_data", size=size, align=align)["address"])
 
     def free_data(self, address: int) -> None:
-        self.conn.request("free_data", address=address)
+        self._request("free_data", address=address)
 
     def set_trap(self, site: int, patch: int) -> None:
-        self.conn.request("set_trap", site=site, patch=patch)
+        """Route an int3 at ``site`` to ``patch`` (inside batch(): queued)."""
+        if not self._batch:
+            self._request("set_trap", site=site, patch=patch)
+            return
+        if self._routes.get(site) == 0:  # its clear is queued: that goes first
+            self._flush_routes()
+        self._unset.discard(site)
+        self._routes[site] = patch
+        if len(self._routes) >= wire.MAX_WRITES:
+            self._flush_routes()
 
     def clear_trap(self, site: int) -> None:
-        self.conn.request("clear_trap", site=site)
+        """Retire the route at ``site`` (inside batch(): queued)."""
+        if self._routes.get(site):  # never sent: nothing to clear
+            del self._routes[site]
+            return
+        if site in self._unset:  # went down with a refused batch
+            self._unset.discard(site)
+            return
+        if not self._batch:
+            self._request("clear_trap", site=site)
+            return
+        self._routes[site] = 0
+        if len(self._routes) >= wire.MAX_WRITES:
+            self._flush_routes()
+
+    def areas(self) -> list[dict[str, Any]]:
+        """The patch area's and the data heap's areas now: region, address, size, free."""
+        return list(self._request("info")["areas"])
 
     def lookup(self, name: str) -> int:
-        return int(self.conn.request("lookup", name=name)["address"])
+        return int(self._request("lookup", name=name)["address"])
 
     def tracefs(self, file: str, mode: str = "r", data: str = "") -> str:
         """Read, write or append a tracefs file in the guest (no shell involved)."""
-        return str(self.conn.request("tracefs", file=file, mode=mode, data=data).get("data", ""))
+        return str(self._request("tracefs", file=file, mode=mode, data=data).get("data", ""))
 
     def keep(self, keep: bool = True, name: str | None = None) -> str | None:
         """Leave this client's splices in the kernel after it disconnects (and after
         kerninstd restarts), kept under ``name`` (default ``kept-OWNER``); returns the
         name.  ``keep(False)``: undo them at disconnect after all."""
-        reply = self.conn.request("keep", keep=keep, name=name or "")
+        reply = self._request("keep", keep=keep, name=name or "")
         return None if reply.get("name") is None else str(reply["name"])
 
     def kept(self) -> list[dict[str, Any]]:
         """The kept splices in the kernel, each with its ``name``, ``owner``, ``orphan``
         (text it could not undo), ``session`` (the peer still holding it, or None),
         ``writes`` (address, orig and cur hex), ``routes`` and ``blocks``."""
-        return list(self.conn.request("kept")["kept"])
+        return list(self._request("kept")["kept"])
 
     def adopt(self, name: str) -> dict[str, Any]:
         """Take the kept splice ``name`` over: undone when this client disconnects."""
-        return dict(self.conn.request("adopt", name=name)["adopted"])
+        return dict(self._request("adopt", name=name)["adopted"])
 
     def remove_kept(self, name: str) -> dict[str, Any]:
         """Undo the kept splice ``name`` now; returns what it held."""
-        return dict(self.conn.request("remove_kept", name=name)["removed"])
+        return dict(self._request("remove_kept", name=name)["removed"])
 
     # -- running things in the guest ---------------------------------------------------
     def _exec(self, cmd: str, timeout: float) -> dict[str, Any]:
-        return self.conn.request("exec", cmd=cmd, timeout=float(timeout), reply_timeout=timeout + 30)
+        return self._request("exec", cmd=cmd, timeout=float(timeout), reply_timeout=timeout + 30)
 
     def _exec_with_progress(self, cmd: str, timeout: float,
                             progress: Callable[[], None]) -> dict[str, Any]:
         outcome: dict[str, Any] = {}
+        self._flush_routes()  # the command runs over another connection
 
         def work() -> None:
             try:
@@ -421,6 +627,10 @@ class LiveTarget:
         return KprobeCounter(self, address)
 
     def close(self) -> None:
+        try:
+            self._flush_routes()  # a kept session keeps them
+        except KsimError:
+            pass
         try:
             self.conn.request("bye")
         except (KsimError, OSError):

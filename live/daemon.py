@@ -13,7 +13,8 @@ disconnects the module undoes what its owner holds, newest first, unless it
 sent ``keep``: a kept owner has a name, outlives the session and kerninstd
 itself, and is listed (``kept``), taken over (``adopt``) or undone
 (``remove_kept``) by a later client.  kerninstd allocates inside the patch area
-and the heap, and builds its allocators from the module's log when it starts.
+and the heap -- each made of areas the module adds on demand and takes back
+when empty -- and builds its allocators from the module's log when it starts.
 
 Peers that have not authenticated are held to small frames, a deadline and a
 count (``Limits``): when the count is reached the oldest of them is closed, so
@@ -60,7 +61,7 @@ from ksim.splice import hazards
 from ksim.splice.alloc import RegionAllocator
 from live import abi
 from live import protocol as wire
-from live.device import Device, ModuleState, Owner
+from live.device import Area, Device, ModuleState, Owner
 
 log = logging.getLogger("kerninstd")
 
@@ -211,6 +212,67 @@ def mirror(start: int, end: int, name: str, blocks: Iterable[tuple[int, int]]) -
     return region
 
 
+#: the least size of an area kerninstd asks the module to add
+GROW = 1 << 20
+
+
+class Region:
+    """The patch area or the data heap: the module's areas of one region, each with a
+    first-fit allocator.  ``first`` is the area the module made at load (it stays);
+    the others were added on demand and go back once they hold no block."""
+
+    def __init__(self, name: str, kind: str, first: tuple[int, int]) -> None:
+        self.name, self.kind, self.first = name, kind, first[0]
+        self.areas: dict[int, RegionAllocator] = {}
+        self.add(*first)
+
+    def add(self, address: int, size: int, blocks: Iterable[tuple[int, int]] = ()) -> None:
+        self.areas[address] = mirror(address, address + size, f"{self.name} {address:#x}", blocks)
+        self.areas = dict(sorted(self.areas.items()))
+
+    def alloc(self, size: int, align: int = 16) -> int:
+        """The first place that fits, area by area in address order; OutOfMemory if none."""
+        for area in self.areas.values():
+            try:
+                return area.alloc(size, align)
+            except OutOfMemory:
+                continue
+        raise OutOfMemory(f"{self.name}: no room for {size} bytes in {len(self.areas)} areas "
+                          f"({self.bytes_free} bytes free)")
+
+    def area_of(self, address: int) -> RegionAllocator | None:
+        for area in self.areas.values():
+            if area.start <= address < area.end:
+                return area
+        return None
+
+    def free(self, address: int) -> None:
+        area = self.area_of(address)
+        if area is None:
+            raise KsimError(f"{self.name}: {address:#x} is in none of its areas")
+        area.free(address)
+
+    def touches(self, address: int, size: int) -> bool:
+        return any(address < a.end and address + size > a.start for a in self.areas.values())
+
+    def idle(self, held: Callable[[int], bool] = lambda _a: True) -> list[int]:
+        """The added areas whose every block ``held`` calls not held (none at all by default)."""
+        return [start for start, area in self.areas.items() if start != self.first
+                and not any(held(b) for b in area.allocated())]
+
+    def allocated(self) -> dict[int, int]:
+        """Every block, address -> size, over all areas."""
+        return {a: n for area in self.areas.values() for a, n in area.allocated().items()}
+
+    @property
+    def bytes_free(self) -> int:
+        return sum(a.bytes_free for a in self.areas.values())
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [{"region": self.kind, "address": a.start, "size": a.end - a.start,
+                 "free": a.bytes_free} for a in self.areas.values()]
+
+
 def peer_name(writer: asyncio.StreamWriter) -> str:
     # None when the peer reset the connection before it was accepted
     peer = writer.get_extra_info("peername")
@@ -238,10 +300,10 @@ class Daemon:
         self.limits = limits or Limits()
         self.info = device.info()
         self.text = (int(self.info["text_start"]), int(self.info["text_end"]))
-        cs, csz = int(self.info["code_start"]), int(self.info["code_size"])
-        ds, dsz = int(self.info["data_start"]), int(self.info["data_size"])
-        self.code = RegionAllocator(cs, cs + csz, name="patch area")
-        self.data = RegionAllocator(ds, ds + dsz, name="data heap")
+        self._first = {"code": (int(self.info["code_start"]), int(self.info["code_size"])),
+                       "data": (int(self.info["data_start"]), int(self.info["data_size"]))}
+        self.code = Region("patch area", "code", self._first["code"])
+        self.data = Region("data heap", "data", self._first["data"])
         # Freed patch code is reused only after QUIESCE: a task preempted inside it must leave first.
         self.quarantine: list[int] = []
         # The module's log is the truth: blocks that kept owners (kept splices of
@@ -445,13 +507,18 @@ class Daemon:
         self._follow_module()
 
     def follow(self, state: ModuleState) -> None:
-        """Make the allocators hold exactly the blocks the module records (freed patch
-        blocks among them, in quarantine until QUIESCE)."""
-        for attr, region in (("code", "code"), ("data", "data")):
-            old = getattr(self, attr)
-            setattr(self, attr, mirror(old.start, old.end, old.name,
-                                       ((b.address, b.size) for b in state.blocks
-                                        if b.region == region)))
+        """Make the allocators hold exactly the areas and blocks the module records
+        (freed patch blocks among them, in quarantine until QUIESCE)."""
+        for attr, kind in (("code", "code"), ("data", "data")):
+            old: Region = getattr(self, attr)
+            areas = [a for a in state.areas if a.region == kind] or [Area(kind, *self._first[kind])]
+            first = next((a for a in areas if a.address == self._first[kind][0]), areas[0])
+            region = Region(old.name, kind, (first.address, first.size))
+            for area in areas:
+                blocks = [(b.address, b.size) for b in state.blocks if b.region == kind
+                          and area.address <= b.address < area.address + area.size]
+                region.add(area.address, area.size, blocks)
+            setattr(self, attr, region)
         self.quarantine = [b.address for b in state.blocks if b.region == "code" and not b.owner]
 
     def _follow_module(self) -> None:
@@ -460,6 +527,11 @@ class Daemon:
         except Exception:
             # The allocators keep every block they had: none is handed out twice.
             log.exception("cannot read the module's log; the allocators stay as they were")
+            return
+        try:
+            self._shrink()
+        except Exception:
+            log.exception("cannot give back the areas left empty")
 
     def _owner(self, session: Session) -> int:
         """The session's owner in the module, made on first use."""
@@ -542,6 +614,7 @@ class Daemon:
     def op_info(self, session: Session) -> dict[str, Any]:
         return {**self.info, "kernel": os.uname().release, "allow_exec": self.allow_exec,
                 "code_free": self.code.bytes_free, "data_free": self.data.bytes_free,
+                "areas": self.code.describe() + self.data.describe(),
                 "modules": modules_digest()}
 
     def op_kallsyms(self, session: Session, offset: int) -> dict[str, Any]:
@@ -577,14 +650,27 @@ class Daemon:
             raise self._owned(session, "write", [(address, len(data))]) from None
         return {}
 
-    def _alloc_code(self, size: int) -> int:
+    def _alloc(self, region: Region, size: int, align: int) -> int:
+        """A block of ``region``: where it fits; else, for patch code, where freed code
+        was once no task can still run in it (QUIESCE); else in an area the module adds."""
         try:
-            return self.code.alloc(size, 16)
+            return region.alloc(size, align)
         except OutOfMemory:
-            if not self.quarantine:
-                raise
-        self._release_quarantine()
-        return self.code.alloc(size, 16)
+            pass
+        if region is self.code and self.quarantine:
+            self._release_quarantine()
+            try:
+                return region.alloc(size, align)
+            except OutOfMemory:
+                pass
+        address, got = self.device.area_add(region.kind, max(GROW, size + align))
+        region.add(address, got)
+        log.info("%s: added an area of %d bytes at %#x (%d areas)", region.name, got, address,
+                 len(region.areas))
+        return region.alloc(size, align)
+
+    def _alloc_code(self, size: int) -> int:
+        return self._alloc(self.code, size, 16)
 
     def _release_quarantine(self) -> None:
         self.device.quiesce()
@@ -592,7 +678,28 @@ class Daemon:
             self.code.free(address)
         self.quarantine.clear()
 
-    def _claim(self, session: Session, region: str, alloc: RegionAllocator, address: int,
+    def _shrink(self) -> None:
+        """Give back the added areas that hold no block: first wait out the tasks that
+        may still run in freed patch code (and so still write its heap blocks)."""
+        if len(self.code.areas) == 1 and len(self.data.areas) == 1:
+            return  # nothing was added
+        parked = set(self.quarantine)
+        if not (self.code.idle(lambda a: a not in parked) or self.data.idle()):
+            return
+        if self.quarantine:
+            self._release_quarantine()
+        for region in (self.code, self.data):
+            for address in region.idle():
+                try:
+                    self.device.area_drop(region.kind, address)
+                except KsimError as exc:
+                    log.error("%s: cannot give back the area at %#x: %s", region.name, address, exc)
+                    continue
+                del region.areas[address]
+                log.info("%s: gave back the area at %#x (%d areas)", region.name, address,
+                         len(region.areas))
+
+    def _claim(self, session: Session, region: str, alloc: Region, address: int,
                size: int) -> None:
         try:
             self.device.claim(self._owner(session), region, address, size)
@@ -622,12 +729,13 @@ class Daemon:
     def op_free_code(self, session: Session, address: int) -> dict[str, Any]:
         self._free(session, "code", address)
         self.quarantine.append(address)
+        self._shrink()
         return {}
 
     def op_alloc_data(self, session: Session, size: int, align: int) -> dict[str, Any]:
         if align & (align - 1):
             raise ProtocolError(f"alloc_data: argument 'align' must be a power of two, got {align}")
-        address = self.data.alloc(size, align)
+        address = self._alloc(self.data, size, align)
         self._claim(session, "data", self.data, address, size)
         try:
             self.device.write(address, bytes(size), self._owner(session))
@@ -641,12 +749,13 @@ class Daemon:
     def op_free_data(self, session: Session, address: int) -> dict[str, Any]:
         self._free(session, "data", address)
         self.data.free(address)
+        self._shrink()
         return {}
 
     def _in_code(self, address: int, size: int) -> bool:
         """Whether a write touches the patch area; everything else is text to the module
         (core kernel text or a live module's text; the module refuses anything else)."""
-        return address < self.code.end and address + size > self.code.start
+        return self.code.touches(address, size)
 
     def _refusal(self, what: str, writes: list[tuple[int, bytes, bytes]]) -> KsimError:
         """The error for a poke or trap the module refused with EPERM: the class of
@@ -666,7 +775,9 @@ class Daemon:
         return cls(f"{what} refused: the kernel relies on this text staying as it is: "
                    f"{found or '(the hazard is gone: retry)'}; nothing was written")
 
-    def op_poke(self, session: Session, writes: list[tuple[int, bytes, bytes]]) -> dict[str, Any]:
+    def op_poke(self, session: Session, writes: list[tuple[int, bytes, bytes]],
+                routes: list[tuple[int, int]]) -> dict[str, Any]:
+        total = 0
         for i, (address, old, new) in enumerate(writes):
             if len(old) != len(new):
                 raise ProtocolError(f"poke: argument 'writes[{i}]': old is {len(old)} bytes "
@@ -674,17 +785,34 @@ class Daemon:
             if address + len(new) > wire.U64_MAX + 1:
                 raise ProtocolError(f"poke: argument 'writes[{i}]': {address:#x}+{len(new)} "
                                     "passes the end of the address space")
+            total += len(new)
+        if total > wire.MAX_POKE_TOTAL:
+            raise ProtocolError(f"poke: argument 'writes': {total} new bytes, over the limit of "
+                                f"{wire.MAX_POKE_TOTAL} per batch")
+        return self._poke(session, "poke", writes, routes)
+
+    def op_routes(self, session: Session, routes: list[tuple[int, int]]) -> dict[str, Any]:
+        return self._poke(session, "routes", [], routes)
+
+    def _poke(self, session: Session, op: str, writes: list[tuple[int, bytes, bytes]],
+              routes: list[tuple[int, int]]) -> dict[str, Any]:
+        """One batch: the route changes, in order, then the writes; all or nothing."""
         try:
-            self.device.poke(writes, self._owner(session))
+            self.device.poke(writes, self._owner(session), routes)
         except Blacklisted:
-            raise self._refusal("poke", writes) from None
+            raise self._refusal(op, writes + [(site, b"", b"?") for site, p in routes if p]) from None
         except TextOwned:
-            raise self._owned(session, "poke", [(a, len(new)) for a, _, new in writes]) from None
+            places = [(a, len(new)) for a, _, new in writes] + [(site, 1) for site, _ in routes]
+            raise self._owned(session, op, places) from None
+        except UnknownHandle:
+            if not routes:
+                raise
+            raise UnknownHandle(f"{op}: a route to clear is not one of this client's") from None
         except OutsideText as exc:
             code = [f"{a:#x}+{len(new)}" for a, _, new in writes if self._in_code(a, len(new))]
             if not code:
                 raise
-            raise OutsideText(f"poke at {', '.join(code)}: inside the patch area but not "
+            raise OutsideText(f"{op} at {', '.join(code)}: inside the patch area but not "
                               "inside a patch block of this client (or another write is "
                               f"outside text: {exc})") from None
         return {}
@@ -695,7 +823,7 @@ class Daemon:
                 raise ProtocolError(f"hazards: argument 'ranges[{i}]': {address:#x}+{length} "
                                     "passes the end of the 64-bit address space")
         flags = self.device.hazards(ranges) if ranges else []
-        return {"hazards": [abi.hazard_names(f) for f in flags]}
+        return {"hazards": [abi.hazard_names(f) if f else [] for f in flags]}
 
     def op_set_trap(self, session: Session, site: int, patch: int) -> dict[str, Any]:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import os
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,13 +59,24 @@ class Block:
 
 
 @dataclass(frozen=True, slots=True)
+class Area:
+    """An area of the patch area or the data heap (module_alloc memory)."""
+
+    region: str             # abi.REGIONS name
+    address: int
+    size: int
+
+
+@dataclass(frozen=True, slots=True)
 class ModuleState:
-    """The module's log (KERNINST_IOC_STATE): who holds what, text writes oldest first."""
+    """The module's log (KERNINST_IOC_STATE): who holds what, text writes oldest first,
+    and the areas blocks are claimed in."""
 
     owners: tuple[Owner, ...]
     splices: tuple[Splice, ...]
     routes: tuple[Route, ...]
     blocks: tuple[Block, ...]
+    areas: tuple[Area, ...] = ()
 
     def of(self, owner: int) -> tuple[list[Splice], list[Route], list[Block]]:
         return ([s for s in self.splices if s.owner == owner],
@@ -145,22 +157,36 @@ class Device:
                                         size=len(chunk), owner=owner),
                         what=f"{address + off:#x}+{len(chunk)}")
 
-    def poke(self, writes: Sequence[tuple[int, bytes, bytes]], owner: int) -> None:
-        """Apply (address, old, new) writes all or nothing; StaleText names the first mismatch."""
-        ws = abi.structure("kerninst_write")
-        keep: list[ctypes.Array[ctypes.c_char]] = []
-        table = bytearray()
-        for address, old, new in writes:
-            ob, nb = _buffer(old), _buffer(new)
-            keep += (ob, nb)
-            table += ws.pack(address=address, old_buf=ctypes.addressof(ob),
-                             new_buf=ctypes.addressof(nb), len=len(new))
+    def poke(self, writes: Sequence[tuple[int, bytes, bytes]], owner: int,
+             routes: Sequence[tuple[int, int]] = ()) -> None:
+        """Make the route changes ``routes`` (site, patch; patch 0: clear), in order, then
+        the (address, old, new) writes, all or nothing, as one batch; StaleText names the
+        first mismatch."""
+        # every write's old and new bytes in one buffer, each pair at its offset; the
+        # tables packed field by field in one go (a batch has thousands of rows)
+        blob = b"".join(old + new for _, old, new in writes)
+        bbuf = _buffer(blob)
+        base = ctypes.addressof(bbuf)
+        row = struct.Struct(abi.structure("kerninst_write").format)
+        table = bytearray(row.size * len(writes))
+        at = 0
+        for i, (address, old, new) in enumerate(writes):
+            row.pack_into(table, i * row.size, address, base + at, base + at + len(old), len(new), 0)
+            at += len(old) + len(new)
         tbuf = _buffer(bytes(table))
+        rfmt = abi.structure("kerninst_route").format
+        rbuf = _buffer(struct.pack("<" + rfmt[1:] * len(routes),
+                                   *(x for route in routes for x in route)))
         ps = abi.structure("kerninst_poke")
+        what = ", ".join(f"{a:#x}" for a, _, _ in writes[:8]) + (
+            f" and {len(writes) - 8} more" if len(writes) > 8 else "")
+        if routes:
+            what += f"{'; ' if writes else ''}{len(routes)} route changes"
         try:
-            self._ioctl("POKE", ps.pack(writes=ctypes.addressof(tbuf), count=len(writes),
+            self._ioctl("POKE", ps.pack(writes=ctypes.addressof(tbuf), nr_writes=len(writes),
+                                        routes=ctypes.addressof(rbuf), nr_routes=len(routes),
                                         owner=owner),
-                        what=", ".join(f"{a:#x}" for a, _, _ in writes))
+                        what=what)
         except StaleText as exc:
             index = int(ps.unpack(exc.reply)["failed_index"])  # type: ignore[attr-defined]
             address, old, _ = writes[index]
@@ -219,11 +245,25 @@ class Device:
         self._ioctl("FREE", s.pack(owner=owner, region=abi.REGIONS[region], address=address),
                     what=f"{region} {address:#x}")
 
+    def area_add(self, region: str, size: int) -> tuple[int, int]:
+        """A new area of ``region`` of at least ``size`` bytes: (address, size)."""
+        s = abi.structure("kerninst_area")
+        reply = s.unpack(self._ioctl("AREA_ADD", s.pack(region=abi.REGIONS[region], size=size),
+                                     what=f"{region} +{size}"))
+        return int(reply["address"]), int(reply["size"])
+
+    def area_drop(self, region: str, address: int) -> None:
+        """Give back an area the module added, now empty."""
+        s = abi.structure("kerninst_area")
+        self._ioctl("AREA_DROP", s.pack(region=abi.REGIONS[region], address=address),
+                    what=f"{region} {address:#x}")
+
     def state(self) -> ModuleState:
         """The module's log.  Asked again, with more room, while it outgrows the buffers."""
         st = abi.structure("kerninst_state")
         kinds = (("owners", "kerninst_owner"), ("splices", "kerninst_splice"),
-                 ("routes", "kerninst_trap"), ("blocks", "kerninst_block"))
+                 ("routes", "kerninst_trap"), ("blocks", "kerninst_block"),
+                 ("areas", "kerninst_area"))
         room = dict.fromkeys((k for k, _ in kinds), 64)
         while True:
             bufs = {k: _buffer(max(1, room[k]) * abi.structure(sname).size) for k, sname in kinds}
@@ -250,6 +290,8 @@ class Device:
                          for r in rows["routes"]),
             blocks=tuple(Block(int(b["owner"]), _REGION_NAMES.get(int(b["region"]), "?"),
                                int(b["address"]), int(b["size"])) for b in rows["blocks"]),
+            areas=tuple(Area(_REGION_NAMES.get(int(a["region"]), "?"), int(a["address"]),
+                             int(a["size"])) for a in rows["areas"]),
         )
 
     def quiesce(self) -> None:
@@ -257,16 +299,16 @@ class Device:
 
     def hazards(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """KERNINST_HAZARD_* flags of each (address, length) range, asked of the module."""
-        rs, hs = abi.structure("kerninst_range"), abi.structure("kerninst_hazards")
+        hs = abi.structure("kerninst_hazards")
+        row = struct.Struct(abi.structure("kerninst_range").format)
         limit = abi.LIMITS["MAX_RANGES"]
         out: list[int] = []
         for start in range(0, len(ranges), limit):
             chunk = ranges[start:start + limit]
-            table = ctypes.create_string_buffer(b"".join(rs.pack(address=a, len=n) for a, n in chunk),
-                                                len(chunk) * rs.size)
+            table = ctypes.create_string_buffer(
+                struct.pack("<" + row.format[1:] * len(chunk), *(x for a, n in chunk for x in (a, n, 0))),
+                len(chunk) * row.size)
             self._ioctl("HAZARDS", hs.pack(ranges=ctypes.addressof(table), count=len(chunk)),
                         what=f"{len(chunk)} ranges from {chunk[0][0]:#x}")
-            raw = table.raw
-            out += [int(rs.unpack(raw[i * rs.size:(i + 1) * rs.size])["hazards"])
-                    for i in range(len(chunk))]
+            out += [flags for _a, _n, flags in row.iter_unpack(table.raw)]
         return out

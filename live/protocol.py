@@ -30,7 +30,9 @@ from live.abi import LIMITS
 
 VERSION = 1
 HEADER = struct.Struct(">I")
-MAX_FRAME = 8 << 20          # the largest frame either side accepts (a kallsyms page fits)
+# The largest frame either side accepts: a kallsyms page fits, and so does a poke batch
+# of every function's patch code (old and new bytes as hex, MAX_POKE_BYTES of new bytes).
+MAX_FRAME = 80 << 20
 # The largest frame before authentication.  hello is ~30 bytes and auth ~110 (a
 # 64-digit MAC); 1 KiB leaves room for longer ids or extra fields while an
 # unauthenticated peer can make the daemon buffer only this much per frame.
@@ -41,7 +43,8 @@ KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
 MAX_RANGES = 4096            # text ranges per hazards op
 MAX_RANGE = LIMITS["MAX_TEXT_WRITE"]   # bytes per hazards range
-MAX_WRITES = LIMITS["MAX_WRITES"]      # writes per poke (the module's batch limit)
+MAX_WRITES = LIMITS["MAX_WRITES"]      # writes per poke, and route changes (the module's batch limits)
+MAX_POKE_TOTAL = LIMITS["MAX_POKE_BYTES"]  # new bytes per poke, its writes together
 MAX_POKE_BYTES = LIMITS["MAX_CODE_WRITE"]  # bytes per poke write (text writes are 16 at most)
 MAX_NAME = LIMITS["NAME_LEN"] - 1      # UTF-8 bytes of a symbol name (the module adds a NUL)
 MAX_KEEP_NAME = 64           # characters of a kept splice's name
@@ -113,8 +116,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("alloc_data", {"size": SIZE, "align": integer(1, MAX_ALIGN)}, doc="zeroed data-heap block"),
     Op("free_data", {"address": U64}),
     Op("poke", {"writes": items(MAX_WRITES, lo=1, address=U64, old=hexbytes(1, MAX_POKE_BYTES),
-                                new=hexbytes(1, MAX_POKE_BYTES))},
-       doc="[[address, old hex, new hex], ...] all or nothing"),
+                                new=hexbytes(1, MAX_POKE_BYTES)),
+                "routes": items(MAX_WRITES, site=U64, patch=U64)},
+       doc="[[site, patch], ...] route changes (patch 0: clear), in order, then "
+           "[[address, old hex, new hex], ...] writes: one batch, all or nothing"),
+    Op("routes", {"routes": items(MAX_WRITES, lo=1, site=U64, patch=U64)},
+       doc="[[site, patch], ...] route changes alone (patch 0: clear), in order, all or nothing"),
     Op("set_trap", {"site": U64, "patch": U64}),
     Op("clear_trap", {"site": U64}),
     Op("hazards", {"ranges": items(MAX_RANGES, address=U64, length=integer(1, MAX_RANGE))},
@@ -137,6 +144,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 # Arguments an op may leave out, with their defaults.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
+    "poke": {"routes": []},
     "alloc_data": {"align": 8},
     "keep": {"keep": True, "name": ""},
     "exec": {"timeout": 60.0},
@@ -245,6 +253,9 @@ def check_value(op: str, path: str, value: Any, arg: Arg) -> Any:
         _check_length(where, len(value), arg, "items")
         if not arg.fields:
             return value
+        fast = _items_fast(value, arg.fields)
+        if fast is not None:
+            return fast
         names = [name for name, _ in arg.fields]
         out = []
         for i, item in enumerate(value):
@@ -256,6 +267,38 @@ def check_value(op: str, path: str, value: Any, arg: Arg) -> Any:
                              for (name, field), x in zip(arg.fields, item, strict=True)))
         return out
     raise AssertionError(f"{op}: argument {path!r} has no checker for kind {kind!r}")
+
+
+def _items_fast(value: list[Any], fields: tuple[tuple[str, Arg], ...]) -> list[tuple[Any, ...]] | None:
+    """The items of a list argument, checked and converted as check_value would, without
+    building a message per field (a poke batch has thousands of items); None when an
+    item is not plainly right, for check_value to name the fault."""
+    kinds = [(f.kind, f.lo, f.hi) for _, f in fields]
+    if any(k not in ("int", "hex") for k, _, _ in kinds):
+        return None
+    n = len(kinds)
+    out = []
+    try:
+        for item in value:
+            if type(item) is not list or len(item) != n:
+                return None
+            row: list[Any] = []
+            for (kind, lo, hi), x in zip(kinds, item, strict=True):
+                if kind == "int":
+                    if type(x) is not int or not lo <= x <= hi:
+                        return None
+                    row.append(x)
+                else:
+                    if type(x) is not str:
+                        return None
+                    data = bytes.fromhex(x)
+                    if not lo <= len(data) <= hi:
+                        return None
+                    row.append(data)
+            out.append(tuple(row))
+    except ValueError:
+        return None
+    return out
 
 
 def check_text(where: str, value: str) -> None:

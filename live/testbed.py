@@ -131,6 +131,19 @@ def ensure_packages(abi: str, progress: Progress = _quiet) -> list[str]:
     return missing
 
 
+def ensure_tools(packages: tuple[str, ...], progress: Progress = _quiet) -> list[str]:
+    """Install (as root, with apt) host packages a benchmark runs in the guest through
+    the host's root filesystem (bpftrace); return what was installed."""
+    missing = [p for p in packages if not _installed(p)]
+    if missing:
+        if os.geteuid() != 0:
+            raise TargetError(f"missing packages {' '.join(missing)}; install them as root")
+        progress(f"installing {' '.join(missing)}")
+        _run(["apt-get", "install", "-y", "--no-install-recommends", *missing], env=_apt_env(),
+             timeout=900)
+    return missing
+
+
 # -- kernel, module, initramfs ------------------------------------------------------
 def kernel_root(abi: str, progress: Progress = _quiet) -> Path:
     """The unpacked linux-image-ABI-amd64-unsigned package (vmlinuz and modules), cached."""

@@ -100,6 +100,7 @@ LAYOUT = {
     "code_start": 0xFFFFFFFFC0000000, "code_size": 1 << 20,
     "data_start": 0xFFFFFFFFC0200000, "data_size": 1 << 20,
     "current_task": 0x1AD00, "task_pid_offset": 0x5C8, "task_pid_size": 4,
+    "task_tgid_offset": 0x5CC, "task_comm_offset": 0x7A0,
     "cpu_number": 0x1AD08,
 }
 

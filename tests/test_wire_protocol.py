@@ -60,7 +60,8 @@ def test_bodies_that_are_not_objects_are_refused(body: bytes) -> None:
     ({"v": 1, "id": 1, "op": "lookup", "name": "a\0b"}, "'name' contains a NUL"),
     ({"v": 1, "id": 1, "op": "lookup", "name": "\udc80"}, "'name' contains a lone surrogate"),
     ({"v": 1, "id": 1, "op": "exec", "cmd": "true", "timeout": float("inf")}, "finite number"),
-    ({"v": 1, "id": 1, "op": "poke", "writes": [[1, "90", "cc"]] * 65}, "over the limit of 64"),
+    ({"v": 1, "id": 1, "op": "poke", "writes": [[1, "90", "cc"]] * (wire.MAX_WRITES + 1)},
+     f"over the limit of {wire.MAX_WRITES}"),
     ({"v": 1, "id": 1, "op": "poke", "writes": [[1, "90", 7]]}, r"'writes\[0\]\.new' must be str"),
     ({"v": 1, "id": 1, "op": "hazards", "ranges": [[1, 17]]}, r"'ranges\[0\]\.length' must be int in 1\.\.16"),
 ])

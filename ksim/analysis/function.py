@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ksim.analysis.abi import ArchSupport, support_for
@@ -150,7 +151,11 @@ def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
     return Target(TargetKind.FUNCTION, clobbers=function_clobbers(image, support, func))
 
 
-_CACHE: weakref.WeakKeyDictionary[Image, dict[int, FunctionAnalysis]] = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Image, OrderedDict[int, FunctionAnalysis]] = \
+    weakref.WeakKeyDictionary()
+#: analyses kept per image, the most recently used: a pass over every function of a
+#: kernel (50,000) must not keep every instruction of it
+CACHE_FUNCTIONS = 4096
 
 
 def _from_store(image: Image, support: ArchSupport, func: Function) -> CFG | None:
@@ -171,10 +176,11 @@ def _from_store(image: Image, support: ArchSupport, func: Function) -> CFG | Non
 def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
     """The analysis of ``function`` (a name or a Function of ``image``), cached."""
     func = image.function(function) if isinstance(function, str) else function
-    per_image = _CACHE.setdefault(image, {})
+    per_image = _CACHE.setdefault(image, OrderedDict())
     key = func.address
     cached = per_image.get(key)
     if cached is not None and cached.function == func:
+        per_image.move_to_end(key)
         return cached
     support = support_for(image.arch)
     cfg = _from_store(image, support, func)
@@ -194,4 +200,7 @@ def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
         callsites=tuple(sites), _support=support, _starts=[i.address for i in cfg.insns],
     )
     per_image[key] = result
+    per_image.move_to_end(key)
+    if len(per_image) > CACHE_FUNCTIONS:
+        per_image.popitem(last=False)
     return result

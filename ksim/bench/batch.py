@@ -1,177 +1,538 @@
-"""batch: time to insert and to remove entry probes on N functions at once.
+"""batch: attach and detach entry probes on N functions at once.
 
-For each target, the first N functions (by address) whose entry ksim can splice
-get an entry counter each (``insert_snippet`` one by one, then ``remove_snippet``
-one by one), for growing N up to every spliceable function of the toy kernel.
-Each insertion is the whole path: analysis (cached after the first use), plan,
-patch-area allocation, and the target's poke (unicorn: memory writes; QEMU: the
-gdbstub; live: kerninstd's int3-protocol text poke over TCP).  After removal the
-text is compared with the original bytes.
+**Live testbed** (the Debian 6.1 kernel under QEMU), side by side on the same
+functions and the same workload:
 
-On the live testbed kernel the functions come from a subsystem that is idle once
-booted (ACPI's ``acpi_ut_*`` utilities and others named in LIVE_PREFIXES), and N
-stays in the hundreds: every insertion is a few daemon round trips (~10 ms each),
-so all ~50,000 functions would take hours.
+* ``ksim-jmp`` and ``ksim-trap`` -- ``Manager.insert_many`` / ``remove_many`` with
+  the jmp and the trap policy, an 8-byte counter per function, inside
+  ``LiveTarget.batch()``: the patch code goes in with one poke, the text (and the
+  trap routes) with one batched poke, int3 -> sync -> tail -> sync -> head -> sync
+  for all of it at once.  The functions are analysed beforehand (as the old
+  one-by-one figures did: ``analyse_s``); attaching is planning, placing and poking.
+* ``bpftrace-kprobe`` and ``bpftrace-kfunc`` -- Debian's bpftrace 0.17 in the guest,
+  one program listing the same functions (``kprobe:f1,kprobe:f2,... { @ = count(); }``),
+  timed by a driver in the guest from bpftrace's "Attaching N probes..." to its
+  first output after attaching (an interval probe listed last), then from SIGINT
+  to its exit (detaching and printing the count).  This kernel has no
+  kprobe_multi: bpftrace attaches kprobes one by one.
+
+The functions: entry points that both ksim policies can splice
+(``Manager.can_insert``), that the kernel's ftrace lists and bpftrace can attach
+a kfunc to, with a name kallsyms gives once; taken in a fixed pseudo-random order,
+so that N = 100 is spread over the whole kernel and each N is a prefix of the next.
+N = "all" is every such function.  A run that does not finish within
+``LIMIT_S`` is recorded as such (and the larger N for that tool are not tried).
+
+**Trap dispatch** (:func:`ksim.bench.perhit.trap_dispatch`): the emulated cycles
+per getpid with ksim's trap on ``__x64_sys_getpid`` and 1 route installed, then with
+10,000 routes (idle sites elsewhere in text) -- the route table is a hash.
+
+**Toy kernels** (unicorn, QEMU): the same insert_many / remove_many on every
+spliceable function entry of the toy kernel, hits counted over the seeded workload,
+and the text compared with the original bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
+import random
+import re
+import shutil
+import struct
 import time
+from pathlib import Path
 from typing import Any
 
-from ksim.bench.common import Context, Section, Table, attempt, pyplot, save
+from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
 from ksim.errors import KsimError
 
 NAME = "batch"
-TITLE = "Insert and remove entry probes on N functions"
-LIVE_PREFIXES = ("acpi_ut_", "acpi_ns_", "acpi_ds_", "acpi_ex_", "acpi_ps_", "acpi_tb_")
+TITLE = "Attach and detach entry probes on N functions: ksim against bpftrace"
+TOOLS = ("ksim-jmp", "ksim-trap", "bpftrace-kprobe", "bpftrace-kfunc")
+LIMIT_S = 600.0
+#: what the guest runs while the probes are in (the same for every tool)
+WORKLOAD = ("for i in 1 2 3; do ls -R /proc/sys >/dev/null 2>&1; cat /proc/meminfo /proc/stat "
+            ">/dev/null; find /usr/lib/python3* -maxdepth 1 >/dev/null 2>&1; done")
+SEED = 20261123
+
+# The guest side of a bpftrace run: start bpftrace, time its attaching, run the
+# workload, stop it with SIGINT, time its detaching, report as one JSON line.
+DRIVER = r'''
+import json, os, re, signal, subprocess, sys, threading, time
+prog, workload, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+start = time.monotonic()
+probes = open(prog).read().count(",") + 2
+# bpftrace refuses more than 512 probes unless told (BPFTRACE_MAX_PROBES)
+env = dict(os.environ, BPFTRACE_MAX_PROBES=str(probes + 16))
+p = subprocess.Popen(["bpftrace", prog], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                     text=True, bufsize=1, env=env)
+out = {"attaching": None, "ready": None}
+lines = []
+def watchdog():
+    time.sleep(limit)
+    if out["ready"] is None:
+        out["timeout"] = True
+        p.kill()
+threading.Thread(target=watchdog, daemon=True).start()
+for line in p.stdout:
+    now = time.monotonic()
+    if line.startswith("Attaching") and out["attaching"] is None:
+        out["attaching"] = now
+    if line.strip() == "ksim-ready":
+        out["ready"] = now
+        break
+    lines.append(line)
+if out["ready"] is None:
+    p.wait()
+    end = time.monotonic()
+    print(json.dumps({"status": "timeout" if out.get("timeout") else "error", "limit": limit,
+                      "startup_s": (out["attaching"] or end) - start,
+                      "attach_s": end - (out["attaching"] or start), "exit_s": end - start,
+                      "output": "".join(lines)[-2000:]}))
+    sys.exit(0)
+w0 = time.monotonic()
+subprocess.run(workload, shell=True)
+w1 = time.monotonic()
+p.send_signal(signal.SIGINT)
+rest = p.stdout.read()
+p.wait()
+end = time.monotonic()
+hits = [int(m) for m in re.findall(r"^@: (\d+)", rest, re.M)]
+print(json.dumps({"status": "ok", "startup_s": out["attaching"] - start,
+                  "attach_s": out["ready"] - out["attaching"], "workload_s": w1 - w0,
+                  "detach_s": end - w1, "hits": hits[0] if hits else None,
+                  "output": rest[-500:] if not hits else ""}))
+'''
 
 
-def _candidates(m: Any, names: list[str], want: int, policy: str) -> list[Any]:
-    out: list[Any] = []
-    for name in names:
-        if len(out) >= want:
-            break
+# --- the toy kernels ---------------------------------------------------------------------
+def _toy(spec: str, policies: tuple[str, ...], ns: list[int | None]) -> dict[str, Any]:
+    from ksim.kapi import Manager
+
+    runs = []
+    with Manager.attach(spec) as m:
+        t0 = time.perf_counter()
+        pool = {pol: _spliceable(m, sorted(m.target.image.functions, key=lambda f: f.address), pol)
+                for pol in policies}
+        analyse_s = time.perf_counter() - t0
+        for pol in policies:
+            for n in ns:
+                points = pool[pol][:n] if n else pool[pol]
+                before = m.text_snapshot()
+                base = m.alloc_data(8 * len(points))
+                var = _counters(base, points)
+                t0 = time.perf_counter()
+                handles = m.insert_many(points, _counting(var), splice=pol)
+                attach_s = time.perf_counter() - t0
+                hits = None
+                if spec.startswith("unicorn"):  # QEMU's toy boots anew with the probes in
+                    m.run(seed=1, iterations=100)
+                    hits = sum(m.read(v) for v in var.values())
+                t0 = time.perf_counter()
+                m.remove_many(handles)
+                detach_s = time.perf_counter() - t0
+                m.free(base)
+                runs.append({"tool": f"ksim-{pol}", "policy": pol, "n": len(points),
+                             "attach_s": attach_s, "detach_s": detach_s, "hits": hits,
+                             "attach_ms_per_probe": 1e3 * attach_s / max(len(points), 1),
+                             "text_restored": m.text_snapshot() == before})
+    return {"runs": runs, "candidates": {p: len(v) for p, v in pool.items()},
+            "analyse_s": analyse_s}
+
+
+def _spliceable(m: Any, funcs: list[Any], policy: str) -> list[Any]:
+    out = []
+    for f in funcs:
         try:
-            point = m.entry_point(name)
-        except Exception:  # noqa: BLE001 - not analysable: not a candidate
+            point = m.entry_point(f)
+        except KsimError:
             continue
         if m.can_insert(point, policy) is None:
             out.append(point)
     return out
 
 
-def _batch(m: Any, points: list[Any], policy: str) -> dict[str, Any]:
-    counter = m.malloc(8)
-    snippet = counter.atomic_assign(counter + 1)
-    before = {p.address: m.copy_from_kernel(p.address, 16) for p in points}
+def _counters(base: int, points: list[Any]) -> dict[int, Any]:
+    from ksim.snippets import ast
+
+    return {p.address: ast.Var(base + 8 * i, 8) for i, p in enumerate(points)}
+
+
+def _counting(var: dict[int, Any]) -> Any:
+    """Each point's snippet: add one to its own counter."""
+    return lambda p: var[p.address].atomic_assign(var[p.address] + 1)
+
+
+# --- the live testbed ---------------------------------------------------------------------
+def _text_of(t: Any, addresses: list[int], size: int = 16) -> dict[int, bytes]:
+    out: dict[int, bytes] = {}
+    addresses = sorted(addresses)
+    i = 0
+    while i < len(addresses):
+        j = i
+        while j + 1 < len(addresses) and addresses[j + 1] + size - addresses[i] <= 1 << 20:
+            j += 1
+        data = t.read(addresses[i], addresses[j] + size - addresses[i])
+        out.update({a: data[a - addresses[i]:a - addresses[i] + size] for a in addresses[i:j + 1]})
+        i = j + 1
+    return out
+
+
+# The guest side of choosing functions: the names ftrace lists (kprobes at +0 go
+# through it) that bpftrace can also attach a kfunc to -- in BTF, with at most six
+# arguments, none of them and not the return value a struct or union passed by value
+# (btf_distill_func_proto, kernel/bpf/btf.c; the x86 trampoline takes six register
+# arguments), and not on the verifier's deny list -- compressed (the list is larger
+# than an exec reply carries).
+TRACEABLE = r"""
+import base64, struct, subprocess, zlib
+ftrace = {l.split()[0] for l in open("/sys/kernel/tracing/available_filter_functions") if "[" not in l}
+out = subprocess.run(["bpftrace", "-l", "kfunc:*"], capture_output=True, text=True).stdout
+kfunc = {l.rsplit(":", 1)[-1] for l in out.splitlines() if l.startswith("kfunc:")}
+raw = open("/sys/kernel/btf/vmlinux", "rb").read()
+_magic, _v, _f, hdr, toff, tlen, soff, slen = struct.unpack_from("<HBBIIIII", raw)
+strs = raw[hdr + soff:hdr + soff + slen]
+def name(off): return strs[off:strs.index(b"\0", off)].decode()
+EXTRA = {1: 4, 3: 12, 4: 12, 5: 12, 6: 8, 13: 8, 14: 4, 15: 12, 17: 4, 19: 12}
+PER = {4, 5, 6, 13, 15, 19}
+types = [None]
+at, end = hdr + toff, hdr + toff + tlen
+while at < end:
+    n, info, ref = struct.unpack_from("<III", raw, at)
+    kind, vlen = (info >> 24) & 0x1F, info & 0xFFFF
+    at += 12
+    params = []
+    if kind == 13:
+        params = [struct.unpack_from("<II", raw, at + 8 * i)[1] for i in range(vlen)]
+    types.append((kind, n, ref, params))
+    at += EXTRA.get(kind, 0) * (vlen if kind in PER else 1)
+def base(t):
+    while t and types[t][0] in (8, 9, 10, 11, 18):
+        t = types[t][2]
+    return t
+def byvalue_aggregate(t):
+    t = base(t)
+    return bool(t) and types[t][0] in (4, 5)
+deny = {"migrate_disable", "migrate_enable", "rcu_read_unlock_strict", "preempt_count_add",
+        "preempt_count_sub", "__rcu_read_lock", "__rcu_read_unlock"}
+good = set()
+for kind, n, ref, _ in types[1:]:
+    if kind != 12:
+        continue
+    _k, _n, ret, params = types[ref]
+    if (len(params) <= 6 and 0 not in params and not byvalue_aggregate(ret)
+            and not any(byvalue_aggregate(p) for p in params)):
+        good.add(name(n))
+names = (ftrace & kfunc & good) - deny
+print(len(ftrace), len(kfunc), len(good), base64.b64encode(zlib.compress("\n".join(sorted(names)).encode(), 9)).decode())
+"""
+
+
+def _guest_file(work: Path, name: str, text: str) -> Path:
+    """A file the guest reads through its 9p mount of the host, named after its content:
+    the guest caches what it read (cache=loose), so a file is never rewritten."""
+    import hashlib
+
+    stem, dot, ext = name.rpartition(".")
+    path = work / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}{dot}{ext}"
+    if not path.exists():
+        path.write_text(text)
+    return path
+
+
+def _traceable(t: Any, work: Path) -> tuple[set[str], dict[str, int]]:
+    """The names both bpftrace tools can attach to, and how many each list had."""
+    import base64
+    import zlib
+
+    from live.testbed import host_python
+
+    script = _guest_file(work, "traceable.py", TRACEABLE)
+    out = t.exec_checked(f"{host_python()} {script}", timeout=1800).split()
+    names = set(zlib.decompress(base64.b64decode(out[3])).decode().split("\n"))
+    return names, {"ftrace_names": int(out[0]), "kfunc_names": int(out[1]),
+                   "btf_fentry_names": int(out[2])}
+
+
+def _pool(m: Any, t: Any, want: int | None, bar: Any, work: Path) -> tuple[list[Any], dict[str, Any]]:
+    """Entry points every tool can attach, in a fixed pseudo-random order; ``want``
+    of them (None: all)."""
+    traceable, counts = _traceable(t, work)
+    funcs = [f for f in t.image.functions if t.text[0] <= f.address < t.text[1]]
+    names: dict[str, int] = {}
+    for f in funcs:
+        names[f.name] = names.get(f.name, 0) + 1
+    eligible = sorted((f for f in funcs if names[f.name] == 1 and "." not in f.name
+                       and f.name in traceable), key=lambda f: f.address)
+    random.Random(SEED).shuffle(eligible)
+    out: list[Any] = []
+    analysed = 0
     t0 = time.perf_counter()
-    handles = [m.insert_snippet(p, snippet, splice=policy) for p in points]
-    t_insert = time.perf_counter() - t0
-    tactics: dict[str, int] = {}
-    for tactic, _n in m.splices().values():
-        tactics[tactic] = tactics.get(tactic, 0) + 1
+    for f in eligible:
+        if want is not None and len(out) >= want:
+            break
+        analysed += 1
+        try:
+            point = m.entry_point(f)
+        except KsimError:
+            continue
+        if m.can_insert(point, "jmp") is None and m.can_insert(point, "trap") is None:
+            out.append(point)
+        if analysed % 500 == 0:
+            bar.advance(0, note=f"analysing: {analysed}/{len(eligible)}, {len(out)} spliceable")
+    info = {"functions": len(funcs), "eligible": len(eligible), "analysed": analysed,
+            "pool": len(out), "analyse_s": time.perf_counter() - t0, **counts}
+    return out, info
+
+
+def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
+    before = _text_of(t, [p.address for p in points])
+    base = m.alloc_data(8 * len(points))
+    var = _counters(base, points)
     t0 = time.perf_counter()
-    for h in handles:
-        m.remove_snippet(h)
-    t_remove = time.perf_counter() - t0
-    restored = all(m.copy_from_kernel(a, 16) == b for a, b in before.items())
-    m.free(counter)
-    n = len(points)
-    return {"n": n, "insert_s": t_insert, "remove_s": t_remove,
-            "insert_ms_per_probe": 1e3 * t_insert / n if n else None,
-            "remove_ms_per_probe": 1e3 * t_remove / n if n else None,
-            "tactics": tactics, "text_restored": restored}
+    handles = m.insert_many(points, _counting(var), splice=policy)
+    attach_s = time.perf_counter() - t0
+    run = t.run(while_cmd=WORKLOAD, timeout=LIMIT_S)
+    hits = sum(struct.unpack(f"<{len(points)}Q", t.read(base, 8 * len(points))))
+    t0 = time.perf_counter()
+    m.remove_many(handles)
+    detach_s = time.perf_counter() - t0
+    restored = _text_of(t, [p.address for p in points]) == before
+    m.free(base)
+    return {"status": "ok", "attach_s": attach_s, "detach_s": detach_s, "hits": hits,
+            "workload_s": run.seconds, "text_restored": restored}
 
 
-def _target(spec: str, ns: list[int | None], policies: tuple[str, ...],
-            names: list[str] | None = None, bar: Any = None) -> dict[str, Any]:
-    from ksim.kapi import Manager
+def _bpftrace(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
+    """One bpftrace run in the guest (through the driver) on ``points``' functions."""
+    prog = _guest_file(work, f"probes-{kind}-{len(points)}.bt",
+                       ",\n".join(f"{kind}:{p.function}" for p in points)
+                       + "\n{ @ = count(); }\ninterval:ms:100 { printf(\"ksim-ready\\n\"); }\n")
+    driver = _guest_file(work, "bpftrace_driver.py", DRIVER)
+    from live.testbed import host_python
 
-    runs = []
-    with Manager.attach(spec) as m:
-        if names is None:
-            names = [f.name for f in sorted(m.target.image.functions, key=lambda f: f.address)]
-        t0 = time.perf_counter()
-        pool = {pol: _candidates(m, names, max(n or len(names) for n in ns), pol) for pol in policies}
-        analyse_s = time.perf_counter() - t0
-        for pol in policies:
-            for n in ns:
-                points = pool[pol][:n] if n else pool[pol]
-                rec = _batch(m, points, pol)
-                rec["policy"] = pol
-                runs.append(rec)
-                if bar is not None:
-                    bar.advance(note=f"{spec} {pol} N={rec['n']}")
-    return {"runs": runs, "candidates": {p: len(v) for p, v in pool.items()},
-            "first_analysis_s": analyse_s}
+    cmd = f"{host_python()} {driver} {prog} '{WORKLOAD}' {LIMIT_S:g}"
+    out = t.exec(cmd, timeout=3 * LIMIT_S + 600)
+    try:
+        return dict(json.loads(out.strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        return {"status": "error", "output": out[-2000:]}
 
 
-def run(ctx: Context) -> Section:
-    import shutil
-
-    toy_ns: list[int | None] = ctx.pick([10, 30, 100, 200, None], [10, 100, None], [3, 10])
-    live_ns: list[int | None] = ctx.pick([10, 30, 100, 300], [10, 30, 100], [])
-    targets: list[tuple[str, str, list[int | None], tuple[str, ...], Any]] = [
-        ("unicorn", "unicorn:toy", toy_ns, ("auto", "trap"), None)]
-    notes: list[str] = []
-    if shutil.which("qemu-system-x86_64"):
-        targets.append(("qemu", "qemu:toy", toy_ns, ("auto", "trap"), None))
-    else:
-        notes.append("qemu: skipped: qemu-system-x86_64 is not installed")
-    live = _live_spec(ctx)
-    if isinstance(live, str):
-        notes.append(f"live: skipped: {live}")
-    elif live_ns:
-        targets.append(("live", live[0], live_ns, ("auto",), live[1]))
-    results: dict[str, Any] = {}
-    total = sum(len(ns) * len(pols) for _l, _s, ns, pols, _n in targets)
-    with ctx.bar(total, "batch") as bar:
-        for label, spec, ns, pols, names in targets:
-            done = attempt(label, results, notes, _target, spec, ns, pols, names, bar)
-            if done is not None:
-                results[label] = done
-    if isinstance(live, str):
-        results["live"] = {"skipped": live}
-    rows = []
-    for label, r in results.items():
-        for run_ in r.get("runs", []):
-            rows.append([label, run_["policy"], run_["n"], round(run_["insert_s"], 3),
-                         round(run_["remove_s"], 3), round(run_["insert_ms_per_probe"] or 0, 3),
-                         round(run_["remove_ms_per_probe"] or 0, 3),
-                         " ".join(f"{k}:{v}" for k, v in sorted(run_["tactics"].items())),
-                         run_["text_restored"]])
-    table = Table("Insert / remove N entry probes (one counter snippet each)",
-                  ["target", "policy", "N", "insert s", "remove s", "ms/insert", "ms/remove",
-                   "tactics", "text restored"], rows)
-    notes.append("N = all: every function of the toy kernel whose entry the policy can splice; "
-                 "the first use of each function also pays for its analysis "
-                 "(first_analysis_s: analysing the candidates before timing)")
-    return Section(results, [table], notes, {"toy_ns": toy_ns, "live_ns": live_ns})
+def _bpftrace_tries(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
+    """A bpftrace run; a function whose program the kernel refuses to load (bpftrace
+    names it and stops) is left out and the run made again, a few times at most."""
+    dropped: list[str] = []
+    for _ in range(5):
+        row = _bpftrace(t, points, kind, work)
+        refused = re.search(rf"Error loading program: {kind}:(?:vmlinux:)?(\S+)", row.get("output", ""))
+        if row["status"] != "error" or refused is None:
+            break
+        dropped.append(refused.group(1))
+        points = [p for p in points if p.function != refused.group(1)]
+    row["n"] = len(points)
+    if dropped:
+        row["dropped"] = dropped
+    return row
 
 
-def _live_spec(ctx: Context) -> tuple[str, list[str]] | str:
+def _live(ctx: Context, bar: Any) -> dict[str, Any]:
     if ctx.smoke:
-        return "smoke run: the live testbed is left alone"
+        raise Skip("smoke run: the live testbed is left alone")
     try:
         from live import testbed
     except ImportError as exc:
-        return f"the live testbed is not part of this installation ({exc})"
+        raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
     state = testbed.status()
     if not state.get("up"):
-        return "the Linux testbed is not up (start it with `ksim testbed up`)"
+        raise Skip("the Linux testbed is not up (start it with `ksim testbed up`)")
+    if shutil.which("bpftrace") is None:
+        testbed.ensure_tools(("bpftrace",))
+    from ksim.bench import perhit
     from ksim.kapi import Manager
 
+    sizes: list[int | None] = ctx.pick([100, 1000, 10_000, None], [100], [])
+    m = Manager.attach(state["address"], token_file=state["token_file"])
+    t: Any = m.target   # the live target: batch(), exec(), tracefs()
+    # One batch scope for the analysis and every run: planning at any N works from the
+    # one look at the kernel the analysis took (LiveTarget.batch)
+    scope = contextlib.ExitStack()
+    scope.enter_context(t.batch())
     try:
-        with Manager.attach(state["address"]) as m:
-            funcs = sorted((f for f in m.target.image.functions
-                            if f.name.startswith(LIVE_PREFIXES)), key=lambda f: f.address)
-    except (OSError, KsimError) as exc:
-        return f"the Linux testbed did not answer: {type(exc).__name__}: {exc}"
-    return state["address"], [f.name for f in funcs]
+        work = testbed.cache_dir() / "bench-batch"
+        work.mkdir(exist_ok=True)
+        largest = None if None in sizes else max(s for s in sizes if s is not None)
+        points, pool = _pool(m, t, largest, bar, work)
+        rows: list[dict[str, Any]] = []
+        given_up: dict[str, int] = {}
+        rate: dict[str, float] = {}   # bpftrace's attach seconds per probe at the last N
+        partial = work / "partial.json"   # what is done so far, should the run be cut short
+        dispatch: dict[str, Any] = {}
+
+        def record(row: dict[str, Any]) -> None:
+            rows.append(row)
+            partial.write_text(json.dumps({"rows": rows, "pool": pool, "trap_dispatch": dispatch},
+                                          indent=1))
+
+        # ksim's runs first (every N), then the trap dispatch, then bpftrace's (its
+        # largest runs take the longest)
+        for tool in TOOLS:
+            if tool == "bpftrace-kprobe":
+                routes = ctx.pick(10_000, 1_000, 0)
+                dispatch = perhit.trap_dispatch(m, routes, ctx)
+                bar.advance(note="trap dispatch")
+            for n in sizes:
+                chosen = points if n is None else points[:n]
+                row: dict[str, Any] = {"target": "live", "tool": tool, "n": len(chosen),
+                                       "size": "all" if n is None else n}
+                projected = rate.get(tool, 0.0) * len(chosen)
+                if tool in given_up:
+                    row.update(status="over-limit", note=f"not run: N = {given_up[tool]} did "
+                               f"not finish attaching within {LIMIT_S:g} s")
+                elif projected > LIMIT_S:
+                    row.update(status="over-limit", projected_attach_s=projected,
+                               note=f"not run: at the per-probe attach time measured for the "
+                               f"previous N, attaching takes {projected:.0f} s > {LIMIT_S:g} s")
+                elif tool.startswith("ksim-"):
+                    try:
+                        row.update(_ksim(m, t, chosen, tool.split("-", 1)[1]))
+                    except KsimError as exc:  # refused whole: nothing of it was made
+                        row.update(status="error", output=f"{type(exc).__name__}: {exc}")
+                else:
+                    row.update(_bpftrace_tries(t, chosen, tool.split("-", 1)[1], work))
+                if row["status"] == "timeout":
+                    given_up[tool] = len(chosen)
+                if row["status"] == "ok" and not tool.startswith("ksim-"):
+                    rate[tool] = row["attach_s"] / max(row["n"], 1)
+                if row.get("attach_s") is not None and row["status"] == "ok":
+                    row["attach_ms_per_probe"] = 1e3 * row["attach_s"] / max(row["n"], 1)
+                    row["detach_ms_per_probe"] = 1e3 * row["detach_s"] / max(row["n"], 1)
+                record(row)
+                bar.advance(note=f"{tool} N={len(chosen)}: {row['status']}")
+        rows.sort(key=lambda r: (r["n"], TOOLS.index(r["tool"])))
+    finally:
+        scope.close()
+        m.detach()
+    return {"rows": rows, "pool": pool, "trap_dispatch": dispatch, "limit_s": LIMIT_S,
+            "workload": WORKLOAD, "kernel": state.get("kernel"), "accel": state.get("accel")}
+
+
+def run(ctx: Context) -> Section:
+    toy_ns: list[int | None] = ctx.pick([10, 100, None], [10, None], [3, 10])
+    live_sizes = ctx.pick(4, 1, 0)
+    targets = [("unicorn", "unicorn:toy")]
+    notes: list[str] = []
+    if shutil.which("qemu-system-x86_64"):
+        targets.append(("qemu", "qemu:toy"))
+    else:
+        notes.append("qemu: skipped: qemu-system-x86_64 is not installed")
+    results: dict[str, Any] = {}
+    total = len(targets) + live_sizes * len(TOOLS) + (1 if live_sizes else 0)
+    with ctx.bar(total, "batch") as bar:
+        for label, spec in targets:
+            done = attempt(label, results, notes, _toy, spec, ("auto", "trap"), toy_ns)
+            if done is not None:
+                results[label] = done
+            bar.advance(note=label)
+        done = attempt("live", results, notes, _live, ctx, bar)
+        if done is not None:
+            results["live"] = done
+    tables = [_toy_table(results)]
+    live = results.get("live", {})
+    if live.get("rows"):
+        tables += _live_tables(live)
+        notes += _live_notes(live)
+    notes.append("toy kernels: insert_many / remove_many of an entry counter on N functions "
+                 "(N = all: every function entry the policy can splice); hits over 100 "
+                 "iterations of the seeded workload (unicorn; under QEMU the toy kernel would "
+                 "boot again with its boot code probed); text compared with the original bytes")
+    return Section(results, tables, notes, {"toy_ns": toy_ns, "limit_s": LIMIT_S})
+
+
+def _toy_table(results: dict[str, Any]) -> Table:
+    rows = []
+    for label in ("unicorn", "qemu"):
+        for r in results.get(label, {}).get("runs", []):
+            rows.append([label, r["tool"], r["n"], round(r["attach_s"], 4), round(r["detach_s"], 4),
+                         round(r["attach_ms_per_probe"], 3), r["hits"], r["text_restored"]])
+    return Table("Toy kernels: insert_many / remove_many of N entry counters",
+                 ["target", "tool", "N", "attach s", "detach s", "ms/probe attach", "hits",
+                  "text restored"], rows)
+
+
+def _live_tables(live: dict[str, Any]) -> list[Table]:
+    rows = []
+    for r in live["rows"]:
+        rows.append([r["tool"], r["size"], r["n"], r["status"], _r(r.get("attach_s")),
+                     _r(r.get("detach_s")), _r(r.get("attach_ms_per_probe"), 3),
+                     _r(r.get("detach_ms_per_probe"), 3), r.get("hits"),
+                     r.get("text_restored", "-")])
+    t1 = Table(f"Live testbed ({live.get('kernel')}, {live.get('accel')}): attach and detach N "
+               "function entries, each counting hits",
+               ["tool", "N asked", "N", "status", "attach s", "detach s", "ms/probe attach",
+                "ms/probe detach", "hits", "text restored"], rows)
+    d = live.get("trap_dispatch") or {}
+    t2 = Table("Trap dispatch on the live testbed: emulated cycles per getpid, ksim trap on "
+               "__x64_sys_getpid",
+               ["routes installed", "cycles/call (min)", "overhead/hit"],
+               [[x["routes"], _r(x["cycles"]), _r(x["overhead"])] for x in d.get("rows", [])])
+    return [t1, t2]
+
+
+def _live_notes(live: dict[str, Any]) -> list[str]:
+    pool = live["pool"]
+    d = live.get("trap_dispatch") or {}
+    notes = [f"live: the functions: {pool['pool']} entry points both ksim policies splice, "
+             f"that ftrace lists and bpftrace attaches a kfunc to, with a unique name "
+             f"({pool['eligible']} eligible of {pool['functions']} core text functions, "
+             f"{pool['analysed']} analysed in {pool['analyse_s']:.0f} s before timing)",
+             f"live: ksim attach = Manager.insert_many inside LiveTarget.batch() (planning, "
+             "placing, one poke of patch code, one batched poke of text and routes); bpftrace "
+             "attach = from 'Attaching N probes...' to its first output after the probes "
+             "(its start-up, parsing and code generation before that are startup_s); detach = "
+             f"remove_many / from SIGINT to bpftrace's exit; limit {live['limit_s']:g} s per run",
+             "live: hits = the counters' sum / bpftrace's @ count over the same workload "
+             f"({live['workload']!r}); emulated TCG guest: times are wall time of an emulated "
+             "kernel, never hardware figures"]
+    if d.get("ratio") is not None:
+        notes.append(f"live: trap dispatch with {d['routes']:,} routes costs "
+                     f"{d['ratio']:.3f} x the overhead with 1 route (min over {d['rounds']} "
+                     "interleaved rounds)")
+    return notes
+
+
+def _r(v: Any, digits: int = 2) -> Any:
+    return round(v, digits) if isinstance(v, float) else v
 
 
 def plot(section: dict[str, Any], path: str) -> None:
     plt = pyplot()
     res = section["results"]
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for label, r in res.items():
-        for pol in sorted({x["policy"] for x in r.get("runs", [])}):
-            runs = [x for x in r["runs"] if x["policy"] == pol]
-            ns = [x["n"] for x in runs]
-            ax.plot(ns, [x["insert_s"] for x in runs], "o-", label=f"{label} {pol} insert")
-            ax.plot(ns, [x["remove_s"] for x in runs], "x--", label=f"{label} {pol} remove")
-            ax2.plot(ns, [x["insert_ms_per_probe"] for x in runs], "o-", label=f"{label} {pol} insert")
-            ax2.plot(ns, [x["remove_ms_per_probe"] for x in runs], "x--", label=f"{label} {pol} remove")
-    ax.set_xlabel("N functions")
-    ax.set_ylabel("seconds for all N")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_title("Total time")
-    ax.legend(fontsize=7)
-    ax2.set_xlabel("N functions")
-    ax2.set_ylabel("ms per probe")
-    ax2.set_xscale("log")
-    ax2.set_yscale("log")
-    ax2.set_title("Per-probe cost")
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.6))
+    rows = [r for r in (res.get("live") or {}).get("rows", []) if r.get("status") == "ok"]
+    for tool in TOOLS:
+        mine = sorted((r for r in rows if r["tool"] == tool), key=lambda r: r["n"])
+        if not mine:
+            continue
+        ns = [r["n"] for r in mine]
+        axes[0].plot(ns, [r["attach_s"] for r in mine], "o-", label=tool)
+        axes[1].plot(ns, [r["detach_s"] for r in mine], "o-", label=tool)
+        axes[2].plot(ns, [r["attach_ms_per_probe"] for r in mine], "o-", label=f"live {tool}")
+    for label in ("unicorn", "qemu"):
+        for pol in ("auto", "trap"):
+            runs = sorted((r for r in res.get(label, {}).get("runs", []) if r["policy"] == pol),
+                          key=lambda r: r["n"])
+            if runs:
+                axes[2].plot([r["n"] for r in runs], [r["attach_ms_per_probe"] for r in runs],
+                             "x--", label=f"{label} ksim-{pol}")
+    for ax, title, ylabel in ((axes[0], "live: attach, all N", "seconds"),
+                              (axes[1], "live: detach, all N", "seconds"),
+                              (axes[2], "attach per probe", "ms per probe")):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("N functions")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
     save(fig, path)

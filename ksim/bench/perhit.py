@@ -466,3 +466,79 @@ def plot(section: dict[str, Any], path: str) -> None:
              [("+emulated cycles/getpid", [r["overhead"] for r in rows], "#8c564b")],
              "per hit", "live Debian 6.1 under TCG: emulated", log=False)
     save(fig, path)
+
+
+# --- trap dispatch against the number of routes (for the batch benchmark) ---------------------
+def route_sites(t: Any, count: int, avoid: int) -> list[int]:
+    """``count`` instruction starts in core kernel text, past each function's first
+    instruction, where the kernel lets a trap route go (no hazard), none within 16
+    bytes of ``avoid``: idle routes, never hit (no int3 is written there)."""
+    import capstone
+
+    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+    funcs = sorted((f for f in t.image.functions if t.text[0] <= f.address < t.text[1]
+                    and f.size > 16), key=lambda f: f.address)
+    step = max(1, len(funcs) // max(count // 8, 1))
+    sites: list[int] = []
+    for f in funcs[::step]:
+        code = t.read(f.address, min(f.size, 256))
+        insns = list(cs.disasm_lite(code, f.address))[1:]
+        sites += [a for a, _size, mnem, _ops in insns
+                  if mnem not in ("int3", "nop") and abs(a - avoid) >= 16][:16]
+        if len(sites) >= 2 * count:
+            break
+    ok: list[int] = []
+    for i in range(0, len(sites), 4096):
+        chunk = sites[i:i + 4096]
+        ok += [a for a, h in zip(chunk, t.text_hazards([(a, 1) for a in chunk]), strict=True)
+               if not h]
+    if len(ok) < count:
+        raise Skip(f"only {len(ok)} sites for idle trap routes found")
+    return ok[:count]
+
+
+def trap_dispatch(m: Any, routes: int, ctx: Context) -> dict[str, Any]:
+    """Emulated cycles per getpid with ksim's trap on LIVE_FUNCTION: with its own route
+    only, then with ``routes`` more installed (idle sites), interleaved rounds; the
+    overhead per hit is the difference to the uninstrumented call."""
+    import json
+
+    t = m.target
+    prog = _guest_program()
+    calls, repeats, rounds = ctx.pick((50_000, 5, 3), (20_000, 3, 2), (500, 1, 1))
+    cmd = f"{prog} {calls} {repeats}"
+
+    def cycles() -> float:
+        r = t.run(while_cmd=cmd, timeout=1800)
+        return float(json.loads(r.output.strip().splitlines()[-1])["min_cycles_per_call"])
+
+    point = m.entry_point(LIVE_FUNCTION)
+    sites = route_sites(t, routes, point.address)
+    idle = t.alloc_code(16)
+    counter = m.malloc(8)
+    base = [cycles()]
+    h = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice="trap")
+    one: list[float] = []
+    many: list[float] = []
+    try:
+        for _ in range(rounds):
+            one.append(cycles())
+            with t.batch():
+                for site in sites:
+                    t.set_trap(site, idle)
+            many.append(cycles())
+            with t.batch():
+                for site in sites:
+                    t.clear_trap(site)
+        base.append(cycles() if rounds > 1 else base[0])
+    finally:
+        m.remove_snippet(h)
+        t.free_code(idle)
+        m.free(counter)
+    b = min(base)
+    rows = [{"routes": 1, "cycles": min(one), "overhead": min(one) - b},
+            {"routes": routes + 1, "cycles": min(many), "overhead": min(many) - b}]
+    ratio = rows[1]["overhead"] / rows[0]["overhead"] if rows[0]["overhead"] > 0 else None
+    return {"rows": [{"routes": 0, "cycles": b, "overhead": 0.0}] + rows, "ratio": ratio,
+            "routes": routes + 1, "rounds": rounds, "calls": calls, "repeats": repeats,
+            "function": LIVE_FUNCTION, "unit": "emulated rdtsc cycles (TCG)"}

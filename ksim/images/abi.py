@@ -3,7 +3,8 @@ Linux kernel offers snippet code for fault-safe reads.
 
 The toy kernel is uniprocessor-style: ``current_task`` and ``cpu_number`` are
 plain globals (absolute addresses), and it exports the pid field's offset in
-``struct task_struct`` as the absolute symbol ``KSIM_TASK_PID_OFFSET``.  Its
+``struct task_struct`` as the absolute symbol ``KSIM_TASK_PID_OFFSET`` (and its
+name's, ``KSIM_TASK_COMM_OFFSET``).  Its
 memory map is fixed: the image's sections are mapped (by the PT_LOAD segments in
 unicorn, by the boot page tables' first GiB under QEMU, arch/x86/boot.S) and
 nothing else a snippet may read is, so those sections are the ABI's ``readable``
@@ -31,6 +32,7 @@ def toy_abi(image: Image) -> KernelABI:
         current_task=MemRef(image.address_of("current_task"), None, 8),
         task_pid_offset=image.address_of("KSIM_TASK_PID_OFFSET"),
         task_pid_size=4,
+        task_comm_offset=image.address_of("KSIM_TASK_COMM_OFFSET"),
         cpu_number=MemRef(image.address_of("cpu_number"), None, 4),
         readable=mapped_regions(image),
     )
@@ -41,6 +43,18 @@ def mapped_regions(image: Image) -> tuple[Region, ...]:
     pages = ((s.address & -PAGE, -(-s.end // PAGE) * PAGE)
              for s in image.sections if s.address and s.size)
     return tuple(Region(lo, hi) for lo, hi in merge_ranges(pages))
+
+
+#: Linux's clock for snippet code: monotonic, lock-free, NMI-safe (kernel/time/timekeeping.c)
+CLOCK_NS = "ktime_get_mono_fast_ns"
+
+
+def linux_clock_ns(lookup: Callable[[str], int]) -> int | None:
+    """The address of the running kernel's ktime_get_mono_fast_ns, or None."""
+    try:
+        return lookup(CLOCK_NS) or None
+    except KsimError:
+        return None
 
 
 def linux_read_nofault(lookup: Callable[[str], int]) -> int | None:

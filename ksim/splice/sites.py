@@ -126,7 +126,7 @@ class SiteFacts:
     def function_code(self, what: Function | Point | str) -> FunctionCode:
         return self._function_code(self.function_of(what))
 
-    @lru_cache(maxsize=8192)  # noqa: B019 - one SiteFacts per attached image
+    @lru_cache(maxsize=4096)  # noqa: B019 - one SiteFacts per attached image
     def _function_code(self, func: Function) -> FunctionCode:
         """The function's code for the planner.  Trailing alignment filler that no
         path reaches (int3/nop blocks, which kallsyms-derived extents include) is

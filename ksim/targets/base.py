@@ -49,6 +49,11 @@ class KernelABI:
     #: offset and size of the pid field in the task structure
     task_pid_offset: int
     task_pid_size: int = 4
+    #: offset of the thread-group id (the same size as the pid; None: no thread
+    #: groups, a task's pid is its process's)
+    task_tgid_offset: int | None = None
+    #: offset of the task's name, ``char comm[16]`` (None: the kernel has none)
+    task_comm_offset: int | None = None
     #: where the current cpu's number lives (None: a uniprocessor kernel, cpu is 0)
     cpu_number: MemRef | None = None
     #: a kernel function with copy_from_kernel_nofault's contract, ``(dst, src, size)
@@ -59,6 +64,10 @@ class KernelABI:
     #: a read may touch.  A computed address outside them reads as 0 instead of
     #: faulting, checked inline; preferred over ``read_nofault`` (no call)
     readable: tuple[Region, ...] = ()
+    #: a kernel function ``u64 f(void)`` giving monotonic nanoseconds, callable from any
+    #: context, NMI included (Linux's ktime_get_mono_fast_ns); None: the kernel has no
+    #: clock source (the toy kernel), time is read as cycles (rdtsc)
+    clock_ns: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@
 /* struct task_struct offsets used by __switch_to_asm (checked by _Static_assert). */
 #define TASK_threadsp		0
 #define TASK_pid		16
+#define TASK_comm		144
 #define TASK_struct_size	160
 
 /* isa-debug-exit: QEMU exits with status (value << 1) | 1. */

@@ -22,6 +22,7 @@ struct task_struct *current_task = &init_task;
 
 /* arch/x86/entry.S turns these into the absolute ELF symbols ksim reads. */
 _Static_assert(offsetof(struct task_struct, pid) == TASK_pid, "TASK_pid is stale");
+_Static_assert(offsetof(struct task_struct, comm) == TASK_comm, "TASK_comm is stale");
 _Static_assert(sizeof(struct task_struct) == TASK_struct_size, "TASK_struct_size is stale");
 
 static u8 task_stacks[NR_TASKS][THREAD_SIZE] __aligned(16);

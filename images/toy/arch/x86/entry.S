@@ -7,8 +7,9 @@
 	.text
 
 /* The ksim ABI's layout constants as absolute symbols (checked in kernel/sched.c). */
-	.globl KSIM_TASK_PID_OFFSET, KSIM_TASK_STRUCT_SIZE
+	.globl KSIM_TASK_PID_OFFSET, KSIM_TASK_COMM_OFFSET, KSIM_TASK_STRUCT_SIZE
 	.set KSIM_TASK_PID_OFFSET, TASK_pid
+	.set KSIM_TASK_COMM_OFFSET, TASK_comm
 	.set KSIM_TASK_STRUCT_SIZE, TASK_struct_size
 
 /*
