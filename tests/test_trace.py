@@ -131,7 +131,7 @@ def test_map_values_in_filters_time_a_function(toy_path):
     report = run_trace((EXAMPLES / "time_func.bt").read_text(), hooks, seed=3)
     calls = len(hooks.seen["entry"])
     assert sum(b["count"] for per_pid in report["maps"]["@ns"].values() for b in per_pid) == calls
-    assert report["maps"]["@start"] == {}          # every start deleted at its return
+    assert "@start" not in report["maps"]          # every start deleted at its return (empty: not printed)
     assert report["maps"]["@calls"] == calls
 
 
@@ -212,3 +212,86 @@ def test_scratch_variables_start_at_zero_and_clear_keeps_constant_records(toy_pa
                        "@big[1] = count(); @last = $x; }", hooks)
     assert report["maps"]["@"] == {"1": len(hooks.seen["entry"])} == report["maps"]["@big"]
     assert report["maps"]["@last"] == hooks.seen["entry"][-1]
+
+
+def comm_of(machine, abi) -> str:
+    task = int.from_bytes(machine.read(abi.current_task.address, 8), "little")
+    return bytes(machine.read(task + abi.task_comm_offset, 16)).split(b"\0")[0].decode()
+
+
+def test_comm_keys_filters_and_printf_equal_the_oracle(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: (site.function, comm_of(m, abi), pid_of(m, abi)))
+    report = run_trace('kprobe:do_syscall_64 { @[comm] = count(); }\n'
+                       'kprobe:__x64_sys_getpid /comm != "sshd"/ { @p[comm, pid] = count(); }\n'
+                       'kprobe:__x64_sys_getpid /comm == "sshd"/ { @sshd = count(); }', hooks, seed=4)
+    seen = hooks.seen["entry"]
+    assert report["maps"]["@"] == dict(Counter(c for f, c, _ in seen if f == "do_syscall_64"))
+    getpid = [(c, p) for f, c, p in seen if f == "__x64_sys_getpid"]
+    assert report["maps"]["@p"] == dict(Counter(f"{c},{p}" for c, p in getpid if c != "sshd"))
+    assert report["maps"]["@sshd"] == sum(1 for c, _ in getpid if c == "sshd") > 0
+    assert len(report["maps"]["@"]) >= 3
+
+
+def test_printf_prints_comm(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: (comm_of(m, abi), pid_of(m, abi)))
+    report, text = trace('kprobe:__x64_sys_getpid { printf("%-12s|%d|%s\\n", comm, pid, func); }',
+                         "unicorn:toy", on_attach=hooks, seed=6)
+    assert report["printf"] == [f"{c:<12}|{p}|__x64_sys_getpid\n" for c, p in hooks.seen["entry"]]
+    assert report["printf"]
+
+
+@pytest.mark.parametrize("program, message", [
+    ('kprobe:vfs_read { @ = comm + 1; }', "comm can only be compared"),
+    ('kprobe:vfs_read /comm < "a"/ { @ = count(); }', "comm can only be compared"),
+    ('kprobe:vfs_read { $x = comm; }', "comm is not supported outside a map key"),
+    ('kprobe:vfs_read { printf("%d\\n", comm); }', "%d specifier expects a value of type integer"),
+    ('kprobe:vfs_read { @[comm] = count(); @[pid] = count(); }', "Argument mismatch for @"),
+])
+def test_comm_misuse_is_refused_with_a_position(capsys, toy_path, program, message):
+    assert main(["trace", "-e", program]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "stdin:1:" in err
+
+
+def test_interval_probes_run_in_the_client_each_period(toy_path):
+    """interval:ms:N actions run by the client once per period that has passed (by the
+    host's clock, here given explicitly): time(), print() and clear() of a kernel map."""
+    from ksim.kapi import Manager
+    from ksim.trace.parser import parse
+    from ksim.trace.session import TraceSession
+
+    program = parse('kprobe:vfs_read { @reads = count(); }\n'
+                    'interval:ms:10 { time("tick %S\\n"); print(@reads); clear(@reads); }')
+    with Manager.attach("unicorn:toy") as m:
+        s = TraceSession(m, program)
+        hooks = Hooks(entry=lambda machine, abi, site: 1)
+        s.attach()
+        try:
+            hooks(s)
+            progress = s.progress()
+            assert progress is not None
+            s.run_intervals(now=0)            # the first call only sets the clock
+            m.run(seed=3)
+            s.run_intervals(now=5_000_000)    # half a period: nothing
+            assert [k for k, _, _ in s.printed] == []
+            s.run_intervals(now=10_000_000)
+            assert [k for k, _, _ in s.printed] == ["time", "map"]
+            assert s.printed[1][2] == {"@reads": len(hooks.seen["entry"])} and hooks.seen["entry"]
+            assert s.maps_json() == {}        # cleared
+        finally:
+            s.detach()
+
+
+def test_bpftrace_tools_run_unchanged(capsys, toy_path):
+    """bpftrace's own tools, as Debian ships them (#! line, comments, interval, time(),
+    attach points the toy kernel lacks: skipped with a warning, as bpftrace does)."""
+    for tool in ("vfsstat.bt", "biolatency-kp.bt"):
+        assert main(["trace", str(EXAMPLES / "tools" / tool)]) == 0
+        out, err = capsys.readouterr()
+        assert out.startswith("Attaching ") and "Hit Ctrl-C to end." in out
+        assert "skipped kprobe:" in err
+
+
+def test_time_in_a_kprobe_action_is_refused(capsys, toy_path):
+    assert main(["trace", "-e", "kprobe:vfs_read { time(); }"]) == 2
+    assert "time() in a kprobe action is not supported" in capsys.readouterr().err

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any
 
 from ksim.cli import add_json_flag, emit_json, help_text
 from ksim.commands.count import _run_options, add_target_args, target_spec
-from ksim.targets.base import HeldInterrupt
+from ksim.targets.base import HeldInterrupt, run_option_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,6 +31,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("file", nargs="?", metavar="FILE.bt", help="the program's file")
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program's text")
     add_target_args(p)
+    p.add_argument("--while", dest="while_cmd", metavar="CMD",
+                   help="live targets: run CMD in the guest and stop when it ends (without it "
+                        "a live trace runs until Ctrl-C or exit())")
     p.add_argument("--splice", choices=("jmp", "trap", "auto"), default="auto",
                    help="splicing policy (default: auto, the cheapest safe tactic)")
     add_json_flag(p)
@@ -53,7 +57,7 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
 
 def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "auto",
           seed: int | None = None, iterations: int | None = None,
-          on_attach: Any = None, out: Any = None,
+          on_attach: Any = None, out: Any = None, while_cmd: str | None = None,
           run_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """Run the program ``source`` on target ``spec``; (the report, the text output).
 
@@ -62,7 +66,9 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
     called once the probes are spliced, before the run (tests use it to add
     oracles); ``out(text)``, when given, is called with each piece of output as
     soon as it is printed (printf's events while the kernel runs, maps at the end);
-    ``run_options`` go to the target's run as they are."""
+    ``run_options`` go to the target's run as they are.  On a live kernel the
+    program runs while ``while_cmd`` runs in the guest, or without one until
+    Ctrl-C or exit()."""
     from ksim.kapi import Manager
     from ksim.trace.parser import parse
     from ksim.trace.session import Exited, TraceSession
@@ -77,13 +83,17 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             if on_attach is not None:
                 on_attach(session)
             session.begin()
-            if not session.exited and session.attached:
-                options = _run_options(m, seed, iterations, None) | (run_options or {})
+            live = "while_cmd" in run_option_names(m.target)
+            if not session.exited and (session.attached or session.intervals):
+                options = _run_options(m, seed, iterations, while_cmd) | (run_options or {})
                 progress = session.progress()
                 if progress is not None:
                     options["progress"] = progress
                 try:
-                    m.run(**options)
+                    if live and "while_cmd" not in options:
+                        _until_stopped(progress)
+                    elif session.attached:
+                        m.run(**options)
                 except Exited:
                     pass
                 except KeyboardInterrupt:
@@ -108,6 +118,15 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
     return report, session.output()
 
 
+def _until_stopped(progress: Any, period: float = 0.2) -> None:
+    """A live kernel runs on its own: wait for Ctrl-C (KeyboardInterrupt) or exit()
+    (Exited, raised by ``progress``), draining events meanwhile."""
+    while True:
+        if progress is not None:
+            progress()
+        time.sleep(period)
+
+
 def run(args: argparse.Namespace) -> int:
     source, filename = source_of(args)
     attached: dict[str, Any] = {}
@@ -124,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
 
     report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
                       seed=args.seed, iterations=args.iterations, on_attach=announce,
+                      while_cmd=args.while_cmd,
                       out=None if args.json else write)
     report["tactics"] = attached.get("tactics", {})
     if args.json:

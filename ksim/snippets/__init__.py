@@ -9,6 +9,7 @@ from ksim.snippets.ast import (
     BinOp,
     Call,
     CallTarget,
+    Comm,
     Compare,
     CompareExchange,
     Const,
@@ -29,6 +30,7 @@ from ksim.snippets.ast import (
     RetVal,
     Seq,
     Snippet,
+    Tgid,
     Tsc,
     Unary,
     Var,
@@ -61,9 +63,9 @@ from ksim.snippets.check import POINT_KINDS, check
 from ksim.snippets.verify import Rules, verify
 
 __all__ = [
-    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "CompareExchange", "Const", "Cpu",
+    "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "CompareExchange", "Const", "Comm", "Cpu",
     "Elem", "Frame", "Guard",
-    "Guarded", "If", "Load", "Local", "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "Reg",
+    "Guarded", "If", "Load", "Local", "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "Pid", "Reg", "Tgid",
     "RetVal", "Rules", "Seq", "Snippet", "Tsc", "Unary", "Var", "arg", "call", "call_target", "check", "compare_exchange",
     "cpu", "elem", "frame",
     "if_", "land", "lnot", "load", "local", "lor", "lshr", "pid", "reg", "retval", "same", "seq", "tsc", "uge", "ugt",

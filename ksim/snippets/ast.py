@@ -36,6 +36,9 @@ from dataclasses import dataclass, fields
 from dataclasses import replace as _replace
 from typing import Any
 
+#: 8-byte words of a task's name (Linux's TASK_COMM_LEN is 16)
+COMM_WORDS = 2
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -240,6 +243,24 @@ class Tsc(Node):
 @dataclass(frozen=True, eq=False, slots=True)
 class Pid(Node):
     """The pid of the current task (KAPI's kapi_pid_expr), via the KernelABI."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Tgid(Node):
+    """The thread-group id of the current task (a process's pid, where Pid is the
+    thread's), via the KernelABI; the Pid where the kernel has no thread groups."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class Comm(Node):
+    """Bytes ``8*word`` to ``8*word+7`` of the current task's name (``comm``, NUL
+    padded), little-endian, via the KernelABI."""
+
+    word: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.word, int) or not 0 <= self.word < COMM_WORDS:
+            raise TypeError(f"Comm word must be 0..{COMM_WORDS - 1}, got {self.word!r}")
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -452,6 +473,14 @@ def tsc() -> Tsc:
 
 def pid() -> Pid:
     return Pid()
+
+
+def tgid() -> Tgid:
+    return Tgid()
+
+
+def comm(word: int) -> Comm:
+    return Comm(word)
 
 
 def cpu() -> Cpu:

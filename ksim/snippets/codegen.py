@@ -256,6 +256,8 @@ class Codegen:
             ast.Call: self._call,
             ast.Tsc: lambda n: self.e.counter(),
             ast.Pid: self._pid,
+            ast.Tgid: self._tgid,
+            ast.Comm: self._comm,
             ast.Cpu: self._cpu,
             ast.Arg: lambda n: self.e.point_reg(self.arch.arg_regs[n.n]),
             ast.RetVal: lambda n: self.e.point_reg(self.arch.ret_reg),
@@ -521,6 +523,18 @@ class Codegen:
         memref_load(self.e, self.abi.current_task)
         self.e.load_indirect(self.abi.task_pid_offset, self.abi.task_pid_size, False)
 
+    def _tgid(self, n: ast.Tgid) -> None:
+        offset = self.abi.task_tgid_offset
+        memref_load(self.e, self.abi.current_task)
+        self.e.load_indirect(self.abi.task_pid_offset if offset is None else offset,
+                             self.abi.task_pid_size, False)
+
+    def _comm(self, n: ast.Comm) -> None:
+        if self.abi.task_comm_offset is None:
+            raise CodegenError("this kernel's ABI does not say where a task's name (comm) is")
+        memref_load(self.e, self.abi.current_task)
+        self.e.load_indirect(self.abi.task_comm_offset + 8 * n.word, 8, False)
+
     def _cpu(self, n: ast.Cpu) -> None:
         if self.abi.cpu_number is None:
             self.e.const(0)
@@ -718,8 +732,9 @@ def compile_snippets(
         check(s, point_kind, registers=gprs(arch), call_operand=call_operand)
     snippets = [expand_call_target(s, call_operand) for s in snippets]
     body = ast.Seq(tuple(snippets))
-    if abi is None and any(isinstance(x, ast.Pid | ast.Cpu) for x in ast.walk(body)):
-        raise CodegenError("Pid and Cpu need the kernel's ABI (abi=KernelABI(...))")
+    if abi is None and any(isinstance(x, ast.Pid | ast.Tgid | ast.Comm | ast.Cpu)
+                           for x in ast.walk(body)):
+        raise CodegenError("Pid, Tgid, Comm and Cpu need the kernel's ABI (abi=KernelABI(...))")
     calls = uses_calls(body, abi)
     needed = frozenset(live) | point_reads(arch, body)
     first = new_emitter()

@@ -26,22 +26,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.snippets import ast
+from ksim.snippets.ast import COMM_WORDS
 
 from . import syntax as t
 from .errors import Loc, TraceSemanticError, TraceUnsupported
-from .maps import SIGN, MapLayout, MapType, hash_tree
+from .events import MAX_ARGS
+from .maps import SIGN, WIDTH, MapLayout, MapType, hash_tree
 
 #: builtins, and where they mean something
-BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe",
+BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"comm", "kstack", "ustack", "curtask", "rand", "uid", "gid", "elapsed",
+OTHER_BUILTINS = {"kstack", "ustack", "curtask", "rand", "uid", "gid", "elapsed",
                   "username", "cgroup", "ctx", "args", "cpid", "numaid", "jiffies", "ncpus",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4}
-STATEMENTS = {"print", "clear", "delete", "exit", "printf"}
-OTHER_FUNCTIONS = {"stats", "time", "join", "str", "buf", "ksym", "usym", "kaddr", "uaddr",
+STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time"}
+OTHER_FUNCTIONS = {"stats", "join", "str", "buf", "ksym", "usym", "kaddr", "uaddr",
                    "reg", "system", "cat", "signal", "strncmp", "override", "ntop", "cgroupid",
                    "macaddr", "zero", "strftime", "path", "kstack", "ustack", "cgroup_path",
                    "bswap", "skboutput", "pton", "strcontains", "has_key", "len", "unwatch",
@@ -49,7 +51,7 @@ OTHER_FUNCTIONS = {"stats", "time", "join", "str", "buf", "ksym", "usym", "kaddr
 BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "&": "and", "|": "or",
           "^": "xor", "<<": "shl", ">>": "sar"}
 COMPARES = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
-NAMED_KEYS = {"func": "ksym", "probe": "probe"}
+NAMED_KEYS = {"func": "ksym", "probe": "probe", "comm": "comm"}
 
 
 # --- analysis --------------------------------------------------------------------------------
@@ -58,8 +60,9 @@ class Analysis:
     maps: dict[str, MapType] = field(default_factory=dict)
     #: whether some action calls exit()
     exits: bool = False
-    #: printf formats, numbered in program order
-    formats: list[str] = field(default_factory=list)
+    #: printf formats with the kind of each argument ("int", "name" for func and
+    #: probe, "comm"), numbered in program order
+    formats: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
 
 
 def analyse(program: t.Program) -> Analysis:
@@ -102,7 +105,7 @@ def _analyse_stmt(a: Analysis, s: t.Stmt) -> None:
 
 
 def _check_printf(a: Analysis, call: t.Call) -> None:
-    from .events import MAX_ARGS, conversions, unknown_conversion
+    from .events import conversions, unknown_conversion
 
     if not call.args or not isinstance(call.args[0], t.Str):
         raise TraceSemanticError("printf() expects a format string first", call.loc)
@@ -117,22 +120,31 @@ def _check_printf(a: Analysis, call: t.Call) -> None:
     if len(args) > MAX_ARGS:
         raise TraceUnsupported(f"printf() with more than {MAX_ARGS} arguments is not supported",
                                call.loc)
+    kinds = []
     for conv, arg in zip(convs, args, strict=True):
         name = arg.name if isinstance(arg, t.Builtin) and arg.name in NAMED_KEYS else None
         if conv == "s" and name is None:
-            raise TraceUnsupported("printf %s of anything but func or probe is not supported",
-                                   arg.loc)
+            raise TraceUnsupported("printf %s of anything but comm, func or probe is not "
+                                   "supported", arg.loc)
         if conv != "s" and name is not None:
             raise TraceSemanticError(f"printf: %{conv} specifier expects a value of type integer "
                                      f"({name} supplied)", arg.loc)
         _check_expr(a, arg, key=name is not None)
-    if fmt not in a.formats:
-        a.formats.append(fmt)
+        kinds.append("int" if name is None else "comm" if name == "comm" else "name")
+    if sum(WIDTH.get(k, 1) for k in kinds) > MAX_ARGS:
+        raise TraceUnsupported(f"printf() with more than {MAX_ARGS} argument words (comm takes "
+                               "two) is not supported", call.loc)
+    if (fmt, tuple(kinds)) not in a.formats:
+        a.formats.append((fmt, tuple(kinds)))
 
 
 def _check_statement_call(a: Analysis, call: t.Call) -> None:
     if call.name == "printf":
         _check_printf(a, call)
+        return
+    if call.name == "time":
+        if len(call.args) > 1 or (call.args and not isinstance(call.args[0], t.Str)):
+            raise TraceSemanticError("time() takes one format string, or none", call.loc)
         return
     if call.name == "exit":
         if call.args:
@@ -211,12 +223,18 @@ def _check_expr(a: Analysis, e: t.Expr, *, allow_aggregation: bool = False, key:
         if e.value >= 1 << 64:
             raise TraceSemanticError("integer literal does not fit 64 bits", e.loc)
     elif isinstance(e, t.Str):
-        raise TraceUnsupported("strings are not supported here (only as a printf format)", e.loc)
+        raise TraceUnsupported("strings are not supported here (only as a printf format, or "
+                               "compared with comm)", e.loc)
     elif isinstance(e, t.Builtin):
         _check_builtin(e, key)
     elif isinstance(e, t.MapRef):
         _use_map(a, e)
     elif isinstance(e, t.Binary):
+        if _comm_compare(e) is not None:
+            return
+        if any(isinstance(x, t.Builtin) and x.name == "comm" for x in (e.left, e.right)):
+            raise TraceUnsupported("comm can only be compared (== or !=) with a string literal",
+                                   e.loc)
         _check_expr(a, e.left)
         _check_expr(a, e.right)
     elif isinstance(e, t.Unary):
@@ -228,9 +246,23 @@ def _check_expr(a: Analysis, e: t.Expr, *, allow_aggregation: bool = False, key:
         _check_call(a, e, allow_aggregation)
 
 
+def _comm_compare(e: t.Binary) -> tuple[str, int] | None:
+    """(the operator, the string's words as one integer) when ``e`` is ``comm == "..."``
+    or ``comm != "..."`` (either way round)."""
+    if e.op not in ("==", "!="):
+        return None
+    for x, y in ((e.left, e.right), (e.right, e.left)):
+        if isinstance(x, t.Builtin) and x.name == "comm" and isinstance(y, t.Str):
+            raw = y.value.encode()[:8 * COMM_WORDS - 1]   # what a task's name can hold
+            return e.op, int.from_bytes(raw.ljust(8 * COMM_WORDS, b"\0"), "little")
+    return None
+
+
 def _check_builtin(e: t.Builtin, key: bool) -> None:
     if e.name in NAMED_KEYS and not key:
-        raise TraceUnsupported(f"{e.name} is not supported outside a map key", e.loc)
+        raise TraceUnsupported(f"{e.name} is not supported outside a map key or a printf %s"
+                               + (" (or compared with a string)" if e.name == "comm" else ""),
+                               e.loc)
     if e.name in BUILTINS:
         return
     if e.name in OTHER_BUILTINS:
@@ -314,8 +346,9 @@ class ProbeCompiler:
     def __init__(self, layouts: dict[str, MapLayout], site: Site, *,
                  stop: ast.Var | None, name_index: Callable[[str], int],
                  preclaim: Callable[[MapLayout, tuple[int, ...]], int | None],
-                 ring: Any = None) -> None:
+                 ring: Any = None, clock: int | None = None) -> None:
         self.layouts = layouts
+        self.clock = clock
         self.ring = ring
         self.site = site
         self.stop = stop
@@ -371,6 +404,9 @@ class ProbeCompiler:
         if call.name == "exit":
             assert self.stop is not None
             return self.stop.assign(1)
+        if call.name == "time":
+            raise TraceUnsupported("time() in a kprobe action is not supported (use it in "
+                                   "BEGIN, END or interval)", call.loc)
         if call.name == "print":
             raise TraceUnsupported("print() in a kprobe action is not supported (print maps in "
                                    "END, or let them print at exit)", call.loc)
@@ -390,9 +426,12 @@ class ProbeCompiler:
         assert self.ring is not None and isinstance(call.args[0], t.Str)
         mark = self.locals.mark()
         code: list[ast.Node] = []
-        args = [self.leaf(self.key(a), code) for a in call.args[1:]]
-        code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(call.args[0].value),
-                                   args))
+        args = [self.leaf(w, code) for a in call.args[1:] for w in self.key_words(a)]
+        kinds = tuple("comm" if isinstance(a, t.Builtin) and a.name == "comm" else
+                      "name" if isinstance(a, t.Builtin) and a.name in NAMED_KEYS else "int"
+                      for a in call.args[1:])
+        code.append(self.ring.emit(self.locals.take(),
+                                   self.ring.formats.index((call.args[0].value, kinds)), args))
         self.locals.release(mark)
         return ast.Seq(tuple(code))
 
@@ -480,7 +519,7 @@ class ProbeCompiler:
             if slot is None:
                 raise TraceSemanticError(f"{ref.name} has no free record for the key {key}", ref.loc)
             return Access(code, slot, None)
-        keys = [self.leaf(self.key(k), code) for k in ref.keys]
+        keys = [self.leaf(w, code) for k in ref.keys for w in self.key_words(k)]
         return self.probe_table(lay, keys, claim, code)
 
     def probe_table(self, lay: MapLayout, keys: list[ast.Node], claim: bool,
@@ -519,6 +558,12 @@ class ProbeCompiler:
         c = self.constant_key(k)
         return ast.Const(c) if c is not None else self.expr(k)
 
+    def key_words(self, k: t.Expr) -> list[ast.Node]:
+        """The words a key (or a printf argument) is held in: comm's name takes two."""
+        if isinstance(k, t.Builtin) and k.name == "comm":
+            return [ast.Comm(i) for i in range(COMM_WORDS)]
+        return [self.key(k)]
+
     def leaf(self, node: ast.Node, code: list[ast.Node]) -> ast.Node:
         """``node`` itself when reading it again is free and harmless, else a Local
         computed once by ``code``."""
@@ -540,6 +585,11 @@ class ProbeCompiler:
             return self.locals.var(e.name)
         if isinstance(e, t.MapRef):
             return self.read_map(e)
+        if isinstance(e, t.Binary) and (cmp := _comm_compare(e)) is not None:
+            op, value = cmp
+            low, high = value & ((1 << 64) - 1), value >> 64
+            same = ast.land(ast.Comm(0) == ast.Const(low), ast.Comm(1) == ast.Const(high))
+            return same if op == "==" else ast.lnot(same)
         if isinstance(e, t.Binary):
             left, right = self.expr(e.left), self.expr(e.right)
             if e.op == "&&":
@@ -564,12 +614,14 @@ class ProbeCompiler:
 
     def builtin(self, e: t.Builtin) -> ast.Node:
         name, kind = e.name, self.site.kind
-        if name in ("pid", "tid"):
+        if name == "pid":           # the process's: its thread group's id
+            return ast.Tgid()
+        if name == "tid":
             return ast.Pid()
         if name == "cpu":
             return ast.Cpu()
-        if name == "nsecs":
-            return ast.Tsc()
+        if name == "nsecs":         # the kernel's clock where it has one, else cycles
+            return ast.Tsc() if self.clock is None else ast.Call(self.clock, ())
         if name.startswith("arg"):
             if kind != "entry":
                 raise TraceSemanticError(f"The {name} builtin can only be used at a function's "

@@ -20,10 +20,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from ksim.snippets import ast
+from ksim.snippets.ast import COMM_WORDS
 
-from .maps import MASK, WORD, signed
+from .maps import MASK, WORD, comm_text, signed
 
 RECORDS = 1024
 MAX_ARGS = 7
@@ -45,16 +47,30 @@ def unknown_conversion(fmt: str) -> str | None:
     return None if at < 0 else rest[at:at + 3]
 
 
-def render(fmt: str, args: Sequence[int], names: Sequence[str]) -> str:
+def render(fmt: str, args: Sequence[int], names: Sequence[str],
+           kinds: Sequence[str] | None = None) -> str:
     """``fmt`` with its conversions filled as C's printf would (64-bit integers;
-    ``%s`` takes a name's index)."""
-    values = iter(args)
+    ``%s`` takes a name's index, or a comm's words when its kind says "comm")."""
+    words = list(args)
+    values: list[Any] = []
+    for kind in kinds if kinds is not None else ["int"] * len(words):
+        if kind == "comm":
+            values.append(comm_text(words[:COMM_WORDS]))
+            del words[:COMM_WORDS]
+        else:
+            values.append(words.pop(0) if words else 0)
+    it = iter(values)
 
     def one(m: re.Match[str]) -> str:
         conv = m.group("conv")
         if conv == "%":
             return "%"
-        v = next(values, 0)
+        v = next(it, 0)
+        if isinstance(v, str):
+            spec = f"%{m.group('flags')}{m.group('width')}"
+            if m.group("prec") is not None:
+                spec += f".{m.group('prec')}"
+            return (spec + "s") % v
         spec = f"%{m.group('flags')}{m.group('width')}"
         if m.group("prec") is not None:
             spec += f".{m.group('prec')}"
@@ -73,7 +89,8 @@ def render(fmt: str, args: Sequence[int], names: Sequence[str]) -> str:
 class Ring:
     header: int
     base: int
-    formats: list[str]
+    #: (format, kind of each argument), as compiler.Analysis.formats
+    formats: list[tuple[str, tuple[str, ...]]]
 
     @property
     def head(self) -> ast.Var:
@@ -102,7 +119,8 @@ class Ring:
                               ast.If(reserve, fill, lost), lost))
 
 
-def allocate_ring(alloc: Callable[[int], int], formats: list[str]) -> Ring:
+def allocate_ring(alloc: Callable[[int], int],
+                  formats: list[tuple[str, tuple[str, ...]]]) -> Ring:
     return Ring(alloc(3 * WORD), alloc(RECORDS * STRIDE * WORD), formats)
 
 
@@ -127,8 +145,9 @@ class Drain:
             rec = [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published
-            fmt = ring.formats[rec[1]]
-            out.append(render(fmt, rec[2:2 + len(conversions(fmt))], self.names))
+            fmt, kinds = ring.formats[rec[1]]
+            words = sum(COMM_WORDS if k == "comm" else 1 for k in kinds)
+            out.append(render(fmt, rec[2:2 + words], self.names, kinds))
             self.tail += 1
         self._write(ring.header + WORD, self.tail.to_bytes(WORD, "little"))
         return out

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ksim.snippets import ast
 
@@ -47,12 +48,17 @@ TABLE_BYTES = 64 * 1024
 HIST_BUCKETS = 65
 
 
+#: words a key (or a printf argument) of each kind takes; one unless named here
+WIDTH = {"comm": 2}
+
+
 @dataclass
 class MapType:
     """What the program says of a map: its key kinds and its value kind."""
 
     name: str
-    #: per key: "int", or "ksym" / "probe" (a name, held as an index into ``names``)
+    #: per key: "int", "ksym" / "probe" (a name, held as an index into ``names``), or
+    #: "comm" (a task's name, its bytes held in two words)
     keys: tuple[str, ...] | None = None
     #: int, count, sum, min, max, avg, hist, lhist (None: only read or deleted so far)
     kind: str | None = None
@@ -89,7 +95,8 @@ class MapLayout:
 
     @property
     def nkeys(self) -> int:
-        return len(self.type.keys or ())
+        """Words of a record's key (a comm key takes two)."""
+        return key_words(self.type.keys or ())
 
     @property
     def tag(self) -> int:
@@ -133,12 +140,17 @@ class MapLayout:
         return ast.Elem(self.base, self.words, at)
 
 
+def key_words(kinds: Sequence[str]) -> int:
+    """Words a key of these kinds is held in."""
+    return sum(WIDTH.get(k, 1) for k in kinds)
+
+
 def layout_for(mtype: MapType, alloc: Callable[[int], int], names: list[str]) -> MapLayout:
     """Allocate ``mtype``'s table (and lost counter) with ``alloc(size) -> address``."""
     if not mtype.keys:
         words = 1 + mtype.value_words
         return MapLayout(mtype, alloc(WORD * words), 1, 1, None, names)
-    stride = 2 + len(mtype.keys) + mtype.value_words
+    stride = 2 + key_words(mtype.keys) + mtype.value_words
     slots = 64
     while slots < 4096 and 2 * slots * stride * WORD <= TABLE_BYTES:
         slots *= 2
@@ -301,5 +313,28 @@ def scalar(kind: str | None, values: list[int]) -> int:
     return signed(values[0])
 
 
-__all__ = ["HIST_BUCKETS", "MapLayout", "MapType", "Table", "hash_keys", "hash_tree", "layout_for",
-           "scalar"]
+def comm_text(words: Sequence[int]) -> str:
+    """A task's name from the words it is held in (NUL padded)."""
+    raw = b"".join((w & MASK).to_bytes(WORD, "little") for w in words)
+    return raw.split(b"\0", 1)[0].decode("utf-8", "replace")
+
+
+def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str]) -> list[Any]:
+    """A key's parts from its words: an int, or the text of a name or a comm."""
+    out: list[Any] = []
+    at = 0
+    for kind in kinds:
+        n = WIDTH.get(kind, 1)
+        part = words[at:at + n]
+        at += n
+        if kind == "comm":
+            out.append(comm_text(part))
+        elif kind in ("ksym", "probe", "name"):
+            out.append(names[part[0]] if 0 <= part[0] < len(names) else "")
+        else:
+            out.append(signed(part[0]))
+    return out
+
+
+__all__ = ["HIST_BUCKETS", "MapLayout", "MapType", "Table", "WIDTH", "comm_text", "decode_key",
+           "hash_keys", "hash_tree", "key_words", "layout_for", "scalar"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .maps import HIST_BUCKETS, MapLayout, scalar, signed
+from .maps import HIST_BUCKETS, MapLayout, decode_key, scalar
 
 BAR = 52
 
@@ -104,9 +104,7 @@ class MapPrinter:
         return self.lay.type.kind in ("hist", "lhist")
 
     def key_parts(self, key: tuple[int, ...]) -> list[str]:
-        kinds = self.lay.type.keys or ()
-        return [self.lay.names[k] if kind in ("ksym", "probe") and k < len(self.lay.names)
-                else str(signed(k)) for k, kind in zip(key, kinds, strict=True)]
+        return [str(p) for p in decode_key(self.lay.type.keys or (), key, self.lay.names)]
 
     def sorted(self, entries: dict[tuple[int, ...], list[int]]) -> list[tuple[tuple[int, ...], list[int]]]:
         def order(item: tuple[tuple[int, ...], list[int]]) -> tuple[int, tuple[int, ...]]:

@@ -52,13 +52,16 @@ OTHER_PROVIDERS = {
     "tracepoint": "tracepoint", "t": "tracepoint", "rawtracepoint": "rawtracepoint",
     "rt": "rawtracepoint", "uprobe": "uprobe", "u": "uprobe", "uretprobe": "uretprobe",
     "ur": "uretprobe", "usdt": "usdt", "U": "usdt", "profile": "profile", "p": "profile",
-    "interval": "interval", "i": "interval", "software": "software", "s": "software",
+    "software": "software", "s": "software",
     "hardware": "hardware", "h": "hardware", "kfunc": "kfunc", "f": "kfunc", "fentry": "fentry",
     "kretfunc": "kretfunc", "fr": "kretfunc", "fexit": "fexit", "watchpoint": "watchpoint",
     "w": "watchpoint", "asyncwatchpoint": "asyncwatchpoint", "aw": "asyncwatchpoint",
     "iter": "iter", "it": "iter", "self": "self",
 }
-PROVIDERS = {"kprobe": "kprobe", "k": "kprobe", "kretprobe": "kretprobe", "kr": "kretprobe"}
+PROVIDERS = {"kprobe": "kprobe", "k": "kprobe", "kretprobe": "kretprobe", "kr": "kretprobe",
+             "interval": "interval", "i": "interval"}
+#: units of an interval probe's period, in nanoseconds
+INTERVAL_UNITS = {"s": 10**9, "ms": 10**6, "us": 10**3}
 #: statement keywords of the full language that the subset lacks
 UNSUPPORTED_KEYWORDS = {
     "while": "while loops", "for": "for loops", "unroll": "unroll", "return": "return",
@@ -105,6 +108,9 @@ class Lexer:
             self.pos += 1
 
     def skip_space(self) -> None:
+        if self.pos == 0 and self.src.startswith("#!"):   # a script's interpreter line
+            end = self.src.find("\n")
+            self._advance(len(self.src) if end < 0 else end)
         while self.pos < len(self.src):
             c = self.src[self.pos]
             if c in " \t\r\n":
@@ -287,6 +293,13 @@ class Parser:
         if provider not in PROVIDERS:
             raise TraceSyntaxError(f"Invalid probe type: {provider}", loc)
         kind = PROVIDERS[provider]
+        if kind == "interval":
+            unit, colon, count = rest.partition(":")
+            if not colon or unit not in INTERVAL_UNITS or not count.isdigit() or int(count) == 0:
+                raise TraceSyntaxError(f"invalid interval probe {text!r}: expecting interval:s:N, "
+                                       "interval:ms:N or interval:us:N (N > 0)", loc)
+            return t.AttachPoint(kind, text=text, loc=loc,
+                                 period_ns=int(count) * INTERVAL_UNITS[unit])
         if ":" in rest:
             raise TraceUnsupported(f"{kind} with a module (MODULE:FUNCTION) is not supported", loc)
         func, plus, offset_text = rest.partition("+")

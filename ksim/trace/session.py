@@ -28,7 +28,7 @@ from ksim.snippets import ast
 
 from . import syntax as t
 from .compiler import BINOPS, COMPARES, STATEMENTS, ProbeCompiler, Site, analyse
-from .errors import TraceError, TraceSemanticError
+from .errors import TraceError, TraceSemanticError, TraceUnsupported
 from .events import Drain, Ring, allocate_ring, render
 from .maps import MASK, MapLayout, Table, encode_extreme, layout_for, scalar, signed
 from .output import MapPrinter
@@ -69,6 +69,11 @@ class TraceSession:
         self.drain: Drain | None = None
         #: called with each piece of text as soon as it is printed (printf while running)
         self.out: Callable[[str], None] | None = None
+        #: (period in ns, probe) of every interval attach point; when each runs next
+        self.intervals: list[tuple[int, t.Probe]] = [
+            (ap.period_ns, p) for p in program.probes for ap in p.points
+            if ap.provider == "interval" and ap.period_ns]
+        self._next_interval: list[int | None] = [None] * len(self.intervals)
 
     # --- setting up -------------------------------------------------------------------------
     def name_index(self, name: str) -> int:
@@ -93,17 +98,27 @@ class TraceSession:
 
     def resolve(self) -> None:
         """The points every kprobe/kretprobe attach point names."""
+        failed: list[TraceError] = []
         for probe in self.program.probes:
+            client = [ap.provider in t.CLIENT_PROVIDERS for ap in probe.points]
+            if any(client) and not all(client):
+                raise TraceUnsupported(
+                    "a probe sharing one action between kernel probes and BEGIN, END or interval "
+                    "is not supported", probe.points[client.index(True)].loc).located(
+                        self.program.source, self.program.filename)
             for ap in probe.points:
-                if ap.provider in ("BEGIN", "END"):
+                if ap.provider in t.CLIENT_PROVIDERS:
                     continue
                 try:
                     found = self._points(ap)
                 except KsimError as exc:
                     if isinstance(exc, TraceError):
                         raise
-                    raise TraceSemanticError(str(exc), ap.loc).located(
-                        self.program.source, self.program.filename) from None
+                    # as bpftrace: an attach point that names nothing is skipped, and
+                    # is an error only when no probe of the program attaches
+                    failed.append(TraceSemanticError(str(exc), ap.loc))
+                    self.skipped[ap.text] = str(exc)
+                    continue
                 for point, site in found:
                     at = self.attached.setdefault(point.address, Attached(point, site))
                     if at.site.kind != site.kind:
@@ -113,8 +128,10 @@ class TraceSession:
                                                                   self.program.filename)
                     if probe not in at.probes:
                         at.probes.append(probe)
-        if not self.attached and any(ap.provider not in ("BEGIN", "END")
+        if not self.attached and any(ap.provider not in t.CLIENT_PROVIDERS
                                      for p in self.program.probes for ap in p.points):
+            if failed:
+                raise failed[0].located(self.program.source, self.program.filename)
             raise TraceSemanticError("no probe could be attached")
 
     def _points(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
@@ -164,15 +181,23 @@ class TraceSession:
         for probe in at.probes:
             compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
                                      name_index=self.name_index, preclaim=self.preclaim,
-                                     ring=self.ring)
+                                     ring=self.ring, clock=self.clock)
             try:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
                 raise exc.located(self.program.source, self.program.filename) from None
         return parts[0] if len(parts) == 1 else ast.Seq(tuple(parts))
 
+    @property
+    def clock(self) -> int | None:
+        """The kernel function ``nsecs`` calls (None: the cycle counter)."""
+        abi = getattr(self.m.target, "abi", None)
+        return getattr(abi, "clock_ns", None)
+
     def attach(self) -> None:
         """Allocate the maps, resolve the probes and splice them in one batch."""
+        if self.clock is not None:
+            self.m.allow_calls(self.clock)
         self.allocate()
         self.resolve()
         points = [a.point for a in self.attached.values()]
@@ -196,15 +221,31 @@ class TraceSession:
         """A progress callback that drains printf's events and ends the run once an
         action called exit()."""
         stop = self.stop
-        if stop is None and self.drain is None:
+        if stop is None and self.drain is None and not self.intervals:
             return None
 
         def check() -> None:
             self.events()
             if stop is not None and self.m.read(stop):
                 raise Exited()
+            self.run_intervals()
 
         return check
+
+    def run_intervals(self, now: int | None = None) -> None:
+        """Run each interval probe whose period has passed since it last ran (once
+        per call, however many periods went by), by the host's monotonic clock."""
+        now = time.monotonic_ns() if now is None else now
+        for i, (period, probe) in enumerate(self.intervals):
+            due = self._next_interval[i]
+            if due is None:
+                self._next_interval[i] = now + period
+            elif now >= due:
+                self._next_interval[i] = now + period
+                try:
+                    Interpreter(self, "interval").run(probe)
+                except TraceError as exc:
+                    raise exc.located(self.program.source, self.program.filename) from None
 
     def emit(self, kind: str, text: str, data: Any) -> None:
         self.printed.append((kind, text, data))
@@ -257,7 +298,9 @@ class TraceSession:
         for name in sorted(self.layouts):
             lay = self.layouts[name]
             if lay.type.kind is not None:
-                out[name] = MapPrinter(lay).json(self.table(name).entries())
+                entries = self.table(name).entries()
+                if entries:  # as bpftrace: an empty map is not printed
+                    out[name] = MapPrinter(lay).json(entries)
         return out
 
     def lost(self) -> dict[str, int]:
@@ -268,7 +311,8 @@ class TraceSession:
 
 
 class Interpreter:
-    """BEGIN and END actions, run by the client over the maps in the kernel's heap."""
+    """BEGIN, END and interval actions, run by the client over the maps in the kernel's
+    heap."""
 
     def __init__(self, session: TraceSession, which: str) -> None:
         self.s = session
@@ -312,6 +356,11 @@ class Interpreter:
             return
         if e.name == "exit":
             self.s.exited = True
+            return
+        if e.name == "time":
+            fmt = e.args[0].value if e.args and isinstance(e.args[0], t.Str) else "%H:%M:%S\n"
+            text = time.strftime(fmt)
+            self.s.emit("time", text, text)
             return
         if e.name == "print" and e.args and not isinstance(e.args[0], t.MapRef):
             value = self.expr(e.args[0])
@@ -370,7 +419,8 @@ class Interpreter:
                 return time.monotonic_ns()
             if e.name in ("pid", "tid", "cpu"):
                 return 0
-            raise TraceSemanticError(f"The {e.name} builtin has no value in BEGIN or END", e.loc)
+            raise TraceSemanticError(f"The {e.name} builtin has no value in BEGIN, END or "
+                                     "interval", e.loc)
         if isinstance(e, t.Scratch):
             if e.name not in self.vars:
                 raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)

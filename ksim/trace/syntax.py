@@ -103,15 +103,22 @@ class If(Stmt):
 
 
 # --- probes ---------------------------------------------------------------------------------
+#: probes whose actions the client runs (not spliced into the kernel)
+CLIENT_PROVIDERS = ("BEGIN", "END", "interval")
+
+
 @dataclass(frozen=True)
 class AttachPoint:
-    """``kprobe:vfs_*``, ``kretprobe:f``, ``kprobe:f+0x10``, ``BEGIN``, ``END``."""
+    """``kprobe:vfs_*``, ``kretprobe:f``, ``kprobe:f+0x10``, ``interval:s:1``, ``BEGIN``,
+    ``END``."""
 
-    provider: str           # "kprobe", "kretprobe", "BEGIN", "END"
+    provider: str           # "kprobe", "kretprobe", "interval", "BEGIN", "END"
     func: str = ""
     offset: int | None = None
     text: str = ""
     loc: Loc = field(default_factory=lambda: Loc(1, 1, 2))
+    #: an interval probe's period
+    period_ns: int | None = None
 
     @property
     def wildcard(self) -> bool:
