@@ -85,7 +85,7 @@ def test_validate_reports_problems():
 
 def test_cli_writes_json(tmp_path):
     path = tmp_path / "offset.json"
-    assert main(["bench", "offset", "--smoke", "--no-progress", "--json", str(path)]) == 0
+    assert main(["bench", "offset", "--smoke", "--no-progress", "--output", str(path)]) == 0
     doc = json.loads(path.read_text())
     assert validate(doc) == [] and doc["benchmarks"]["offset"]["status"] == "ok"
 
@@ -155,3 +155,10 @@ def test_source_file_runs_hold_their_functions():
     assert not {"folio_migrate_flags"} & sets["mm/slub.c"]
     assert not {"shuffle_pick_tail", "vfree"} & sets["mm/page_alloc.c"]
     assert "e100_probe" in sets["e100.ko"]
+
+
+def test_cli_prints_json_like_every_command(tmp_path, capsys):
+    path = tmp_path / "offset.json"
+    assert main(["bench", "offset", "--smoke", "--no-progress", "--json", "-o", str(path)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert validate(printed) == [] and printed == json.loads(path.read_text())

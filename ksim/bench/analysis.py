@@ -218,8 +218,8 @@ def plot(section: dict[str, Any], path: str) -> None:
     bars = ax.bar(labels, vals, color=["#d62728", "#f4a3a3", "#2ca02c", "#a8dca8", "#1f77b4"])
     for b, v in zip(bars, vals, strict=False):
         ax.text(b.get_x() + b.get_width() / 2, v, f"{v:.2f} s", ha="center", va="bottom", fontsize=8)
-    ax.set_ylabel("seconds (whole kernel)")
-    ax.set_title(f"Analysing {res['target']} ({res['jobs']} cores)")
+    ax.set_ylabel("seconds, whole kernel")
+    ax.set_title(f"Analysing {res['target']} ({res['jobs']} cores; lower is better)")
     save(fig, path)
 
 

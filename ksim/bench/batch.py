@@ -526,12 +526,12 @@ def plot(section: dict[str, Any], path: str) -> None:
             if runs:
                 axes[2].plot([r["n"] for r in runs], [r["attach_ms_per_probe"] for r in runs],
                              "x--", label=f"{label} ksim-{pol}")
-    for ax, title, ylabel in ((axes[0], "live: attach, all N", "seconds"),
-                              (axes[1], "live: detach, all N", "seconds"),
-                              (axes[2], "attach per probe", "ms per probe")):
+    for ax, title, ylabel in ((axes[0], "live: attach (lower is better)", "seconds"),
+                              (axes[1], "live: detach (lower is better)", "seconds"),
+                              (axes[2], "attach per probe (lower is better)", "milliseconds per probe")):
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("N functions")
+        ax.set_xlabel("N functions (count)")
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7)

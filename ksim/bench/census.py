@@ -297,7 +297,8 @@ def plot(section: dict[str, Any], path: str) -> None:
         ax.barh([y - 0.2 for y in ys], now, height=0.4, color="#2ca02c", label="now")
         ax.set_yticks(list(ys), fams)
         ax.set_xlim(0, 100)
-        ax.set_title(f"{name}: sites moved into a patch (%)")
+        ax.set_xlabel("% of the family's examined sites")
+        ax.set_title(f"{name}: sites moved into a patch (higher is better)")
     if names:
         axes[0][0].legend(fontsize=8)
     fig.tight_layout()

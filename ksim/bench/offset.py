@@ -163,7 +163,7 @@ def plot(section: dict[str, Any], path: str) -> None:
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("offset x of the patch buffer (bytes; distance = 1024 + x)")
-    ax.set_ylabel("average relative cost (jmp = 1)")
+    ax.set_ylabel("average relative cost (jmp = 1; lower is better)")
     ax.set_title("Paper model (Fig. 5) on Linux 6.1 instruction shares")
     ax.legend(fontsize=7)
     rows = res["native"].get("rows") or []
@@ -191,7 +191,7 @@ def plot(section: dict[str, Any], path: str) -> None:
     ax2.set_yscale("log")
     ax2.set_xlim(2**14, 2**37)
     ax2.set_xlabel("distance from the point to the patch (bytes)")
-    ax2.set_ylabel("per-hit overhead relative to a near jmp")
+    ax2.set_ylabel("per-hit overhead relative to a near jmp (lower is better)")
     ax2.set_title("ksim on real hardware (TSC cycles, user-mode toy kernel)")
     ax2.legend(fontsize=7)
     save(fig, path)

@@ -419,11 +419,12 @@ def plot(section: dict[str, Any], path: str) -> None:
     plt = pyplot()
     res = section["results"]
     live_rows = res.get("live", {}).get("rows") or []
-    panels = 3 + (1 if live_rows else 0)
-    fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4.6))
+    panels = 4 + (1 if live_rows else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(4.4 * panels, 4.6))
 
     def bars(ax: Any, labels: list[str], series: list[tuple[str, list[float | None], str]],
              ylabel: str, title: str, log: bool = True) -> None:
+        """One quantity per panel, in one unit (several series only of that unit)."""
         width = 0.8 / max(len(series), 1)
         for i, (name, vals, color) in enumerate(series):
             xs = [x - 0.4 + (i + 0.5) * width for x in range(len(labels))]
@@ -440,7 +441,7 @@ def plot(section: dict[str, Any], path: str) -> None:
         if log:
             ax.set_yscale("log")
         ax.set_ylabel(ylabel)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(f"{title}\n(lower is better)", fontsize=9)
         if len(series) > 1:
             ax.legend(fontsize=7)
 
@@ -451,20 +452,26 @@ def plot(section: dict[str, Any], path: str) -> None:
     uni = (res.get("unicorn", {}).get("bench_mode") or {}).get("rows") or []
     uni = [r for r in uni if r["variant"] != "uninstrumented"]
     bars(axes[1], [r["variant"] for r in uni],
-         [("+emulated instructions/hit", [r.get("insns_per_hit") for r in uni], "#2ca02c"),
-          ("+host ns/hit", [r.get("wall_ns_per_hit") for r in uni], "#ff7f0e")],
-         "per hit", "unicorn (bench mode)")
+         [("+emulated instructions/hit", [r.get("insns_per_hit") for r in uni], "#2ca02c")],
+         "added instructions per hit (emulated)", "unicorn (bench mode)", log=False)
     qem = (res.get("qemu", {}).get("bench_mode") or {}).get("rows") or []
     qem = [r for r in qem if r["variant"] != "uninstrumented"]
     bars(axes[2], [r["variant"] for r in qem],
-         [("+emulated cycles/hit", [r.get("cycles_per_hit") for r in qem], "#9467bd"),
-          ("+host ns/hit", [r.get("wall_ns_per_hit") for r in qem], "#ff7f0e")],
-         "per hit", "QEMU TCG (bench mode): emulated, not hardware")
+         [("+emulated cycles/hit", [r.get("cycles_per_hit") for r in qem], "#9467bd")],
+         "added emulated cycles per hit", "QEMU TCG (bench mode): emulated, not hardware")
+    variants = list(dict.fromkeys([r["variant"] for r in uni] + [r["variant"] for r in qem]))
+
+    def ns(rows: list[dict[str, Any]]) -> list[float | None]:
+        by = {r["variant"]: r.get("wall_ns_per_hit") for r in rows}
+        return [by.get(v) for v in variants]
+
+    bars(axes[3], variants, [("unicorn", ns(uni), "#2ca02c"), ("QEMU TCG", ns(qem), "#9467bd")],
+         "added host nanoseconds per hit", "emulators: host time")
     if live_rows:
         rows = [r for r in live_rows if r.get("overhead") is not None]
-        bars(axes[3], [r["variant"] for r in rows],
+        bars(axes[4], [r["variant"] for r in rows],
              [("+emulated cycles/getpid", [r["overhead"] for r in rows], "#8c564b")],
-             "per hit", "live Debian 6.1 under TCG: emulated", log=False)
+             "added emulated cycles per getpid", "live Debian 6.1 under TCG: emulated", log=False)
     save(fig, path)
 
 

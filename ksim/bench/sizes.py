@@ -140,6 +140,6 @@ def plot(section: dict[str, Any], path: str) -> None:
     ax2.set_yticks(list(ys))
     ax2.set_yticklabels(names, fontsize=8)
     ax2.set_xlim(0, 105)
-    ax2.set_xlabel("%")
+    ax2.set_xlabel("% of instructions")
     ax2.legend(fontsize=7, loc="lower right")
     save(fig, path)

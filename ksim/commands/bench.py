@@ -5,19 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ksim.cli import emit_json
+
 NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench", help="run a benchmark (jmp versus trap splicing, coverage, analysis time)",
-        description="Run a benchmark: a progress bar on stderr, a table on stdout, and "
-        "optionally the figures as JSON and a PNG plot.  'all' runs every benchmark; with "
+        description="Run a benchmark: a progress bar on stderr, a table on stdout (--json: the results "
+        "document instead), and optionally the document in a file (--output) and a PNG plot.  'all' runs every benchmark; with "
         "--plot FILE.png it writes FILE-NAME.png per benchmark.")
     p.add_argument("name", choices=NAMES, metavar="NAME", help=" | ".join(NAMES))
     p.add_argument("--quick", action="store_true", help="smaller sizes (all of them in a few minutes)")
     p.add_argument("--smoke", action="store_true", help=argparse.SUPPRESS)  # tests: tiny sizes
-    p.add_argument("--json", metavar="FILE", help="write the results document to FILE")
+    p.add_argument("--json", action="store_true",
+                   help="print only the results document (JSON) on stdout, not the tables")
+    p.add_argument("--output", "-o", metavar="FILE",
+                   help="also write the results document to FILE (after each benchmark, so a "
+                        "long run keeps what it measured)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the results (matplotlib, Agg)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -29,8 +35,10 @@ def run(args: argparse.Namespace) -> int:
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     ctx = Context(mode=mode, progress=not args.no_progress)
-    doc = runner.run(runner.names_for(args.name), ctx, out=sys.stdout, json_path=args.json,
-                     plot_path=args.plot)
+    doc = runner.run(runner.names_for(args.name), ctx, out=None if args.json else sys.stdout,
+                     json_path=args.output, plot_path=args.plot)
+    if args.json:
+        emit_json(doc)
     failed = [n for n, e in doc["benchmarks"].items() if e["status"] == "error"]
     if failed:
         print(f"ksim bench: failed: {', '.join(failed)}", file=sys.stderr)
