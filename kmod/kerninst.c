@@ -1085,8 +1085,8 @@ struct ki_write {
  * writes at once: the protocol of text_poke_bp_batch
  * (arch/x86/kernel/alternative.c) and the Intel SDM's cross-modifying code
  * rules (vol. 3 8.1.3):
- *   1. route each multi-byte write's site to its destination, write int3
- *      over its first byte; sync;
+ *   1. route each multi-byte write's site to its destination, all of them,
+ *      then write int3 over each one's first byte; sync;
  *   2. write the remaining bytes of each; sync;
  *   3. write the first byte of every write (one-byte writes are atomic to
  *      instruction fetch and need only this step); sync;
@@ -1100,12 +1100,22 @@ static void ki_poke_text_batch(struct ki_write *w, u32 n)
 	static const u8 int3 = KI_INT3;
 	u32 i, multi = 0;
 
+	/*
+	 * Every temporary route first, then the int3s: a route may lead to
+	 * another write of the batch (a short jmp into a springboard in the
+	 * padding after a function), and text_poke itself runs kernel functions
+	 * (switch_mm_irqs_off -> invalidate_user_asid) that the batch may patch.
+	 */
 	for (i = 0; i < n; i++) {
 		if (w[i].len < 2)
 			continue;
 		ki_route_publish(&w[i].rec->bp, w[i].addr, w[i].dest, NULL);
-		ki_text_poke((void *)w[i].addr, &int3, 1);
 		multi++;
+	}
+	for (i = 0; i < n; i++) {
+		if (w[i].len < 2)
+			continue;
+		ki_text_poke((void *)w[i].addr, &int3, 1);
 		ki_resched(i);
 	}
 	if (multi) {

@@ -423,3 +423,25 @@ def test_the_patch_area_and_heap_grow_by_areas_and_shrink_back(testbed) -> None:
             if name in {k["name"] for k in t.kept()}:
                 t.remove_kept(name)
         t.close()
+
+
+def test_a_springboard_in_a_function_text_poke_runs_goes_in_and_out(testbed) -> None:
+    """invalidate_user_asid starts with a 2-byte jmp and has padding after its ret: the
+    jmp policy splices it with a short jmp to a springboard in that padding, two writes
+    of one batch, and text_poke itself calls it (switch_mm_irqs_off) while the int3s of
+    that very batch are in: every temporary route must be in place before any int3."""
+    m = attach(testbed)
+    t: LiveTarget = m.target
+    try:
+        f = m.find_function("invalidate_user_asid")
+        before = t.read(f.address, f.size + 16)
+        counter = m.malloc(8)
+        h = m.insert_snippet(m.entry_point(f), counter.atomic_assign(counter + 1), splice="jmp")
+        assert m.patch_of(h).tactic == "springboard"
+        t.exec_checked("ls -R /proc/sys > /dev/null")
+        assert m.read(counter) > 0
+        m.remove_snippet(h)
+        assert t.read(f.address, f.size + 16) == before
+        assert dmesg_problems(t) == []
+    finally:
+        m.detach()
