@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: GPL-2.0
 /*
  * kerninst.c - /dev/kerninst, the part of ksim's live target that must run in
- * the kernel.  kerninstd (live/daemon.py) owns the device and serves remote
+ * the kernel.  kerninstd (ksim/live/daemon.py) owns the device and serves remote
  * clients; this module only does what user space cannot:
  *
  *   - report where things are (text range, per-cpu offsets, task layout);

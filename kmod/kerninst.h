@@ -2,7 +2,7 @@
 /*
  * kerninst.h - the ioctl ABI of /dev/kerninst, ksim's live-kernel driver.
  *
- * This header is the single definition of the ABI.  live/abi.py mirrors it as
+ * This header is the single definition of the ABI.  ksim/live/abi.py mirrors it as
  * a table (tests/test_kmod_abi.py checks that the two agree).  Every structure
  * is made of fixed-size little-endian fields with explicit padding so that the
  * layout is the same for every compiler; pointers to user buffers travel as u64.

@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 
 from ksim.errors import KsimError, ProtocolError, TargetTimeout
-from live import abi, daemon
-from live import protocol as wire
-from live.client import Connection
-from live.device import Block, ModuleState, Owner
+from ksim.live import abi, daemon
+from ksim.live import protocol as wire
+from ksim.live.client import Connection
+from ksim.live.device import Block, ModuleState, Owner
 
 TOKEN = b"k" * 32
 LAYOUT = {

@@ -15,7 +15,7 @@ from ksim.snippets import retval
 from tests.test_examples_kernel import run_example
 
 try:  # the live fixtures, when the live package is importable
-    from live.testing import getppid_loop, target, testbed  # noqa: F401
+    from ksim.live.testing import getppid_loop, target, testbed  # noqa: F401
 except ImportError:  # pragma: no cover
     pass
 
@@ -67,7 +67,7 @@ def test_python_handlers_are_refused_on_qemu(toy_path):
 
 @pytest.mark.slow
 @pytest.mark.live
-def test_kprobe_and_kretprobe_on_linux(target):  # noqa: F811 - live.testing's fixture
+def test_kprobe_and_kretprobe_on_linux(target):  # noqa: F811 - ksim.live.testing's fixture
     m = Manager(target)
     probes = Probes(m)
     kp = KProbe("__x64_sys_getppid", pre_handler=None)

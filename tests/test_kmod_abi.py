@@ -1,4 +1,4 @@
-"""live/abi.py mirrors kmod/kerninst.h: checked by compiling the header with gcc."""
+"""ksim/live/abi.py mirrors kmod/kerninst.h: checked by compiling the header with gcc."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from live import abi
+from ksim.live import abi
 
 HEADER = Path(__file__).resolve().parent.parent / "kmod" / "kerninst.h"
 

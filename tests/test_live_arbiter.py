@@ -10,7 +10,7 @@ raw hand-assembled splices, as in test_live_kernel.py, with the kernel's own
 kprobe as the oracle for counts.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import bisect
@@ -30,10 +30,9 @@ import capstone
 import pytest
 
 from ksim.errors import KsimError, OutOfMemory, TextOwned
-from ksim.splice.patch import Write
-from live import abi
-from live.client import KprobeCounter, LiveTarget
-from live.testing import (  # noqa: F401
+from ksim.live import abi
+from ksim.live.client import KprobeCounter, LiveTarget
+from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
@@ -44,6 +43,7 @@ from live.testing import (  # noqa: F401
     target,
     testbed,
 )
+from ksim.splice.patch import Write
 
 FUNC = "__x64_sys_getppid"
 TRAP_FUNC = "__x64_sys_getpid"

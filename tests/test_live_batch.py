@@ -8,7 +8,7 @@ Real module, real kernel: the kernel's own kprobe (tracefs kprobe_profile) is th
 oracle for counts, and text is read back byte for byte.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import contextlib
@@ -24,10 +24,8 @@ import pytest
 from ksim.analysis.points import Point
 from ksim.errors import KsimError, OutOfMemory, StaleText, TextOwned
 from ksim.kapi import Handle, Manager
-from ksim.snippets import ast
-from ksim.splice.patch import Write
-from live.client import KprobeCounter, LiveTarget
-from live.testing import (  # noqa: F401
+from ksim.live.client import KprobeCounter, LiveTarget
+from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
@@ -37,6 +35,8 @@ from live.testing import (  # noqa: F401
     restart_kerninstd,
     testbed,
 )
+from ksim.snippets import ast
+from ksim.splice.patch import Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ksim.errors import AuthError, ProtocolError
-from live import daemon
+from ksim.live import daemon
 
 
 def _token(tmp_path: Path, mode: int, body: str = "ab" * 32) -> Path:

@@ -4,7 +4,7 @@ Raw splices here are hand-assembled, without the planner or the Manager, so
 that these tests check the module, the daemon and the wire on their own.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import json
@@ -23,11 +23,10 @@ from ksim.errors import (
     TargetFault,
     UnknownHandle,
 )
-from ksim.splice.patch import Write
-from live import abi
-from live import protocol as wire
-from live.client import Connection, LiveTarget
-from live.testing import (  # noqa: F401
+from ksim.live import abi
+from ksim.live import protocol as wire
+from ksim.live.client import Connection, LiveTarget
+from ksim.live.testing import (  # noqa: F401
     dmesg_problems,
     getppid_loop,
     plain_site,
@@ -35,6 +34,7 @@ from live.testing import (  # noqa: F401
     target,
     testbed,
 )
+from ksim.splice.patch import Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -254,6 +254,6 @@ def test_device_has_one_owner(testbed: dict, target: LiveTarget) -> None:
     token = testbed["token_file"]
     r = target.conn.request(
         "exec", timeout=60.0, reply_timeout=90,
-        cmd=f"cd / && {sys.executable} -m live.daemon --listen 127.0.0.1:7999 "
+        cmd=f"cd / && {sys.executable} -m ksim.live.daemon --listen 127.0.0.1:7999 "
             f"--token-file {token} --device /dev/kerninst")
     assert r["rc"] == 2 and "busy" in r["stderr"].lower()

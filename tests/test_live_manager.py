@@ -1,6 +1,6 @@
 """End to end through the Manager on the live kernel: count == N == the kernel's kprobe."""
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from ksim.kapi import Manager
-from live.testing import dmesg_problems, getppid_loop, testbed  # noqa: F401
+from ksim.live.testing import dmesg_problems, getppid_loop, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from ksim.kapi import Manager
+from ksim.live.testing import getppid_loop, testbed  # noqa: F401 - testbed is a fixture
 from ksim.sampling import Sampler
-from live.testing import getppid_loop, testbed  # noqa: F401 - testbed is a fixture
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 FUNC = "__x64_sys_getppid"

@@ -11,7 +11,7 @@ bytes: code, target, key; include/linux/jump_label.h), each address relative to
 its own field.  A WARN site in a module comes from tests/kmod_warn.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import itertools
@@ -27,10 +27,10 @@ import pytest
 
 from ksim.errors import KsimError, OutsideText, ProtocolError, UnsafeSite
 from ksim.kapi import Manager
+from ksim.live import testbed as tb
+from ksim.live.client import KprobeCounter, LiveTarget
+from ksim.live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
 from ksim.splice.patch import Write
-from live import testbed as tb
-from live.client import KprobeCounter, LiveTarget
-from live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -1,6 +1,6 @@
 """1,000 insert/remove cycles on a function two vCPUs hit continuously."""
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import struct
@@ -8,9 +8,8 @@ import time
 
 import pytest
 
-from ksim.splice.patch import Write
-from live.client import LiveTarget
-from live.testing import (  # noqa: F401
+from ksim.live.client import LiveTarget
+from ksim.live.testing import (  # noqa: F401
     dmesg_problems,
     getppid_loop,
     plain_site,
@@ -18,6 +17,7 @@ from live.testing import (  # noqa: F401
     target,
     testbed,
 )
+from ksim.splice.patch import Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -1,15 +1,15 @@
 """Unloading the module restores every splice it made, even splices a client kept.
 (tests/test_live_arbiter.py unloads with many owners and routes.)"""
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import struct
 
 import pytest
 
+from ksim.live.testing import connect, dmesg_problems, plain_site, restart_kerninstd, testbed  # noqa: F401
 from ksim.splice.patch import Write
-from live.testing import connect, dmesg_problems, plain_site, restart_kerninstd, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -22,12 +22,12 @@ from ksim.cli import main
 from ksim.commands.count import count
 from ksim.errors import BadRunValue, TargetTimeout, UnknownOracle, UnknownRunOption
 from ksim.kapi import Manager
+from ksim.live import abi, daemon
+from ksim.live.client import LiveTarget
+from ksim.live.device import ModuleState
 from ksim.targets.base import run_option_names, run_options
 from ksim.targets.qemu import QemuTarget
 from ksim.targets.unicorn import UnicornTarget
-from live import abi, daemon
-from live.client import LiveTarget
-from live.device import ModuleState
 
 
 @pytest.fixture(scope="module")

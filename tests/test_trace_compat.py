@@ -10,7 +10,7 @@ program filters on those names, so what else the guest does is in neither, and
 the two tools must agree exactly: counts, sums, extremes and histogram buckets.
 """
 
-# ruff: noqa: F811  (pytest fixtures imported from live.testing are parameters here)
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
 import json
@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from ksim.kapi import Manager
+from ksim.live.testbed import host_python
+from ksim.live.testing import program, testbed  # noqa: F401
 from ksim.trace.parser import parse
 from ksim.trace.session import Exited, TraceSession
-from live.testbed import host_python
-from live.testing import program, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -107,7 +107,7 @@ def guest_file(name: str, text: str) -> str:
     what it has read, so one name never gets new content)."""
     import hashlib
 
-    from live import testbed as tb
+    from ksim.live import testbed as tb
 
     stem, dot, ext = name.rpartition(".")
     path = tb.cache_dir() / "compat" / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}{dot}{ext}"

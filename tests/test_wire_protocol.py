@@ -7,7 +7,7 @@ import struct
 import pytest
 
 from ksim.errors import AuthError, KsimError, ProtocolError, StaleText, UnknownSymbol
-from live import protocol as wire
+from ksim.live import protocol as wire
 
 
 def test_frame_round_trip() -> None:

@@ -246,7 +246,7 @@ def _traceable(t: Any, work: Path) -> tuple[set[str], dict[str, int]]:
     import base64
     import zlib
 
-    from live.testbed import host_python
+    from ksim.live.testbed import host_python
 
     script = _guest_file(work, "traceable.py", TRACEABLE)
     out = t.exec_checked(f"{host_python()} {script}", timeout=1800).split()
@@ -310,7 +310,7 @@ def _bpftrace(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any
                        ",\n".join(f"{kind}:{p.function}" for p in points)
                        + "\n{ @ = count(); }\ninterval:ms:100 { printf(\"ksim-ready\\n\"); }\n")
     driver = _guest_file(work, "bpftrace_driver.py", DRIVER)
-    from live.testbed import host_python
+    from ksim.live.testbed import host_python
 
     cmd = f"{host_python()} {driver} {prog} '{WORKLOAD}' {LIMIT_S:g}"
     out = t.exec(cmd, timeout=3 * LIMIT_S + 600)
@@ -341,7 +341,7 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
     if ctx.smoke:
         raise Skip("smoke run: the live testbed is left alone")
     try:
-        from live import testbed
+        from ksim.live import testbed
     except ImportError as exc:
         raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
     state = testbed.status()

@@ -7,7 +7,7 @@ list in /proc/kallsyms format, ``e100.ko`` and ``ext4.ko`` — all under ``~/.ca
   ``apt-get download`` (no installation; the host's kernel is not touched) and
   unpacked with ``dpkg-deb -x``.  A .deb the live testbed already fetched into
   ``~/.cache/ksim/testbed/`` is reused, and so is the testbed's own helper when
-  ``live.testbed`` provides one.
+  ``ksim.live.testbed`` provides one.
 * ``vmlinuz`` is a bzImage: its payload is an xz stream holding ``vmlinux`` as an
   ELF with section headers but no symbol table (arch/x86/boot/compressed/Makefile
   strips it with ``objcopy -S``).
@@ -102,7 +102,7 @@ def _find_or_fetch_deb() -> Path:
         if found:
             return Path(found[-1])
     try:  # the live testbed's own fetcher, when it has one
-        from live import testbed  # type: ignore[attr-defined]
+        from ksim.live import testbed  # type: ignore[attr-defined]
 
         fetch = getattr(testbed, "fetch_kernel_package", None)
         if fetch is not None:

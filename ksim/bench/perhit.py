@@ -323,7 +323,7 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
     import time
 
     try:
-        from live import testbed
+        from ksim.live import testbed
     except ImportError as exc:
         raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
     if ctx.smoke:

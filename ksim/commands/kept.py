@@ -21,7 +21,7 @@ from ksim.cli import add_json_flag, emit_json, help_text
 from ksim.errors import KsimError
 
 if TYPE_CHECKING:
-    from live.client import LiveTarget
+    from ksim.live.client import LiveTarget
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _open(args: argparse.Namespace) -> LiveTarget:
-    from live.client import LiveTarget, parse_address
+    from ksim.live.client import LiveTarget, parse_address
 
     if not args.target.startswith("live://"):
         raise KsimError(f"ksim kept: --target must be live://HOST:PORT, got {args.target!r}")

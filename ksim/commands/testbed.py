@@ -47,7 +47,7 @@ def _progress(json_mode: bool) -> Any:
 
 
 def run(args: argparse.Namespace) -> int:
-    from live import testbed
+    from ksim.live import testbed
 
     progress = _progress(args.json)
     if args.action == "up":

@@ -19,7 +19,7 @@ from ksim.targets.base import KernelABI, MemRef, Region, RunResult, Target
 SCHEMES: dict[str, str] = {
     "unicorn": "ksim.targets.unicorn",
     "qemu": "ksim.targets.qemu",
-    "live": "live.client",
+    "live": "ksim.live.client",
 }
 
 

@@ -84,7 +84,7 @@ class Region:
 
 
 class Target(Protocol):
-    """Implemented by ksim.targets.unicorn, ksim.targets.qemu and live.client."""
+    """Implemented by ksim.targets.unicorn, ksim.targets.qemu and ksim.live.client."""
 
     # read-only to the engine: a target may hold them as attributes or properties
     @property
@@ -312,9 +312,9 @@ class HeldInterrupt:
 if TYPE_CHECKING:
     # mypy checks every target class against the protocol (none is imported at run
     # time: this module is below them all).
+    from ksim.live.client import LiveTarget
     from ksim.targets.qemu import QemuTarget
     from ksim.targets.unicorn import UnicornTarget
-    from live.client import LiveTarget
 
     _UNICORN: type[Target] = UnicornTarget
     _QEMU: type[Target] = QemuTarget

@@ -1,6 +1,6 @@
 """pytest fixtures and helpers for tests against the live testbed.
 
-Test modules import the fixtures they use (``from live.testing import testbed,
+Test modules import the fixtures they use (``from ksim.live.testing import testbed,
 target``).  ``testbed`` is session-scoped: the first test boots the testbed (or
 finds it already up), and the session ends by stopping it only if it started it.
 """
@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from ksim.errors import KsimError, TargetDied
-from live import testbed as tb
-from live.client import LiveTarget
+from ksim.live import testbed as tb
+from ksim.live.client import LiveTarget
 
 GETPPID_LOOP = r"""
 #include <stdio.h>

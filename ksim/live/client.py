@@ -33,6 +33,7 @@ from ksim.errors import (
     TargetError,
     TargetTimeout,
 )
+from ksim.live import protocol as wire
 from ksim.targets.base import (
     KernelABI,
     MemRef,
@@ -42,7 +43,6 @@ from ksim.targets.base import (
     check_text,
     run_options,
 )
-from live import protocol as wire
 
 if TYPE_CHECKING:
     from ksim.arch.base import Arch
@@ -58,7 +58,7 @@ SPARE_BLOCKS = 8
 
 
 def default_token_file() -> str:
-    from live.testbed import token_path
+    from ksim.live.testbed import token_path
 
     return str(token_path())
 
@@ -238,7 +238,7 @@ class LiveTarget:
     @cached_property
     def kallsyms_path(self) -> Path:
         """The guest's /proc/kallsyms, cached per kernel release and text base."""
-        from live.testbed import cache_dir
+        from ksim.live.testbed import cache_dir
 
         # Loading or unloading a module changes the file: the daemon's digest of
         # /proc/modules is part of the name.
@@ -442,7 +442,7 @@ class LiveTarget:
 
     def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
         """Why the kernel relies on each (address, length) text range staying as it is,
-        asked of the kernel itself: names from ``live.abi.HAZARDS`` ("ftrace",
+        asked of the kernel itself: names from ``ksim.live.abi.HAZARDS`` ("ftrace",
         "jump_label", "static_call", "kprobe", "blacklist", "extable", "bug", "warn",
         "not_text", "unknown"); an empty set when the range may be written.
         A length is 1..16 bytes."""

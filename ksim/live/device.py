@@ -1,4 +1,4 @@
-"""/dev/kerninst from user space: each ioctl of live/abi.py as a method.
+"""/dev/kerninst from user space: each ioctl of ksim/live/abi.py as a method.
 
 Errors come back from the module as a negative errno; they are raised here as
 the ksim error class the ABI table names for that command and errno, so the
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ksim.errors import KsimError, StaleText
-from live import abi
-from live.protocol import make_error
+from ksim.live import abi
+from ksim.live.protocol import make_error
 
 
 def _buffer(data: bytes | int) -> ctypes.Array[ctypes.c_char]:

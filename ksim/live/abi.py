@@ -31,7 +31,7 @@ LIMITS: dict[str, int] = {
 }
 
 # Hazard name -> its KERNINST_HAZARD_* bit: why the kernel relies on text staying
-# as it is.  The names are the wire names (live.protocol's ``hazards`` op).
+# as it is.  The names are the wire names (ksim.live.protocol's ``hazards`` op).
 HAZARDS: dict[str, int] = {
     "ftrace": 1 << 0,       # an ftrace location (ftrace_location_range)
     "jump_label": 1 << 1,   # a jump-label site (jump_label_text_reserved)

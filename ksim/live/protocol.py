@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ksim.errors import KsimError, ProtocolError, UnknownSymbol, all_error_classes
-from live.abi import LIMITS
+from ksim.live.abi import LIMITS
 
 VERSION = 1
 HEADER = struct.Struct(">I")

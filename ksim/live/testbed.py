@@ -35,7 +35,7 @@ from typing import Any
 from ksim.errors import MalformedImage, TargetError, TargetTimeout
 from ksim.image.bzimage import decompress_bzimage
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KMOD_SOURCES = ("kerninst.c", "kerninst.h", "Makefile")
 DEFAULT_PORT = 7070
 # Modules the guest needs for 9p and the network, in insmod order after --show-depends.
@@ -306,11 +306,11 @@ cd /
 # splice (closing the device undid the others); the new kerninstd reads them
 # from the module.  When @RELOAD@ (in the chroot) exists, unload the module
 # first (which restores every splice) and load it again: this is how the tests
-# check unload (live.testing.restart_kerninstd).
+# check unload (ksim.live.testing.restart_kerninstd).
 n=0
 while [ $n -lt 20 ]; do
     chroot /host /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
-        PYTHONPATH=@REPO@ @PYTHON@ -m live.daemon --listen 0.0.0.0:@PORT@ \
+        PYTHONPATH=@REPO@ @PYTHON@ -m ksim.live.daemon --listen 0.0.0.0:@PORT@ \
         --token-file @TOKEN@ --device /dev/kerninst --allow-exec
     echo "ksim-init: kerninstd exited ($?)"
     n=$((n + 1))
@@ -439,7 +439,7 @@ def _read_state() -> dict[str, Any] | None:
 
 
 def _ping(port: int, timeout: float = 3.0) -> dict[str, Any] | None:
-    from live.client import Connection
+    from ksim.live.client import Connection
 
     try:
         with Connection("127.0.0.1", port, token_file=str(token_path()), timeout=timeout) as conn:
@@ -600,7 +600,7 @@ def exec_(cmd: str, timeout: float = 120.0) -> dict[str, Any]:
     state = _read_state()
     if not state:
         raise TargetError("the testbed is not up (ksim testbed up)")
-    from live.client import Connection
+    from ksim.live.client import Connection
 
     with Connection("127.0.0.1", int(state["port"]), token_file=str(token_path()),
                     timeout=timeout + 10) as conn:

@@ -19,7 +19,7 @@ when empty -- and builds its allocators from the module's log when it starts.
 Peers that have not authenticated are held to small frames, a deadline and a
 count (``Limits``): when the count is reached the oldest of them is closed, so
 idle connections can never lock a client with the token out.  Every request is
-checked against ``live.protocol.OPS`` before it is used, and whatever goes wrong
+checked against ``ksim.live.protocol.OPS`` before it is used, and whatever goes wrong
 while an op runs is answered as an error: a session ends only when its client
 leaves (or says ``bye``).
 """
@@ -57,11 +57,11 @@ from ksim.errors import (
     TextOwned,
     UnknownHandle,
 )
+from ksim.live import abi
+from ksim.live import protocol as wire
+from ksim.live.device import Area, Device, ModuleState, Owner
 from ksim.splice import hazards
 from ksim.splice.alloc import RegionAllocator
-from live import abi
-from live import protocol as wire
-from live.device import Area, Device, ModuleState, Owner
 
 log = logging.getLogger("kerninstd")
 
