@@ -295,3 +295,15 @@ def test_bpftrace_tools_run_unchanged(capsys, toy_path):
 def test_time_in_a_kprobe_action_is_refused(capsys, toy_path):
     assert main(["trace", "-e", "kprobe:vfs_read { time(); }"]) == 2
     assert "time() in a kprobe action is not supported" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_trace_on_qemu_counts_like_the_gdbstub_oracle(toy_path):
+    """The same program on qemu:toy: the seeded workload is the same, so the per-comm
+    counts add up to what ksim count's oracle (a gdbstub breakpoint) sees."""
+    from ksim.commands.count import count
+
+    report, _ = trace('kprobe:vfs_read { @[comm] = count(); @all = count(); }', "qemu:toy", seed=3)
+    counted = count("vfs_read", "qemu:toy", seed=3)
+    assert counted["count"] == counted["oracle"] == report["maps"]["@all"] > 0
+    assert sum(report["maps"]["@"].values()) == report["maps"]["@all"]
