@@ -119,12 +119,14 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
 
 
 def _until_stopped(progress: Any, period: float = 0.2) -> None:
-    """A live kernel runs on its own: wait for Ctrl-C (KeyboardInterrupt) or exit()
-    (Exited, raised by ``progress``), draining events meanwhile."""
-    while True:
-        if progress is not None:
-            progress()
-        time.sleep(period)
+    """A live kernel runs on its own: wait for Ctrl-C (KeyboardInterrupt, raised
+    between two calls of ``progress``, never halfway through one of its requests) or
+    exit() (Exited, raised by ``progress``), draining events meanwhile."""
+    with HeldInterrupt() as held:
+        while not held.pending:
+            if progress is not None:
+                progress()
+            time.sleep(period)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -35,6 +35,7 @@ from ksim.errors import (
 )
 from ksim.live import protocol as wire
 from ksim.targets.base import (
+    HeldInterrupt,
     KernelABI,
     MemRef,
     RunResult,
@@ -582,11 +583,14 @@ class LiveTarget:
 
         worker = threading.Thread(target=work, name="ksim-live-exec", daemon=True)
         worker.start()
-        while True:
-            worker.join(1.0)
-            if not worker.is_alive():
-                break
-            progress()
+        # Ctrl-C is held while progress() talks over this connection, and raised between
+        # two of its calls: never halfway through a request (the reply would be left unread)
+        with HeldInterrupt() as held:
+            while True:
+                worker.join(1.0)
+                if not worker.is_alive() or held.pending:
+                    break
+                progress()
         if "error" in outcome:
             raise outcome["error"]
         return dict(outcome["reply"])
