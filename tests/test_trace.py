@@ -307,3 +307,18 @@ def test_trace_on_qemu_counts_like_the_gdbstub_oracle(toy_path):
     counted = count("vfs_read", "qemu:toy", seed=3)
     assert counted["count"] == counted["oracle"] == report["maps"]["@all"] > 0
     assert sum(report["maps"]["@"].values()) == report["maps"]["@all"]
+
+
+def test_pid_option_of_count_and_trace_equals_the_oracle_filtered_by_pid(capsys, toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: pid_of(m, abi))
+    report = run_trace("kprobe:vfs_read { @[pid] = count(); }", hooks, seed=4)
+    seen = Counter(hooks.seen["entry"])
+    assert report["maps"]["@"] == {str(p): n for p, n in seen.items()} and len(seen) > 1
+    pid, hits = max(seen.items(), key=lambda kv: kv[1])
+    hooks = Hooks(entry=lambda m, abi, site: pid_of(m, abi))
+    only, _ = trace("kprobe:vfs_read { @ = count(); }", "unicorn:toy", on_attach=hooks, seed=4, pid=pid)
+    assert only["maps"]["@"] == Counter(hooks.seen["entry"])[pid] == hits
+    assert main(["count", "vfs_read", "--seed", "4", "--pid", str(pid), "--json"]) == 0
+    counted = json.loads(capsys.readouterr().out)
+    assert counted["count"] == hits and counted["oracle"] is None and counted["pid"] == pid
+    assert main(["count", "vfs_read", "--pid", "1", "--oracle", "unicorn-address-hook"]) == 2

@@ -48,6 +48,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "one of those by name, or none")
     p.add_argument("--while", dest="while_cmd", metavar="CMD",
                    help="live targets: run CMD in the guest while counting")
+    add_pid_arg(p)
     add_json_flag(p)
     p.set_defaults(func=run)
 
@@ -62,13 +63,25 @@ def add_target_args(p: argparse.ArgumentParser) -> None:
                    help="workload iterations (emulator targets; default: the image's)")
 
 
+def add_pid_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pid", type=count_arg, default=None, metavar="PID",
+                   help="count only hits in this process (its thread group: every thread)")
+
+
+def pid_filter(pid: int | None, body: Any) -> Any:
+    """``body`` run only when the current task belongs to process ``pid`` (None: always)."""
+    from ksim.snippets import ast
+
+    return body if pid is None else ast.If(ast.Tgid() == ast.Const(pid), body)
+
+
 def target_spec(args: argparse.Namespace) -> str:
     return args.target if "://" in args.target or ":" in args.target else f"{args.target}:{args.image}"
 
 
 def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = None,
           iterations: int | None = None, oracle: str = "auto", while_cmd: str | None = None,
-          progress: bool = False) -> dict[str, Any]:
+          progress: bool = False, pid: int | None = None) -> dict[str, Any]:
     """Count executions of the points ``function`` names (see the module doc) on
     target ``spec``; return the report as a dict: one point's fields at the top
     level, and one row per point under ``rows``.
@@ -78,16 +91,24 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
     kernel) and impossible values.  ``oracle`` is one of ORACLES.  If Ctrl-C
     stops the run, the report holds what was counted until then and
     ``interrupted`` is true (a count and its oracle may then differ by a hit
-    in flight).  The splices are removed whatever happens."""
+    in flight).  The splices are removed whatever happens.  With ``pid`` only hits in
+    that process count; the targets' oracles count every process, so there is none
+    (``oracle`` must be "auto" or "none")."""
     from ksim.kapi import Manager
 
     if oracle not in ORACLES:
         raise UnknownOracle(f"unknown oracle {oracle!r}: choose from {', '.join(ORACLES)}")
+    if pid is not None:
+        if oracle not in ("auto", "none"):
+            raise UnknownOracle(f"the {oracle} oracle counts every process: with --pid "
+                                "choose --oracle none (or auto)")
+        oracle = "none"
     with Manager.attach(spec) as m:
         points, skipped = resolve_points(m, function, splice)
         counters = {p.address: m.malloc(8) for p, _ in points}
         handles = m.insert_many([p for p, _ in points],
-                                lambda p: counters[p.address].atomic_assign(counters[p.address] + 1),
+                                lambda p: pid_filter(pid, counters[p.address].atomic_assign(
+                                    counters[p.address] + 1)),
                                 splice=splice)
         oracles: dict[int, Any] = {}
         try:
@@ -113,7 +134,8 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
                     o.close()
                 m.remove_many(handles)
     report: dict[str, Any] = {"function": function, "target": spec, "splice": splice,
-                              "interrupted": interrupted, "rows": rows, "skipped": skipped}
+                              "interrupted": interrupted, "rows": rows, "skipped": skipped,
+                              "pid": pid}
     if len(rows) == 1:
         report.update(tactic=rows[0]["tactic"], count=rows[0]["count"], oracle=rows[0]["oracle"])
     if oracles:
@@ -215,7 +237,7 @@ class _Ticker:
 def run(args: argparse.Namespace) -> int:
     report = count(args.function, target_spec(args), splice=args.splice, seed=args.seed,
                    iterations=args.iterations, oracle=args.oracle, while_cmd=args.while_cmd,
-                   progress=not args.json)
+                   progress=not args.json, pid=args.pid)
     rows = report["rows"]
     ok = all(r["oracle"] is None or r["count"] == r["oracle"] for r in rows)
     if args.json:

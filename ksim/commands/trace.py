@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from ksim.cli import add_json_flag, emit_json, help_text
-from ksim.commands.count import _run_options, add_target_args, target_spec
+from ksim.commands.count import _run_options, add_pid_arg, add_target_args, target_spec
 from ksim.targets.base import HeldInterrupt, run_option_names
 
 
@@ -34,6 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--while", dest="while_cmd", metavar="CMD",
                    help="live targets: run CMD in the guest and stop when it ends (without it "
                         "a live trace runs until Ctrl-C or exit())")
+    add_pid_arg(p)
     p.add_argument("--splice", choices=("jmp", "trap", "auto"), default="auto",
                    help="splicing policy (default: auto, the cheapest safe tactic)")
     add_json_flag(p)
@@ -58,6 +59,7 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
 def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "auto",
           seed: int | None = None, iterations: int | None = None,
           on_attach: Any = None, out: Any = None, while_cmd: str | None = None,
+          pid: int | None = None,
           run_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """Run the program ``source`` on target ``spec``; (the report, the text output).
 
@@ -68,14 +70,14 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
     soon as it is printed (printf's events while the kernel runs, maps at the end);
     ``run_options`` go to the target's run as they are.  On a live kernel the
     program runs while ``while_cmd`` runs in the guest, or without one until
-    Ctrl-C or exit()."""
+    Ctrl-C or exit().  With ``pid`` every kernel probe fires only in that process."""
     from ksim.kapi import Manager
     from ksim.trace.parser import parse
     from ksim.trace.session import Exited, TraceSession
 
     program = parse(source, filename)
     with Manager.attach(spec) as m:
-        session = TraceSession(m, program, splice=splice)
+        session = TraceSession(m, program, splice=splice, pid=pid)
         session.out = out
         session.attach()
         interrupted = False
@@ -145,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
 
     report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
                       seed=args.seed, iterations=args.iterations, on_attach=announce,
-                      while_cmd=args.while_cmd,
+                      while_cmd=args.while_cmd, pid=args.pid,
                       out=None if args.json else write)
     report["tactics"] = attached.get("tactics", {})
     if args.json:

@@ -48,8 +48,11 @@ class Exited(Exception):
 
 
 class TraceSession:
-    def __init__(self, manager: Any, program: t.Program, *, splice: str = "auto") -> None:
+    def __init__(self, manager: Any, program: t.Program, *, splice: str = "auto",
+                 pid: int | None = None) -> None:
         self.m = manager
+        #: only this process's hits run the probes' actions (None: every process's)
+        self.pid = pid
         self.program = program
         self.splice = splice
         try:
@@ -186,7 +189,10 @@ class TraceSession:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
                 raise exc.located(self.program.source, self.program.filename) from None
-        return parts[0] if len(parts) == 1 else ast.Seq(tuple(parts))
+        body = parts[0] if len(parts) == 1 else ast.Seq(tuple(parts))
+        if self.pid is not None:
+            body = ast.If(ast.Tgid() == ast.Const(self.pid), body)
+        return body
 
     @property
     def clock(self) -> int | None:
