@@ -322,3 +322,12 @@ def test_pid_option_of_count_and_trace_equals_the_oracle_filtered_by_pid(capsys,
     counted = json.loads(capsys.readouterr().out)
     assert counted["count"] == hits and counted["oracle"] is None and counted["pid"] == pid
     assert main(["count", "vfs_read", "--pid", "1", "--oracle", "unicorn-address-hook"]) == 2
+
+
+def test_example_submit_bio_counts_and_times_every_bio(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: 1, exit=lambda m, abi, site: 1)
+    report = run_trace((EXAMPLES / "submit_bio.bt").read_text(), hooks, seed=3)
+    bios = len(hooks.seen["entry"])
+    assert report["maps"]["@bios"] == bios > 0
+    assert sum(b["count"] for b in report["maps"]["@took"]) == len(hooks.seen["exit"]) == bios
+    assert "@start" not in report["maps"]
