@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -245,6 +245,25 @@ class Manager:
         except KsimError as exc:
             return str(exc)
         return None
+
+    def spliceable_entries(self, funcs: Iterable[Function], splice: str = "auto"
+                           ) -> tuple[list[tuple[Function, Point]], dict[str, str]]:
+        """The entry points of ``funcs`` that ``splice`` can splice (can_insert), each
+        with its function, in the order given; and why each other function's cannot
+        be (its analysis failed, or can_insert's verdict), by name."""
+        out: list[tuple[Function, Point]] = []
+        refused: dict[str, str] = {}
+        for f in funcs:
+            try:
+                point = self.entry_point(f)
+                why = self.can_insert(point, splice)
+            except KsimError as exc:
+                why = str(exc)
+            if why is None:
+                out.append((f, point))
+            else:
+                refused[f.name] = why
+        return out, refused
 
     def insert_snippet(self, point: Point, snippet: ast.Snippet | None, *, splice: str = "auto",
                        post: ast.Snippet | None = None, pre_hook: TrapHook | None = None,

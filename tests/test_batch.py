@@ -28,15 +28,7 @@ def state(m: Manager) -> dict[str, Any]:
 
 
 def spliceable_entries(m: Manager, policy: str) -> list:
-    out = []
-    for f in m.target.image.functions:
-        try:
-            p = m.entry_point(f)
-        except KsimError:
-            continue
-        if m.can_insert(p, policy) is None:
-            out.append(p)
-    return out
+    return [p for _, p in m.spliceable_entries(m.target.image.functions, policy)[0]]
 
 
 @pytest.mark.parametrize("policy", ["auto", "trap"])

@@ -83,15 +83,7 @@ def attach(testbed: dict[str, Any]) -> Manager:
 
 def entries(m: Manager, funcs: list[Any], policy: str) -> list[Point]:
     """The entry points of ``funcs`` that ``policy`` can splice (Manager.can_insert)."""
-    out = []
-    for f in funcs:
-        try:
-            point = m.entry_point(f)
-        except KsimError:
-            continue
-        if m.can_insert(point, policy) is None:
-            out.append(point)
-    return out
+    return [p for _, p in m.spliceable_entries(funcs, policy)[0]]
 
 
 def around_the_sample(m: Manager, policy: str, n: int = AROUND) -> list[Point]:

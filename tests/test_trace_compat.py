@@ -19,7 +19,8 @@ from typing import Any
 import pytest
 
 from ksim.kapi import Manager
-from ksim.live.testbed import host_python
+from ksim.live import testbed as tb
+from ksim.live.testbed import guest_file, host_python
 from ksim.live.testing import program, testbed  # noqa: F401
 from ksim.trace.parser import parse
 from ksim.trace.session import Exited, TraceSession
@@ -102,21 +103,6 @@ PROGRAMS = {
 }
 
 
-def guest_file(name: str, text: str) -> str:
-    """A file the guest reads through 9p, named after its content (the guest caches
-    what it has read, so one name never gets new content)."""
-    import hashlib
-
-    from ksim.live import testbed as tb
-
-    stem, dot, ext = name.rpartition(".")
-    path = tb.cache_dir() / "compat" / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}{dot}{ext}"
-    path.parent.mkdir(exist_ok=True)
-    if not path.exists():
-        path.write_text(text)
-    return str(path)
-
-
 def bpftrace_maps(output: str) -> dict[str, Any]:
     maps: dict[str, Any] = {}
     for line in output.splitlines():
@@ -134,8 +120,9 @@ def both(testbed: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str
     a = program("ksimwl_a", WORKLOAD)
     b = program("ksimwl_b", WORKLOAD)
     workload = f"{a} {ROUNDS['ksimwl_a']} && {b} {ROUNDS['ksimwl_b']}"
-    prog = guest_file("compat.bt", source + READY)
-    driver = guest_file("driver.py", DRIVER)
+    work = tb.cache_dir() / "compat"
+    prog = guest_file(work, "compat.bt", source + READY)
+    driver = guest_file(work, "driver.py", DRIVER)
     with Manager.attach(testbed["address"], token_file=testbed["token_file"]) as m:
         session = TraceSession(m, parse(source))
         session.attach()

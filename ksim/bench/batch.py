@@ -113,7 +113,8 @@ def _toy(spec: str, policies: tuple[str, ...], ns: list[int | None]) -> dict[str
     runs = []
     with Manager.attach(spec) as m:
         t0 = time.perf_counter()
-        pool = {pol: _spliceable(m, sorted(m.target.image.functions, key=lambda f: f.address), pol)
+        pool = {pol: [p for _, p in m.spliceable_entries(
+                    sorted(m.target.image.functions, key=lambda f: f.address), pol)[0]]
                 for pol in policies}
         analyse_s = time.perf_counter() - t0
         for pol in policies:
@@ -139,18 +140,6 @@ def _toy(spec: str, policies: tuple[str, ...], ns: list[int | None]) -> dict[str
                              "text_restored": m.text_snapshot() == before})
     return {"runs": runs, "candidates": {p: len(v) for p, v in pool.items()},
             "analyse_s": analyse_s}
-
-
-def _spliceable(m: Any, funcs: list[Any], policy: str) -> list[Any]:
-    out = []
-    for f in funcs:
-        try:
-            point = m.entry_point(f)
-        except KsimError:
-            continue
-        if m.can_insert(point, policy) is None:
-            out.append(point)
-    return out
 
 
 def _counters(base: int, points: list[Any]) -> dict[int, Any]:
@@ -229,26 +218,14 @@ print(len(ftrace), len(kfunc), len(good), base64.b64encode(zlib.compress("\n".jo
 """
 
 
-def _guest_file(work: Path, name: str, text: str) -> Path:
-    """A file the guest reads through its 9p mount of the host, named after its content:
-    the guest caches what it read (cache=loose), so a file is never rewritten."""
-    import hashlib
-
-    stem, dot, ext = name.rpartition(".")
-    path = work / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}{dot}{ext}"
-    if not path.exists():
-        path.write_text(text)
-    return path
-
-
 def _traceable(t: Any, work: Path) -> tuple[set[str], dict[str, int]]:
     """The names both bpftrace tools can attach to, and how many each list had."""
     import base64
     import zlib
 
-    from ksim.live.testbed import host_python
+    from ksim.live.testbed import guest_file, host_python
 
-    script = _guest_file(work, "traceable.py", TRACEABLE)
+    script = guest_file(work, "traceable.py", TRACEABLE)
     out = t.exec_checked(f"{host_python()} {script}", timeout=1800).split()
     names = set(zlib.decompress(base64.b64decode(out[3])).decode().split("\n"))
     return names, {"ftrace_names": int(out[0]), "kfunc_names": int(out[1]),
@@ -306,11 +283,12 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
 
 def _bpftrace(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
     """One bpftrace run in the guest (through the driver) on ``points``' functions."""
-    prog = _guest_file(work, f"probes-{kind}-{len(points)}.bt",
-                       ",\n".join(f"{kind}:{p.function}" for p in points)
-                       + "\n{ @ = count(); }\ninterval:ms:100 { printf(\"ksim-ready\\n\"); }\n")
-    driver = _guest_file(work, "bpftrace_driver.py", DRIVER)
-    from ksim.live.testbed import host_python
+    from ksim.live.testbed import guest_file, host_python
+
+    prog = guest_file(work, f"probes-{kind}-{len(points)}.bt",
+                      ",\n".join(f"{kind}:{p.function}" for p in points)
+                      + "\n{ @ = count(); }\ninterval:ms:100 { printf(\"ksim-ready\\n\"); }\n")
+    driver = guest_file(work, "bpftrace_driver.py", DRIVER)
 
     cmd = f"{host_python()} {driver} {prog} '{WORKLOAD}' {LIMIT_S:g}"
     out = t.exec(cmd, timeout=3 * LIMIT_S + 600)

@@ -155,20 +155,13 @@ def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]
                         }.items(), key=lambda kv: kv[1].address)
         if not names:
             raise UnknownSymbol(what, [])
-        out, skipped, seen = [], {}, set()
-        for name, f in names:
-            if f.address in seen:
-                continue  # an alias of a function already matched
-            seen.add(f.address)
-            try:
-                point = m.entry_point(f)
-                why = m.can_insert(point, splice)
-            except KsimError as exc:
-                why = str(exc)
-            if why is None:
-                out.append((point, f.address))
-            else:
-                skipped[name] = why
+        funcs, seen = [], set()
+        for _, f in names:
+            if f.address not in seen:  # an alias of a function already matched: no new point
+                seen.add(f.address)
+                funcs.append(f)
+        found, skipped = m.spliceable_entries(funcs, splice)
+        out = [(point, f.address) for f, point in found]
         if not out:
             raise KsimError(f"no function matching {what!r} can be spliced "
                             f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")

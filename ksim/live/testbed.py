@@ -329,6 +329,18 @@ poweroff -f
 RELOAD_FLAG = "/tmp/kerninst-reload"
 
 
+def guest_file(directory: Path, name: str, text: str) -> Path:
+    """A file in ``directory`` that the guest reads through its 9p mount of the host,
+    named after its content: the guest caches what it read (cache=loose), so a file
+    is never rewritten."""
+    stem, dot, ext = name.rpartition(".")
+    path = directory / f"{stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}{dot}{ext}"
+    if not path.exists():
+        directory.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return path
+
+
 def host_python() -> str:
     """The real interpreter binary (a pyenv shim would not work inside the chroot)."""
     return os.path.realpath(sys.executable)

@@ -31,7 +31,7 @@ from ksim.snippets.ast import COMM_WORDS
 from . import syntax as t
 from .errors import Loc, TraceSemanticError, TraceUnsupported
 from .events import MAX_ARGS
-from .maps import SIGN, WIDTH, MapLayout, MapType, hash_tree
+from .maps import SIGN, MapLayout, MapType, hash_tree, key_words
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm",
@@ -120,7 +120,6 @@ def _check_printf(a: Analysis, call: t.Call) -> None:
     if len(args) > MAX_ARGS:
         raise TraceUnsupported(f"printf() with more than {MAX_ARGS} arguments is not supported",
                                call.loc)
-    kinds = []
     for conv, arg in zip(convs, args, strict=True):
         name = arg.name if isinstance(arg, t.Builtin) and arg.name in NAMED_KEYS else None
         if conv == "s" and name is None:
@@ -130,12 +129,19 @@ def _check_printf(a: Analysis, call: t.Call) -> None:
             raise TraceSemanticError(f"printf: %{conv} specifier expects a value of type integer "
                                      f"({name} supplied)", arg.loc)
         _check_expr(a, arg, key=name is not None)
-        kinds.append("int" if name is None else "comm" if name == "comm" else "name")
-    if sum(WIDTH.get(k, 1) for k in kinds) > MAX_ARGS:
+    kinds = printf_kinds(args)
+    if key_words(kinds) > MAX_ARGS:
         raise TraceUnsupported(f"printf() with more than {MAX_ARGS} argument words (comm takes "
                                "two) is not supported", call.loc)
-    if (fmt, tuple(kinds)) not in a.formats:
-        a.formats.append((fmt, tuple(kinds)))
+    if (fmt, kinds) not in a.formats:
+        a.formats.append((fmt, kinds))
+
+
+def printf_kinds(args: tuple[t.Expr, ...]) -> tuple[str, ...]:
+    """The kind of each printf argument, as the event ring holds it: "comm", "name"
+    (func, probe: an index into the names) or "int"."""
+    return tuple("int" if not (isinstance(x, t.Builtin) and x.name in NAMED_KEYS)
+                 else "comm" if x.name == "comm" else "name" for x in args)
 
 
 def _check_statement_call(a: Analysis, call: t.Call) -> None:
@@ -427,11 +433,8 @@ class ProbeCompiler:
         mark = self.locals.mark()
         code: list[ast.Node] = []
         args = [self.leaf(w, code) for a in call.args[1:] for w in self.key_words(a)]
-        kinds = tuple("comm" if isinstance(a, t.Builtin) and a.name == "comm" else
-                      "name" if isinstance(a, t.Builtin) and a.name in NAMED_KEYS else "int"
-                      for a in call.args[1:])
-        code.append(self.ring.emit(self.locals.take(),
-                                   self.ring.formats.index((call.args[0].value, kinds)), args))
+        fmt = (call.args[0].value, printf_kinds(call.args[1:]))
+        code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), args))
         self.locals.release(mark)
         return ast.Seq(tuple(code))
 

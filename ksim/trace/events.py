@@ -25,7 +25,7 @@ from typing import Any
 from ksim.snippets import ast
 from ksim.snippets.ast import COMM_WORDS
 
-from .maps import MASK, WORD, comm_text, signed
+from .maps import MASK, WORD, comm_text, key_words, signed
 
 RECORDS = 1024
 MAX_ARGS = 7
@@ -146,8 +146,7 @@ class Drain:
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published
             fmt, kinds = ring.formats[rec[1]]
-            words = sum(COMM_WORDS if k == "comm" else 1 for k in kinds)
-            out.append(render(fmt, rec[2:2 + words], self.names, kinds))
+            out.append(render(fmt, rec[2:2 + key_words(kinds)], self.names, kinds))
             self.tail += 1
         self._write(ring.header + WORD, self.tail.to_bytes(WORD, "little"))
         return out

@@ -190,9 +190,9 @@ class TraceSession:
             except TraceError as exc:
                 raise exc.located(self.program.source, self.program.filename) from None
         body = parts[0] if len(parts) == 1 else ast.Seq(tuple(parts))
-        if self.pid is not None:
-            body = ast.If(ast.Tgid() == ast.Const(self.pid), body)
-        return body
+        from ksim.commands.count import pid_filter
+
+        return pid_filter(self.pid, body)
 
     @property
     def clock(self) -> int | None:
