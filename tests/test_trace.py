@@ -331,3 +331,20 @@ def test_example_submit_bio_counts_and_times_every_bio(toy_path):
     assert report["maps"]["@bios"] == bios > 0
     assert sum(b["count"] for b in report["maps"]["@took"]) == len(hooks.seen["exit"]) == bios
     assert "@start" not in report["maps"]
+
+
+def test_a_probe_mixing_kernel_and_client_attach_points_is_refused_and_changes_nothing(capsys, toy_path):
+    from ksim.kapi import Manager
+    from ksim.trace.errors import TraceUnsupported
+    from ksim.trace.parser import parse
+    from ksim.trace.session import TraceSession
+
+    with Manager.attach("unicorn:toy") as m:
+        before = m.copy_from_kernel(m.entry_point("vfs_read").address, 16)
+        s = TraceSession(m, parse("kprobe:vfs_read, interval:s:1 { @ = count(); }"))
+        with pytest.raises(TraceUnsupported, match="sharing one action"):
+            s.attach()
+        assert m.splices() == {} and s.handles == []
+        assert m.copy_from_kernel(m.entry_point("vfs_read").address, 16) == before
+    assert main(["trace", "-e", "interval:s:1, kprobe:vfs_read { @ = count(); }"]) == 2
+    assert "stdin:1:" in capsys.readouterr().err
