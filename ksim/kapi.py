@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.analysis.points import Point, PointKind
+from ksim.analysis.store import for_batch
 from ksim.arch.base import Arch, CallOperand
 from ksim.errors import (
     AlreadySpliced,
@@ -251,18 +252,21 @@ class Manager:
         """The entry points of ``funcs`` that ``splice`` can splice (can_insert), each
         with its function, in the order given; and why each other function's cannot
         be (its analysis failed, or can_insert's verdict), by name."""
+        funcs = list(funcs)
+        for_batch(self.target.image, len(funcs))
         out: list[tuple[Function, Point]] = []
         refused: dict[str, str] = {}
-        for f in funcs:
-            try:
-                point = self.entry_point(f)
-                why = self.can_insert(point, splice)
-            except KsimError as exc:
-                why = str(exc)
-            if why is None:
-                out.append((f, point))
-            else:
-                refused[f.name] = why
+        with self.facts.asking_ahead(funcs):
+            for f in funcs:
+                try:
+                    point = self.entry_point(f)
+                    why = self.can_insert(point, splice)
+                except KsimError as exc:
+                    why = str(exc)
+                if why is None:
+                    out.append((f, point))
+                else:
+                    refused[f.name] = why
         return out, refused
 
     def insert_snippet(self, point: Point, snippet: ast.Snippet | None, *, splice: str = "auto",
@@ -349,6 +353,7 @@ class Manager:
         snippet of each point.  Points already spliced are refused (use
         insert_snippet there); so is a batch naming a point twice."""
         points = list(points)
+        for_batch(self.target.image, len(points))
         seen: set[int] = set()
         for p in points:
             if p.address in seen:

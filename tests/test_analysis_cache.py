@@ -244,3 +244,64 @@ def test_whole_vmlinux_store(debian_kernel, cache: Path) -> None:
         ref = compute(again, SUPPORT, func)
         assert kept.get(func).same_analysis(ref), func.name
         _same(analyze(again, func), analyze(fresh, func))
+
+
+# --- a running kernel's image ------------------------------------------------------------------
+def _memory_image(elf: Image, memory: bytearray, base: int, reads: list | None = None) -> Image:
+    """``elf`` as a running kernel's image would be: symbols, and bytes read from
+    ``memory`` (which the test may change), named by an identity."""
+    def read(addr: int, size: int) -> bytes:
+        if reads is not None:
+            reads.append((addr, size))
+        return bytes(memory[addr - base:addr - base + size])
+
+    return Image(elf.path, elf.arch, elf.module, elf.sections, elf.symbols, reader=read,
+                 identity=b"test-kernel/1")
+
+
+def _text(elf: Image) -> tuple[bytearray, int]:
+    """The kernel's memory: every section of the file at its address."""
+    lo = min(s.address for s in elf.sections if s.address)
+    hi = max(s.end for s in elf.sections if s.address)
+    memory = bytearray(hi - lo)
+    for s in elf.sections:
+        if s.address and s.data:
+            memory[s.address - lo:s.address - lo + len(s.data)] = s.data
+    return memory, lo
+
+
+def test_a_running_kernels_store_is_built_from_one_read_and_found_again(cache: Path) -> None:
+    elf = load_image(fixture_kernel())
+    memory, base = _text(elf)
+    reads: list = []
+    live = _memory_image(elf, memory, base, reads)
+    assert store.store_for(live, build_missing=None) is None  # not built behind the user's back
+    built = store.analyze_image(live, jobs=2)
+    # the frozen copy read the run of functions at once; a part whose analysis reads
+    # memory beyond the functions (this kernel has jump tables) is analysed again here
+    assert reads[0][0] <= elf.functions[0].address and reads[0][0] + reads[0][1] >= elf.functions[-1].end
+    assert built.totals() == store.build(elf, jobs=1).totals()
+    again = _memory_image(elf, memory, base)  # a new process, the same kernel
+    kept = store.store_for(again, build_missing=False)
+    assert kept is not None
+    fresh = _fresh(elf)
+    for func in again.functions:
+        _same(analyze(again, func), analyze(fresh, func))
+
+
+def test_a_running_kernels_record_is_used_only_while_its_bytes_are_the_same(cache: Path) -> None:
+    elf = load_image(fixture_kernel())
+    memory, base = _text(elf)
+    live = _memory_image(elf, memory, base)
+    built = store.analyze_image(live, jobs=1)
+    func, other = elf.function("keeps"), elf.function("calls_keeps") \
+        if elf.has_function("calls_keeps") else elf.functions[0]
+    assert built.get(func) is not None and built.summary(func) is not None
+    # the kernel changes the function (a static key flips, a tracer patches it):
+    # a 5-byte nop becomes a 5-byte jmp, the same instruction sizes, another flow
+    at = func.address - base
+    memory[at:at + 3] = b"\x06\x06\x06"
+    assert built.get(func) is None and built.summary(func) is None
+    assert built.get(other) is not None or other == func
+    fa = analyze(live, func)
+    assert fa.insns == tuple(SUPPORT.decode(bytes(memory[at:at + func.size]), func.address))

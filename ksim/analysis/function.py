@@ -154,8 +154,10 @@ def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
 _CACHE: weakref.WeakKeyDictionary[Image, OrderedDict[int, FunctionAnalysis]] = \
     weakref.WeakKeyDictionary()
 #: analyses kept per image, the most recently used: a pass over every function of a
-#: kernel (50,000) must not keep every instruction of it
-CACHE_FUNCTIONS = 4096
+#: kernel (50,000) must not keep every instruction of it, but a batch of ten thousand
+#: should find each of its functions' analysis again when it is planned (some 200 KB
+#: each)
+CACHE_FUNCTIONS = 12288
 
 
 def _from_store(image: Image, support: ArchSupport, func: Function) -> CFG | None:

@@ -18,8 +18,17 @@ when KSIM_CACHE is unset; ``$KSIM_ANALYSIS_CACHE`` names another directory;
 a hash of every section; see ``Image.content_id``), its module name and its whole
 function table (address and size of every function: a vmlinux loaded with its ELF
 symbols and the same file loaded with kallsyms extents are different analyses).
-An image read from a running kernel has no store: its text is patched at boot.
 The file repeats the key and the function table, and both are checked on load.
+
+**A running kernel.**  Its text is patched at boot (alternatives, ftrace, static
+calls) and changes while it runs (static keys, tracers, other tools' patches), so no
+file names its bytes.  Its image has an ``identity`` instead (the live target's:
+kernel release, text address, loaded modules), which is the store's key, and every
+record keeps a digest of the bytes it was made from (``digest``): a record is used
+only while the function's bytes read now have that digest.  Building reads the
+kernel's text once (:meth:`Image.frozen`); it is not built behind the user's back
+(it costs a read of all text and a whole-kernel analysis) but when a batch asks
+for many functions (:func:`for_batch`).
 
 **Format** (all little-endian): a header (magic, :data:`ANALYSIS_VERSION`, key, body
 length, BLAKE2b-256 of the body), then the body: a directory of named arrays
@@ -66,7 +75,7 @@ from ksim.image.model import Function
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 1
+ANALYSIS_VERSION = 2
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQ32s")  # magic, version, key, body length, body digest
@@ -82,6 +91,7 @@ _PER_FUNCTION = {
     "addr": "Q", "size": "Q", "status": "B", "n_insns": "I", "tail": "I", "tail_code": "I",
     "n_targets": "I", "blocks": "I", "n_exits": "I", "n_bpoints": "I", "n_calls": "I",
     "own": "Q", "worst": "B", "n_calls_out": "I", "n_jumps_out": "I", "chunk": "I",
+    "digest": "Q",
 }
 # what the per-function counts count, concatenated in function order
 _DATA = {"sizes": "B", "codes": "I", "targets": "Q", "exits": "Q", "bpoints": "Q",
@@ -149,6 +159,9 @@ class Store:
                 + array("Q", (f.size for f in functions)).tobytes()):
             raise StoreError("the store's function table is not the image's")
         self._addr = addr
+        # a running kernel's bytes can change (static keys, ftrace, static calls, other
+        # tools' patches): every record is checked against the bytes read now
+        self._image = weakref.ref(image) if image.reads_memory else None
         self._offsets: dict[str, list[int]] = {}
         for name, counter in _COUNTED_BY.items():
             if counter not in self._offsets:
@@ -174,8 +187,8 @@ class Store:
     def get(self, func: Function) -> Compact | None:
         """The compact analysis of ``func``; None when it is not in the store or could
         not be analysed (its bytes could not be read: a fresh analysis says why)."""
-        i = self.index_of(func)
-        if i is None or self._arrays["status"][i] != _OK:
+        i = self._current(func)
+        if i is None:
             return None
         a = self._arrays
         chunk = a["chunk"][i]
@@ -198,13 +211,29 @@ class Store:
     def summary(self, func: Function) -> tuple[frozenset[str], bool, tuple[int, ...], tuple[int, ...]] | None:
         """(registers written, worst, calls out, jumps out) of ``func`` -- what the
         clobber analysis needs, without the rest of its record; None as for get()."""
-        i = self.index_of(func)
-        a = self._arrays
-        if i is None or a["status"][i] != _OK:
+        i = self._current(func)
+        if i is None:
             return None
+        a = self._arrays
         calls, jumps = self._offsets["n_calls_out"], self._offsets["n_jumps_out"]
         return (self._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
                 tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
+
+    def _current(self, func: Function) -> int | None:
+        """The index of ``func``'s record if it was analysed and (for an image read
+        from a running kernel) its bytes are still the ones analysed."""
+        i = self.index_of(func)
+        if i is None or self._arrays["status"][i] != _OK:
+            return None
+        if self._image is not None:
+            image = self._image()
+            try:
+                code = image.read(func.address, func.size) if image is not None else None
+            except KsimError:
+                code = None
+            if code is None or code_digest(code) != self._arrays["digest"][i]:
+                return None
+        return i
 
     def _names(self, chunk: int, mask: int) -> frozenset[str]:
         regs = self._chunks[chunk]["regs"]
@@ -291,6 +320,11 @@ class Store:
         return cls(image, key, arrays, meta)
 
 
+def code_digest(code: bytes) -> int:
+    """What a record keeps of the bytes it was made from (64 bits of BLAKE2b)."""
+    return int.from_bytes(hashlib.blake2b(code, digest_size=8).digest(), "little")
+
+
 def _digest(body: bytes | memoryview) -> bytes:
     return hashlib.blake2b(body, digest_size=32).digest()
 
@@ -344,7 +378,11 @@ _WORK: Image | None = None  # the image forked workers analyse
 
 def build(image: Image, *, jobs: int | None = None) -> Store:
     """Analyse every function of ``image`` (in ``jobs`` processes; default: one per
-    core) into a store (not saved: see :meth:`Store.save`)."""
+    core) into a store (not saved: see :meth:`Store.save`).  An image read from a
+    running kernel is analysed from a frozen copy (:meth:`Image.frozen`): its bytes
+    are read once, and the workers never use the reader."""
+    source = image
+    image = image.frozen()
     functions = image.functions
     jobs = max(1, jobs if jobs is not None else os.cpu_count() or 1)
     parts = _parts(image, jobs * 6) if jobs > 1 and len(functions) > 64 else [(0, len(functions))]
@@ -358,8 +396,14 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
             _WORK = None
     else:
         bodies = [_analyse(image, lo, hi) for lo, hi in parts]
-    arrays, meta = _merge([_decode(memoryview(b)) for b in bodies])
-    return Store(image, image_key(image), arrays, meta)
+    decoded = [_decode(memoryview(b)) for b in bodies]
+    for k, (_arrays, part_meta) in enumerate(decoded):
+        if part_meta.get("missed"):
+            # the frozen copy lacked memory the analysis reads (a jump table): this
+            # part again, here, where the image's own reader can answer
+            decoded[k] = _decode(memoryview(_analyse(source, *parts[k])))
+    arrays, meta = _merge(decoded)
+    return Store(source, image_key(source), arrays, meta)
 
 
 def _can_fork() -> bool:
@@ -422,9 +466,19 @@ def _analyse(image: Image, lo: int, hi: int) -> bytes:
         return out
 
     a = arrays
+    missed_any = False
     for group_lo, group_hi in _groups(image.functions, lo, hi):
         group = image.functions[group_lo:group_hi]
+        image.take_misses()
         rows, sizes, codes, targets, tail_code = sweep(image, support, group)
+        missed = image.take_misses()
+        if missed:
+            # a frozen image lacked bytes the analysis read (a jump table's): which
+            # function asked is not known, so the group is analysed afresh when used
+            where = ", ".join(f"{a:#x}+{n}" for a, n in missed[:3])
+            rows = [f"the analysis read memory the frozen image does not hold ({where})"] * len(group)
+            sizes, codes, targets = b"", [], []
+            missed_any = True
         a["sizes"].frombytes(sizes)
         a["codes"].extend(codes)
         a["targets"].extend(targets)
@@ -443,6 +497,8 @@ def _analyse(image: Image, lo: int, hi: int) -> bytes:
         a["tail_code"].extend(tail_code if isinstance(r, Row) and r.tail else 0 for r in rows)
         a["own"].extend(mask(r.own_writes) if isinstance(r, Row) else 0 for r in rows)
         a["chunk"].extend(0 for _ in rows)
+        a["digest"].extend(code_digest(image.read(f.address, f.size)) if isinstance(r, Row) else 0
+                           for f, r in zip(group, rows, strict=True))
         for row in ok:
             a["exits"].extend(row.exits)
             a["bpoints"].extend(row.block_points)
@@ -450,7 +506,8 @@ def _analyse(image: Image, lo: int, hi: int) -> bytes:
             a["calls_out"].extend(row.calls_out)
             a["jumps_out"].extend(row.jumps_out)
     effects = [[mask(r), mask(w)] for r, w in list(support.effects)]
-    meta = {"chunks": [{"first": lo, "regs": regs, "effects": effects}], "tables": tables, "errors": errors}
+    meta = {"chunks": [{"first": lo, "regs": regs, "effects": effects}], "tables": tables,
+            "errors": errors, "missed": missed_any}
     return _encode(arrays, meta)
 
 
@@ -507,13 +564,14 @@ def store_for(image: Image, *, build_missing: bool | None = None) -> Store | Non
     """The analysis store of ``image``: loaded from disk once per image, or built
     (and saved) when there is none and ``build_missing`` says so (default: when the
     image has :data:`AUTO_BUILD_FUNCTIONS` functions or more).  None when the image
-    has none, or cannot have one (it is read from a running kernel)."""
+    has none, or cannot have one (it is read from a running kernel that has no
+    identity).  An image read from a running kernel is not built for by default."""
     found = _STORES.get(image, _UNSET)
     if isinstance(found, Store):
         return found
     if found is None:
         return None  # pinned: no store
-    if not enabled() or image.reads_memory or sys.byteorder != "little":
+    if not enabled() or (image.reads_memory and image.identity is None) or sys.byteorder != "little":
         _STORES[image] = None
         return None
     if found is _UNSET:
@@ -523,17 +581,30 @@ def store_for(image: Image, *, build_missing: bool | None = None) -> Store | Non
             return store
         _STORES[image] = False  # looked: none on disk
     if build_missing is None:
-        build_missing = len(image.functions) >= AUTO_BUILD_FUNCTIONS
+        # a running kernel's store costs a read of all its text: built when asked
+        build_missing = len(image.functions) >= AUTO_BUILD_FUNCTIONS and not image.reads_memory
     if not build_missing:
         return None
     return analyze_image(image)
+
+
+#: a batch over at least this many functions builds the image's store if it has none
+#: (on a running kernel: one read of its text and a whole-kernel analysis, instead of
+#: some milliseconds per function analysed alone)
+BATCH_BUILD_FUNCTIONS = 1000
+
+
+def for_batch(image: Image, functions: int) -> Store | None:
+    """The store a batch over ``functions`` functions of ``image`` should use: the one
+    it has, or (for :data:`BATCH_BUILD_FUNCTIONS` functions or more) a new one."""
+    return store_for(image, build_missing=True if functions >= BATCH_BUILD_FUNCTIONS else None)
 
 
 def analyze_image(image: Image, *, jobs: int | None = None, save: bool = True) -> Store:
     """Analyse every function of ``image`` into a store, keep it for the image, and
     (unless ``save`` is False) save it for the next process."""
     store = build(image, jobs=jobs)
-    if save and enabled() and not image.reads_memory:
+    if save and enabled() and (not image.reads_memory or image.identity is not None):
         try:
             store.save(path_for(image))
         except OSError:

@@ -8,7 +8,9 @@ functions and the same workload:
   ``LiveTarget.batch()``: the patch code goes in with one poke, the text (and the
   trap routes) with one batched poke, int3 -> sync -> tail -> sync -> head -> sync
   for all of it at once.  The functions are analysed beforehand (as the old
-  one-by-one figures did: ``analyse_s``); attaching is planning, placing and poking.
+  one-by-one figures did: ``analyse_s``; the kernel's analysis store is built
+  first, ``store_s``: one read of its text and a whole-kernel analysis, kept on disk
+  for the next run); attaching is planning, placing and poking.
 * ``bpftrace-kprobe`` and ``bpftrace-kfunc`` -- Debian's bpftrace 0.17 in the guest,
   one program listing the same functions (``kprobe:f1,kprobe:f2,... { @ = count(); }``),
   timed by a driver in the guest from bpftrace's "Attaching N probes..." to its
@@ -243,23 +245,27 @@ def _pool(m: Any, t: Any, want: int | None, bar: Any, work: Path) -> tuple[list[
     eligible = sorted((f for f in funcs if names[f.name] == 1 and "." not in f.name
                        and f.name in traceable), key=lambda f: f.address)
     random.Random(SEED).shuffle(eligible)
+    from ksim.analysis.store import for_batch
+
+    t0 = time.perf_counter()
+    for_batch(t.image, len(eligible))  # the kernel's analysis store: read its text, analyse it
+    store_s = time.perf_counter() - t0
     out: list[Any] = []
     analysed = 0
     t0 = time.perf_counter()
-    for f in eligible:
+    step = 2000
+    for lo in range(0, len(eligible), step):
         if want is not None and len(out) >= want:
             break
-        analysed += 1
-        try:
-            point = m.entry_point(f)
-        except KsimError:
-            continue
-        if m.can_insert(point, "jmp") is None and m.can_insert(point, "trap") is None:
-            out.append(point)
-        if analysed % 500 == 0:
-            bar.advance(0, note=f"analysing: {analysed}/{len(eligible)}, {len(out)} spliceable")
+        chunk = eligible[lo:lo + step]
+        analysed += len(chunk)
+        jmp, _ = m.spliceable_entries(chunk, "jmp")
+        both, _ = m.spliceable_entries([f for f, _p in jmp], "trap")
+        out += [p for _f, p in both]
+        bar.advance(0, note=f"analysing: {analysed}/{len(eligible)}, {len(out)} spliceable")
+    out = out if want is None else out[:want]
     info = {"functions": len(funcs), "eligible": len(eligible), "analysed": analysed,
-            "pool": len(out), "analyse_s": time.perf_counter() - t0, **counts}
+            "pool": len(out), "store_s": store_s, "analyse_s": time.perf_counter() - t0, **counts}
     return out, info
 
 
@@ -464,7 +470,9 @@ def _live_notes(live: dict[str, Any]) -> list[str]:
     notes = [f"live: the functions: {pool['pool']} entry points both ksim policies splice, "
              f"that ftrace lists and bpftrace attaches a kfunc to, with a unique name "
              f"({pool['eligible']} eligible of {pool['functions']} core text functions, "
-             f"{pool['analysed']} analysed in {pool['analyse_s']:.0f} s before timing)",
+             f"{pool['analysed']} analysed in {pool['analyse_s']:.0f} s before timing, with "
+             f"the kernel's analysis store, {pool.get('store_s', 0):.0f} s to read its text and "
+             "build it, or to load it)",
              f"live: ksim attach = Manager.insert_many inside LiveTarget.batch() (planning, "
              "placing, one poke of patch code, one batched poke of text and routes); bpftrace "
              "attach = from 'Attaching N probes...' to its first output after the probes "

@@ -15,7 +15,7 @@ from functools import cached_property
 from operator import attrgetter
 from typing import TYPE_CHECKING
 
-from ksim.errors import ImageError, UnknownSymbol
+from ksim.errors import ImageError, KsimError, UnknownSymbol
 from ksim.image.model import Function, Section, Symbol
 
 if TYPE_CHECKING:
@@ -41,10 +41,16 @@ class Image:
         bindings: dict[str, str] | None = None,
         reader: MemoryReader | None = None,
         build_id: bytes | None = None,
+        identity: bytes | None = None,
     ) -> None:
         self.path = path
         #: the ELF's GNU build id (``.note.gnu.build-id``), when the file has one
         self.build_id = build_id
+        #: for an image read from a running kernel: what names that kernel (release,
+        #: where its text is, which modules are loaded), so that what is learnt about
+        #: it can be found again; it does not vouch for the bytes, which can change
+        self.identity = identity
+        self._bindings = bindings or {}
         self.arch = arch
         self.module = module
         self.sections: tuple[Section, ...] = tuple(sorted(sections, key=lambda s: (s.address, -s.size)))
@@ -52,7 +58,7 @@ class Image:
         self._reader = reader
         # the first symbol of each name (in address order) is the one a name means
         self._by_name: dict[str, Symbol] = {sym.name: sym for sym in reversed(self.symbols)}
-        self.functions, self._func_by_name = _functions(self.symbols, bindings or {})
+        self.functions, self._func_by_name = _functions(self.symbols, self._bindings)
         self._func_starts = [f.address for f in self.functions]
         self._sym_starts = [s.address for s in self.symbols]
         self._names_at: dict[int, list[str]] | None = None
@@ -76,6 +82,10 @@ class Image:
 
     def has_function(self, name: str) -> bool:
         return name in self._func_by_name
+
+    def find_symbol(self, name: str) -> Symbol | None:
+        """The symbol named ``name``, or None (no suggestions looked for)."""
+        return self._by_name.get(name)
 
     def symbol(self, name: str) -> Symbol:
         """Any symbol (function, object, absolute constant) by name."""
@@ -158,6 +168,45 @@ class Image:
         """Whether the bytes come from a running kernel (a reader) rather than a file."""
         return self._reader is not None
 
+    def frozen(self) -> Image:
+        """This image with every function's bytes read now and kept: reading the copy
+        never calls the reader again (forked processes can analyse it).  A read the
+        kept bytes do not cover raises :class:`SnapshotMiss` and is noted in the copy's
+        ``misses``.  A function whose bytes cannot be read is left out of what is kept."""
+        if self._reader is None:
+            return self
+        pieces: list[tuple[int, bytes]] = []
+        # runs of functions, with the filler between them (a read is one wire request)
+        runs: list[list[int]] = []
+        for lo, hi in merge_ranges((f.address, f.end) for f in self.functions if f.size):
+            if runs and lo - runs[-1][1] <= 4096:
+                runs[-1][1] = hi
+            else:
+                runs.append([lo, hi])
+        for lo, hi in runs:
+            try:
+                pieces.append((lo, self.read(lo, hi - lo)))
+            except KsimError:
+                for f in self.functions:  # a hole somewhere: function by function
+                    if lo <= f.address < hi and f.size:
+                        try:
+                            pieces.append((f.address, self.read(f.address, f.size)))
+                        except KsimError:
+                            pass
+        pieces.sort()
+        return Image(self.path, self.arch, self.module, self.sections, self.symbols,
+                     bindings=self._bindings, reader=_Snapshot(pieces), build_id=self.build_id,
+                     identity=self.identity)
+
+    def take_misses(self) -> list[tuple[int, int]]:
+        """The reads a frozen image could not answer since the last call, as
+        (address, size); always empty for any other image."""
+        reader = self._reader
+        if not isinstance(reader, _Snapshot):
+            return []
+        out, reader.misses = reader.misses, []
+        return out
+
     def code(self, func: Function | str) -> bytes:
         """The bytes of a function."""
         if isinstance(func, str):
@@ -171,6 +220,8 @@ class Image:
         running kernel has neither: its text is patched at boot (alternatives,
         ftrace, static calls) and differs from any file."""
         if self.reads_memory:
+            if self.identity is not None:
+                return b"memory:" + self.identity
             raise ImageError(f"{self.module}: the bytes come from a running kernel; they have no fixed identity")
         if self.build_id:
             return b"build-id:" + self.build_id
@@ -243,3 +294,26 @@ def _functions(
                     by_name.setdefault(name, func)
         i = j
     return tuple(functions), by_name
+
+
+class SnapshotMiss(ImageError):
+    """A read of a frozen image (:meth:`Image.frozen`) outside the bytes it kept."""
+
+
+class _Snapshot:
+    """Bytes read once, by address: the reader of a frozen image."""
+
+    def __init__(self, pieces: list[tuple[int, bytes]]) -> None:
+        self._starts = [lo for lo, _data in pieces]
+        self._pieces = pieces
+        #: reads that were outside the kept bytes (address, size)
+        self.misses: list[tuple[int, int]] = []
+
+    def __call__(self, address: int, size: int) -> bytes:
+        i = bisect.bisect_right(self._starts, address) - 1
+        if i >= 0:
+            lo, data = self._pieces[i]
+            if address + size <= lo + len(data):
+                return data[address - lo:address - lo + size]
+        self.misses.append((address, size))
+        raise SnapshotMiss(f"[{address:#x}, {address + size:#x}) was not read when the image was frozen")

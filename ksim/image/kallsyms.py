@@ -63,8 +63,10 @@ def load_kallsyms(
     symbols_path: str | os.PathLike[str],
     image_path: str | os.PathLike[str] | None = None,
     reader: MemoryReader | None = None,
+    identity: bytes | None = None,
 ) -> Image:
-    """An Image from a kallsyms-format file, with code from ``image_path`` or ``reader``."""
+    """An Image from a kallsyms-format file, with code from ``image_path`` or ``reader``
+    (``identity``: what names the running kernel the reader reads; see Image)."""
     source = str(symbols_path)
     try:
         with open(symbols_path, "rb") as f:
@@ -90,6 +92,7 @@ def load_kallsyms(
         bindings={name: "global" if t.isupper() else "local" for _a, t, name, _m in entries},
         reader=reader,
         build_id=build_id,
+        identity=identity,
     )
 
 

@@ -262,7 +262,10 @@ class LiveTarget:
     def image(self) -> Image:
         from ksim.image import load_kallsyms
 
-        return load_kallsyms(self.kallsyms_path, reader=self._image_read)
+        # the kallsyms file's name says which kernel, where its text is and which
+        # modules are loaded: what an analysis store of this kernel is found by
+        return load_kallsyms(self.kallsyms_path, reader=self._image_read,
+                             identity=self.kallsyms_path.stem.encode())
 
     def _image_read(self, address: int, size: int) -> bytes:
         """What the image reads: core kernel text as it was before this client's pokes,

@@ -112,8 +112,9 @@ class SpliceRequest:
     policy: str = "auto"
     #: addresses already overwritten by other splices (their windows)
     busy: Container[int] = frozenset()
-    #: free padding slots usable for springboards: (address, current bytes)
-    padding: tuple[tuple[int, bytes], ...] = ()
+    #: free padding slots usable for springboards: (address, current bytes); only the
+    #: springboard tactic reads them (they may be found when it first does)
+    padding: Sequence[tuple[int, bytes]] = ()
     #: blacklisted ranges (start, end): never splice there
     blacklist: tuple[tuple[int, int], ...] = ()
     #: post(address) -> the post stage's code placed at ``address``: it runs right

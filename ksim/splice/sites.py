@@ -17,12 +17,14 @@ and the command line all plan through here, so they all give the same verdict.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import contextmanager
 from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
 from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
+from ksim.analysis.store import store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
@@ -64,6 +66,7 @@ class SiteFacts:
         self.image = image
         self.arch = arch
         self._ask = ask
+        self._ahead: dict[tuple[int, int], frozenset[str]] | None = None  # see asking_ahead
         self._starts = [f.address for f in image.functions]
 
     def function_of(self, what: Function | Point | str) -> Function:
@@ -126,14 +129,36 @@ class SiteFacts:
     def function_code(self, what: Function | Point | str) -> FunctionCode:
         return self._function_code(self.function_of(what))
 
-    @lru_cache(maxsize=4096)  # noqa: B019 - one SiteFacts per attached image
+    @lru_cache(maxsize=12288)  # noqa: B019 - one SiteFacts per attached image (see CACHE_FUNCTIONS)
     def _function_code(self, func: Function) -> FunctionCode:
         """The function's code for the planner.  Trailing alignment filler that no
         path reaches (int3/nop blocks, which kallsyms-derived extents include) is
         not code: it becomes the ``tail`` a window may spill over, together with
         the filler between this function and the next."""
-        fa = self.analysis(func)
-        cfg = fa.cfg
+        cfg = self.analysis(func).cfg
+        code_end, tail = self._extent(func)
+        targets = {func.address}
+        targets |= {e.dst for e in cfg.edges if e.kind is not EdgeKind.FALLTHROUGH}
+        targets |= {i.target for i in cfg.insns
+                    if i.flow in (Flow.JMP, Flow.JCC) and i.target is not None}
+        for table in cfg.tables.values():
+            targets |= set(table.entries)
+        insns = tuple(i for i in cfg.insns if i.address < code_end)
+        return FunctionCode(
+            name=func.name, start=func.address, end=code_end,
+            insns=insns,
+            branch_targets=frozenset(targets),
+            unknown_indirect=bool(cfg.unresolved) or bool(cfg.misaligned),
+            tail=tail,
+            hazards=self.hazards(insns),
+        )
+
+    @lru_cache(maxsize=12288)  # noqa: B019 - one SiteFacts per attached image
+    def _extent(self, func: Function) -> tuple[int, bytes]:
+        """Where the function's code ends, and the filler after it (its trailing
+        unreachable int3/nop blocks and the filler up to the next function): what a
+        neighbour's padding slots need, without the rest of its FunctionCode."""
+        cfg = self.analysis(func).cfg
         code_end = func.end
         for block in reversed(list(cfg.blocks.values())):
             if block.start < code_end and block.end >= code_end and is_padding(block):
@@ -142,22 +167,8 @@ class SiteFacts:
                 break
         if code_end == func.address:  # all filler: keep it as it is
             code_end = func.end
-        targets = {func.address}
-        targets |= {e.dst for e in cfg.edges if e.kind is not EdgeKind.FALLTHROUGH}
-        targets |= {i.target for i in cfg.insns
-                    if i.flow in (Flow.JMP, Flow.JCC) and i.target is not None}
-        for table in cfg.tables.values():
-            targets |= set(table.entries)
         inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
-        insns = tuple(i for i in cfg.insns if i.address < code_end)
-        return FunctionCode(
-            name=func.name, start=func.address, end=code_end,
-            insns=insns,
-            branch_targets=frozenset(targets),
-            unknown_indirect=bool(cfg.unresolved) or bool(cfg.misaligned),
-            tail=inner + self._gap_after(func),
-            hazards=self.hazards(insns),
-        )
+        return code_end, inner + self._gap_after(func)
 
     def hazards(self, insns: Sequence[Insn]) -> dict[int, frozenset[str]]:
         """Why the kernel needs each of ``insns`` left alone (only those with a reason)."""
@@ -172,11 +183,45 @@ class SiteFacts:
             if names:
                 out[insn.address] = frozenset(names)
         if self._ask is not None and insns:
-            answers = self._ask([(i.address, i.size) for i in insns])
+            ahead = self._ahead
+            ranges = [(i.address, i.size) for i in insns]
+            if ahead is not None and all(r in ahead for r in ranges):
+                answers = [ahead[r] for r in ranges]
+            else:
+                answers = self._ask(ranges)
             for insn, asked in zip(insns, answers, strict=True):
                 if asked:
                     out[insn.address] = out.get(insn.address, frozenset()) | asked
         return out
+
+    @contextmanager
+    def asking_ahead(self, funcs: Sequence[Function]) -> Iterator[None]:
+        """Within the block, the target's hazards (a live kernel's answer) of every
+        instruction of ``funcs`` come from one question asked first: a batch over
+        N functions asks once, not N times.  Instructions are known ahead from the
+        image's analysis store; functions it has no record of are asked about when
+        analysed.  The answers are dropped at the end of the block (a running
+        kernel's hazards change; the kernel checks every write again anyway)."""
+        kept = store_for(self.image, build_missing=False) if self._ask is not None else None
+        if kept is None or self._ahead is not None:
+            yield
+            return
+        ranges: list[tuple[int, int]] = []
+        for func in funcs:
+            comp = kept.get(func)
+            if comp is None:
+                continue
+            at = func.address
+            for size in comp.sizes:
+                ranges.append((at, size))
+                at += size
+            ranges += [(at + k, 1) for k in range(comp.tail)]
+        assert self._ask is not None
+        self._ahead = dict(zip(ranges, self._ask(ranges), strict=True)) if ranges else {}
+        try:
+            yield
+        finally:
+            self._ahead = None
 
     def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""
@@ -194,7 +239,8 @@ class SiteFacts:
         ``busy`` holds) and the blacklist that every request carries.  Move it to
         another patch address with ``dataclasses.replace(req, code_address=...)``."""
         return SpliceRequest(point=point, func=code, compile=compile, code_address=code_address,
-                             policy=policy, busy=busy, padding=self.padding_slots(point, busy),
+                             policy=policy, busy=busy,
+                             padding=_Slots(lambda: self.padding_slots(point, busy)),
                              blacklist=self.blacklist)
 
     def padding_slots(self, near: int, busy: Container[int]) -> tuple[tuple[int, bytes], ...]:
@@ -205,14 +251,16 @@ class SiteFacts:
         hi = bisect.bisect_right(self._starts, near + reach)
         out = []
         for func in self.image.functions[max(lo - 1, 0):hi]:
+            if func.end + 64 < near - reach:
+                continue  # its filler (at most the function's own, then 64 bytes) is out of reach
             try:
-                code = self.function_code(func)
+                end, tail = self._extent(func)
             except KsimError:  # undecodable or unanalysable neighbour: no slots there
                 continue
-            for start in range(code.end, code.end + len(code.tail) - size + 1, size):
+            for start in range(end, end + len(tail) - size + 1, size):
                 if abs(start - near) > reach or any(a in busy for a in range(start, start + size)):
                     continue
-                out.append((start, code.tail[start - code.end:start - code.end + size]))
+                out.append((start, tail[start - end:start - end + size]))
         return tuple(out)
 
     @cached_property
@@ -221,11 +269,10 @@ class SiteFacts:
         their jump whenever a static call is updated (arch_static_call_transform,
         arch/x86/kernel/static_call.c), without looking at what is there."""
         ranges = [(s.address, s.end) for s in self.image.sections if s.name == ".static_call.text"]
-        try:
-            ranges.append((self.image.address_of("__static_call_text_start"),
-                           self.image.address_of("__static_call_text_end")))
-        except KsimError:
-            pass
+        first = self.image.find_symbol("__static_call_text_start")
+        last = self.image.find_symbol("__static_call_text_end")
+        if first is not None and last is not None:
+            ranges.append((first.address, last.address))
         return tuple(ranges)
 
     def blacklisted(self, address: int) -> bool:
@@ -245,15 +292,45 @@ class SiteFacts:
         kernel's own NOKPROBE_SYMBOL list (``_kprobe_blacklist``)."""
         ranges = list(self.image.tables.kprobe_blacklist)
         for start, end in BLACKLIST_RANGES:
-            try:
-                ranges.append((self.image.address_of(start), self.image.address_of(end)))
-            except KsimError:  # the image has no such section
-                continue
+            first, last = self.image.find_symbol(start), self.image.find_symbol(end)
+            if first is not None and last is not None:  # else the image has no such section
+                ranges.append((first.address, last.address))
         for name in BLACKLIST_FUNCTIONS:
             if self.image.has_function(name):
                 f = self.image.function(name)
                 ranges.append((f.address, f.end))
         return tuple(ranges)
+
+
+class _Slots(Sequence[tuple[int, bytes]]):
+    """A request's padding slots, found when the planner first looks at them: only
+    the springboard tactic does, and finding them analyses the neighbouring functions."""
+
+    def __init__(self, find: Callable[[], tuple[tuple[int, bytes], ...]]) -> None:
+        self._find: Callable[[], tuple[tuple[int, bytes], ...]] | None = find
+        self._slots: tuple[tuple[int, bytes], ...] = ()
+
+    def _get(self) -> tuple[tuple[int, bytes], ...]:
+        if self._find is not None:
+            self._slots, self._find = self._find(), None
+        return self._slots
+
+    def __getitem__(self, index):  # type: ignore[no-untyped-def,override]
+        return self._get()[index]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[tuple[int, bytes]]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self._get())
 
 
 def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
