@@ -22,7 +22,7 @@ from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
-from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
+from ksim.analysis.points import Point, PointKind, is_padding
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
@@ -136,7 +136,7 @@ class SiteFacts:
         cfg = fa.cfg
         code_end = func.end
         for block in reversed(list(cfg.blocks.values())):
-            if block.start < code_end and block.end >= code_end and is_padding(block):
+            if block.start < code_end and block.end >= code_end and is_padding(block, self.arch):
                 code_end = block.start
             else:
                 break
@@ -261,7 +261,7 @@ def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
         return True
     covered = 0
     for insn in arch.decode(data, address):
-        if not is_filler_insn(insn):
+        if not arch.is_filler(insn):
             return False
         covered += insn.size
     return covered == len(data)
