@@ -323,7 +323,7 @@ class Manager:
         code = self.facts.function_code(point)
         req = self.facts.request(point.address, code, lambda _a: b"", point.address,
                                  busy=self._busy())
-        planner.check_point(req)
+        planner.check_point(self.arch, req)
         patch = Patch(point.address, "call", 0, b"", (Write(point.address, insn.raw, new),))
         handle = Handle(next(self._ids), point, callee=to)
         self.target.poke(list(patch.writes))
@@ -574,7 +574,7 @@ class Manager:
                                  busy=busy)
         req = dataclasses.replace(req, post=post, post_trap=post_trap,
                                   divert=next(iter(diverts), None))
-        planner.check_point(req)
+        planner.check_point(self.arch, req)
         return req
 
     def _alloc_code(self, size: int, near: int) -> int:

@@ -44,12 +44,12 @@ no such exit for its own return and is refused (NoReturnPoint).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ksim.analysis.points import Point, PointKind
-from ksim.arch.base import Flow, Insn
+from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import (
     HandlerUnsupported,
     NoReturnPoint,
@@ -69,32 +69,33 @@ IDLE, RUNNING, STEPPING = 0, 1, 2
 class Regs:
     """The registers of the interrupted kernel, for a Python handler.
 
-    ``regs.rdi``, ``regs["rdi"]``; assignment writes the register.  ``regs.rip``
-    reads as the probed address; assigning it makes execution resume there
-    instead of at the probed instruction (kprobes' "pre handler changed ip",
-    the post handler is then skipped)."""
+    Registers by the architecture's names (x86-64: ``regs.rdi``, ``regs["rdi"]``);
+    assignment writes the register.  The program counter (``regs.ip``, or by its
+    name: ``regs.rip``) reads as the probed address; assigning it makes execution
+    resume there instead of at the probed instruction (kprobes' "pre handler
+    changed ip", the post handler is then skipped)."""
 
     # declared for the type checker: __getattr__ answers only for register names
     _t: Any
     _m: Any
     _ip: int
-    _arg_regs: tuple[str, ...]
+    _arch: Arch
     redirect: int | None
 
-    def __init__(self, target: Any, machine: Any, ip: int, arg_regs: Sequence[str]) -> None:
+    def __init__(self, target: Any, machine: Any, ip: int, arch: Arch) -> None:
         object.__setattr__(self, "_t", target)
         object.__setattr__(self, "_m", machine)
         object.__setattr__(self, "_ip", ip)
-        object.__setattr__(self, "_arg_regs", tuple(arg_regs))
+        object.__setattr__(self, "_arch", arch)
         object.__setattr__(self, "redirect", None)
 
     def __getattr__(self, name: str) -> int:
-        if name in ("rip", "ip"):
+        if name in (self._arch.pc_reg, "ip"):
             return self._ip  # type: ignore[no-any-return]
         return int(self._m.reg(name))
 
     def __setattr__(self, name: str, value: int) -> None:
-        if name in ("rip", "ip"):
+        if name in (self._arch.pc_reg, "ip"):
             object.__setattr__(self, "redirect", value)
         else:
             self._m.set_reg(name, value)
@@ -104,14 +105,16 @@ class Regs:
 
     def arg(self, n: int) -> int:
         """The n-th argument register (valid at a function's entry)."""
-        return int(self._m.reg(self._arg_regs[n]))
+        return int(self._m.reg(self._arch.arg_regs[n]))
 
-    def args(self, n: int = 6) -> tuple[int, ...]:
-        return tuple(self.arg(i) for i in range(n))
+    def args(self, n: int | None = None) -> tuple[int, ...]:
+        """The first ``n`` argument registers (all of them by default)."""
+        count = len(self._arch.arg_regs) if n is None else n
+        return tuple(self.arg(i) for i in range(count))
 
     @property
     def retval(self) -> int:
-        return int(self._m.reg("rax"))
+        return int(self._m.reg(self._arch.ret_reg))
 
     def read(self, address: int, size: int) -> bytes:
         return bytes(self._t.read(address, size))
@@ -427,7 +430,7 @@ class Probes:
                 return None
             write(hits, read(hits) + 1)
             write(flag, RUNNING)
-            regs = Regs(self.target, machine, site, self.arch.arg_regs)
+            regs = Regs(self.target, machine, site, self.arch)
             self._call(kp, kp.pre_handler, regs)
             if regs.redirect is not None:
                 write(flag, IDLE)  # the probed instruction (and its post stage) is skipped
@@ -454,7 +457,7 @@ class Probes:
             if read(flag) != STEPPING:
                 return None
             write(flag, RUNNING)
-            self._call(kp, kp.post_handler, Regs(self.target, machine, after, self.arch.arg_regs))
+            self._call(kp, kp.post_handler, Regs(self.target, machine, after, self.arch))
             write(flag, IDLE)
             return None
 

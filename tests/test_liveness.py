@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from ksim.analysis import analyze
-from ksim.analysis.abi import X86_64_LINUX as CC
 from ksim.arch.base import Flow
+from ksim.arch.x86_64.convention import LINUX as CC
 from ksim.image import Image, load_image
 
 

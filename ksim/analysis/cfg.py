@@ -11,31 +11,27 @@ Blocks partition the function's bytes exactly: padding and code no edge reaches
 ``reachable`` False, and bytes that do not decode form a final block with no
 instructions (``data`` True).
 
-Jump tables are recovered for what gcc emits for x86-64 kernels
-(``-mcmodel=kernel``, tables of absolute 8-byte addresses):
-
-* ``jmp qword ptr [idx*8 + TABLE]`` (``TABLE`` a sign-extended 32-bit address), or
-  ``notrack jmp`` of the same;
-* ``mov reg, qword ptr [idx*8 + TABLE]`` ... ``jmp reg``;
-
-with the number of entries taken from a dominating unsigned bound check on the
-index (``cmp idx, N`` then ``ja default`` falling through, or ``jbe``/``jb``
-taken) found by walking back through blocks with a single predecessor.  An
-indirect jump without such a bound is not a table (see ``unresolved``).
+Jump tables are recovered in the shapes compilers give a switch statement: an
+indirect jump through a table entry indexed by a register (or through a register
+loaded from one), with the number of entries taken from a dominating unsigned
+bound check on the index, found by walking back through blocks with a single
+predecessor.  Which instructions read a table, check a bound or copy the index
+is the architecture's to say (``Arch.jump_tables``, e.g.
+``ksim.arch.x86_64.jumptables``); the walk is generic.  An indirect jump without
+such a bound is not a table (see ``unresolved``).
 """
 
 from __future__ import annotations
 
 import bisect
 import enum
-import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from ksim.arch.base import Flow, Insn
+from ksim.arch import DEFAULT_ARCH, get_arch
+from ksim.arch.base import Arch, Flow, Insn, JumpTableIdioms
 from ksim.errors import KsimError
 
-_MASK64 = (1 << 64) - 1
 _MAX_TABLE = 4096  # entries; a larger bound is not a switch statement
 
 
@@ -118,21 +114,25 @@ ImageReader = Callable[[int, int], bytes]
 
 
 def build_cfg(insns: Sequence[Insn], start: int, end: int, read: ImageReader | None = None, *,
-              tables: Mapping[int, JumpTable] | None = None) -> CFG:
+              tables: Mapping[int, JumpTable] | None = None, arch: Arch | None = None) -> CFG:
     """The CFG of the function ``[start, end)`` whose linear-sweep decode is ``insns``.
 
     ``tables``, when given, are the function's jump tables (by address of their jmp),
     recovered before: they are used as they are, and no more are looked for.
+    Otherwise, given ``read``, jump tables are recovered the way ``arch`` (the
+    instructions' architecture; ``ksim.arch.DEFAULT_ARCH`` when not given) lays
+    them out.
     """
     insns = tuple(insns)
     by_addr = {i.address: i for i in insns}
     known = tables is not None
     table: dict[int, JumpTable] = dict(tables or {})
+    idioms = (arch or get_arch(DEFAULT_ARCH)).jump_tables if read and not known else None
     # Tables add leaders, which split blocks, which can expose more guards: iterate.
     for _ in range(4):
         blocks, edges = _blocks(insns, by_addr, start, end, table)
         _mark_reachable(blocks, start)
-        found = _recover_tables(blocks, by_addr, start, end, read, table) if read and not known else {}
+        found = _recover_tables(idioms, blocks, by_addr, start, end, read, table) if idioms and read else {}
         if not found:
             break
         table.update(found)
@@ -227,34 +227,6 @@ def _mark_reachable(blocks: dict[int, Block], start: int) -> None:
 
 
 # --- jump tables ----------------------------------------------------------------------
-# "notrack" is a ds prefix, which capstone shows as "ds:"
-_TABLE_OPERAND = re.compile(r"^qword ptr (?:ds:)?\[(r\w+)\*8 ([+-]) (0x[0-9a-f]+|\d+)\]$")
-# unsigned bound checks: (mnemonic, edge into the table path) -> entries for bound N
-_GUARDS: dict[tuple[str, EdgeKind], Callable[[int], int]] = {
-    ("ja", EdgeKind.NOT_TAKEN): lambda n: n + 1,
-    ("jae", EdgeKind.NOT_TAKEN): lambda n: n,
-    ("jbe", EdgeKind.TAKEN): lambda n: n + 1,
-    ("jb", EdgeKind.TAKEN): lambda n: n,
-}
-
-
-def _table_operand(op_str: str) -> tuple[str, int] | None:
-    """(index register, table address) of ``qword ptr [idx*8 +/- disp]``."""
-    m = _TABLE_OPERAND.match(op_str)
-    if m is None:
-        return None
-    disp = int(m.group(3), 0)
-    table = (-disp if m.group(2) == "-" else disp) & _MASK64
-    return _canonical(m.group(1)), table
-
-
-def _canonical(reg: str) -> str:
-    """The full register name, or ``reg`` unchanged when it is not a register."""
-    from ksim.arch.x86_64.reader import canonical_reg
-
-    return canonical_reg(reg) or reg
-
-
 def _walk_back(blocks: dict[int, Block], block: Block, pos: int
                ) -> Iterator[tuple[Insn, Block, int] | tuple[None, Block, EdgeKind]]:
     """Instructions before ``block.insns[pos]``, backwards, along single-predecessor
@@ -283,41 +255,39 @@ def _walk_back(blocks: dict[int, Block], block: Block, pos: int
         block, pos = pred, len(pred.insns)
 
 
-def _find_bound(blocks: dict[int, Block], block: Block, pos: int, reg: str) -> int | None:
+def _find_bound(idioms: JumpTableIdioms, blocks: dict[int, Block], block: Block, pos: int,
+                reg: str) -> int | None:
     """Entries allowed by an unsigned bound check that dominates ``block.insns[pos]``
     for the index in ``reg`` (None if there is none).
 
     Walking backwards, ``index`` maps the registers that carry the index's value
     at the current point to how many low bits of them it is (None: all).  A guard
-    (``cmp creg, N`` + ``ja``/``jbe``...) on the path counts once its compared
-    register is shown to carry the same value: gcc often copies the index
-    (``mov eax, esi``, ``movzx eax, al``) before comparing the original
-    (``cmp esi, 10``, ``cmp al, 0x20``), so the compared registers are tracked
-    backwards from the cmp as well, until the two meet.
+    (a compare with N and an unsigned branch, ``idioms.bound_check``) on the path
+    counts once its compared register is shown to carry the same value: compilers
+    often copy the index (x86-64: ``mov eax, esi``, ``movzx eax, al``) before
+    comparing the original (``cmp esi, 10``, ``cmp al, 0x20``), so the compared
+    registers are tracked backwards from the compare as well, until the two meet.
     """
     index: dict[str, int | None] = {reg: None}
-    # (cmp address, compared registers once past the cmp, register, width, entries)
+    # (compare address, compared registers once past it, register, width, entries)
     pending: list[tuple[int, dict[str, int | None] | None, str, int | None, int]] = []
     for insn, where, extra in _walk_back(blocks, block, pos):
         if insn is None:
-            jcc = where.last
-            assert jcc is not None
-            guard = _GUARDS.get((jcc.mnemonic, extra))  # type: ignore[arg-type]
-            found = _guard_compare(where, len(where.insns) - 1) if guard else None
-            if guard and found:
-                cmp_addr, creg, width, n = found
-                pending.append((cmp_addr, None, creg, width, guard(n)))
+            if extra in (EdgeKind.TAKEN, EdgeKind.NOT_TAKEN):
+                check = idioms.bound_check(where.insns, extra is EdgeKind.TAKEN)
+                if check is not None and 0 <= check.limit < _MAX_TABLE:
+                    pending.append((check.address, None, check.reg, check.bits, check.entries))
             continue
         if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT):
             return None  # the call may change any of them
-        _step_back(index, insn)
+        _step_back(idioms, index, insn)
         if not index:
             return None
         for k, (cmp_addr, compared, creg, width, count) in enumerate(pending):
             if compared is None and insn.address == cmp_addr:
                 compared = {creg: width}
             elif compared is not None:
-                _step_back(compared, insn)
+                _step_back(idioms, compared, insn)
             pending[k] = (cmp_addr, compared, creg, width, count)
             for r, w in (compared or {}).items():
                 # the bound holds if it was checked on all the bits the index uses
@@ -330,119 +300,62 @@ def _narrower(a: int | None, b: int | None) -> int | None:
     return b if a is None else a if b is None else min(a, b)
 
 
-def _step_back(regs: dict[str, int | None], insn: Insn) -> None:
+def _step_back(idioms: JumpTableIdioms, regs: dict[str, int | None], insn: Insn) -> None:
     """Update ``regs`` (registers holding one value after ``insn``, with the number
     of low bits that hold it) to the point before ``insn``."""
     for reg in [r for r in regs if r in insn.writes]:
         bits = regs.pop(reg)
-        src = _copy_source(insn, reg)
+        src = idioms.copy_source(insn, reg)
         if src is not None:
             regs[src[0]] = _narrower(bits, src[1])
 
 
-_NARROW = {"b": 8, "w": 16}
-
-
-def _reg_bits(name: str) -> int | None:
-    """8 or 16 for a narrow register name, None for a 32/64-bit one."""
-    from ksim.arch.x86_64.reader import reg_width
-
-    width = reg_width(name) or 64
-    return width if width < 32 else None
-
-
-def _is_gpr(name: str) -> bool:
-    from ksim.arch.x86_64.reader import canonical_reg
-
-    return canonical_reg(name) not in (None, "flags")
-
-
-def _copy_source(insn: Insn, reg: str) -> tuple[str, int | None] | None:
-    """For a register copy into ``reg`` (``mov edi, edi``, ``mov eax, esi``,
-    ``movzx eax, al``, ``movsxd rax, esi``): the register copied and how many of
-    its low bits (None: all); None for any other write."""
-    if insn.mnemonic not in ("mov", "movzx", "movsxd") or "ptr" in insn.op_str:
-        return None
-    ops = [o.strip() for o in insn.op_str.split(",")]
-    if len(ops) != 2 or _canonical(ops[0]) != reg or not _is_gpr(ops[1]):
-        return None
-    bits = _reg_bits(ops[1])
-    if bits is not None and insn.mnemonic != "movzx":
-        return None  # a narrow mov keeps the destination's upper bits
-    return _canonical(ops[1]), bits
-
-
-def _guard_compare(block: Block, jcc_pos: int) -> tuple[int, str, int | None, int] | None:
-    """(address, register, low bits compared or None for all, N) of the
-    ``cmp reg, N`` whose flags the jcc at ``jcc_pos`` tests."""
-    for i in range(jcc_pos - 1, -1, -1):
-        insn = block.insns[i]
-        if "flags" not in insn.writes:
-            continue
-        if insn.mnemonic != "cmp":
-            return None
-        ops = [o.strip() for o in insn.op_str.split(",")]
-        if len(ops) != 2 or not _is_gpr(ops[0]):
-            return None
-        try:
-            n = int(ops[1], 0)
-        except ValueError:
-            return None
-        if not 0 <= n < _MAX_TABLE:
-            return None
-        return insn.address, _canonical(ops[0]), _reg_bits(ops[0]), n
-    return None
-
-
-def _recover_tables(blocks: dict[int, Block], by_addr: dict[int, Insn], start: int, end: int,
-                    read: ImageReader, known: dict[int, JumpTable]) -> dict[int, JumpTable]:
+def _recover_tables(idioms: JumpTableIdioms, blocks: dict[int, Block], by_addr: dict[int, Insn],
+                    start: int, end: int, read: ImageReader,
+                    known: dict[int, JumpTable]) -> dict[int, JumpTable]:
     found: dict[int, JumpTable] = {}
     for block in blocks.values():
         jmp = block.last
         if jmp is None or jmp.flow is not Flow.JMP_INDIRECT or jmp.address in known:
             continue
-        table = _table_for(blocks, block, jmp, by_addr, start, end, read)
+        table = _table_for(idioms, blocks, block, jmp, by_addr, start, end, read)
         if table is not None:
             found[jmp.address] = table
     return found
 
 
-def _table_for(blocks: dict[int, Block], block: Block, jmp: Insn, by_addr: dict[int, Insn],
-               start: int, end: int, read: ImageReader) -> JumpTable | None:
+def _table_for(idioms: JumpTableIdioms, blocks: dict[int, Block], block: Block, jmp: Insn,
+               by_addr: dict[int, Insn], start: int, end: int, read: ImageReader) -> JumpTable | None:
     pos = len(block.insns) - 1
-    operand = _table_operand(jmp.op_str)
+    load = idioms.table_read(jmp)
     where, at = block, pos
-    if operand is None:
-        # jmp reg: find the load of reg from the table
-        if not _is_gpr(jmp.op_str):
+    if load is None:
+        # a jump through a register: find the load of that register from the table
+        target_reg = idioms.jump_reg(jmp)
+        if target_reg is None:
             return None
-        target_reg = _canonical(jmp.op_str)
         for insn, blk, extra in _walk_back(blocks, block, pos):
             if insn is None:
                 continue
             if insn.flow in (Flow.CALL, Flow.CALL_INDIRECT):
                 return None
             if target_reg in insn.writes:
-                if insn.mnemonic != "mov":
-                    return None
-                dst, _, src = insn.op_str.partition(", ")
-                operand = _table_operand(src) if _canonical(dst) == target_reg else None
-                if operand is None:
+                load = idioms.table_read(insn)
+                if load is None or load.dest != target_reg:
                     return None
                 assert isinstance(extra, int)
                 where, at = blk, extra
                 break
-        if operand is None:
+        if load is None:
             return None
-    index_reg, table = operand
-    count = _find_bound(blocks, where, at, index_reg)
+    count = _find_bound(idioms, blocks, where, at, load.index)
     if count is None or count == 0:
         return None
     try:
-        raw = read(table, 8 * count)
+        raw = read(load.table, load.entry_size * count)
     except KsimError:
         return None
-    entries = tuple(int.from_bytes(raw[i : i + 8], "little") for i in range(0, len(raw), 8))
+    entries = idioms.table_targets(load, raw)
     if len(entries) != count or not all(start <= e < end and e in by_addr for e in entries):
         return None
-    return JumpTable(jmp.address, table, index_reg, entries)
+    return JumpTable(jmp.address, load.table, load.index, entries)

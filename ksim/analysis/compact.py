@@ -107,8 +107,8 @@ def compute(image: Image, support: ArchSupport, func: Function) -> Compact:
     if _JMPI in kinds or (tail and tail_code & (FLOW_MASK | FILLER_BIT) != _STOP | FILLER_BIT):
         # jump tables are recovered on blocks as objects: let the CFG module do it all
         insn_list = insns(support, code, start, sizes, codes, targets, tail, tail_code, support.effects)
-        cfg = build_cfg(insn_list, start, end, image.read)
-        points = find_points(cfg, func.name)
+        cfg = build_cfg(insn_list, start, end, image.read, arch=support.arch)
+        points = find_points(cfg, func.name, support.arch)
         tables = tuple(cfg.tables.values())
         blocks, exits, block_points, callsites = (len(cfg.blocks), list(points.exits),
                                                   list(points.blocks), list(points.callsites))

@@ -188,7 +188,7 @@ def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
     cfg = _from_store(image, support, func)
     if cfg is None:
         insns = list(support.decode(image.read(func.address, func.size), func.address))
-        cfg = build_cfg(insns, func.address, func.end, image.read)
+        cfg = build_cfg(insns, func.address, func.end, image.read, arch=support.arch)
     sites = []
     for insn in cfg.insns:
         if insn.flow is Flow.CALL:
@@ -198,7 +198,7 @@ def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
         elif insn.flow is Flow.CALL_INDIRECT:
             sites.append(CallSite(insn.address, None, None, True))
     result = FunctionAnalysis(
-        image=image, function=func, cfg=cfg, points=find_points(cfg, func.name),
+        image=image, function=func, cfg=cfg, points=find_points(cfg, func.name, support.arch),
         callsites=tuple(sites), _support=support, _starts=[i.address for i in cfg.insns],
     )
     per_image[key] = result

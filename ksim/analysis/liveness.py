@@ -140,7 +140,7 @@ class Liveness:
         what = self._classify(target)
         if what.kind is TargetKind.FUNCTION:
             # what the callee leaves alone reaches our caller: return registers included
-            passed = self.cc.ret_regs - (what.clobbers if what.clobbers is not None else self._all)
+            passed = frozenset(self.cc.ret_regs) - (what.clobbers if what.clobbers is not None else self._all)
             return self._at_tail_call | passed
         if what.kind is TargetKind.RETURN:
             return self._at_return

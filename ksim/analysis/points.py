@@ -13,7 +13,7 @@ import enum
 from dataclasses import dataclass
 
 from ksim.analysis.cfg import CFG, Block
-from ksim.arch.base import Flow, Insn
+from ksim.arch.base import Arch, Flow
 
 
 class PointKind(enum.StrEnum):
@@ -34,17 +34,9 @@ class Point:
         return f"{self.function}:{self.kind.value}@{self.address:#x}"
 
 
-_PADDING = frozenset({"nop", "int3"})
-
-
-def is_filler_insn(insn: Insn) -> bool:
-    """An alignment filler instruction (capstone spells prefixed ones "data16 nop")."""
-    return insn.mnemonic.rsplit(" ", 1)[-1] in _PADDING
-
-
-def is_padding(block: Block) -> bool:
-    """Alignment filler no path reaches (nops, int3) — not worth a point."""
-    return not block.reachable and all(is_filler_insn(i) for i in block.insns)
+def is_padding(block: Block, arch: Arch) -> bool:
+    """Alignment filler (``Arch.is_filler``) no path reaches — not worth a point."""
+    return not block.reachable and all(arch.is_filler(i) for i in block.insns)
 
 
 @dataclass(frozen=True)
@@ -68,7 +60,7 @@ class FunctionPoints:
                 "blocks": list(self.blocks), "callsites": list(self.callsites)}
 
 
-def find_points(cfg: CFG, function: str) -> FunctionPoints:
+def find_points(cfg: CFG, function: str, arch: Arch) -> FunctionPoints:
     exits = []
     callsites = []
     for insn in cfg.insns:
@@ -81,5 +73,5 @@ def find_points(cfg: CFG, function: str) -> FunctionPoints:
             exits.append(insn.address)
         elif flow in (Flow.CALL, Flow.CALL_INDIRECT):
             callsites.append(insn.address)
-    blocks = tuple(b.start for b in cfg.blocks.values() if b.insns and not is_padding(b))
+    blocks = tuple(b.start for b in cfg.blocks.values() if b.insns and not is_padding(b, arch))
     return FunctionPoints(function, cfg.start, tuple(exits), blocks, tuple(callsites))

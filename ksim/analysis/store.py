@@ -415,10 +415,11 @@ def _parts(image: Image, count: int) -> list[tuple[int, int]]:
     """``count`` runs of functions with about as much work each: the bytes before
     their padding (which costs next to nothing), plus a little per function."""
     functions = image.functions
+    padding = bytes([support_for(image.arch).arch.pad_byte])
     weights = []
     for f in functions:
         try:
-            weights.append(64 + len(image.read(f.address, f.size).rstrip(_PADDING)))
+            weights.append(64 + len(image.read(f.address, f.size).rstrip(padding)))
         except KsimError:
             weights.append(64)
     total = sum(weights) or 1
@@ -430,9 +431,6 @@ def _parts(image: Image, count: int) -> list[tuple[int, int]]:
             bounds.append(i + 1)
     bounds.append(len(functions))
     return [(lo, hi) for lo, hi in zip(bounds, bounds[1:], strict=False) if hi > lo]
-
-
-_PADDING = b"\xcc"
 
 
 def _analyse_forked(part: tuple[int, int]) -> bytes:

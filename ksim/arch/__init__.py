@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from ksim.arch.base import Arch, Flow, Insn
+from ksim.arch.base import Arch, CallConvention, Flow, Insn
 
 #: architecture name -> module that defines ``ARCH`` (and its aliases)
 REGISTRY: dict[str, str] = {
@@ -12,6 +12,10 @@ REGISTRY: dict[str, str] = {
     "x86-64": "ksim.arch.x86_64",
     "amd64": "ksim.arch.x86_64",
 }
+
+#: the architecture of instructions handed over without one (``build_cfg`` called
+#: with decoded instructions alone); everything that has an image uses its ``arch``
+DEFAULT_ARCH = "x86_64"
 
 
 def get_arch(name: str) -> Arch:
@@ -25,4 +29,4 @@ def get_arch(name: str) -> Arch:
     return arch
 
 
-__all__ = ["Arch", "Flow", "Insn", "REGISTRY", "get_arch"]
+__all__ = ["DEFAULT_ARCH", "REGISTRY", "Arch", "CallConvention", "Flow", "Insn", "get_arch"]

@@ -8,7 +8,8 @@ implements it (``ksim.arch.x86_64``); generic code never asks which one it has.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -85,6 +86,169 @@ class CallOperand:
         return f"{seg}[{' + '.join(terms)}]"
 
 
+@dataclass(frozen=True)
+class CallConvention:
+    """The kernel's calling convention on an architecture, as analysis sees it.
+
+    Each architecture holds exactly one (``Arch.convention``); the argument and
+    return registers the snippet code generator uses are read from it too.
+
+    The stack pointer is kept apart from ``callee_saved``.  The ABI preserves it
+    across calls (``preserved_across_calls`` says so), but not as it preserves the
+    others, which a callee saves before use and restores: a callee's pushes and
+    pops balance, so it returns with the stack pointer where the call left it,
+    having written it all along.  The analyses treat it as always live (read by
+    every call, return and tail call) and never as a clobber, whatever a
+    function's pushes write: that is what ``stack_reg`` is for.
+    """
+
+    #: registers that carry arguments, in order (live before every call, tail call)
+    arg_regs: tuple[str, ...]
+    #: registers that carry return values, a one-word value in the first (live at
+    #: every return)
+    ret_regs: tuple[str, ...]
+    #: registers a callee saves before using them and restores (live at every
+    #: return and tail call); the stack pointer is not one of them (see above)
+    callee_saved: frozenset[str]
+    #: the stack pointer (always live; never a clobber)
+    stack_reg: str
+    #: every register liveness tracks
+    all_regs: frozenset[str]
+    #: callees that do not follow the convention (custom register interfaces):
+    #: a call to one of them is treated as reading every register
+    special_callee: re.Pattern[str]
+    #: symbols whose indirect calls use a custom convention (e.g. paravirt ops)
+    special_call_table: re.Pattern[str]
+    #: calls/jumps to these thunks are indirect calls/jumps through the named register
+    #: (retpolines); group 1 is the register
+    indirect_thunk: re.Pattern[str]
+    #: a jump to one of these is a return (return thunks)
+    return_thunk: re.Pattern[str]
+
+    @property
+    def ret_reg(self) -> str:
+        """The register a one-word return value is in."""
+        return self.ret_regs[0]
+
+    @property
+    def preserved_across_calls(self) -> frozenset[str]:
+        """What the ABI preserves across a call: the callee-saved registers and the
+        stack pointer."""
+        return self.callee_saved | {self.stack_reg}
+
+    @property
+    def caller_saved(self) -> frozenset[str]:
+        """What a call may change: everything but the callee-saved registers and the stack."""
+        return self.all_regs - self.preserved_across_calls
+
+    @property
+    def at_return(self) -> frozenset[str]:
+        return frozenset(self.ret_regs) | self.preserved_across_calls
+
+    @property
+    def at_tail_call(self) -> frozenset[str]:
+        return frozenset(self.arg_regs) | self.preserved_across_calls
+
+    def at_call(self) -> frozenset[str]:
+        return frozenset(self.arg_regs) | {self.stack_reg}
+
+
+# --- bulk decoding: the scans an architecture may offer analyses of a whole kernel --------
+#: (address, size, flow, direct target) per instruction: control flow without the
+#: cost of register effects
+FlowScan = Callable[[bytes, int], Iterator[tuple[int, int, Flow, int | None]]]
+
+#: The facts of a linear sweep in bulk, for analyses of a whole kernel:
+#: ``(sizes, codes, targets, tail, tail_code)``.  ``sizes`` holds one byte per decoded
+#: instruction; ``codes`` one int per instruction packed as :data:`FLOW_MASK` (index
+#: into :data:`FLOWS`) | :data:`FILLER_BIT` (alignment filler, ``Arch.is_filler``) |
+#: :data:`TARGET_BIT` (has a direct target) | effects << :data:`EFFECT_SHIFT` (index
+#: into the scan's ``effects`` table of (reads, writes)); ``targets`` the direct
+#: targets of the instructions that have one, in order.  ``tail`` one-byte padding
+#: instructions of code ``tail_code`` follow the decoded ones (0 when none): a scan
+#: need not decode the padding that ends most kernel functions.  The sweep stops
+#: where ``decode`` would.
+CodeScan = Callable[[bytes, int], tuple[bytes, Sequence[int], Sequence[int], int, int]]
+#: a CodeScan of many functions ``(code, address)`` at once: (sizes of each, codes of
+#: all in order, targets of all in order, tail of each, tail code)
+CodeScanMany = Callable[[Sequence[tuple[bytes, int]]],
+                        tuple[list[bytes], Sequence[int], Sequence[int], list[int], int]]
+Effects = Sequence[tuple[frozenset[str], frozenset[str]]]
+#: the instructions a scan found, as objects: (code, address, sizes, codes, targets,
+#: effects) -> instructions, stopping at the first whose size differs from the scan's
+Rebuild = Callable[[bytes, int, bytes, Sequence[int], Sequence[int], Effects], list[Insn]]
+#: an architecture's bulk scan: the scan, of many functions, the rebuilding of
+#: instructions from one, and the effects table its codes index (which grows as
+#: new effects are met)
+CodeScans = tuple[CodeScan, CodeScanMany, Rebuild, Effects]
+
+FLOWS: tuple[Flow, ...] = tuple(Flow)
+FLOW_MASK = 0b111
+FILLER_BIT = 1 << 3
+TARGET_BIT = 1 << 4
+EFFECT_SHIFT = 5
+
+
+# --- jump tables: what generic recovery (ksim.analysis.cfg) asks an architecture -----------
+@dataclass(frozen=True, slots=True)
+class TableRead:
+    """An instruction that reads an entry of a jump table: the ``entry_size`` bytes
+    at ``table + index * entry_size``, into the register ``dest`` (a load whose
+    value a later indirect jump goes to), or straight into the program counter
+    (``dest`` None: the indirect jump itself reads the table)."""
+
+    index: str
+    table: int
+    entry_size: int
+    dest: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class BoundCheck:
+    """An unsigned bound check on a would-be table index: the comparison at
+    ``address`` of the low ``bits`` of register ``reg`` (None: all of it) with
+    ``limit``, and the conditional branch after it, which lets only indexes below
+    ``entries`` through on the path checked."""
+
+    address: int
+    reg: str
+    bits: int | None
+    limit: int
+    entries: int
+
+
+class JumpTableIdioms(Protocol):
+    """How compilers for an architecture turn a switch into a jump table, as
+    questions about single instructions.  The walk over blocks, the tracking of
+    the index back to its bound check and the reading of the table are generic
+    (``ksim.analysis.cfg``)."""
+
+    def table_read(self, insn: Insn) -> TableRead | None:
+        """The table entry ``insn`` reads, when it is an indirect jump through a
+        table or a load of a table entry into a register."""
+        ...
+
+    def jump_reg(self, insn: Insn) -> str | None:
+        """The register the indirect jump ``insn`` goes to (None: it is no jump
+        through a register)."""
+        ...
+
+    def bound_check(self, insns: Sequence[Insn], taken: bool) -> BoundCheck | None:
+        """The bound check that the conditional branch ending ``insns`` (a block)
+        makes on the path where it is ``taken`` (or falls through)."""
+        ...
+
+    def copy_source(self, insn: Insn, reg: str) -> tuple[str, int | None] | None:
+        """When ``insn`` copies a register into ``reg`` (whole, or zero-extended):
+        the register copied and how many of its low bits (None: all); None for any
+        other write of ``reg``."""
+        ...
+
+    def table_targets(self, read: TableRead, raw: bytes) -> tuple[int, ...]:
+        """The destinations the table entries ``raw`` (read at ``read.table``) name, in order."""
+        ...
+
+
 class Arch(Protocol):
     """What generic code may ask of an architecture (see ksim.arch.x86_64)."""
 
@@ -97,13 +261,22 @@ class Arch(Protocol):
     short_jmp_size: int
     #: filler for unused bytes (x86-64: int3)
     pad_byte: int
-    #: registers that carry the first arguments, in order; and the return value register
+    #: the kernel's calling convention: the one table of argument, return and
+    #: preserved registers
+    convention: CallConvention
+    #: registers that carry the first arguments, in order; and the return value
+    #: register (the convention's)
     arg_regs: tuple[str, ...]
     ret_reg: str
-    #: every general-purpose register, plus "flags"
+    #: every general-purpose register, plus "flags" (the convention's)
     all_regs: frozenset[str]
-    #: registers a called function must preserve
-    callee_saved: frozenset[str]
+    #: the program counter's register name (x86-64: rip)
+    pc_reg: str
+
+    @property
+    def jump_tables(self) -> JumpTableIdioms:
+        """How switch statements become jump tables (see JumpTableIdioms)."""
+        ...
 
     def decode(self, code: bytes, address: int) -> Iterator[Insn]:
         """Linear sweep; stops at the first undecodable byte."""
@@ -111,6 +284,26 @@ class Arch(Protocol):
 
     def decode_one(self, code: bytes, address: int) -> Insn:
         """Decode exactly one instruction or raise DecodeError."""
+        ...
+
+    def flow_scan(self) -> FlowScan | None:
+        """A control-flow-only sweep faster than ``decode``, where the architecture
+        has one (None: generic code derives one from ``decode``)."""
+        ...
+
+    def code_scan(self) -> CodeScans | None:
+        """The bulk scan of whole kernels (see CodeScan), where the architecture has
+        one (None: generic code derives one from ``decode``)."""
+        ...
+
+    def is_filler(self, insn: Insn) -> bool:
+        """Whether ``insn`` is alignment filler (x86-64: any nop, int3): padding that
+        is no work of the function."""
+        ...
+
+    def is_breakpoint(self, insn: Insn) -> bool:
+        """Whether ``insn`` is a breakpoint (the trap instruction, in any encoding):
+        someone's probe, never to be moved or overwritten."""
         ...
 
     def jmp(self, src: int, dst: int) -> bytes:

@@ -50,7 +50,7 @@ class Census:
         from ksim.splice.sites import SiteFacts
 
         self.image = image
-        self.arch = get_arch("x86_64")
+        self.arch = get_arch(image.arch)
         self.facts = SiteFacts(image, self.arch)
         text_end = max(end for _s, end in image.text_regions)
         self.area = (text_end + 0x100000) & ~0xFFF
@@ -65,9 +65,10 @@ class Census:
         return list(self.image.tables.addresses(TextRef(family)))
 
     def _indirect_calls(self) -> Iterator[int]:
+        from ksim.analysis.abi import support_for
         from ksim.arch.base import Flow
-        from ksim.arch.x86_64.reader import flows
 
+        flows = support_for(self.image.arch).flows
         for func in self.image.functions:
             try:
                 code = self.image.code(func)
@@ -111,7 +112,7 @@ class Census:
                 continue
             req = self.request(code, insn.address, "auto")
             try:
-                planner.check_point(req)
+                planner.check_point(self.arch, req)
             except KsimError:
                 continue
             for tactic in JMP_FAMILY:

@@ -48,7 +48,7 @@ class Coverage:
         from ksim.targets.base import KernelABI, MemRef
 
         self.cs = cs
-        self.arch = get_arch("x86_64")
+        self.arch = get_arch(cs.image.arch)
         self.facts = SiteFacts(cs.image, self.arch)
         text_end = max(end for _s, end in cs.image.text_regions)
         #: a patch area right after the text: within jmp range of every point
@@ -67,7 +67,7 @@ class Coverage:
         from ksim.analysis.points import is_padding
 
         fa = self.facts.analysis(func)
-        insns = [i.address for b in fa.cfg.blocks.values() if b.insns and not is_padding(b)
+        insns = [i.address for b in fa.cfg.blocks.values() if b.insns and not is_padding(b, self.arch)
                  for i in b.insns]
         return {"entry": [self.facts.entry(func).address], "block": list(fa.points.blocks),
                 "insn": insns}
@@ -80,7 +80,7 @@ class Coverage:
         fc = self.facts.function_code(func)
         req = self.facts.request(point, fc, self.compile_at, self.area)
         try:
-            planner.check_point(req)
+            planner.check_point(self.arch, req)
         except KsimError as exc:
             return {t: normalize(f"{type(exc).__name__}: {exc}") for t in TACTICS}
         out: dict[str, str | None] = {}

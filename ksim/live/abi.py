@@ -14,6 +14,11 @@ from dataclasses import dataclass
 
 ABI_VERSION = 4
 DEVICE = "/dev/kerninst"
+#: the architecture (a ``ksim.arch`` name) kmod/kerninst.c is written for: its trap
+#: dispatch is the int3 handler's, its patch area lies within rel32 reach of text.
+#: The module's info names no architecture, so this is where a live kernel's is
+#: decided (``LiveTarget.arch``: an "arch" in the daemon's info reply wins).
+MACHINE = "x86_64"
 IOC_MAGIC = "K"
 
 # Limits, as in kerninst.h.

@@ -232,9 +232,12 @@ class LiveTarget:
     # -- what the engine asks for lazily -------------------------------------------
     @cached_property
     def arch(self) -> Arch:
+        """The kernel's architecture: as the daemon's info says, else the one the
+        kernel module is built for."""
         from ksim.arch import get_arch
+        from ksim.live.abi import MACHINE
 
-        return get_arch("x86_64")
+        return get_arch(str(self.info.get("arch", MACHINE)))
 
     @cached_property
     def kallsyms_path(self) -> Path:

@@ -67,11 +67,10 @@ def plain_insn(target: LiveTarget, name: str) -> tuple[int, bytes]:
     """plain_site's instruction: its address and all its bytes (a patch that
     displaces it copies them all and jumps back past them)."""
     from ksim.arch.base import Flow
-    from ksim.arch.x86_64.reader import decode
 
     start = target.lookup(name)
     code = target.read(start, 64)
-    insns = list(decode(code, start))
+    insns = list(target.arch.decode(code, start))
     hazards = target.text_hazards([(i.address, i.size) for i in insns])
     for insn, found in zip(insns, hazards, strict=True):
         if (insn.address > start and insn.size >= 5 and insn.flow is Flow.SEQ

@@ -157,7 +157,7 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
     Raises NotOnBoundary / OutsideText / Blacklisted / AlreadySpliced before
     trying tactics, and NoSafeTactic (with every tactic's reason) when none fits.
     """
-    check_point(req)
+    check_point(arch, req)
     tactics = POLICIES.get(req.policy)
     if tactics is None:
         raise KsimError(f"unknown splice policy {req.policy!r}; use one of {', '.join(POLICIES)}")
@@ -170,7 +170,7 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
     raise NoSafeTactic(req.point, {r.tactic: r.reason for r in report.refusals})
 
 
-def check_point(req: SpliceRequest) -> None:
+def check_point(arch: Arch, req: SpliceRequest) -> None:
     """Every check that does not depend on the tactic (kprobes' check_kprobe_address_safe).
 
     Every tactic moves the instruction at the point, so a hazard there refuses
@@ -179,7 +179,7 @@ def check_point(req: SpliceRequest) -> None:
     if not (func.start <= req.point < func.end):
         raise OutsideText(f"{req.point:#x} is outside {func.name} ({func.start:#x}..{func.end:#x})")
     first = func.insns[func.index_of(req.point)]  # NotOnBoundary
-    found = _must_stay(func, first)
+    found = _must_stay(arch, func, first)
     if any(lo <= req.point < hi for lo, hi in req.blacklist):
         found.add("blacklist")
     if found:
@@ -194,17 +194,17 @@ def check_point(req: SpliceRequest) -> None:
                                  f"{first.mnemonic} at {first.address:#x} does not")
 
 
-def _must_stay(func: FunctionCode, insn: Insn) -> set[str]:
-    """Why ``insn`` may be neither overwritten nor moved: its hazards, and an int3
-    that is not ours (another instrumenter's breakpoint)."""
+def _must_stay(arch: Arch, func: FunctionCode, insn: Insn) -> set[str]:
+    """Why ``insn`` may be neither overwritten nor moved: its hazards, and a
+    breakpoint that is not ours (another instrumenter's)."""
     found = set(func.hazards.get(insn.address, ()))
-    if insn.mnemonic == "int3":
+    if arch.is_breakpoint(insn):
         found.add("breakpoint")
     return found
 
 
 # --- the window of instructions a tactic overwrites ----------------------------------
-def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
+def _window(arch: Arch, req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
     """The instructions that must move to the patch so that ``size`` bytes at the
     point can be overwritten; or the reason why that is unsafe.  The window may
     spill over the filler after the function when its last instruction never
@@ -229,7 +229,7 @@ def _window(req: SpliceRequest, size: int) -> tuple[Insn, ...] | str:
             if insn.flow not in _DISPLACEABLE and insn.flow not in _ENDS_RUN and (
                     insn.flow not in (Flow.CALL, Flow.CALL_INDIRECT)):
                 return f"cannot displace {insn.mnemonic} at {insn.address:#x}"
-            found = _must_stay(func, insn)
+            found = _must_stay(arch, func, insn)
             if found:
                 return f"the {size}-byte window would move {insn.address:#x}, {hz.describe(found)}"
         if insn.address != req.point and any(
@@ -320,7 +320,7 @@ def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | st
     if not arch.jmp_reaches(req.point, req.dest):
         return f"{'the patch area' if req.dest == req.code_address else 'the replacement'} " \
                f"at {req.dest:#x} is out of jmp range"
-    moved = _window(req, arch.jmp_size)
+    moved = _window(arch, req, arch.jmp_size)
     if isinstance(moved, str):
         return moved
     if displace != (len(moved) > 1):
@@ -332,7 +332,7 @@ def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | st
 
 
 def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
-    moved = _window(req, arch.short_jmp_size)
+    moved = _window(arch, req, arch.short_jmp_size)
     if isinstance(moved, str):
         return moved
     # the window itself may spill into the padding: its bytes are no slot

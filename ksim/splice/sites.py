@@ -23,7 +23,7 @@ from functools import cached_property, lru_cache
 
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
-from ksim.analysis.points import Point, PointKind, is_filler_insn, is_padding
+from ksim.analysis.points import Point, PointKind, is_padding
 from ksim.analysis.store import store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
@@ -161,7 +161,7 @@ class SiteFacts:
         cfg = self.analysis(func).cfg
         code_end = func.end
         for block in reversed(list(cfg.blocks.values())):
-            if block.start < code_end and block.end >= code_end and is_padding(block):
+            if block.start < code_end and block.end >= code_end and is_padding(block, self.arch):
                 code_end = block.start
             else:
                 break
@@ -338,7 +338,7 @@ def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
         return True
     covered = 0
     for insn in arch.decode(data, address):
-        if not is_filler_insn(insn):
+        if not arch.is_filler(insn):
             return False
         covered += insn.size
     return covered == len(data)

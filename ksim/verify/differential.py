@@ -382,9 +382,9 @@ class Harness:
     def __init__(self, image: Image, arch: Arch | None = None, *, budget: int = DEFAULT_BUDGET,
                  facts: SiteFacts | None = None) -> None:
         if arch is None:
-            from ksim.arch.x86_64 import ARCH
+            from ksim.arch import get_arch
 
-            arch = ARCH
+            arch = get_arch(image.arch)
         self.image = image
         self.arch = arch
         self.facts = facts if facts is not None else SiteFacts(image, arch)
@@ -448,7 +448,7 @@ class Harness:
             return compile_hook(out, address) if compile_hook is not None else out
 
         req = self.facts.request(point.address, code, compile_at, self.area, policy=case.tactic)
-        planner.check_point(req)
+        planner.check_point(arch, req)
         bound = planner.patch_size_bound(arch, req)
         tactic = planner.TACTICS.get(case.tactic)
         if tactic is None:  # a policy ("auto"): the planner picks
@@ -575,7 +575,7 @@ def random_cases(harness: Harness, count: int, seed: int = 0, *,
                 addresses = [p.address for p in facts.points(func, PointKind.CALLSITE)]
             else:
                 addresses = [i.address for b in facts.analysis(func).blocks
-                             if not is_padding(b) for i in b.insns]
+                             if not is_padding(b, harness.arch) for i in b.insns]
                 if kind == "tricky":
                     addresses = _tricky(harness, facts.function_code(func).insns) or addresses
         except KsimError:

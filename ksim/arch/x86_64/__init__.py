@@ -1,7 +1,8 @@
 """The x86-64 architecture: the ``Arch`` object generic code is handed.
 
-Decoding is ``reader``; emitting is ``writer``; moving instructions is
-``relocator``; snippet code generation goes through ``emitter``.
+Decoding is ``reader`` (and ``scan``, in bulk); emitting is ``writer``; moving
+instructions is ``relocator``; snippet code generation goes through ``emitter``;
+the calling convention is ``convention``; jump-table idioms are ``jumptables``.
 """
 
 from __future__ import annotations
@@ -9,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ksim.arch.base import CallOperand, Insn
+from ksim.arch.base import Arch, CallOperand, CodeScans, FlowScan, Insn, JumpTableIdioms
 from ksim.errors import OutOfRange, RelocationError
 
 from . import regs
+from .convention import LINUX
 from .writer import INT8, INT32, fits
 
 if TYPE_CHECKING:
@@ -36,10 +38,11 @@ class X86_64:
     jmp_size = 5                   # e9 rel32
     short_jmp_size = 2             # eb rel8
     pad_byte = 0xCC
-    arg_regs = regs.ARG_REGS
-    ret_reg = regs.RET_REG
-    all_regs = regs.ALL_REGS
-    callee_saved = regs.CALLEE_SAVED
+    convention = LINUX
+    arg_regs = LINUX.arg_regs
+    ret_reg = LINUX.ret_reg
+    all_regs = LINUX.all_regs
+    pc_reg = "rip"
 
     def decode(self, code: bytes, address: int) -> Iterator[Insn]:
         from .reader import decode
@@ -50,6 +53,29 @@ class X86_64:
         from .reader import decode_one
 
         return decode_one(code, address)
+
+    def flow_scan(self) -> FlowScan:
+        from .reader import flows
+
+        return flows
+
+    def code_scan(self) -> CodeScans:
+        from .reader import EFFECTS
+        from .scan import rebuild, scan, scan_many
+
+        return scan, scan_many, rebuild, EFFECTS
+
+    def is_filler(self, insn: Insn) -> bool:
+        return insn.mnemonic.rsplit(" ", 1)[-1] in regs.FILLERS
+
+    def is_breakpoint(self, insn: Insn) -> bool:
+        return insn.mnemonic == "int3"  # cc, with or without prefixes
+
+    @property
+    def jump_tables(self) -> JumpTableIdioms:
+        from .jumptables import JUMP_TABLES
+
+        return JUMP_TABLES
 
     # --- jumps ---------------------------------------------------------------------
     def jmp_reaches(self, src: int, dst: int) -> bool:
@@ -121,4 +147,4 @@ class X86_64:
         return "X86_64()"
 
 
-ARCH = X86_64()
+ARCH: Arch = X86_64()

@@ -29,7 +29,8 @@ from collections.abc import Sequence
 from ksim.errors import CodegenError
 from ksim.snippets.codegen import Emitter
 
-from .regs import ARG_REGS, CALLER_SAVED, GPR64
+from .convention import LINUX
+from .regs import GPR64
 from .writer import (
     INT32,
     Label,
@@ -44,7 +45,7 @@ from .writer import (
 
 ACC, LEFT, SCRATCH = "rax", "rcx", "rdx"
 BASE_CLOBBERS = frozenset({ACC, LEFT, SCRATCH, "flags"})
-CALL_CLOBBERS = BASE_CLOBBERS | CALLER_SAVED | {"rbx"}
+CALL_CLOBBERS = BASE_CLOBBERS | LINUX.caller_saved | {"rbx"}
 
 #: codegen comparison -> condition code after ``cmp left, right`` (SDM Vol. 1, B.1)
 COMPARE_CC = {
@@ -385,7 +386,7 @@ class X86Emitter(Emitter):
     def call(self, address: int, nargs: int) -> None:
         if not self._frame_reg:
             raise CodegenError("a call needs the aligned frame: begin(..., calls=True)")
-        for reg in reversed(ARG_REGS[:nargs]):
+        for reg in reversed(LINUX.arg_regs[:nargs]):
             self._pop(reg)
         self._call(address)
 

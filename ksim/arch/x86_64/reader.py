@@ -35,12 +35,15 @@ from capstone import x86_const as X
 from ksim.arch.base import CallOperand, Flow, Insn
 from ksim.errors import CallOperandError, DecodeError
 
+from .regs import ALL_REGS, GPR64
+
 __all__ = [
     "GPRS",
     "ALL_REGS",
     "EFFECTS",
     "canonical_reg",
     "classify",
+    "detail",
     "reg_width",
     "decode",
     "decode_one",
@@ -51,11 +54,7 @@ __all__ = [
 ]
 
 #: the sixteen general-purpose registers by their 64-bit names, in encoding order
-GPRS: tuple[str, ...] = (
-    "rax", "rcx", "rdx", "rbx", "rsp", "rbp", "rsi", "rdi",
-    "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15",
-)
-ALL_REGS: frozenset[str] = frozenset(GPRS) | {"flags"}
+GPRS: tuple[str, ...] = GPR64
 
 # Sub-register names -> (64-bit name, width in bits).  Data, not code.
 _LEGACY = {  # 64, 32, 16, low 8, high 8
@@ -377,6 +376,12 @@ def insn_lengths(code: bytes, address: int) -> Iterator[tuple[int, int]]:
         yield addr, size
 
 
+def detail(insn: Insn) -> capstone.CsInsn:
+    """Capstone's full decoding of ``insn``, operands and all.  It is slow (see the
+    module doc): for the few instructions whose operands matter, never a sweep."""
+    return next(_CS_FULL.disasm(insn.raw, insn.address, 1))
+
+
 def call_operand(insn: Insn) -> CallOperand | None:
     """The operand an indirect call reads its destination from (None if ``insn`` is
     not an indirect call).  Capstone's detail gives base, index, scale, disp and
@@ -384,7 +389,7 @@ def call_operand(insn: Insn) -> CallOperand | None:
     a RIP-relative operand becomes its absolute address (``pc_ref``)."""
     if insn.flow is not Flow.CALL_INDIRECT or _base(insn.mnemonic) != "call":
         return None
-    full = next(_CS_FULL.disasm(insn.raw, insn.address, 1))
+    full = detail(insn)
     op = full.operands[0]
     if op.type == X.X86_OP_REG:
         return CallOperand(reg=_full_width(full.reg_name(op.reg), insn))

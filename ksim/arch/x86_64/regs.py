@@ -1,4 +1,4 @@
-"""x86-64 register and condition-code tables (plain data).
+"""x86-64 register, condition-code and opcode tables (plain data).
 
 Register numbers are the 4-bit encodings of Intel SDM Vol. 2A, Table 2-2
 ("32-Bit Addressing Forms with the ModR/M Byte") extended by REX.R/X/B
@@ -16,15 +16,13 @@ GPR64: tuple[str, ...] = (
 
 REG_NUM: dict[str, int] = {name: num for num, name in enumerate(GPR64)}
 
-#: System V AMD64 ABI (also the Linux kernel's): argument registers in order,
-#: return register, registers a callee must preserve (ABI 0.99, 3.2.1, Fig. 3.4)
-ARG_REGS: tuple[str, ...] = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
-RET_REG = "rax"
-CALLEE_SAVED: frozenset[str] = frozenset({"rbx", "rbp", "rsp", "r12", "r13", "r14", "r15"})
-CALLER_SAVED: frozenset[str] = frozenset(
-    {"rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11", "flags"}
-)
+#: every general-purpose register, plus "flags" (the status flags and DF); which of
+#: them carry arguments or survive calls is the calling convention's (convention.py)
 ALL_REGS: frozenset[str] = frozenset(GPR64) | {"flags"}
+
+#: mnemonics of alignment filler, the instructions compilers pad with (capstone
+#: spells prefixed ones "data16 nop"; the last word is the operation)
+FILLERS: frozenset[str] = frozenset({"nop", "int3"})
 
 #: condition codes: the low nibble of Jcc (0f 80+cc) and SETcc (0f 90+cc)
 #: (SDM Vol. 2A, "Jcc", and Vol. 1, Appendix B, Table B-1)

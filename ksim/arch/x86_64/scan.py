@@ -16,7 +16,7 @@ direct targets and register effects -- without an object per instruction:
   Debian 6.1 vmlinux, as kallsyms extents run up to the next symbol) is not decoded
   at all: it is reported as a count of trailing one-byte ``int3``.
 
-The result follows ``ksim.analysis.abi.CodeScan``: (sizes, codes, targets, tail, tail
+The result follows ``ksim.arch.base.CodeScan``: (sizes, codes, targets, tail, tail
 code) with
 one code per decoded instruction packed as ``flow | filler << 3 | has target << 4 |
 effects << 5`` (flow as an index into ``tuple(Flow)``, effects as an index into
@@ -36,22 +36,18 @@ from typing import cast
 
 import capstone
 
-from ksim.arch.base import Flow, Insn
+from ksim.arch.base import EFFECT_SHIFT, FILLER_BIT, FLOW_MASK, FLOWS, TARGET_BIT, Insn
 
 from . import reader
+from .regs import FILLERS
 
-__all__ = ["FLOWS", "PAD", "rebuild", "scan", "scan_many"]
+__all__ = ["EFFECT_SHIFT", "FILLER_BIT", "FLOWS", "PAD", "TARGET_BIT", "rebuild", "scan", "scan_many"]
 
-#: flow index -> Flow (SEQ is 0)
-FLOWS: tuple[Flow, ...] = tuple(Flow)
+#: flow index -> Flow (SEQ is 0): the packing of ksim.arch.base.CodeScan
 _FLOW_INDEX = {flow: i for i, flow in enumerate(FLOWS)}
 #: the byte that pads functions (int3, SDM "INT n/INTO/INT3/INT1")
 PAD = 0xCC
 _PAD_BYTE = bytes([PAD])
-FILLER_BIT = 1 << 3
-TARGET_BIT = 1 << 4
-EFFECT_SHIFT = 5
-_FILLERS = frozenset({"nop", "int3"})
 
 _INSN = capstone._cs_insn
 _INSN_PTR = ctypes.POINTER(_INSN)
@@ -96,7 +92,7 @@ def _code_of(mnemonic: bytes, op_str: bytes, raw: bytes, address: int) -> int:
     code = _FLOW_INDEX[flow] | (effects << EFFECT_SHIFT)
     if target is not None:
         code |= TARGET_BIT
-    if text.rsplit(" ", 1)[-1] in _FILLERS:
+    if text.rsplit(" ", 1)[-1] in FILLERS:
         code |= FILLER_BIT
     return code
 
@@ -204,7 +200,7 @@ def rebuild(code: bytes, address: int, sizes: bytes, codes: Sequence[int], targe
             break
         at = addr - address
         reads, writes = effects[packed >> EFFECT_SHIFT]
-        out.append(Insn(addr, size, code[at:at + size], mnemonic, op_str, FLOWS[packed & 0b111],
+        out.append(Insn(addr, size, code[at:at + size], mnemonic, op_str, FLOWS[packed & FLOW_MASK],
                         next_target() if packed & TARGET_BIT else None,
                         reader._pc_ref(op_str, addr + size) if "rip" in op_str else None,
                         reads, writes))

@@ -1,0 +1,45 @@
+"""The Linux kernel's calling convention on x86-64: the one table of it.
+
+The System V AMD64 ABI (0.99, 3.2.1, Fig. 3.4 "Register Usage") as the kernel
+uses it: no red zone, no vector registers in kernel C code.  Argument registers
+in order, return registers (a one-word value in rax, a two-word one in rax:rdx),
+the registers a callee saves and restores, and the stack pointer, which the ABI
+preserves too but which the analyses treat apart (see
+:class:`ksim.arch.base.CallConvention`): rsp is "preserved across function calls"
+in Fig. 3.4, and is not in ``callee_saved``.
+
+The special callees are assembly routines with their own register interfaces:
+__fentry__ / mcount (preserve everything), __get_user_* / __put_user_*
+(arch/x86/lib/getuser.S, putuser.S: pointer and value in rax/rcx/rdx, clobber
+almost nothing), copy/clear_user helpers (rep_movs_alternative: rcx/rsi/rdi),
+__sw_hweight* (preserve all but rax), __switch_to_asm, the thunk_*.S wrappers, and
+memcpy/memset variants patched by alternatives.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ksim.arch.base import CallConvention
+
+from .regs import ALL_REGS
+
+LINUX = CallConvention(
+    arg_regs=("rdi", "rsi", "rdx", "rcx", "r8", "r9"),
+    ret_regs=("rax", "rdx"),
+    callee_saved=frozenset({"rbx", "rbp", "r12", "r13", "r14", "r15"}),
+    stack_reg="rsp",
+    all_regs=ALL_REGS,
+    special_callee=re.compile(
+        r"^(__fentry__|mcount|__mcount|__get_user_.*|__put_user_.*|__get_user_nocheck_.*"
+        r"|__put_user_nocheck_.*|rep_movs_alternative|rep_stos_alternative|copy_user_.*"
+        r"|clear_user_.*|__clear_user|__sw_hweight\d+|__switch_to_asm|.*_thunk(_\w+)?"
+        r"|__memcpy|memcpy_orig|memcpy_erms|__memset|memset_orig|memset_erms"
+        r"|__x86_indirect_.*|__x86_return_thunk|__x86_retpoline_.*|srso_.*|retbleed_.*"
+        r"|__sanitizer_.*|__tsan_.*|__asan_.*|__kcsan_.*)$"
+    ),
+    special_call_table=re.compile(r"^(pv_ops|pv_.*_ops|paravirt_.*)$"),
+    indirect_thunk=re.compile(r"^__x86_indirect_(?:call_|jump_)?thunk_(r\w+)$"),
+    return_thunk=re.compile(r"^(__x86_return_thunk|srso_return_thunk|retbleed_return_thunk"
+                            r"|srso_alias_return_thunk|__ret)$"),
+)
