@@ -11,6 +11,8 @@ REGISTRY: dict[str, str] = {
     "x86_64": "ksim.arch.x86_64",
     "x86-64": "ksim.arch.x86_64",
     "amd64": "ksim.arch.x86_64",
+    "aarch64": "ksim.arch.aarch64",
+    "arm64": "ksim.arch.aarch64",
 }
 
 #: the architecture of instructions handed over without one (``build_cfg`` called

@@ -1,0 +1,46 @@
+"""The Linux kernel's calling convention on AArch64: the one table of it.
+
+AAPCS64 (Arm IHI 0055, 6.1.1 "General-purpose registers", 6.9 "Result return") as
+the kernel uses it: arguments in x0..x7, a one-word result in x0 (a two-word one
+in x0:x1), x19..x28 and the frame pointer x29 saved and restored by a callee.
+The stack pointer is preserved too but kept apart (``stack_reg``, see
+:class:`ksim.arch.base.CallConvention`).  x16/x17 (IP0/IP1, clobbered by veneers),
+x18 (the platform register: an ordinary temporary, or the shadow call stack
+pointer that every callee preserves), the link register x30 and the flags are
+caller-saved.
+
+The special callees are the assembly routines with their own register
+interfaces: ``_mcount`` and the ftrace trampolines (entered with the caller's x30
+in x9 under ``-fpatchable-function-entry``, arch/arm64/kernel/entry-ftrace.S),
+the sanitizers' check routines (``__hwasan_check_*`` take the address in x0 and
+a tag in x16/x17 and preserve everything else), and ``cpu_switch_to``.
+
+There are no paravirt call tables with custom conventions, no retpoline thunks and
+no return thunks on arm64: those patterns match nothing.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ksim.arch.base import CallConvention
+
+from .regs import ALL_REGS, ARG_REGS
+
+_NOTHING = re.compile(r"(?!)")
+
+LINUX = CallConvention(
+    arg_regs=ARG_REGS,
+    ret_regs=("x0", "x1"),
+    callee_saved=frozenset({f"x{n}" for n in range(19, 30)}),
+    stack_reg="sp",
+    all_regs=ALL_REGS,
+    special_callee=re.compile(
+        r"^(_mcount|__fentry__|ftrace_caller|ftrace_regs_caller|ftrace_common"
+        r"|ftrace_graph_caller|return_to_handler|cpu_switch_to|__cpu_switch_to"
+        r"|__hwasan_.*|__asan_.*|__kasan_.*|__kcsan_.*|__tsan_.*|__sanitizer_.*)$"
+    ),
+    special_call_table=_NOTHING,
+    indirect_thunk=_NOTHING,
+    return_thunk=_NOTHING,
+)
