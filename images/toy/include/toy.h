@@ -1,31 +1,31 @@
 /*
  * Common definitions of the toy kernel: types, attributes, the subsystem
  * structures and every cross-file prototype.  Included by C and by assembly
- * (only the #defines above __ASSEMBLY__ are visible to .S files).
+ * (only the #defines above __ASSEMBLY__ are visible to .S files).  What differs
+ * by architecture is under __x86_64__ here, or in <asm-arm64.h>.
  */
 #ifndef TOY_H
 #define TOY_H
-
-#define __START_KERNEL_map	0xffffffff80000000
 #define THREAD_SIZE		16384
 #define NR_TASKS		6	/* init_task (pid 0) + 5 workers */
 #define KSIM_TRAP_SLOTS		1024
-
 /* struct task_struct offsets used by __switch_to_asm (checked by _Static_assert). */
 #define TASK_threadsp		0
 #define TASK_pid		16
 #define TASK_comm		144
 #define TASK_struct_size	160
 
+#if defined(__x86_64__)
+#define __START_KERNEL_map	0xffffffff80000000
+#define IRQ0_VECTOR		0x20
 /* isa-debug-exit: QEMU exits with status (value << 1) | 1. */
 #define DEBUG_EXIT_PORT		0xf4
 #define DEBUG_EXIT_SUCCESS	0x10	/* exit status 33 */
 #define DEBUG_EXIT_FAILURE	0x11	/* exit status 35 */
-
-#define IRQ0_VECTOR		0x20
-
+#elif defined(__aarch64__)
+#include <asm-arm64.h>
+#endif
 #ifndef __ASSEMBLY__
-
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -70,7 +70,7 @@ typedef _Bool bool;
 #define ENOSYS	38
 #define EAGAIN	11
 
-/* ---- port I/O -------------------------------------------------------- */
+#ifdef __x86_64__	/* ---- port I/O, the TSC (arm64: <asm-arm64.h>) ------------ */
 static inline void outb(u8 v, u16 port)
 {
 	__asm__ __volatile__("outb %0, %1" : : "a"(v), "Nd"(port));
@@ -91,7 +91,7 @@ static inline u64 rdtsc(void)
 	__asm__ __volatile__("rdtsc" : "=a"(lo), "=d"(hi));
 	return ((u64)hi << 32) | lo;
 }
-
+#endif
 /* ---- lists ----------------------------------------------------------- */
 struct list_head {
 	struct list_head *next, *prev;

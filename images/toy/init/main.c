@@ -8,7 +8,7 @@
  * unicorn and on QEMU.
  */
 #include <toy.h>
-
+#include <asm-workload.h>
 /* The ksim ABI: the loader may overwrite these before the kernel starts. */
 volatile u64 ksim_workload_seed = 0x5eed0001;
 volatile u64 ksim_workload_iterations = 3000;
@@ -315,7 +315,7 @@ static noinline void __noreturn ksim_bench_run(u64 calls)
 	ksim_halt();
 }
 
-/* seed=N iterations=N bench=N on the PVH command line (QEMU -append). */
+#ifdef __x86_64__	/* seed=N iterations=N bench=N on the PVH command line (QEMU -append) */
 static noinline void parse_boot_params(void)
 {
 	const u32 *si;
@@ -340,7 +340,7 @@ static noinline void parse_boot_params(void)
 			p++;
 	}
 }
-
+#endif
 noinline void start_kernel(void)
 {
 	printk("toy: ksim toy kernel booting\n");
@@ -359,3 +359,27 @@ noinline void start_kernel(void)
 		ksim_bench_run(ksim_bench_calls);
 	workload_start();
 }
+
+#ifdef __aarch64__
+/*
+ * seed=N iterations=N bench=N on the command line: the DTB's /chosen/bootargs
+ * (QEMU -append), which setup_arch() (arch/arm64/setup.c) copied.
+ */
+noinline void parse_boot_params(void)
+{
+	const char *p = boot_command_line;
+
+	while (*p) {
+		if (!strncmp(p, "seed=", 5))
+			ksim_workload_seed = simple_strtoull(p + 5, &p, 0);
+		else if (!strncmp(p, "iterations=", 11))
+			ksim_workload_iterations = simple_strtoull(p + 11, &p, 0);
+		else if (!strncmp(p, "bench=", 6))
+			ksim_bench_calls = simple_strtoull(p + 6, &p, 0);
+		while (*p && *p != ' ')
+			p++;
+		while (*p == ' ')
+			p++;
+	}
+}
+#endif

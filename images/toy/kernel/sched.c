@@ -20,7 +20,7 @@ struct task_struct init_task = {
 };
 struct task_struct *current_task = &init_task;
 
-/* arch/x86/entry.S turns these into the absolute ELF symbols ksim reads. */
+/* arch/{x86,arm64}/entry.S turn these into the absolute ELF symbols ksim reads. */
 _Static_assert(offsetof(struct task_struct, pid) == TASK_pid, "TASK_pid is stale");
 _Static_assert(offsetof(struct task_struct, comm) == TASK_comm, "TASK_comm is stale");
 _Static_assert(sizeof(struct task_struct) == TASK_struct_size, "TASK_struct_size is stale");
@@ -196,15 +196,15 @@ noinline struct task_struct *kernel_thread(void (*fn)(void *), void *arg, const 
 
 	/*
 	 * The first switch to p pops r15, r14, r13, r12, rbx, rbp (as pushed by
-	 * __switch_to_asm), then __switch_to returns into ret_from_fork, which
-	 * calls fn(arg) from rbx/r12.
+	 * __switch_to_asm), then __switch_to returns into ret_from_fork, which calls
+	 * fn(arg) from rbx/r12.  arm64 reads the same slots (arch/arm64/entry.S).
 	 */
 	sp = (u64 *)(task_stacks[slot] + THREAD_SIZE);
 	*--sp = 0;				/* fake return address of fn: stops unwinding */
-	*--sp = (u64)ret_from_fork;
-	*--sp = 0;				/* rbp */
-	*--sp = (u64)fn;			/* rbx */
-	*--sp = (u64)arg;			/* r12 */
+	*--sp = (u64)ret_from_fork;		/* return address (arm64: lr) */
+	*--sp = 0;				/* rbp (arm64: fp) */
+	*--sp = (u64)fn;			/* rbx (arm64: x19) */
+	*--sp = (u64)arg;			/* r12 (arm64: x20) */
 	*--sp = 0;				/* r13 */
 	*--sp = 0;				/* r14 */
 	*--sp = 0;				/* r15 */

@@ -1,7 +1,7 @@
 /*
- * kernel/sys.c: system calls and their dispatch.  The handlers take a
- * struct pt_regs, as __x64_sys_* do in Linux, and are reached only through
- * sys_call_table from do_syscall_64.
+ * kernel/sys.c: system calls and their dispatch.  The handlers take a struct
+ * pt_regs, as __x64_sys_* do in Linux, and are reached only through sys_call_table
+ * from do_syscall_64 (on arm64 __arm64_sys_* and invoke_syscall: <asm-arm64.h>).
  */
 #include <toy.h>
 

@@ -2,7 +2,7 @@
  * kernel/timer.c: jiffies, the tick path (update_process_times ->
  * scheduler_tick) and soft timers run from run_timer_softirq.  The workload
  * drives ticks itself so that they are deterministic; the hardware timer
- * interrupt only counts irq_ticks (arch/x86/entry.S).
+ * interrupt only counts irq_ticks (arch/{x86,arm64}/entry.S).
  */
 #include <toy.h>
 
