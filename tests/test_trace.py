@@ -147,7 +147,7 @@ def test_begin_end_print_clear_delete(capsys, toy_path):
                "END { print(@start + 1); print(@k); clear(@gone); @seen = @n > 0; }")
     assert main(["trace", "-e", program]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0] == "Attaching 1 probe..."
+    assert out[0] == "Attaching 3 probes..."  # as bpftrace counts: BEGIN, END and the kprobe
     n = next(line for line in out if line.startswith("@n: "))
     assert int(n.split()[-1]) > 0
     assert out[1:] == ["8", "@k[2]: 2", "", "@k[2]: 2", "", n, "", "@seen: 1", "", "@start: 7", ""]

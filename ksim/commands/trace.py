@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     def announce(session: Any) -> None:
         attached["tactics"] = session.tactics()
         if not args.json:
-            n = len(session.attached)
+            n = session.probe_count()
             print(f"Attaching {n} probe{'s' if n != 1 else ''}...", flush=True)
 
     def write(text: str) -> None:

@@ -280,6 +280,12 @@ class TraceSession:
         for name in sorted(self.layouts):
             self.print_map(name)
 
+    def probe_count(self) -> int:
+        """The probes attached, counted as bpftrace's "Attaching N probes..." counts
+        them: every kernel point, and every BEGIN, END and interval attach point."""
+        return len(self.attached) + sum(1 for p in self.program.probes for ap in p.points
+                                        if ap.provider in t.CLIENT_PROVIDERS)
+
     def _special(self, which: str) -> None:
         for probe in self.program.probes:
             if any(ap.provider == which for ap in probe.points):
