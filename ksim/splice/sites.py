@@ -87,11 +87,12 @@ class SiteFacts:
         """The function's entry point.  When the function starts with an ftrace
         location (the 5-byte ``call __fentry__`` / nop the kernel rewrites when
         tracing starts), the entry point is the instruction after it: it runs
-        exactly as often, with the same arguments, and ftrace keeps its bytes."""
+        exactly as often, with the same arguments, and ftrace keeps its bytes -- also
+        while a tracer (a kprobe, bpftrace) uses that location."""
         address = self.analysis(func).points.entry
         code = self.function_code(func)
         first = code.insns[0] if code.insns and code.insns[0].address == address else None
-        if first is not None and code.hazards.get(address) == frozenset({"ftrace"}) \
+        if first is not None and "ftrace" in code.hazards.get(address, ()) \
                 and first.flow in (Flow.SEQ, Flow.CALL) and first.end < code.end:
             address = first.end
         return Point(address, PointKind.ENTRY, func.name)

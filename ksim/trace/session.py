@@ -281,10 +281,11 @@ class TraceSession:
             self.print_map(name)
 
     def probe_count(self) -> int:
-        """The probes attached, counted as bpftrace's "Attaching N probes..." counts
-        them: every kernel point, and every BEGIN, END and interval attach point."""
-        return len(self.attached) + sum(1 for p in self.program.probes for ap in p.points
-                                        if ap.provider in t.CLIENT_PROVIDERS)
+        """The probes, counted as bpftrace's "Attaching N probes..." counts them before
+        it attaches: every kernel point, every one skipped (bpftrace counts an attach
+        point it then fails to attach), and every BEGIN, END and interval attach point."""
+        return len(self.attached) + len(self.skipped) + sum(
+            1 for p in self.program.probes for ap in p.points if ap.provider in t.CLIENT_PROVIDERS)
 
     def _special(self, which: str) -> None:
         for probe in self.program.probes:
