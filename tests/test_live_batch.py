@@ -107,19 +107,8 @@ def counting(var: dict[int, ast.Var]) -> Callable[[Point], ast.Snippet]:
     return lambda p: var[p.address].atomic_assign(var[p.address] + 1)
 
 
-def text_of(t: LiveTarget, points: list[Point], size: int = 16) -> dict[int, bytes]:
-    """The bytes at each point, read a span (up to 1 MB) at a time."""
-    out: dict[int, bytes] = {}
-    addresses = sorted(p.address for p in points)
-    i = 0
-    while i < len(addresses):
-        j = i
-        while j + 1 < len(addresses) and addresses[j + 1] + size - addresses[i] <= 1 << 20:
-            j += 1
-        data = t.read(addresses[i], addresses[j] + size - addresses[i])
-        out.update({a: data[a - addresses[i]:a - addresses[i] + size] for a in addresses[i:j + 1]})
-        i = j + 1
-    return out
+def text_of(t: LiveTarget, points: list[Point]) -> dict[int, bytes]:
+    return t.read_many([p.address for p in points])
 
 
 @contextlib.contextmanager

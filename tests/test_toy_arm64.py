@@ -6,10 +6,8 @@ boot in qemu-system-aarch64 (-M virt)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -19,6 +17,7 @@ import capstone
 import pytest
 import unicorn
 from elftools.elf.elffile import ELFFile
+from qemu_exit import run_to_exit
 from unicorn import arm64_const as A
 
 from ksim import images
@@ -527,19 +526,7 @@ def boot(elf: Path, append: str = "", machine: str = "virt", cpu: str = "cortex-
         cmd.append("-semihosting")
     if append:
         cmd += ["-append", append]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"QEMU did not exit within {timeout} s:\n{out.decode(errors='replace')[-2000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return proc.returncode, out.decode(errors="replace").replace("\r\n", "\n")
+    return run_to_exit(cmd, timeout)
 
 
 @needs_qemu

@@ -4,16 +4,14 @@ ksim_trap_table by the kernel's own #BP handler."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import signal
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
 from elftools.elf.elffile import ELFFile
+from qemu_exit import run_to_exit
 from toy_traps import first_insn, trap_patch
 
 from ksim.images import toy
@@ -35,20 +33,7 @@ def boot(elf: Path, append: str = "", timeout: float = TIMEOUT) -> tuple[int, st
            "-accel", "tcg", "-m", "256M", "-device", "isa-debug-exit,iobase=0xf4,iosize=0x04"]
     if append:
         cmd += ["-append", append]
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"QEMU did not exit within {timeout} s; output:\n{out.decode(errors='replace')[-2000:]}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    text = out.decode(errors="replace").replace("\r\n", "\n")
-    return proc.returncode, text
+    return run_to_exit(cmd, timeout)
 
 
 def unicorn_run(elf: Path, seed: int, trap_table: bool = False):

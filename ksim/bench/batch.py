@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ksim.analysis.function import CACHE_FUNCTIONS
+from ksim.analysis.store import for_batch
 from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
 from ksim.errors import KsimError
 
@@ -157,20 +158,6 @@ def _counting(var: dict[int, Any]) -> Any:
 
 
 # --- the live testbed ---------------------------------------------------------------------
-def _text_of(t: Any, addresses: list[int], size: int = 16) -> dict[int, bytes]:
-    out: dict[int, bytes] = {}
-    addresses = sorted(addresses)
-    i = 0
-    while i < len(addresses):
-        j = i
-        while j + 1 < len(addresses) and addresses[j + 1] + size - addresses[i] <= 1 << 20:
-            j += 1
-        data = t.read(addresses[i], addresses[j] + size - addresses[i])
-        out.update({a: data[a - addresses[i]:a - addresses[i] + size] for a in addresses[i:j + 1]})
-        i = j + 1
-    return out
-
-
 # The guest side of choosing functions: the names ftrace lists (kprobes at +0 go
 # through it) that bpftrace can also attach a kfunc to -- in BTF, with at most six
 # arguments, none of them and not the return value a struct or union passed by value
@@ -246,8 +233,6 @@ def _pool(m: Any, t: Any, want: int | None, bar: Any, work: Path) -> tuple[list[
     eligible = sorted((f for f in funcs if names[f.name] == 1 and "." not in f.name
                        and f.name in traceable), key=lambda f: f.address)
     random.Random(SEED).shuffle(eligible)
-    from ksim.analysis.store import for_batch
-
     t0 = time.perf_counter()
     for_batch(t.image, len(eligible))  # the kernel's analysis store: read its text, analyse it
     store_s = time.perf_counter() - t0
@@ -276,7 +261,7 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     m.spliceable_entries([t.image.function_at(p.address) for p in points], policy)
     analyse_s = time.perf_counter() - t0
-    before = _text_of(t, [p.address for p in points])
+    before = t.read_many([p.address for p in points])
     base = m.alloc_data(8 * len(points))
     var = _counters(base, points)
     t0 = time.perf_counter()
@@ -287,7 +272,7 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
     t0 = time.perf_counter()
     m.remove_many(handles)
     detach_s = time.perf_counter() - t0
-    restored = _text_of(t, [p.address for p in points]) == before
+    restored = t.read_many([p.address for p in points]) == before
     m.free(base)
     return {"status": "ok", "attach_s": attach_s, "detach_s": detach_s, "hits": hits,
             "workload_s": run.seconds, "text_restored": restored, "analyse_s": analyse_s,

@@ -171,8 +171,8 @@ class Image:
     def frozen(self) -> Image:
         """This image with every function's bytes read now and kept: reading the copy
         never calls the reader again (forked processes can analyse it).  A read the
-        kept bytes do not cover raises :class:`SnapshotMiss` and is noted in the copy's
-        ``misses``.  A function whose bytes cannot be read is left out of what is kept."""
+        kept bytes do not cover raises :class:`SnapshotMiss` and is noted (see
+        :meth:`take_misses`).  A function whose bytes cannot be read is left out of what is kept."""
         if self._reader is None:
             return self
         pieces: list[tuple[int, bytes]] = []
@@ -186,9 +186,11 @@ class Image:
         for lo, hi in runs:
             try:
                 pieces.append((lo, self.read(lo, hi - lo)))
-            except KsimError:
-                for f in self.functions:  # a hole somewhere: function by function
-                    if lo <= f.address < hi and f.size:
+            except KsimError:  # a hole somewhere: function by function
+                first = bisect.bisect_left(self._func_starts, lo)
+                last = bisect.bisect_left(self._func_starts, hi)
+                for f in self.functions[first:last]:
+                    if f.size:
                         try:
                             pieces.append((f.address, self.read(f.address, f.size)))
                         except KsimError:

@@ -19,8 +19,7 @@ LDR (literal) +-1 MB, TBZ/TBNZ +-32 KB, ADRP +-4 GB (in 4 KB pages).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+from ksim.arch.code import CodeBuffer, Label, condition
 from ksim.errors import CodegenError, OutOfRange
 
 from . import pcrel
@@ -42,14 +41,6 @@ SYSREGS: dict[str, tuple[int, int, int, int, int]] = {
 }
 
 _SIZE_BITS = {1: 0, 2: 1, 4: 2, 8: 3}
-
-
-@dataclass(frozen=True, slots=True)
-class Label:
-    """A position in the writer's code, bound by ``put_label``."""
-
-    id: int
-    name: str = ""
 
 
 def reg(name: str, *, sp: bool = False, zr: bool = False) -> tuple[int, bool]:
@@ -91,57 +82,25 @@ def mov_imm_words(rd: int, value: int) -> list[int]:
 
 
 def _check_cond(cond: str | int) -> int:
-    if isinstance(cond, int):
-        if not 0 <= cond < 16:
-            raise CodegenError(f"condition code {cond} out of 0..15")
-        return cond
-    try:
-        return COND[cond]
-    except KeyError:
-        raise CodegenError(f"unknown condition {cond!r}") from None
+    return condition(cond, COND)
 
 
-class Writer:
+class Writer(CodeBuffer):
     """Accumulates the code of one patch that will run at ``address``."""
 
     def __init__(self, address: int) -> None:
         if address % WORD:
             raise CodegenError(f"A64 code must be 4-byte aligned, not at {address:#x}")
-        self.address = address
-        self._code = bytearray()
-        self._labels: dict[int, int] = {}
-        self._names: dict[int, str] = {}
+        super().__init__(address)
         #: (offset of the instruction, its PC-relative form, label id)
         self._fixups: list[tuple[int, pcrel.Form, int]] = []
-
-    # --- positions and labels -------------------------------------------------------
-    @property
-    def offset(self) -> int:
-        return len(self._code)
-
-    @property
-    def pc(self) -> int:
-        """The address the next instruction will have."""
-        return self.address + len(self._code)
-
-    def new_label(self, name: str = "") -> Label:
-        label = Label(len(self._names), name)
-        self._names[label.id] = name
-        return label
-
-    def put_label(self, label: Label) -> None:
-        if label.id in self._labels:
-            raise CodegenError(f"label {label.name or label.id} bound twice")
-        self._labels[label.id] = len(self._code)
 
     def flush(self) -> bytes:
         """Resolve every label reference and return the code."""
         code = bytearray(self._code)
         for at, form, label_id in self._fixups:
-            if label_id not in self._labels:
-                raise CodegenError(f"label {self._names[label_id] or label_id} never bound")
             word = int.from_bytes(code[at:at + WORD], "little")
-            word = form.with_target(word, self.address + at, self.address + self._labels[label_id])
+            word = form.with_target(word, self.address + at, self.address + self._bound(label_id))
             code[at:at + WORD] = word.to_bytes(WORD, "little")
         return bytes(code)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+from ksim.arch.code import CodeBuffer, Label, condition
 from ksim.errors import CodegenError, OutOfRange
 
 from .regs import ALU, COND, SEGMENT_PREFIX, SHIFT, UNARY, reg_num
@@ -41,14 +42,6 @@ def abs32_reaches(address: int) -> bool:
 
 def rel32_reaches(src_end: int, dst: int) -> bool:
     return fits(signed64(dst - src_end), INT32)
-
-
-@dataclass(frozen=True, slots=True)
-class Label:
-    """A position in the writer's code, bound by ``put_label``."""
-
-    id: int
-    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,54 +102,22 @@ NOPS: tuple[bytes, ...] = (
 
 
 def _cc(cond: str | int) -> int:
-    if isinstance(cond, int):
-        if not 0 <= cond < 16:
-            raise CodegenError(f"condition code {cond} out of 0..15")
-        return cond
-    try:
-        return COND[cond]
-    except KeyError:
-        raise CodegenError(f"unknown condition {cond!r}") from None
+    return condition(cond, COND)
 
 
-class Writer:
+class Writer(CodeBuffer):
     """Accumulates the code of one patch that will run at ``address``."""
 
     def __init__(self, address: int) -> None:
-        self.address = address
-        self._code = bytearray()
-        self._labels: dict[int, int] = {}
-        self._names: dict[int, str] = {}
+        super().__init__(address)
         #: (offset of the rel field, its size, offset of the instruction's end, label id)
         self._fixups: list[tuple[int, int, int, int]] = []
-
-    # --- positions and labels -------------------------------------------------------
-    @property
-    def offset(self) -> int:
-        return len(self._code)
-
-    @property
-    def pc(self) -> int:
-        """The address the next instruction will have."""
-        return self.address + len(self._code)
-
-    def new_label(self, name: str = "") -> Label:
-        label = Label(len(self._names), name)
-        self._names[label.id] = name
-        return label
-
-    def put_label(self, label: Label) -> None:
-        if label.id in self._labels:
-            raise CodegenError(f"label {label.name or label.id} bound twice")
-        self._labels[label.id] = len(self._code)
 
     def flush(self) -> bytes:
         """Resolve every label reference and return the code."""
         code = bytearray(self._code)
         for at, size, end, label_id in self._fixups:
-            if label_id not in self._labels:
-                raise CodegenError(f"label {self._names[label_id] or label_id} never bound")
-            rel = self._labels[label_id] - end
+            rel = self._bound(label_id) - end
             if size == 1 and not fits(rel, INT8):
                 raise OutOfRange(f"rel8 branch at {self.address + end:#x} cannot reach label")
             code[at:at + size] = rel.to_bytes(size, "little", signed=True)
