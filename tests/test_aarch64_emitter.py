@@ -529,3 +529,15 @@ def test_unknown_segment_and_live_register_are_refused():
 
 def test_random_registers_include_every_gpr():
     assert set(random_regs(random.Random(0), STACK_TOP)) == set(GPRS) | {"sp", "nzcv"}
+
+
+def test_samples_in_a_row_each_stop_at_their_end():
+    """Many snippets run one after another at one address: blocks translated for an
+    earlier, longer one and chained to must not carry a run past its end."""
+    rng = random.Random(1)
+    regs = sorted(ARCH.all_regs)
+    machine().put64(DATA + 0x100, DATA + 0x200)
+    for _ in range(120):
+        which = rng.randrange(len(SAMPLES))
+        live = set(rng.sample(regs, rng.randrange(len(regs))))
+        run([SAMPLES[which]()], live=live | {"x19"}, seed=rng.getrandbits(32))

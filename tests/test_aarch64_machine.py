@@ -56,6 +56,9 @@ class Machine:
         """Run from ``start`` until the pc reaches ``until``; the registers after."""
         if regs:
             self.set_regs(regs)
+        # the stop at ``until`` is compiled into the blocks translated for this run: a
+        # block translated earlier at ``until`` (from longer code) would run past it
+        self.uc.ctl_remove_cache(until & ~(PAGE - 1), (until | (PAGE - 1)) + 1)
         self.uc.emu_start(start, until, count=count)
         assert self.pc == until, f"stopped at {self.pc:#x}, not {until:#x}"
         return self.regs()
