@@ -166,6 +166,21 @@ static const char *const ki_forbidden[][2] = {
 static unsigned long ki_forbidden_range[ARRAY_SIZE(ki_forbidden)][2];
 
 /*
+ * Functions the kernel's int3 path calls out of line before a die notifier
+ * (kerninst's) sees the trap, and that no blacklist covers: exc_int3 ->
+ * do_int3 -> notify_die, whose atomic notifier chain takes rcu_read_lock(),
+ * out of line under CONFIG_PREEMPT_RCU (kernel/rcu/tree_plugin.h).  An int3
+ * there -- a trap route or the temporary int3 of a multi-byte poke -- traps
+ * again before any handler can route it, until the NMI nesting count
+ * overflows (BUG in irqentry_nmi_enter).  A name the kernel lacks is skipped.
+ */
+static const char *const ki_trap_path[] = {
+	"__rcu_read_lock", "__rcu_read_unlock", "rcu_read_unlock_special",
+	"__rcu_irq_enter_check_tick",
+};
+static unsigned long ki_trap_path_range[ARRAY_SIZE(ki_trap_path)][2];
+
+/*
  * Kernel memory one client may pin: trap routes and live text writes at once.
  * The tables have no fixed size; these bound them, and may be changed at run
  * time (/sys/module/kerninst/parameters/).  A request that would pass one is
@@ -319,6 +334,17 @@ static int ki_resolve_all(void)
 	}
 	ki_arch_jump_entry_size = (void *)ki_lookup("arch_jump_entry_size");
 	ki_kallsyms_lookup_size_offset = (void *)ki_lookup("kallsyms_lookup_size_offset");
+	for (i = 0; i < ARRAY_SIZE(ki_trap_path); i++) {
+		unsigned long addr = ki_lookup(ki_trap_path[i]), size = 1, offset;
+
+		if (!addr)
+			continue;
+		/* without symbol sizes, the entry alone: where every route and poke of it starts */
+		if (ki_kallsyms_lookup_size_offset)
+			ki_kallsyms_lookup_size_offset(addr, &size, &offset);
+		ki_trap_path_range[i][0] = addr;
+		ki_trap_path_range[i][1] = addr + size;
+	}
 	/* The jump-label lock and its check go together (jump_label_text_reserved's callers hold it). */
 	if (ki_unchecked & KERNINST_HAZARD_JUMP_LABEL) {
 		ki_jump_label_lock = NULL;
@@ -467,8 +493,9 @@ static void ki_bl_memo_free(void)
 /*
  * Code where an int3 or a jump into module memory is fatal or recursive: the
  * entry, noinstr and kprobes sections, the kprobes blacklist (NOKPROBE_SYMBOL
- * functions, kernel/kprobes.c, which also covers modules' own blacklists), and
- * kerninst itself (its int3 notifier and its poke path).
+ * functions, kernel/kprobes.c, which also covers modules' own blacklists), the
+ * int3 path's functions no blacklist covers (ki_trap_path), and kerninst
+ * itself (its int3 notifier and its poke path).
  */
 static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 {
@@ -479,6 +506,9 @@ static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 		return true;
 	for (i = 0; i < ARRAY_SIZE(ki_forbidden_range); i++)
 		if (addr < ki_forbidden_range[i][1] && addr + len > ki_forbidden_range[i][0])
+			return true;
+	for (i = 0; i < ARRAY_SIZE(ki_trap_path_range); i++)
+		if (addr < ki_trap_path_range[i][1] && addr + len > ki_trap_path_range[i][0])
 			return true;
 	if (!ki_within_kprobe_blacklist)
 		return false;

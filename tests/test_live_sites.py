@@ -195,6 +195,46 @@ def test_outside_text_and_blacklisted_code(target: LiveTarget) -> None:
         target.poke([Write(own, target.read(own, 1), target.read(own, 1))])
 
 
+#: called out of line by Linux's int3 path before any notifier sees the trap (kmod: ki_trap_path)
+INT3_PATH = ("__rcu_read_lock", "__rcu_read_unlock", "rcu_read_unlock_special")
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+def test_the_int3_paths_own_calls_are_refused_by_module_and_client(target: LiveTarget,
+                                                                   splice: str) -> None:
+    """An int3 in __rcu_read_lock traps again inside notify_die before kerninst's
+    notifier can route it, until irqentry_nmi_enter's BUG: neither the module nor
+    the client lets one be written (a jmp splice's poke writes one too, for a moment)."""
+    ordinary, insn = ordinary_site(target)
+    counter = target.alloc_data(8)
+    patch = install_patch(target, counter, ordinary, insn)
+    try:
+        for name in INT3_PATH:
+            site = target.lookup(name)
+            before = target.read(site, 8)
+            assert "blacklist" in target.text_hazards([(site, 1)])[0], name
+            write = (Write(site, before[:1], b"\xcc") if splice == "trap" else
+                     Write(site, before[:5], b"\xe9" + rel32(site + 5, patch)))
+            with pytest.raises(UnsafeSite):
+                target.poke([write])
+            with pytest.raises(UnsafeSite):
+                target.set_trap(site, patch)
+            assert target.read(site, 8) == before, name
+    finally:
+        target.free_code(patch)
+    manager = Manager(target)
+    texts = {n: target.read(target.lookup(n), 16) for n in INT3_PATH}
+    var = manager.malloc(8)
+    for name in INT3_PATH:
+        with pytest.raises(KsimError, match="trap or entry path"):
+            manager.insert_snippet(manager.point_at(target.lookup(name)),
+                                   var.atomic_assign(var + 1), splice=splice)
+    assert {n: target.read(target.lookup(n), 16) for n in INT3_PATH} == texts
+    # the kernel still runs
+    assert target.run(while_cmd=f"{getppid_loop()} 100").output.strip() == "100"
+    assert dmesg_problems(target) == []
+
+
 def test_registered_kprobe_and_the_bytes_its_jump_would_cover(target: LiveTarget) -> None:
     site, insn = ordinary_site(target)
     with KprobeCounter(target, site):
