@@ -181,6 +181,19 @@ static const char *const ki_trap_path[] = {
 static unsigned long ki_trap_path_range[ARRAY_SIZE(ki_trap_path)][2];
 
 /*
+ * The die notifiers the int3 path calls before kerninst's, whose code an int3
+ * in would trap again just the same: notifiers of one priority run in the
+ * order they registered, and the kernel's own may take INT_MAX too
+ * (hw_breakpoint_exceptions_notify, arch/x86/kernel/hw_breakpoint.c).  Found
+ * by walking die_chain (kernel/notifier.c) once kerninst's is registered and
+ * whenever a module has come or gone; written under ki_lock.
+ */
+#define KI_DIE_AHEAD 16
+static struct atomic_notifier_head *ki_die_chain;
+static unsigned long ki_die_ahead[KI_DIE_AHEAD][2];
+static unsigned int ki_die_nahead;
+
+/*
  * Kernel memory one client may pin: trap routes and live text writes at once.
  * The tables have no fixed size; these bound them, and may be changed at run
  * time (/sys/module/kerninst/parameters/).  A request that would pass one is
@@ -333,6 +346,10 @@ static int ki_resolve_all(void)
 		}
 	}
 	ki_arch_jump_entry_size = (void *)ki_lookup("arch_jump_entry_size");
+	ki_die_chain = (void *)ki_lookup("die_chain");
+	if (!ki_die_chain)
+		pr_warn("kernel symbol die_chain not found: die notifiers ahead of kerninst's "
+			"are not kept from text pokes\n");
 	ki_kallsyms_lookup_size_offset = (void *)ki_lookup("kallsyms_lookup_size_offset");
 	for (i = 0; i < ARRAY_SIZE(ki_trap_path); i++) {
 		unsigned long addr = ki_lookup(ki_trap_path[i]), size = 1, offset;
@@ -494,8 +511,9 @@ static void ki_bl_memo_free(void)
  * Code where an int3 or a jump into module memory is fatal or recursive: the
  * entry, noinstr and kprobes sections, the kprobes blacklist (NOKPROBE_SYMBOL
  * functions, kernel/kprobes.c, which also covers modules' own blacklists), the
- * int3 path's functions no blacklist covers (ki_trap_path), and kerninst
- * itself (its int3 notifier and its poke path).
+ * int3 path's functions no blacklist covers (ki_trap_path) and the die
+ * notifiers it calls before kerninst's (ki_die_ahead), and kerninst itself
+ * (its int3 notifier and its poke path).
  */
 static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 {
@@ -509,6 +527,9 @@ static bool ki_blacklisted(unsigned long addr, size_t len, struct module *mod)
 			return true;
 	for (i = 0; i < ARRAY_SIZE(ki_trap_path_range); i++)
 		if (addr < ki_trap_path_range[i][1] && addr + len > ki_trap_path_range[i][0])
+			return true;
+	for (i = 0; i < READ_ONCE(ki_die_nahead); i++)
+		if (addr < ki_die_ahead[i][1] && addr + len > ki_die_ahead[i][0])
 			return true;
 	if (!ki_within_kprobe_blacklist)
 		return false;
@@ -836,6 +857,38 @@ static struct notifier_block ki_die_nb = {
 	.notifier_call = ki_die_notify,
 	.priority = INT_MAX,
 };
+
+/* Caller holds ki_lock (or is the module's init, before the device exists). */
+static void ki_find_die_ahead(void)
+{
+	struct notifier_block *nb;
+	unsigned int n = 0;
+
+	if (!ki_die_chain)
+		return;
+	rcu_read_lock();
+	for (nb = rcu_dereference(ki_die_chain->head); nb && nb != &ki_die_nb;
+	     nb = rcu_dereference(nb->next)) {
+		unsigned long fn = (unsigned long)nb->notifier_call, size = 1, offset = 0;
+
+		if (n == KI_DIE_AHEAD) {
+			pr_warn("more than %d die notifiers ahead of kerninst's: the rest are "
+				"not kept from text pokes\n", KI_DIE_AHEAD);
+			break;
+		}
+		/* without symbol sizes, the entry alone: where routes and pokes of it start */
+		if (ki_kallsyms_lookup_size_offset &&
+		    ki_kallsyms_lookup_size_offset(fn, &size, &offset))
+			fn -= offset;
+		else
+			size = 1;
+		ki_die_ahead[n][0] = fn;
+		ki_die_ahead[n][1] = fn + size;
+		n++;
+	}
+	rcu_read_unlock();
+	WRITE_ONCE(ki_die_nahead, n);
+}
 
 static void ki_do_sync_core(void *info)
 {
@@ -2566,9 +2619,16 @@ static int ki_module_notify(struct notifier_block *nb, unsigned long state, void
 	struct ki_splice *s, *tmp;
 	unsigned int writes = 0, routes;
 
+	if (state == MODULE_STATE_LIVE) {	/* its init may have registered a die notifier */
+		mutex_lock(&ki_lock);
+		ki_find_die_ahead();
+		mutex_unlock(&ki_lock);
+		return NOTIFY_DONE;
+	}
 	if (state != MODULE_STATE_GOING)
 		return NOTIFY_DONE;
 	mutex_lock(&ki_lock);
+	ki_find_die_ahead();	/* its exit has unregistered its die notifiers by now */
 	list_for_each_entry_safe(s, tmp, &ki_splices, node) {
 		if (!within_module(s->addr, mod))
 			continue;
@@ -2637,6 +2697,7 @@ static int __init ki_init(void)
 	ret = register_die_notifier(&ki_die_nb);
 	if (ret)
 		goto fail;
+	ki_find_die_ahead();
 	ret = register_module_notifier(&ki_module_nb);
 	if (ret) {
 		unregister_die_notifier(&ki_die_nb);

@@ -199,6 +199,34 @@ def test_outside_text_and_blacklisted_code(target: LiveTarget) -> None:
 INT3_PATH = ("__rcu_read_lock", "__rcu_read_unlock", "rcu_read_unlock_special")
 
 
+def die_notifiers_ahead(t: LiveTarget) -> list[int]:
+    """The callbacks of die_chain (kernel/notifier.c) that run before kerninst's:
+    ``struct atomic_notifier_head`` is a spinlock and then the head pointer;
+    ``struct notifier_block`` is notifier_call, next, priority."""
+    ours = t.lookup("ki_die_nb")
+    nb, out = read_u64(t, t.lookup("die_chain") + 8), []
+    while nb and nb != ours:
+        out.append(read_u64(t, nb))
+        nb = read_u64(t, nb + 8)
+    assert nb == ours, "kerninst's die notifier is not on die_chain"
+    return out
+
+
+def test_die_notifiers_ahead_of_kerninsts_are_kept_from_pokes(target: LiveTarget) -> None:
+    """The kernel's own hw_breakpoint notifier has kerninst's priority (INT_MAX) and
+    registered first, so every int3 goes through it before kerninst's notifier: an
+    int3 in it trapped again, and a batch that poked it hung the kernel."""
+    ahead = die_notifiers_ahead(target)
+    assert target.lookup("hw_breakpoint_exceptions_notify") in ahead
+    answers = target.text_hazards([(fn, 1) for fn in ahead])
+    assert all("blacklist" in names for names in answers), list(zip(map(hex, ahead), answers, strict=True))
+    for fn in ahead:
+        before = target.read(fn, 1)
+        with pytest.raises(UnsafeSite):
+            target.poke([Write(fn, before, b"\xcc")])
+        assert target.read(fn, 1) == before
+
+
 @pytest.mark.parametrize("splice", ["jmp", "trap"])
 def test_the_int3_paths_own_calls_are_refused_by_module_and_client(target: LiveTarget,
                                                                    splice: str) -> None:
@@ -233,6 +261,29 @@ def test_the_int3_paths_own_calls_are_refused_by_module_and_client(target: LiveT
     # the kernel still runs
     assert target.run(while_cmd=f"{getppid_loop()} 100").output.strip() == "100"
     assert dmesg_problems(target) == []
+
+
+def test_padding_slots_never_take_bytes_of_a_site_the_kernel_rewrites(target: LiveTarget) -> None:
+    """A static call to nothing is ``ret; int3 x4`` in a running kernel, and the
+    kernel rewrites all five bytes when the call is updated: the int3s look like a
+    function's trailing filler but are no springboard's to take (the module refuses
+    the poke, and a whole batch with it).  Every such site of the running kernel."""
+    from ksim.image.tables import TextRef
+
+    manager = Manager(target)
+    facts, image = manager.facts, target.image
+    sites = image.tables.addresses(TextRef.STATIC_CALL)
+    text = target.read_many(sites, 5)
+    rets = [a for a in sites if text[a] == b"\xc3" + b"\xcc" * 4]
+    checked = 0
+    for site in rets:
+        func = image.function_at(site)
+        if func is None or facts._extent(func)[0] != site + 1:  # filler right after the ret
+            continue
+        slots = facts.padding_slots(site, frozenset())
+        assert not any(start < site + 5 and site < start + 5 for start, _ in slots), hex(site)
+        checked += 1
+    assert checked >= 5, (len(sites), len(rets))
 
 
 def test_registered_kprobe_and_the_bytes_its_jump_would_cover(target: LiveTarget) -> None:

@@ -51,6 +51,9 @@ BLACKLIST_FUNCTIONS = (
     # route it, until the NMI count overflows (kmod/kerninst.c: ki_trap_path)
     "__rcu_read_lock", "__rcu_read_unlock", "rcu_read_unlock_special",
     "__rcu_irq_enter_check_tick",
+    # a die notifier with kerninst's priority, registered before it, so called first
+    # on every int3 (a live kernel's module finds every such notifier: ki_die_ahead)
+    "hw_breakpoint_exceptions_notify",
     # the toy kernel's entry, trap and interrupt paths (images/toy/arch/x86/entry.S):
     # an int3 in its own int3 handler recurses, and a jump there runs on an
     # interrupt frame the patch knows nothing of
@@ -267,8 +270,27 @@ class SiteFacts:
             for start in range(end, end + len(tail) - size + 1, size):
                 if abs(start - near) > reach or any(a in busy for a in range(start, start + size)):
                     continue
+                # filler that is part of a site the kernel rewrites: a static call's
+                # ``ret; int3...`` or a jump label's nop may become a jmp of its own
+                if self.image.tables.refs_in(start - size + 1, start + size) \
+                        or self.blacklisted(start):
+                    continue
                 out.append((start, tail[start - end:start - end + size]))
-        return tuple(out)
+        return self._unhazardous(tuple(out), size)
+
+    def _unhazardous(self, slots: tuple[tuple[int, bytes], ...], size: int
+                     ) -> tuple[tuple[int, bytes], ...]:
+        """The slots the target (a live kernel) finds no hazard in: asked in one
+        question, or answered from the batch's question when it covered every byte."""
+        if self._ask is None or not slots:
+            return slots
+        ahead = self._ahead or {}
+        bytes_ = [[(a, 1) for a in range(start, start + size)] for start, _ in slots]
+        if all(r in ahead for rs in bytes_ for r in rs):
+            clear = [not any(ahead[r] for r in rs) for rs in bytes_]
+        else:
+            clear = [not names for names in self._ask([(start, size) for start, _ in slots])]
+        return tuple(slot for slot, ok in zip(slots, clear, strict=True) if ok)
 
     @cached_property
     def static_call_text(self) -> tuple[tuple[int, int], ...]:
