@@ -43,6 +43,10 @@ class ImageSpec:
     #: file name of the built ELF inside the build directory
     elf_name: str
     description: str = ""
+    #: extra arguments to make (the architecture), part of the build's identity
+    make_args: tuple[str, ...] = ()
+    #: the C compiler the Makefile uses with these arguments
+    compiler: str = "gcc"
 
 
 _REGISTRY: dict[str, ImageSpec] = {
@@ -52,6 +56,16 @@ _REGISTRY: dict[str, ImageSpec] = {
         source_dir=IMAGES_DIR / "toy",
         elf_name="toy.elf",
         description="the toy x86-64 kernel (C, gcc -mcmodel=kernel), bootable by QEMU (PVH)",
+    ),
+    "toy-arm64": ImageSpec(
+        name="toy-arm64",
+        arch="aarch64",
+        source_dir=IMAGES_DIR / "toy",
+        elf_name="toy.elf",
+        description="the toy kernel built for AArch64 (aarch64-linux-gnu-gcc), bootable by "
+                    "qemu-system-aarch64 -M virt",
+        make_args=("ARCH=arm64",),
+        compiler="aarch64-linux-gnu-gcc",
     ),
 }
 
@@ -83,18 +97,21 @@ def _sources(spec: ImageSpec) -> list[Path]:
     return out
 
 
-def _compiler_version() -> str:
+def _compiler_version(compiler: str) -> str:
     try:
-        return subprocess.run(["gcc", "--version"], capture_output=True, text=True,
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True,
                               check=False).stdout.splitlines()[0]
     except (OSError, IndexError):
-        return "gcc: not found"
+        return f"{compiler}: not found"
 
 
 def source_hash(name: str) -> str:
-    """Hash of the image's sources (paths and contents) and the compiler's version."""
+    """Hash of the image's sources (paths and contents), its make arguments and the
+    compiler's version."""
     spec = get(name)
-    h = hashlib.sha256(_compiler_version().encode())
+    h = hashlib.sha256(_compiler_version(spec.compiler).encode())
+    if spec.make_args:  # the x86 image's hash stays what it was
+        h.update(" ".join(spec.make_args).encode() + b"\0")
     for p in _sources(spec):
         h.update(str(p.relative_to(spec.source_dir)).encode() + b"\0")
         h.update(p.read_bytes() + b"\0")
@@ -121,7 +138,7 @@ def build(name: str, force: bool = False) -> Path:
         if force and obj.exists():
             shutil.rmtree(obj)
         obj.mkdir(parents=True, exist_ok=True)
-        cmd = ["make", "-C", str(spec.source_dir), f"O={obj}", "-j2"]
+        cmd = ["make", "-C", str(spec.source_dir), f"O={obj}", "-j2", *spec.make_args]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as exc:
