@@ -148,10 +148,10 @@ def test_not_elf_and_truncated(kernel_bytes: bytes) -> None:
 
 
 def test_wrong_machine_class_or_order(kernel_bytes: bytes) -> None:
-    aarch64 = bytearray(kernel_bytes)
-    struct.pack_into("<H", aarch64, 18, 183)  # EM_AARCH64
-    with pytest.raises(UnsupportedImage, match="x86-64"):
-        load_image_bytes(bytes(aarch64))
+    arm = bytearray(kernel_bytes)
+    struct.pack_into("<H", arm, 18, 40)  # EM_ARM: no ksim architecture
+    with pytest.raises(UnsupportedImage, match="x86-64 .* and AArch64"):
+        load_image_bytes(bytes(arm))
     elf32 = bytearray(kernel_bytes)
     elf32[4] = 1
     with pytest.raises(UnsupportedImage):

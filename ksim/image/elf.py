@@ -41,7 +41,9 @@ MODULE_BASE = 0xFFFFFFFFC0000000
 # ELF constants (System V gABI); tables, not logic.
 _ELFCLASS = {1: "ELF32", 2: "ELF64"}
 _ELFDATA = {1: "little-endian", 2: "big-endian"}
-_EM_X86_64 = 62
+#: the machines ksim has an architecture for: e_machine -> ksim.arch name
+_MACHINES = {62: "x86_64", 183: "aarch64"}  # EM_X86_64, EM_AARCH64
+_ARCH_OF = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}  # as pyelftools names them
 _ET_NAMES = {0: "ET_NONE", 1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
 _SHT_NULL, _SHT_SYMTAB, _SHT_NOBITS = 0, 2, 8
 _SHF_WRITE, _SHF_ALLOC, _SHF_EXECINSTR = 0x1, 0x2, 0x4
@@ -67,7 +69,7 @@ _R_X86_64 = {1: (8, False), 2: (4, True), 4: (4, True), 10: (4, False), 11: (4, 
 
 
 def load_image(path: str | os.PathLike[str]) -> Image:
-    """Load an x86-64 ELF kernel or module from ``path``."""
+    """Load an ELF kernel (x86-64 or AArch64) or an x86-64 module from ``path``."""
     try:
         with open(path, "rb") as stream:
             return _load(stream, os.fstat(stream.fileno()).st_size, str(path))
@@ -101,13 +103,18 @@ def _check_header(header: bytes, file_size: int, path: str) -> None:
     if ei_class not in _ELFCLASS or ei_data not in _ELFDATA:
         raise MalformedImage(f"{path}: bad ELF identification (class {ei_class}, data {ei_data})")
     machine = struct.unpack_from("<H" if ei_data == 1 else ">H", header, 18)[0]
-    if ei_class != 2 or ei_data != 1 or machine != _EM_X86_64:
+    if ei_class != 2 or ei_data != 1 or machine not in _MACHINES:
         raise UnsupportedImage(
             f"{path}: {_ELFCLASS[ei_class]} {_ELFDATA[ei_data]} machine {machine}; "
-            "only 64-bit little-endian x86-64 (EM_X86_64) images are supported"
+            "only 64-bit little-endian x86-64 (EM_X86_64) and AArch64 (EM_AARCH64) "
+            "images are supported"
         )
     if len(header) < _EHDR.size:
         raise MalformedImage(f"{path}: truncated ELF header ({file_size} bytes)")
+    e_type = struct.unpack_from("<H", header, 16)[0]
+    if e_type == 1 and _MACHINES[machine] != "x86_64":
+        raise UnsupportedImage(f"{path}: relocatable {_MACHINES[machine]} modules are not "
+                               "supported (ksim applies x86-64 module relocations only)")
 
 
 def _check_sections(stream: BinaryIO, header: bytes, file_size: int, path: str) -> None:
@@ -154,7 +161,7 @@ def _build(elf: ELFFile, path: str) -> Image:
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
         ))
     symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable)
-    return Image(path, "x86_64", module, sections, symbols, bindings=bindings,
+    return Image(path, _ARCH_OF[elf["e_machine"]], module, sections, symbols, bindings=bindings,
                  build_id=_build_id(raw_sections))
 
 
@@ -295,6 +302,9 @@ def _symbols(
                 address = bases[shndx] + value if relocatable else value
             end = strtab.index(b"\0", st_name)
             name = strtab[st_name:end].decode("utf-8")
+            if name[0] == "$" and kind == "other":
+                continue  # an AArch64 mapping symbol ($x code, $d data: ELF for the Arm 64-bit
+                #           Architecture, "Mapping symbols"), not a name of anything
             symbols.append(Symbol(name, address, size, kind if shndx != _SHN_ABS else "other", module))
             if kind == "func":
                 bindings[name] = _STB_NAME.get(st_info >> 4, "global")
