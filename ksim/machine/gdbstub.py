@@ -38,6 +38,12 @@ X86_64_REGS: tuple[tuple[str, int], ...] = (
     ("cr0", 8), ("cr2", 8), ("cr3", 8), ("cr4", 8), ("cr8", 8), ("efer", 8),
 )
 
+#: the AArch64 register file as QEMU's aarch64-core.xml lays out the 'g'
+#: packet (x0..x30, sp, pc, cpsr; the FP/SIMD registers follow in their own feature)
+AARCH64_REGS: tuple[tuple[str, int], ...] = (
+    *((f"x{i}", 8) for i in range(31)), ("sp", 8), ("pc", 8), ("cpsr", 4),
+)
+
 #: signals a stop reply carries (POSIX numbering, as gdb uses on the wire)
 SIGINT, SIGTRAP = 2, 5
 
@@ -118,12 +124,20 @@ class GdbStub:
     """One connection to a gdbstub.  Not thread-safe: one caller at a time."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 10.0,
-                 connect_timeout: float = 10.0, alive: object = None) -> None:
+                 connect_timeout: float = 10.0, alive: object = None,
+                 xml_arch: str = "i386",
+                 registers: tuple[tuple[str, int], ...] = X86_64_REGS,
+                 pc: str = "rip") -> None:
         """Connect (retrying until ``connect_timeout``: the stub may still be
         starting) and negotiate features.  ``alive`` is an optional callable
         returning False once the process behind the stub is gone, so that a
-        dead emulator is reported at once instead of after the timeout."""
+        dead emulator is reported at once instead of after the timeout.
+
+        ``xml_arch`` is the qSupported ``xmlRegisters`` hint, ``registers`` the
+        'g' packet's layout when the stub serves no target.xml, ``pc`` the
+        program counter's name (the defaults are x86-64's)."""
         self.host, self.port, self.timeout = host, port, timeout
+        self.pc, self._xml_arch, self._fallback_regs = pc, xml_arch, registers
         self._alive = alive
         self._buf = bytearray()
         self._ack = True
@@ -245,7 +259,7 @@ class GdbStub:
 
     # --- setup --------------------------------------------------------------
     def _negotiate(self) -> None:
-        reply = self.command("qSupported:multiprocess-;swbreak+;hwbreak+;xmlRegisters=i386")
+        reply = self.command(f"qSupported:multiprocess-;swbreak+;hwbreak+;xmlRegisters={self._xml_arch}")
         for item in reply.decode().split(";"):
             if "=" in item:
                 key, value = item.split("=", 1)
@@ -280,7 +294,7 @@ class GdbStub:
                 regs = []
         out: dict[str, tuple[int, int, int]] = {}
         offset = 0
-        for num, (name, size) in enumerate(regs or X86_64_REGS):
+        for num, (name, size) in enumerate(regs or self._fallback_regs):
             out[name] = (num, offset, size)
             offset += size
         return out
@@ -313,6 +327,9 @@ class GdbStub:
         if reply.startswith(b"E") or not reply:
             raise ProtocolError(f"gdbstub: cannot read register {name}: {reply!r}")
         return int.from_bytes(bytes.fromhex(reply.decode()), "little")
+
+    def read_pc(self) -> int:
+        return self.read_register(self.pc)
 
     def write_register(self, name: str, value: int) -> None:
         num, _, size = self.regs[name]
@@ -409,7 +426,7 @@ class GdbStub:
     def _pc_if_breakpoint(self) -> int | None:
         if not self.breakpoints:
             return None
-        pc = self.read_register("rip")
+        pc = self.read_pc()
         return pc if pc in self.breakpoints else None
 
     #: bound on the steps taken to leave a breakpoint's address (a rep-prefixed
@@ -432,7 +449,7 @@ class GdbStub:
         try:
             for _ in range(self.MAX_STEP_OFF):
                 reply = StopReply.parse(self.command("s"))
-                if reply.exited or self.read_register("rip") != address:
+                if reply.exited or self.read_pc() != address:
                     break
         finally:
             self.set_breakpoint(address, hardware=hardware)

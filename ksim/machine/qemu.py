@@ -1,13 +1,23 @@
-"""QemuMachine: one qemu-system-x86_64 process, driven through QMP and the gdbstub.
+"""QemuMachine: one qemu-system-* process, driven through QMP and the gdbstub.
 
 The machine starts QEMU stopped (``-S``) with a gdbstub on a free local TCP port,
 a QMP socket in a private temporary directory, the serial console in a file and
-an ``isa-debug-exit`` device (iobase 0xf4) through which a kernel can end QEMU.
+a way for the kernel to end QEMU with a status of its choosing.  What differs
+between architectures is plain data, a :class:`QemuProfile` in ``PROFILES``:
 
-Acceleration: with ``accel="auto"`` KVM is tried first when /dev/kvm opens, and
-TCG is used when KVM fails to start -- or fails the caller's boot check (some
-/dev/kvm implementations, such as software virtualisers without vmx/svm, open
-and start but cannot run a kernel).  ``machine.accel`` says which one is in use.
+    x86_64   qemu-system-x86_64 (pc machine); exit through ``isa-debug-exit``
+             at port 0xf4 (status (value << 1) | 1)
+    aarch64  qemu-system-aarch64 -M virt (cortex-a57, GICv2, PL011 as the
+             serial port); exit through Arm semihosting's SYS_EXIT (status =
+             the code), handled by QEMU itself (``target=native``: with the
+             default ``auto`` an attached gdb would be asked to do it)
+
+Acceleration: with ``accel="auto"`` KVM is tried first when the profile has it
+and /dev/kvm opens, and TCG is used when KVM fails to start -- or fails the
+caller's boot check (some /dev/kvm implementations, such as software
+virtualisers without vmx/svm, open and start but cannot run a kernel).
+``machine.accel`` says which one is in use.  The aarch64 profile is TCG only:
+KVM runs a guest of the host's own architecture.
 
 No QEMU outlives its machine: ``close()`` (also run by the context manager, on
 every start-up error and at interpreter exit) quits QEMU through QMP and kills
@@ -28,24 +38,65 @@ import subprocess
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ksim.arch import get_arch
 from ksim.errors import TargetDied, TargetError, TargetTimeout
-from ksim.machine.gdbstub import GdbStub, StopReply
+from ksim.machine.gdbstub import AARCH64_REGS, X86_64_REGS, GdbStub, StopReply
 
-QEMU_BINARY = "qemu-system-x86_64"
-INSTALL_HINT = "apt-get install qemu-system-x86"
-
-#: the isa-debug-exit port (the toy kernel writes its exit status here)
+#: the isa-debug-exit port (the x86 toy kernel writes its exit status here)
 DEBUG_EXIT_IOBASE = 0xF4
 
-#: -accel/-cpu per accelerator; -cpu host only makes sense under KVM
-ACCEL_ARGS: dict[str, tuple[str, ...]] = {
-    "kvm": ("-accel", "kvm", "-cpu", "host"),
-    "tcg": ("-accel", "tcg", "-cpu", "max"),
+
+@dataclass(frozen=True, slots=True)
+class QemuProfile:
+    """How QEMU runs one architecture's kernels (plain data; see PROFILES)."""
+
+    arch: str
+    binary: str
+    #: environment variable that names another binary
+    env: str
+    install_hint: str
+    #: the machine, its exit device and anything else every boot needs
+    machine_args: tuple[str, ...]
+    #: -accel/-cpu per accelerator, in the order "auto" tries them
+    accel_args: Mapping[str, tuple[str, ...]]
+    #: the qSupported xmlRegisters hint, and the 'g' packet's layout when the
+    #: stub offers no target.xml: (name, bytes).  The program counter is the
+    #: Arch's ``pc_reg`` (gdb and capstone name it alike).
+    gdb_xml_arch: str
+    gdb_registers: tuple[tuple[str, int], ...]
+
+
+PROFILES: dict[str, QemuProfile] = {
+    "x86_64": QemuProfile(
+        arch="x86_64", binary="qemu-system-x86_64", env="KSIM_QEMU",
+        install_hint="apt-get install qemu-system-x86",
+        machine_args=("-device", f"isa-debug-exit,iobase={DEBUG_EXIT_IOBASE:#x},iosize=0x04"),
+        # -cpu host only makes sense under KVM
+        accel_args={"kvm": ("-accel", "kvm", "-cpu", "host"),
+                    "tcg": ("-accel", "tcg", "-cpu", "max")},
+        gdb_xml_arch="i386", gdb_registers=X86_64_REGS),
+    "aarch64": QemuProfile(
+        arch="aarch64", binary="qemu-system-aarch64", env="KSIM_QEMU_AARCH64",
+        install_hint="apt-get install qemu-system-arm",
+        machine_args=("-M", "virt", "-semihosting-config", "enable=on,target=native"),
+        # the CPU unicorn's arm64 target models (UC_CPU_ARM64_A57)
+        accel_args={"tcg": ("-accel", "tcg", "-cpu", "cortex-a57")},
+        gdb_xml_arch="aarch64", gdb_registers=AARCH64_REGS),
 }
+
+
+def profile(arch: str) -> QemuProfile:
+    """The QEMU profile for kernels of ``arch`` (TargetError if there is none)."""
+    try:
+        return PROFILES[arch]
+    except KeyError:
+        raise TargetError(f"no QEMU profile for {arch} kernels (known: "
+                          f"{', '.join(sorted(PROFILES))})") from None
 
 _LIVE: weakref.WeakSet[QemuMachine] = weakref.WeakSet()
 
@@ -56,13 +107,15 @@ def _close_all() -> None:
         machine.close()
 
 
-def find_qemu(explicit: str | None = None) -> str:
-    """The qemu-system-x86_64 binary: ``explicit``, $KSIM_QEMU, or the PATH."""
-    name = explicit or os.environ.get("KSIM_QEMU") or QEMU_BINARY
+def find_qemu(explicit: str | None = None, arch: str = "x86_64") -> str:
+    """The QEMU binary for ``arch``: ``explicit``, the profile's environment
+    variable ($KSIM_QEMU for x86_64), or the profile's binary on the PATH."""
+    prof = profile(arch)
+    name = explicit or os.environ.get(prof.env) or prof.binary
     path = shutil.which(name)
     if path is None:
         raise TargetError(f"{name} not found: QEMU is needed for the qemu target "
-                          f"({INSTALL_HINT})")
+                          f"({prof.install_hint})")
     return path
 
 
@@ -94,10 +147,11 @@ class QemuMachine:
 
     def __init__(self, kernel: str | Path | None = None, *, accel: str = "auto",
                  memory: str = "256M", timeout: float = 10.0, qemu: str | None = None,
-                 extra_args: Sequence[str] = (),
+                 extra_args: Sequence[str] = (), arch: str = "x86_64",
                  boot_check: Callable[[QemuMachine], None] | None = None) -> None:
         """Start QEMU, stopped at the reset vector, and connect QMP and the gdbstub.
 
+        ``arch`` picks the QEMU profile (PROFILES).
         ``accel``: "auto" (KVM if it works, else TCG), "kvm" or "tcg".
         ``boot_check(machine)`` runs after start-up; if it raises a TargetError
         under KVM, the machine is restarted under TCG (it should leave the guest
@@ -105,7 +159,11 @@ class QemuMachine:
         """
         if accel not in ("auto", "kvm", "tcg"):
             raise ValueError(f"accel must be auto, kvm or tcg, not {accel!r}")
-        self.binary = find_qemu(qemu)
+        self.profile = profile(arch)
+        if accel != "auto" and accel not in self.profile.accel_args:
+            raise TargetError(f"{self.profile.binary} runs {arch} kernels under "
+                              f"{' or '.join(self.profile.accel_args)} here, not {accel}")
+        self.binary = find_qemu(qemu, arch)
         self.kernel = Path(kernel) if kernel is not None else None
         if self.kernel is not None and not self.kernel.is_file():
             raise TargetError(f"kernel image {self.kernel} does not exist")
@@ -120,8 +178,9 @@ class QemuMachine:
         self.boot_seconds = 0.0
         _LIVE.add(self)
         if accel == "auto":
-            candidates = ["kvm", "tcg"] if kvm_usable() else ["tcg"]
-            if not kvm_usable():
+            candidates = list(self.profile.accel_args)
+            if "kvm" in candidates and not kvm_usable():
+                candidates.remove("kvm")
                 self.accel_failures["kvm"] = "/dev/kvm cannot be opened"
         else:
             candidates = [accel]
@@ -181,8 +240,8 @@ class QemuMachine:
             "-display", "none", "-no-reboot", "-nodefaults",
             "-m", self.memory, "-smp", "1",
             "-serial", f"file:{self.serial_path}",
-            "-device", f"isa-debug-exit,iobase={DEBUG_EXIT_IOBASE:#x},iosize=0x04",
-            *ACCEL_ARGS[accel],
+            *self.profile.machine_args,
+            *self.profile.accel_args[accel],
         ]
         if self.kernel is not None:
             args += ["-kernel", str(self.kernel)]
@@ -211,8 +270,11 @@ class QemuMachine:
                 stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_die_with_parent)
         self.accel = accel
         self._connect_qmp()
+        prof = self.profile
         self.gdb = GdbStub("127.0.0.1", port, timeout=self.timeout,
-                           connect_timeout=self.timeout, alive=self.alive)
+                           connect_timeout=self.timeout, alive=self.alive,
+                           xml_arch=prof.gdb_xml_arch, registers=prof.gdb_registers,
+                           pc=get_arch(prof.arch).pc_reg)
 
     def _connect_qmp(self) -> None:
         from qemu.qmp.legacy import QEMUMonitorProtocol
@@ -265,7 +327,8 @@ class QemuMachine:
 
     @property
     def exit_status(self) -> int | None:
-        """QEMU's exit status once it has ended (isa-debug-exit: (value << 1) | 1)."""
+        """QEMU's exit status once it has ended (isa-debug-exit: (value << 1) | 1;
+        semihosting SYS_EXIT: the code)."""
         return self.proc.poll() if self.proc is not None else None
 
     # --- QMP control --------------------------------------------------------------

@@ -1,11 +1,16 @@
-"""The QEMU target: a bundled kernel image booted in qemu-system-x86_64.
+"""The QEMU target: a bundled kernel image booted in qemu-system-x86_64 or
+qemu-system-aarch64 (``qemu:toy``, ``qemu:toy-arm64``).
 
 How it works
-    QEMU starts stopped (``-S``) and boots the image through its PVH ELF note.
-    The target lets it run to a gdbstub breakpoint on ``ksim_entry64``, the
-    64-bit entry the PVH path reaches in long mode and where unicorn starts: by
-    then the boot page tables are live (so the gdbstub reads and writes kernel
-    *virtual* addresses) and no kernel code that ksim may instrument has run.
+    QEMU starts stopped (``-S``) and boots the image: the x86 toy through its
+    PVH ELF note, the arm64 toy as an ELF kernel of ``-M virt`` (at its
+    physical entry, MMU off).  The machine's architecture comes from the image
+    (``ksim.machine.qemu.PROFILES``: binary, machine, exit device, register
+    file).  The target lets it run to a gdbstub breakpoint on ``ksim_entry64``,
+    the 64-bit entry the boot path reaches once it has turned on the kernel's
+    page tables, and where unicorn starts: from then on the gdbstub reads and
+    writes kernel *virtual* addresses, and no kernel code that ksim may
+    instrument has run.
     That stop is where ksim's changes go in, as unicorn puts them in before it
     starts.
     ``run()`` writes the workload globals (``ksim_workload_seed``...), lets the
@@ -21,7 +26,9 @@ Repeated runs
     do nothing between runs.
 
 Trap dispatch
-    The toy kernel's own #BP handler: ``set_trap``/``clear_trap`` edit the dense
+    The toy kernel's own handler (x86: #BP on int3; arm64: the EL1 synchronous
+    vector on BRK), the same ``struct ksim_trap { u64 site; u64 patch; }``
+    table on both: ``set_trap``/``clear_trap`` edit the dense
     ``ksim_trap_table[0:ksim_trap_count]`` in guest memory (removal moves the
     last entry into the hole), mirrored in Python so that a new boot gets the
     same table.
@@ -30,22 +37,30 @@ Oracle
     ``oracle_counter(address)`` counts gdbstub breakpoint hits on ``address``
     during runs.  QEMU's TCG breakpoints are checked on the guest's program
     counter, outside guest memory: they neither change nor see the spliced text
-    (a jmp or int3 at the point still stops there first), so the count is
+    (a jump or trap at the point still stops there first), so the count is
     independent of splicing.  Every hit stops the VM and costs a gdbstub round
     trip (about 0.1-1 ms here), so keep iteration counts small when counting.
 
 Cycles
     ``run(bench_calls=N)`` returns in ``RunResult.bench_cycles`` what the image
-    measured with rdtsc around N calls of ``ksim_bench_target``.  Under TCG the
-    TSC is emulated (derived from the host clock, not from executed guest
+    measured around N calls of ``ksim_bench_target``: rdtsc on x86, the generic
+    timer's virtual count (CNTVCT_EL0, QEMU virt's 62.5 MHz) on arm64.  Under
+    TCG both are emulated (derived from the host clock, not from executed guest
     instructions): treat the figures as emulated time, good for comparing
     variants measured the same way, never as hardware cycles.
 
-Acceleration: KVM when it boots the kernel, TCG otherwise (``target.accel``).
+Exit
+    A kernel that panics (a trap its table does not route) ends QEMU with
+    status 35, through isa-debug-exit on x86 and semihosting's SYS_EXIT on
+    arm64; the run raises TargetDied with the serial tail.
+
+Acceleration: KVM when it boots the kernel, TCG otherwise (``target.accel``);
+arm64 kernels run under TCG.
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import time
 from collections.abc import Callable, Sequence
@@ -80,15 +95,10 @@ from ksim.targets.base import (
     run_options,
 )
 
-#: the toy kernel's isa-debug-exit values (images/toy/include/toy.h)
-DEBUG_EXIT_SUCCESS, DEBUG_EXIT_FAILURE = 0x10, 0x11
-
-
-def toy_exit(value: int) -> int:
-    """QEMU's exit status for a value written to isa-debug-exit: (value << 1) | 1."""
-    return (value << 1) | 1
-
-
+#: what QEMU's exit status says the toy kernel did (the same on both
+#: architectures: include/asm-arm64.h makes semihosting's codes isa-debug-exit's)
+EXIT_STATUSES = {toy.QEMU_EXIT_SUCCESS: "the kernel exited",
+                 toy.QEMU_EXIT_FAILURE: "the kernel panicked"}
 #: where the target stops a fresh boot to put ksim's changes in (see module doc)
 BOOT_STOP = toy.ENTRY
 #: where a workload ends (it would exit QEMU); the target stops there so memory stays readable
@@ -101,7 +111,8 @@ POLL_SECONDS = 0.2
 class QemuRunResult(RunResult):
     """RunResult plus what only this target knows."""
 
-    #: ksim_bench_cycles: rdtsc delta around the bench calls (emulated TSC under TCG)
+    #: ksim_bench_cycles: the counter's delta around the bench calls (rdtsc on
+    #: x86, CNTVCT_EL0 on arm64; emulated under TCG)
     bench_cycles: int | None = None
     #: "kvm" or "tcg"
     accel: str | None = None
@@ -125,6 +136,16 @@ class _BreakpointCounter:
         self._target._drop_counter(self)
 
 
+def _physical_map(path: Path) -> tuple[tuple[int, int, int], ...]:
+    """(virtual start, virtual end, physical start) of every PT_LOAD segment:
+    where QEMU loaded the image, which the boot page tables map one to one."""
+    from elftools.elf.elffile import ELFFile
+
+    with builtins.open(path, "rb") as f:
+        return tuple((seg["p_vaddr"], seg["p_vaddr"] + seg["p_memsz"], seg["p_paddr"])
+                     for seg in ELFFile(f).iter_segments() if seg["p_type"] == "PT_LOAD")
+
+
 def _image_path(rest: str) -> Path:
     path = Path(rest)
     if path.is_file():
@@ -144,6 +165,7 @@ class QemuTarget:
         self.name = f"qemu:{image}"
         self.image = load_image(self.path)
         self.arch = get_arch(self.image.arch)
+        self._physical = _physical_map(self.path)
         self.abi = toy_abi(self.image)
         sym = self.image.address_of
         self._sym = sym
@@ -151,7 +173,7 @@ class QemuTarget:
                                      name="patch area")
         self._data = RegionAllocator(sym(toy.HEAP), sym(toy.HEAP_END), name="data heap")
         # kernel text proper; the patch area is carried over by its allocations
-        # (free patch memory holds int3 fill, as in a fresh image)
+        # (free patch memory holds the image's filler, as in a fresh image)
         self._text = [(s.address, s.size) for s in self.image.sections
                       if s.executable and not self._code.start <= s.address < self._code.end]
         self._traps: list[tuple[int, int]] = []  # mirror of ksim_trap_table[0:count]
@@ -171,7 +193,8 @@ class QemuTarget:
     def _boot(self, accel: str) -> float:
         start = time.monotonic()
         self.machine = QemuMachine(self.path, accel=accel, timeout=self._timeout,
-                                   qemu=self._qemu, boot_check=self._boot_to_start)
+                                   qemu=self._qemu, arch=self.image.arch,
+                                   boot_check=self._boot_to_start)
         gdb = self.machine.gdb
         assert gdb is not None
         gdb.set_breakpoint(self._sym(HALT))
@@ -192,11 +215,10 @@ class QemuTarget:
         except TargetTimeout:
             with contextlib.suppress(KsimError):
                 gdb.interrupt(timeout=2)
-            rip = _safe_rip(gdb)
             raise TargetTimeout(machine._describe(
                 f"the kernel did not reach {BOOT_STOP} within {self._boot_timeout:.0f} s "
-                f"(rip {rip}); serial:\n{machine.serial_text()[-1000:]}")) from None
-        pc = gdb.read_register("rip")
+                f"({gdb.pc} {_safe_pc(gdb)}); serial:\n{machine.serial_text()[-1000:]}")) from None
+        pc = gdb.read_pc()
         if stop.exited or pc != where:
             raise TargetError(machine._describe(
                 f"boot stopped at {pc:#x} ({stop.raw}), not at {BOOT_STOP} {where:#x}"))
@@ -236,12 +258,13 @@ class QemuTarget:
 
     def read(self, address: int, size: int) -> bytes:
         """Kernel memory.  While a run is in progress (a progress callback
-        reading a counter) kernel-map addresses are read through QMP's ``xp`` on
-        the physical address, without stopping the guest."""
+        reading a counter) the image's addresses are read through QMP's ``xp``
+        on the physical address QEMU loaded them at, without stopping the guest."""
         machine = self.machine
         if machine is not None and machine.gdb is not None and machine.gdb.running:
-            if address >= toy.START_KERNEL_MAP:
-                return machine.read_physical(address - toy.START_KERNEL_MAP, size)
+            for lo, hi, physical in self._physical:
+                if lo <= address and address + size <= hi:
+                    return machine.read_physical(physical + address - lo, size)
         return self._gdb().read_memory(address, size)
 
     def write(self, address: int, data: bytes) -> None:
@@ -260,7 +283,9 @@ class QemuTarget:
         poke.apply(writes, read=self.read, write=self._write_raw, trap=self.arch.trap)
 
     def alloc_code(self, size: int, near: int) -> int:
-        # the whole patch area is within rel32 reach of the kernel text
+        # the whole patch area is within a jump's reach of the kernel text
+        # (rel32 on x86, B's +-128 MB on arm64), and the unicorn target
+        # allocates the same way: the same requests get the same addresses
         return self._code.alloc(size, 16)
 
     def free_code(self, address: int) -> None:
@@ -382,7 +407,7 @@ class QemuTarget:
                     self._stop_guest(counters)
                     raise TargetTimeout(
                         f"{self.name}: the workload did not reach {HALT} within {timeout:g} s "
-                        f"(stopped at {gdb.read_register('rip'):#x})")
+                        f"(stopped at {gdb.read_pc():#x})")
                 if progress is not None and now >= next_tick:
                     progress()
                     next_tick = now + 1.0
@@ -393,24 +418,23 @@ class QemuTarget:
                     continue  # still running: time for the checks above
                 except TargetDied as e:
                     status = machine.wait_exit()
-                    why = {toy_exit(DEBUG_EXIT_FAILURE): "the kernel panicked",
-                           toy_exit(DEBUG_EXIT_SUCCESS): "the kernel exited"}.get(
-                               status if status is not None else -1, "QEMU ended")
+                    why = EXIT_STATUSES.get(status if status is not None else -1,
+                                            "QEMU ended")
                     raise TargetDied(f"{self.name}: {why} during the run (QEMU exit status "
                                      f"{status}); serial:\n{machine.serial_text()[-2000:]}") from e
                 if stop.exited:
                     raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
                                      f"{machine.serial_text()[-2000:]}")
-                rip = gdb.read_register("rip")
-                if rip == halt:
+                pc = gdb.read_pc()
+                if pc == halt:
                     break
-                counter = counters.get(rip)
+                counter = counters.get(pc)
                 if counter is not None and stop.signal == SIGTRAP:
                     counter._count += 1
                     if not ctrl_c.pending:
                         gdb.resume()  # steps off the breakpoint first
                     continue
-                raise TargetError(f"{self.name}: unexpected stop at {rip:#x} ({stop.raw})")
+                raise TargetError(f"{self.name}: unexpected stop at {pc:#x} ({stop.raw})")
         seconds = time.monotonic() - start
         return QemuRunResult(
             checksum=self._get_u64(toy.WORKLOAD_CHECKSUM),
@@ -426,7 +450,7 @@ class QemuTarget:
             return
         stop = machine.stop()
         if stop.signal == SIGTRAP and not stop.exited:
-            counter = counters.get(machine.gdb.read_register("rip"))
+            counter = counters.get(machine.gdb.read_pc())
             if counter is not None:
                 counter._count += 1
 
@@ -457,9 +481,9 @@ class QemuTarget:
         self.close()
 
 
-def _safe_rip(gdb: GdbStub) -> str:
+def _safe_pc(gdb: GdbStub) -> str:
     try:
-        return f"{gdb.read_register('rip'):#x}"
+        return f"{gdb.read_pc():#x}"
     except KsimError:
         return "unknown"
 
