@@ -22,8 +22,11 @@ The functions: entry points that both ksim policies can splice
 (``Manager.can_insert``), that the kernel's ftrace lists and bpftrace can attach
 a kfunc to, with a name kallsyms gives once; taken in a fixed pseudo-random order,
 so that N = 100 is spread over the whole kernel and each N is a prefix of the next.
-N = "all" is every such function.  A run that does not finish within
-``LIMIT_S`` is recorded as such (and the larger N for that tool are not tried).
+N = "all" is every such function.  A run -- attaching, the workload, detaching --
+that does not finish within ``LIMIT_S`` is stopped and recorded as such, and the
+larger N for that tool are not tried; nor is an N whose attach and detach times,
+projected from the per-probe times measured at the previous N, exceed ``LIMIT_S``
+(recorded as ``over-limit`` with ``projected_s``).
 
 **Trap dispatch** (:func:`ksim.bench.perhit.trap_dispatch`): the emulated cycles
 per getpid with ksim's trap on ``__x64_sys_getpid`` and 1 route installed, then with
@@ -71,12 +74,12 @@ probes = open(prog).read().count(",") + 2
 env = dict(os.environ, BPFTRACE_MAX_PROBES=str(probes + 16))
 p = subprocess.Popen(["bpftrace", prog], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, bufsize=1, env=env)
-out = {"attaching": None, "ready": None}
+out = {"attaching": None, "ready": None, "done": False}
 lines = []
-def watchdog():
+def watchdog():  # the whole run -- attaching, the workload, detaching -- within the limit
     time.sleep(limit)
-    if out["ready"] is None:
-        out["timeout"] = True
+    if not out["done"]:
+        out["timeout"] = "attaching" if out["ready"] is None else "detaching"
         p.kill()
 threading.Thread(target=watchdog, daemon=True).start()
 for line in p.stdout:
@@ -90,7 +93,9 @@ for line in p.stdout:
 if out["ready"] is None:
     p.wait()
     end = time.monotonic()
+    out["done"] = True
     print(json.dumps({"status": "timeout" if out.get("timeout") else "error", "limit": limit,
+                      "phase": out.get("timeout"),
                       "startup_s": (out["attaching"] or end) - start,
                       "attach_s": end - (out["attaching"] or start), "exit_s": end - start,
                       "output": "".join(lines)[-2000:]}))
@@ -102,6 +107,13 @@ p.send_signal(signal.SIGINT)
 rest = p.stdout.read()
 p.wait()
 end = time.monotonic()
+out["done"] = True
+if out.get("timeout"):
+    print(json.dumps({"status": "timeout", "limit": limit, "phase": out["timeout"],
+                      "startup_s": out["attaching"] - start,
+                      "attach_s": out["ready"] - out["attaching"], "workload_s": w1 - w0,
+                      "detach_s": None, "exit_s": end - start}))
+    sys.exit(0)
 hits = [int(m) for m in re.findall(r"^@: (\d+)", rest, re.M)]
 print(json.dumps({"status": "ok", "startup_s": out["attaching"] - start,
                   "attach_s": out["ready"] - out["attaching"], "workload_s": w1 - w0,
@@ -342,7 +354,7 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
         points, pool = _pool(m, t, largest, bar, work)
         rows: list[dict[str, Any]] = []
         given_up: dict[str, int] = {}
-        rate: dict[str, float] = {}   # bpftrace's attach seconds per probe at the last N
+        rate: dict[str, float] = {}   # bpftrace's attach + detach seconds per probe at the last N
         partial = work / "partial.json"   # what is done so far, should the run be cut short
         dispatch: dict[str, Any] = {}
 
@@ -365,11 +377,12 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
                 projected = rate.get(tool, 0.0) * len(chosen)
                 if tool in given_up:
                     row.update(status="over-limit", note=f"not run: N = {given_up[tool]} did "
-                               f"not finish attaching within {LIMIT_S:g} s")
+                               f"not finish within {LIMIT_S:g} s")
                 elif projected > LIMIT_S:
-                    row.update(status="over-limit", projected_attach_s=projected,
-                               note=f"not run: at the per-probe attach time measured for the "
-                               f"previous N, attaching takes {projected:.0f} s > {LIMIT_S:g} s")
+                    row.update(status="over-limit", projected_s=projected,
+                               note=f"not run: at the per-probe attach and detach times "
+                               f"measured for the previous N, attaching and detaching take "
+                               f"{projected:.0f} s > {LIMIT_S:g} s")
                 elif tool.startswith("ksim-"):
                     try:
                         row.update(_ksim(m, t, chosen, tool.split("-", 1)[1]))
@@ -380,7 +393,7 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
                 if row["status"] == "timeout":
                     given_up[tool] = len(chosen)
                 if row["status"] == "ok" and not tool.startswith("ksim-"):
-                    rate[tool] = row["attach_s"] / max(row["n"], 1)
+                    rate[tool] = (row["attach_s"] + row["detach_s"]) / max(row["n"], 1)
                 if row.get("attach_s") is not None and row["status"] == "ok":
                     row["attach_ms_per_probe"] = 1e3 * row["attach_s"] / max(row["n"], 1)
                     row["detach_ms_per_probe"] = 1e3 * row["detach_s"] / max(row["n"], 1)
