@@ -7,10 +7,13 @@ a fetch at 0xffffffff81000000 fails even when the page is mapped (see
 EMULATION_FACTS.md).  The patch area and the data heap are part of the loaded
 segments, so they have the same addresses here as under QEMU.
 
-A run starts at ``ksim_entry64`` with RSP = ``init_stack_top`` and ends when
-execution reaches ``ksim_halt``.  Port I/O is handled by IN/OUT hooks: COM1
-output is captured, the debug-exit port ends the run, the PIT and PIC are
-ignored (no interrupt is ever delivered, so runs are deterministic).
+A run starts at ``ksim_entry64`` with the stack pointer at ``init_stack_top``
+and ends when execution reaches ``ksim_halt``.  What differs between
+architectures -- the CPU, the devices (serial output captured, the kernel's
+exit path ending the run, timers and interrupt controllers ignored: no
+interrupt is ever delivered, so runs are deterministic), the registers at entry
+and which interrupt is the breakpoint -- is the image's board
+(ksim.machine.boards), chosen by the ELF's machine; everything here is shared.
 
 Every Python callback runs through one wrapper: an exception raised inside a
 hook is kept, emulation is stopped, and the exception is re-raised after
@@ -62,10 +65,10 @@ import capstone
 import unicorn
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
-from unicorn import x86_const as X
 
 from ksim.errors import BadRunValue, EmulationError, MalformedImage, TargetTimeout
 from ksim.images import toy
+from ksim.machine.boards import BOARDS, EXIT_SUCCESS, Board
 from ksim.targets.base import (
     HeldInterrupt,
     check_callback,
@@ -75,13 +78,6 @@ from ksim.targets.base import (
 )
 
 PAGE = 0x1000
-
-#: register names accepted by reg()/set_reg()
-_REGS: dict[str, int] = {
-    name[len("UC_X86_REG_"):].lower(): value
-    for name, value in vars(X).items()
-    if name.startswith("UC_X86_REG_") and isinstance(value, int)
-}
 
 _UNMAPPED = {
     unicorn.UC_ERR_READ_UNMAPPED: "read of unmapped memory",
@@ -107,12 +103,6 @@ _ACCESS = {
 _TLB_ACCESS = {unicorn.UC_MEM_READ: "read", unicorn.UC_MEM_WRITE: "write",
                unicorn.UC_MEM_FETCH: "fetch"}
 
-# Ports (the toy kernel's drivers: drivers/tty/serial_8250.c, arch/x86/traps.c)
-COM1 = 0x3F8
-UART_LSR_READY = 0x60  # THR empty | transmitter empty: the UART is never busy
-DEBUG_EXIT_PORT = 0xF4
-DEBUG_EXIT_SUCCESS = 0x10  # images/toy/include/toy.h
-
 #: how long a slice of a run should take: how soon Ctrl-C, the timeout and
 #: progress() are seen (see "Slices" in the module doc)
 SLICE_SECONDS = 0.1
@@ -132,7 +122,8 @@ class MachineResult:
     instructions: int | None
     #: True when execution reached ksim_halt
     halted: bool
-    #: QEMU-style exit status if the kernel wrote the debug-exit port, else None
+    #: the status the kernel exited with (QEMU's: the x86 debug-exit port's, the
+    #: arm64 semihosting exit code), else None
     exit_status: int | None
     #: ksim_bench_cycles (benchmark mode) else 0
     bench_cycles: int
@@ -146,7 +137,7 @@ class UnicornMachine:
 
     def __init__(self, elf_path: str | Path) -> None:
         self.path = Path(elf_path)
-        self.symbols, self.functions, segments = _read_elf(self.path)
+        e_machine, self.symbols, self.functions, segments = _read_elf(self.path)
         for name in (toy.ENTRY, toy.HALT, toy.INIT_STACK_TOP):
             if name not in self.symbols:
                 raise MalformedImage(f"{self.path}: no symbol {name!r}: not a ksim image")
@@ -166,7 +157,12 @@ class UnicornMachine:
                 self._text.append((vaddr, vaddr + memsz))
         self._pristine = bytes(pristine)
 
-        self._uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
+        try:
+            self._board: Board = BOARDS[e_machine](self)
+        except KeyError:
+            raise MalformedImage(f"{self.path}: no unicorn machine for {e_machine} "
+                                 f"(known: {', '.join(BOARDS)})") from None
+        self._uc = self._board.create()
         self._uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
         self._uc.mem_map(lo, hi - lo, unicorn.UC_PROT_ALL)
         self._uc.mem_write(lo, self._pristine)
@@ -174,22 +170,20 @@ class UnicornMachine:
         self._pending: BaseException | None = None
         self._fault: tuple[str, int] | None = None
         self._serial = bytearray()
-        self._lcr = 0
-        self._exit_value: int | None = None
+        self._exit_status: int | None = None
         self._dirty = False
         self._interrupt_fns: list[Callable[[UnicornMachine, int], None]] = []
         self._block_sizes: dict[tuple[int, int], int] = {}
         self._icount = 0
         #: (address, size, instructions) of the block entered last (count_instructions)
         self._last_block: tuple[int, int, int] | None = None
-        self._md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
+        self._md = capstone.Cs(self._board.cs_arch, self._board.cs_mode)
         self._hooks: list[int] = []
 
         self._add(unicorn.UC_HOOK_TLB_FILL, self._on_tlb_fill)
         self._add(unicorn.UC_HOOK_MEM_INVALID, self._on_mem_invalid)
-        self._add(unicorn.UC_HOOK_INSN, self._on_in, arg1=X.UC_X86_INS_IN)
-        self._add(unicorn.UC_HOOK_INSN, self._on_out, arg1=X.UC_X86_INS_OUT)
         self._add(unicorn.UC_HOOK_INTR, self._on_interrupt)
+        self._board.install()
         self._icount_hook: int | None = None
         #: whether translated blocks call unicorn's count hook (see "Slices")
         self._counting = False
@@ -246,10 +240,32 @@ class UnicornMachine:
         self.write(address, (value & (2**64 - 1)).to_bytes(8, "little"))
 
     def reg(self, name: str) -> int:
-        return int(self._uc.reg_read(_reg_id(name)))
+        return int(self._uc.reg_read(self._reg_id(name)))
 
     def set_reg(self, name: str, value: int) -> None:
-        self._uc.reg_write(_reg_id(name), value)
+        self._uc.reg_write(self._reg_id(name), value)
+
+    def _reg_id(self, name: str) -> int:
+        try:
+            return self._board.regs[name.lower()]
+        except KeyError:
+            raise EmulationError(f"unknown {self._board.e_machine} register {name!r}") from None
+
+    @property
+    def pc(self) -> int:
+        """The program counter."""
+        return self.reg(self._board.pc)
+
+    def set_pc(self, address: int) -> None:
+        """Resume at ``address`` (from a hook: the instruction there runs next)."""
+        self.set_reg(self._board.pc, address)
+
+    def trap_site(self, vector: int) -> int | None:
+        """In an interrupt hook: the address of the breakpoint (the architecture's
+        trap instruction) that raised interrupt ``vector``, None when ``vector``
+        is no breakpoint.  x86-64: int3 is interrupt 3 and RIP is past it;
+        AArch64: BRK is EXCP_BKPT and PC is on it."""
+        return self._board.trap_site(vector)
 
     # --- hooks ------------------------------------------------------------------
     def _guard(self, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -291,42 +307,50 @@ class UnicornMachine:
         return remove
 
     def hook_interrupt(self, fn: Callable[[UnicornMachine, int], None]) -> Callable[[], None]:
-        """Call ``fn(machine, vector)`` on each interrupt (int3 arrives as 3, RIP after it)."""
+        """Call ``fn(machine, vector)`` on each interrupt (``trap_site(vector)`` says
+        whether it is a breakpoint, and where)."""
         self._interrupt_fns.append(fn)
         return lambda: self._interrupt_fns.remove(fn) if fn in self._interrupt_fns else None
 
     def use_trap_table(self) -> Callable[[], None]:
         """Dispatch int3 through the kernel's own ``ksim_trap_table``, as its #BP handler does.
 
-        Unicorn delivers int3 to a hook instead of the IDT; this hook does what
-        ``ksim_int3_entry`` does under QEMU: site = RIP - 1, look the site up in
-        entries [0, ksim_trap_count) and resume at its patch.
+        Unicorn delivers a breakpoint to a hook instead of the kernel's vectors;
+        this hook does what the kernel's handler does under QEMU: find the site,
+        look it up in entries [0, ksim_trap_count) and resume at its patch.
         """
         table, count = self.address_of(toy.TRAP_TABLE), self.address_of(toy.TRAP_COUNT)
 
         def dispatch(machine: UnicornMachine, vector: int) -> None:
-            if vector != 3:
+            site = machine.trap_site(vector)
+            if site is None:
                 raise EmulationError(f"unexpected interrupt {vector} at "
-                                     f"{machine.symbolize(machine.reg('rip'))}")
-            site = machine.reg("rip") - 1
+                                     f"{machine.symbolize(machine.pc)}")
             n = min(machine.read_u64(count), toy.TRAP_SLOTS)
             raw = machine.read(table, 16 * n)
             for i in range(n):
                 s, patch = struct.unpack_from("<QQ", raw, 16 * i)
                 if s == site:
-                    machine.set_reg("rip", patch)
+                    machine.set_pc(patch)
                     return
-            raise EmulationError(f"int3 at {machine.symbolize(site)} is not in ksim_trap_table")
+            raise EmulationError(f"breakpoint at {machine.symbolize(site)} is not in "
+                                 "ksim_trap_table")
 
         return self.hook_interrupt(dispatch)
 
     def _on_tlb_fill(self, vaddr: int, access: int, entry: Any, _user: Any) -> bool:
         lo, hi = self._virt
-        if not lo <= vaddr < hi:
-            # No mapping: the CPU raises #PF (unicorn reports it as an exception).
+        # the whole address: unicorn's AArch64 fill takes paddr as the address
+        # itself (a page-aligned one sends every fetch to its page's start); x86-64
+        # masks it either way
+        if lo <= vaddr < hi:
+            entry.paddr = vaddr - self._offset
+        elif any(base <= vaddr < base + size for base, size in self._board.identity):
+            entry.paddr = vaddr  # a device, mapped one to one
+        else:
+            # No mapping: the CPU faults (unicorn reports it as an exception).
             self._fault = (_TLB_ACCESS.get(access, "access"), vaddr)
             return False
-        entry.paddr = (vaddr - self._offset) & ~(PAGE - 1)
         entry.perms = unicorn.UC_PROT_ALL
         return True
 
@@ -334,29 +358,23 @@ class UnicornMachine:
         self._fault = (_ACCESS.get(access, "access"), address)
         return False
 
-    def _on_in(self, port: int, size: int, _user: Any) -> int:
-        if port == COM1 + 5:
-            return UART_LSR_READY
-        return 0
-
-    def _on_out(self, port: int, size: int, value: int, _user: Any) -> None:
-        if port == COM1 + 3:
-            self._lcr = value & 0xFF
-        elif port == COM1 and not self._lcr & 0x80:  # DLAB clear: a character
-            self._serial.append(value & 0xFF)
-        elif port == DEBUG_EXIT_PORT:
-            self._exit_value = value
-            self._uc.emu_stop()
+    def _exit(self, status: int) -> None:
+        """The kernel asked to end the run with ``status`` (a board's exit device)."""
+        self._exit_status = status
+        self._uc.emu_stop()
 
     def _on_interrupt(self, vector: int, _user: Any) -> None:
-        if vector == 14 and self._fault is not None:
+        if vector in self._board.fault_vectors and self._fault is not None:
             kind, address = self._fault
             err = EmulationError(f"page fault: {kind} at unmapped {address:#x} "
-                                 f"(rip {self.symbolize(self.reg('rip'))})")
+                                 f"(pc {self.symbolize(self.pc)})")
             err.address = address  # type: ignore[attr-defined]
             raise err
+        failure = self._board.interrupt_error(vector)
+        if failure is not None:
+            raise failure
         if not self._interrupt_fns:
-            raise EmulationError(f"interrupt {vector} at {self.symbolize(self.reg('rip'))} "
+            raise EmulationError(f"interrupt {vector} at {self.symbolize(self.pc)} "
                                  "and no interrupt hook")
         for fn in list(self._interrupt_fns):
             fn(self, vector)
@@ -397,7 +415,7 @@ class UnicornMachine:
             bench_calls: int | None = None, count_instructions: bool = False,
             timeout: float = 60.0, progress: Callable[[], None] | None = None,
             slices: Iterable[int] | None = None) -> MachineResult:
-        """Boot at ksim_entry64 and run until ksim_halt.
+        """Start at ksim_entry64 and run until ksim_halt.
 
         ``seed``, ``iterations`` and ``bench_calls`` are written to the ABI
         globals first (None keeps the image's value).  A machine runs once per
@@ -422,8 +440,8 @@ class UnicornMachine:
             if value is not None:
                 self.write_u64(self.address_of(name), value)
         self._serial.clear()
-        self._lcr = 0
-        self._exit_value = None
+        self._board.reset()
+        self._exit_status = None
         self._pending = None
         self._fault = None
         self._icount = 0
@@ -436,11 +454,7 @@ class UnicornMachine:
             self._uc.hook_del(self._icount_hook)
             self._icount_hook = None
 
-        for name in ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "r8", "r9", "r10",
-                     "r11", "r12", "r13", "r14", "r15"):
-            self.set_reg(name, 0)
-        self.set_reg("rflags", 0x2)
-        self.set_reg("rsp", self.address_of(toy.INIT_STACK_TOP))
+        self._board.enter(self.address_of(toy.INIT_STACK_TOP))
         halt = self.address_of(toy.HALT)
         start = time.perf_counter()
         pc = self.address_of(toy.ENTRY)
@@ -451,15 +465,15 @@ class UnicornMachine:
             else:
                 pc, done = self._run_sliced(pc, halt, start, timeout, ctrl_c, progress,
                                             _Budgets(slices))
-        if self._exit_value is not None and self._exit_value != DEBUG_EXIT_SUCCESS:
-            raise EmulationError(f"the kernel failed (debug-exit value {self._exit_value:#x} at "
+        if self._exit_status is not None and self._exit_status != EXIT_SUCCESS:
+            raise EmulationError(f"the kernel failed (exit status {self._exit_status} at "
                                  f"{self.symbolize(pc)}); serial: {self._serial_text()[-500:]!r}")
         return MachineResult(
             checksum=self.read_u64(self.address_of(toy.WORKLOAD_CHECKSUM)),
             serial=self._serial_text(),
             instructions=self._icount if count_instructions else None,
             halted=pc == halt,
-            exit_status=None if self._exit_value is None else ((self._exit_value << 1) | 1) & 0xFF,
+            exit_status=self._exit_status,
             bench_cycles=self.read_u64(self.address_of(toy.BENCH_CYCLES)),
             seconds=time.perf_counter() - start,
             slices=done,
@@ -480,8 +494,8 @@ class UnicornMachine:
             budget, began = budgets.next(), time.perf_counter()
             self._emulate(pc, halt, budget)
             done += 1
-            pc = self.reg("rip")
-            if pc == halt or self._exit_value is not None:
+            pc = self.pc
+            if pc == halt or self._exit_status is not None:
                 return pc, done
             self._end_slice(pc)
             budgets.took(budget, time.perf_counter() - began)
@@ -498,8 +512,8 @@ class UnicornMachine:
         self._counting = False  # count 0: unicorn drops its count hook and its blocks
         with _Watchdog(self._uc, start + timeout, sigint=ctrl_c.holding) as watchdog:
             failure = self._emulate(pc, halt, 0, raise_fault=False)
-        pc = self.reg("rip")
-        if watchdog.fired is not None and pc != halt and self._exit_value is None:
+        pc = self.pc
+        if watchdog.fired is not None and pc != halt and self._exit_status is None:
             # abandoned where the watchdog's stop fell (perhaps mid-dispatch, hence
             # an emulator error): never resumed
             if watchdog.fired == "interrupt":
@@ -511,7 +525,7 @@ class UnicornMachine:
         return pc
 
     def _timeout(self, pc: int, start: float) -> TargetTimeout:
-        return TargetTimeout(f"no halt after {time.perf_counter() - start:.1f} s; rip at "
+        return TargetTimeout(f"no halt after {time.perf_counter() - start:.1f} s; pc at "
                              f"{self.symbolize(pc)}; serial: {self._serial_text()[-300:]!r}")
 
     def _emulate(self, pc: int, until: int, count: int,
@@ -537,49 +551,30 @@ class UnicornMachine:
         return exc
 
     def _fault_error(self, exc: unicorn.UcError) -> EmulationError:
-        rip = self.reg("rip")
-        where = self.symbolize(rip)
+        pc = self.pc
+        where = self.symbolize(pc)
         if exc.errno == unicorn.UC_ERR_EXCEPTION and self._fault is not None:
             kind, address = self._fault
-            address = self._effective_address(rip, address)
+            address = self._effective_address(pc, address)
             err = EmulationError(f"page fault: {kind} at unmapped {address:#x} "
-                                 f"(rip {rip:#x}, {where})")
+                                 f"(pc {pc:#x}, {where})")
         elif exc.errno in _UNMAPPED:
-            kind, address = self._fault or (_UNMAPPED[exc.errno], rip)
+            kind, address = self._fault or (_UNMAPPED[exc.errno], pc)
             err = EmulationError(f"{_UNMAPPED[exc.errno]}: {kind} at {address:#x} "
-                                 f"(rip {rip:#x}, {where})")
+                                 f"(pc {pc:#x}, {where})")
         elif exc.errno == unicorn.UC_ERR_INSN_INVALID:
-            address = rip
-            err = EmulationError(f"invalid instruction at {rip:#x} ({where}): "
-                                 f"{self.read(rip, 8).hex() if self._in_image(rip) else '?'}")
+            address = pc
+            err = EmulationError(f"invalid instruction at {pc:#x} ({where}): "
+                                 f"{self.read(pc, 8).hex() if self._in_image(pc) else '?'}")
         else:
-            address = rip
-            err = EmulationError(f"{exc} at rip {rip:#x} ({where})")
+            address = pc
+            err = EmulationError(f"{exc} at pc {pc:#x} ({where})")
         err.address = address  # type: ignore[attr-defined]
         return err
 
-    def _effective_address(self, rip: int, page: int) -> int:
+    def _effective_address(self, pc: int, page: int) -> int:
         """The exact address a faulting instruction used (the TLB only sees its page)."""
-        if not self._in_image(rip):
-            return page
-        md = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-        md.detail = True
-        for insn in md.disasm(self.read(rip, 16), rip, 1):
-            for op in insn.operands:
-                if op.type != capstone.x86.X86_OP_MEM:
-                    continue
-                mem = op.mem
-                if mem.base == capstone.x86.X86_REG_RIP:
-                    ea = rip + insn.size + mem.disp
-                else:
-                    ea = mem.disp
-                    for reg, scale in ((mem.base, 1), (mem.index, mem.scale)):
-                        if reg:
-                            ea += scale * self.reg(insn.reg_name(reg))
-                ea &= 2**64 - 1
-                if ea & ~(PAGE - 1) == page:
-                    return ea
-        return page
+        return self._board.effective_address(pc, page) if self._in_image(pc) else page
 
     def _in_image(self, address: int) -> bool:
         return self._virt[0] <= address < self._virt[1] - 8
@@ -705,21 +700,14 @@ class _Budgets:
         self._next = int(min(max(budget * scale, MIN_SLICE), MAX_SLICE))
 
 
-def _reg_id(name: str) -> int:
-    try:
-        return _REGS[name.lower()]
-    except KeyError:
-        raise EmulationError(f"unknown x86-64 register {name!r}") from None
-
-
-def _read_elf(path: Path) -> tuple[dict[str, int], list[tuple[str, int, int]],
+def _read_elf(path: Path) -> tuple[str, dict[str, int], list[tuple[str, int, int]],
                                    list[tuple[int, int, int, bytes, bool]]]:
-    """Symbols, functions (sorted) and PT_LOAD segments (vaddr, paddr, memsz, data, exec)."""
+    """The ELF machine, symbols, functions (sorted) and PT_LOAD segments
+    (vaddr, paddr, memsz, data, exec)."""
     try:
         with open(path, "rb") as f:
             elf = ELFFile(f)
-            if elf["e_machine"] != "EM_X86_64":
-                raise MalformedImage(f"{path}: not an x86-64 ELF ({elf['e_machine']})")
+            e_machine = elf["e_machine"]
             segments = [
                 (seg["p_vaddr"], seg["p_paddr"], seg["p_memsz"], seg.data(),
                  bool(seg["p_flags"] & 1))
@@ -729,8 +717,8 @@ def _read_elf(path: Path) -> tuple[dict[str, int], list[tuple[str, int, int]],
             functions: list[tuple[str, int, int]] = []
             symtab = elf.get_section_by_name(".symtab")
             for sym in symtab.iter_symbols() if isinstance(symtab, SymbolTableSection) else ():
-                if not sym.name:
-                    continue
+                if not sym.name or sym.name.startswith("$"):
+                    continue  # AArch64 mapping symbols ($x, $d) are no names
                 symbols.setdefault(sym.name, sym["st_value"])
                 if sym["st_info"]["type"] == "STT_FUNC":
                     functions.append((sym.name, sym["st_value"], sym["st_size"]))
@@ -743,4 +731,4 @@ def _read_elf(path: Path) -> tuple[dict[str, int], list[tuple[str, int, int]],
     if not segments:
         raise MalformedImage(f"{path}: no PT_LOAD segments")
     functions.sort(key=lambda f: f[1])
-    return symbols, functions, segments
+    return e_machine, symbols, functions, segments

@@ -2,9 +2,16 @@
 
 The image reserves its own patch area and data heap (``ksim_patch_area``,
 ``ksim_heap``), so patches get the same addresses here as under QEMU.  Trap
-dispatch is unicorn's interrupt hook: an ``int3`` at a spliced site arrives as
-interrupt 3 with RIP just past it, and the hook resumes execution at the site's
+dispatch is unicorn's interrupt hook, on every architecture: the trap at a
+spliced site (x86-64 ``int3``, AArch64 ``BRK #0x004``) reaches the hook instead
+of the kernel's own handler, the machine says which site raised it
+(``UnicornMachine.trap_site``), and the hook resumes execution at the site's
 patch -- with the registers, flags and stack the kernel had, as a jump would.
+
+On AArch64 the kernel's vectors could do it instead (they dispatch a BRK through
+``ksim_trap_table`` under QEMU), but the hook is what the x86-64 target does, and
+only it can call Python at a trap (``add_trap_hook``: Python probe handlers) and
+count trap hits; the kernel's route is tested by the QEMU target.
 
 A run boots the kernel afresh (pristine data) but keeps what ksim put there:
 the spliced text, the patch area and the data heap (counters accumulate over
@@ -27,8 +34,6 @@ from ksim.machine.unicorn import UnicornMachine, check_run
 from ksim.splice.alloc import RegionAllocator
 from ksim.splice.patch import Write
 from ksim.targets.base import RunResult, run_options
-
-TRAP_VECTOR = 3  # #BP
 
 
 @dataclass
@@ -110,7 +115,8 @@ class UnicornTarget:
                       ) -> Callable[[], None]:
         """Call ``fn(machine, site)`` each time the trap at ``site`` is taken, before
         execution resumes at its patch (Python probe handlers).  RIP is still just past
-        the trap; ``fn`` may return an address to resume at instead of the patch.
+        the trap (x86-64) or on it (AArch64); ``fn`` may return an address to resume at
+        instead of the patch.
         Returns a function that removes the hook."""
         self._trap_hooks.setdefault(site, []).append(fn)
 
@@ -124,19 +130,19 @@ class UnicornTarget:
         return remove
 
     def _on_interrupt(self, machine: UnicornMachine, vector: int) -> None:
-        if vector != TRAP_VECTOR:
-            raise EmulationError(f"unexpected interrupt {vector} at {machine.reg('rip'):#x}")
-        site = machine.reg("rip") - len(self.arch.trap)
+        site = machine.trap_site(vector)
+        if site is None:
+            raise EmulationError(f"unexpected interrupt {vector} at {machine.pc:#x}")
         patch = self._traps.get(site)
         if patch is None:
-            raise EmulationError(f"int3 at {site:#x} is not a ksim trap site")
+            raise EmulationError(f"trap at {site:#x} is not a ksim trap site")
         self.trap_hits += 1
         resume = patch
         for fn in list(self._trap_hooks.get(site, ())):
             redirect = fn(machine, site)
             if redirect is not None:
                 resume = redirect
-        machine.set_reg("rip", resume)
+        machine.set_pc(resume)
 
     # --- running -----------------------------------------------------------------
     @run_options
