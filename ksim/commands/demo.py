@@ -29,7 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 EXTRA = ("tcp_sync_mss", "submit_bio", "kmem_cache_alloc", "schedule")
 
 
-def default_functions() -> list[str]:
+def default_functions(image: str = "toy") -> list[str]:
+    """The first function of each hard case and EXTRA, by the names ``image`` gives them."""
+    from ksim import images
     from ksim.images.toy import HARD_CASES
 
     picked: list[str] = []
@@ -37,14 +39,15 @@ def default_functions() -> list[str]:
         for name in HARD_CASES.get(case, [])[:1]:
             if name not in picked:
                 picked.append(name)
-    return picked + [f for f in EXTRA if f not in picked]
+    local = images.get(image).local_name
+    return [local(f) for f in picked + [f for f in EXTRA if f not in picked]]
 
 
 def demo(image: str = "toy", seed: int = 1, functions: list[str] | None = None,
          *, out: Any = None) -> list[dict[str, Any]]:
     from ksim.kapi import Manager
 
-    functions = functions or default_functions()
+    functions = functions or default_functions(image)
     rows: list[dict[str, Any]] = []
     with Manager.attach(f"unicorn:{image}") as m:
         base = m.run(seed=seed, count_instructions=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ksim.errors import ImageBuildError, UnknownImage
+from ksim.images import toy
 
 
 def _images_dir() -> Path:
@@ -47,6 +48,13 @@ class ImageSpec:
     make_args: tuple[str, ...] = ()
     #: the C compiler the Makefile uses with these arguments
     compiler: str = "gcc"
+    #: (name in the x86 toy, name here) for functions this build names otherwise
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def local_name(self, name: str) -> str:
+        """What this image calls the x86 toy's function ``name`` (ksim.images.toy
+        lists the toy's functions by their x86 names)."""
+        return dict(self.renames).get(name, name)
 
 
 _REGISTRY: dict[str, ImageSpec] = {
@@ -66,6 +74,7 @@ _REGISTRY: dict[str, ImageSpec] = {
                     "qemu-system-aarch64 -M virt",
         make_args=("ARCH=arm64",),
         compiler="aarch64-linux-gnu-gcc",
+        renames=tuple(toy.ARM64_NAMES.items()),
     ),
 }
 

@@ -110,6 +110,15 @@ HARD_CASES: dict[str, list[str]] = {
     ],
 }
 
+#: the x86 toy's function names that its arm64 build gives Linux's arm64 names
+#: (images/toy/include/asm-arm64.h): the syscall handlers, their dispatcher and
+#: the stack switch; every other name is the same in both builds
+ARM64_NAMES: dict[str, str] = {
+    **{n: "__arm64_sys_" + n[len("__x64_sys_"):] for n in HARD_CASES["syscall_only"]},
+    "do_syscall_64": "invoke_syscall",
+    "__switch_to_asm": "cpu_switch_to",
+}
+
 #: the syscall table the "syscall_only" functions are reached through
 SYSCALL_TABLE = "sys_call_table"
 
