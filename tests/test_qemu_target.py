@@ -1,4 +1,6 @@
-"""The QEMU target against a real qemu-system-x86_64 booting the toy kernel.
+"""The QEMU target against a real QEMU booting the toy kernel: ``toy`` in
+qemu-system-x86_64 and ``toy-arm64`` in qemu-system-aarch64 (-M virt); the
+tests that are not about one architecture's bytes run on both images.
 
 Every test here starts QEMU (under TCG on machines without a working KVM), so
 all are marked slow; iteration counts stay small to keep each run to seconds.
@@ -18,11 +20,21 @@ import pytest
 from ksim.errors import StaleText, TargetDied, TargetError, TargetTimeout
 from ksim.splice.patch import Write
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("qemu-system-x86_64") is None,
-                       reason="qemu-system-x86_64 not installed (apt-get install qemu-system-x86)"),
-]
+pytestmark = pytest.mark.slow
+
+#: image -> (QEMU binary, its Debian package)
+QEMUS = {"toy": ("qemu-system-x86_64", "qemu-system-x86"),
+         "toy-arm64": ("qemu-system-aarch64", "qemu-system-arm")}
+
+
+def _image_param(image: str):
+    binary, package = QEMUS[image]
+    return pytest.param(image, id=image, marks=pytest.mark.skipif(
+        shutil.which(binary) is None, reason=f"{binary} not installed (apt-get install {package})"))
+
+
+IMAGES = [_image_param(image) for image in QEMUS]
+X86 = [_image_param("toy")]
 
 SEED = 1234
 ITERATIONS = 20
@@ -36,11 +48,11 @@ def _toy_path() -> Path:
     return Path(images.path("toy"))
 
 
-@pytest.fixture(scope="module")
-def target():
+@pytest.fixture(scope="module", params=IMAGES)
+def target(request):
     from ksim.targets.qemu import QemuTarget
 
-    t = QemuTarget("toy", timeout=10.0, boot_timeout=60.0)
+    t = QemuTarget(request.param, timeout=10.0, boot_timeout=60.0)
     try:
         yield t
     finally:
@@ -63,14 +75,14 @@ def _qemu_pids_with(marker: str) -> list[int]:
 
 
 # --- booting, running ---------------------------------------------------------------
-def test_boots_under_a_known_accelerator(target) -> None:
+def test_boots_under_a_known_accelerator(target, request) -> None:
     from ksim.machine.qemu import kvm_usable
 
     assert target.accel in ("kvm", "tcg")
-    if target.accel == "tcg" and kvm_usable():
+    if target.accel == "tcg" and kvm_usable() and "kvm" in target.machine.profile.accel_args:
         # KVM was tried and given up, and the reason was kept
         assert target.machine.accel_failures.get("kvm")
-    assert target.name == "qemu:toy"
+    assert target.name == f"qemu:{request.node.callspec.params['target']}"
     # stopped at start_kernel: the kernel's page tables are live, text reads as the ELF has it
     fn = target.image.function("start_kernel")
     assert target.read(fn.address, 16) == target.image.read(fn.address, 16)
@@ -102,7 +114,8 @@ def test_repeated_runs_are_reproducible_and_keep_the_heap(target) -> None:
 
 def test_bench_cycles(target) -> None:
     result = target.run(bench_calls=1000, timeout=120)
-    # rdtsc around the calls (emulated under TCG); "bench calls=" on the console
+    # rdtsc (x86) or CNTVCT_EL0 (arm64) around the calls, emulated under TCG;
+    # "bench calls=" on the console
     assert result.bench_cycles is not None
     assert "bench calls=1000" in result.output
 
@@ -145,10 +158,11 @@ def test_timeout_stops_the_guest_and_the_next_run_starts_afresh(target) -> None:
 # --- memory, text ----------------------------------------------------------------------
 def test_stale_poke_writes_nothing(target) -> None:
     fn = target.image.function("start_kernel")
-    a = fn.address + 1
+    trap = target.arch.trap
+    n = len(trap)  # one instruction's worth: 1 byte on x86, a word on arm64
     before = target.read(fn.address, 8)
-    good = Write(fn.address, before[:1], b"\xcc")
-    stale = Write(a, bytes([before[1] ^ 0xFF]), b"\x90")
+    good = Write(fn.address, before[:n], trap)
+    stale = Write(fn.address + n, bytes(b ^ 0xFF for b in before[n:2 * n]), trap)
     with pytest.raises(StaleText):
         target.poke([good, stale])
     assert target.read(fn.address, 8) == before
@@ -156,12 +170,14 @@ def test_stale_poke_writes_nothing(target) -> None:
 
 def test_poke_and_undo(target) -> None:
     fn = target.image.function("start_kernel")
-    before = target.read(fn.address, 5)
-    w = Write(fn.address, before, b"\x0f\x1f\x44\x00\x00")
+    arch = target.arch
+    before = target.read(fn.address, arch.jmp_size)
+    # a jump to the next instruction (jmp rel32 0 on x86, b .+4 on arm64)
+    w = Write(fn.address, before, arch.jmp(fn.address, fn.address + arch.jmp_size))
     target.poke([w])
-    assert target.read(fn.address, 5) == w.new
+    assert target.read(fn.address, arch.jmp_size) == w.new
     target.poke([w.inverse()])
-    assert target.read(fn.address, 5) == before
+    assert target.read(fn.address, arch.jmp_size) == before
 
 
 def test_write_refuses_text(target) -> None:
@@ -186,7 +202,8 @@ def test_alloc_data_zeroes_and_code_matches_allocator(target) -> None:
 
 
 def test_trap_table_is_dense_and_mirrored(target) -> None:
-    sites = [(0xFFFFFFFF81000100 + i, 0xFFFFFFFF81800000 + 16 * i) for i in range(4)]
+    text, patch = target.image.function("start_kernel").address, target._code.start
+    sites = [(text + 4 * i, patch + 16 * i) for i in range(4)]
     for site, patch in sites:
         target.set_trap(site, patch)
     assert target.traps_in_guest() == sites
@@ -218,16 +235,19 @@ def test_oracle_counter_counts_breakpoint_hits(target) -> None:
     assert counter.count == len(hits)
 
 
-def test_unrouted_trap_kills_the_kernel_with_a_clear_error() -> None:
-    """An int3 the kernel's table does not route ends QEMU: TargetDied, serial tail, no process."""
+@pytest.mark.parametrize("image", IMAGES)
+def test_unrouted_trap_kills_the_kernel_with_a_clear_error(image: str) -> None:
+    """A trap the kernel's table does not route ends QEMU (isa-debug-exit on x86,
+    semihosting on arm64): TargetDied, serial tail, no process left."""
     from ksim.targets.qemu import QemuTarget
 
-    t = QemuTarget("toy")
+    t = QemuTarget(image)
     try:
         fn = t.image.function("tcp_sync_mss")
-        t.poke([Write(fn.address, t.read(fn.address, 1), b"\xcc")])
+        trap = t.arch.trap
+        t.poke([Write(fn.address, t.read(fn.address, len(trap)), trap)])
         pid = t.machine.pid
-        with pytest.raises(TargetDied, match="not in ksim_trap_table"):
+        with pytest.raises(TargetDied, match="panicked(.|\n)*not in ksim_trap_table"):
             t.run(seed=SEED, iterations=200, timeout=120)
         with pytest.raises(TargetDied, match="open the target again"):
             t.run(seed=SEED, iterations=200, timeout=120)
@@ -278,11 +298,20 @@ def test_gdb_port_taken_before_qemu_binds_it(monkeypatch) -> None:
             assert m.status() == "prelaunch" and m.gdb.halt_reason().signal == 5
 
 
-def test_missing_qemu_binary_says_how_to_install() -> None:
+@pytest.mark.parametrize("arch,package", [("x86_64", "qemu-system-x86"),
+                                          ("aarch64", "qemu-system-arm")])
+def test_missing_qemu_binary_says_how_to_install(arch: str, package: str) -> None:
     from ksim.machine.qemu import QemuMachine
 
-    with pytest.raises(TargetError, match="apt-get install qemu-system-x86"):
-        QemuMachine(None, qemu="/nonexistent/qemu-system-x86_64")
+    with pytest.raises(TargetError, match=rf"\(apt-get install {package}\)"):
+        QemuMachine(None, qemu=f"/nonexistent/qemu-{arch}", arch=arch)
+
+
+def test_an_architecture_without_kvm_here_says_so() -> None:
+    from ksim.machine.qemu import QemuMachine
+
+    with pytest.raises(TargetError, match="under tcg here, not kvm"):
+        QemuMachine(None, accel="kvm", arch="aarch64")
 
 
 # --- with the Manager: same counts, same bytes, clean removal --------------------------------
@@ -294,14 +323,23 @@ def _manager():
     return Manager
 
 
-def _functions() -> list[str]:
-    """A plain function and the first function of every hard case the toy kernel lists."""
+#: the x86 toy's names that are Linux's arm64 names in toy-arm64 (images/toy/include/asm-arm64.h)
+ARM64_PREFIXES = {"__x64_sys_": "__arm64_sys_"}
+
+
+def _functions(image: str = "toy") -> list[str]:
+    """A plain function and the first function of every hard case the toy kernel
+    lists (x86-64's hard cases: on arm64 they are ordinary functions of the same
+    workload, under their arm64 names)."""
     from ksim.images import toy
 
     names = ["tcp_sync_mss"]
     for cases in toy.HARD_CASES.values():
         if cases[0] not in names:
             names.append(cases[0])
+    if image == "toy-arm64":
+        for x86, arm64 in ARM64_PREFIXES.items():
+            names = [arm64 + n[len(x86):] if n.startswith(x86) else n for n in names]
     return names
 
 
@@ -336,27 +374,28 @@ def _count_and_bytes(spec: str, name: str, splice: str):
         m.detach()
 
 
-def _pair(name: str, splice: str):
+def _pair(image: str, name: str, splice: str):
     """The same insertion under QEMU and under unicorn, on one build of the image:
     when the image's sources change between the two (they are rebuilt on demand),
     the pair is taken again."""
     from ksim import images
 
     for _ in range(3):
-        before = images.source_hash("toy")
-        q = _count_and_bytes("qemu:toy", name, splice)
-        u = _count_and_bytes("unicorn:toy", name, splice)
-        if images.source_hash("toy") == before:
+        before = images.source_hash(image)
+        q = _count_and_bytes(f"qemu:{image}", name, splice)
+        u = _count_and_bytes(f"unicorn:{image}", name, splice)
+        if images.source_hash(image) == before:
             return q, u
     pytest.skip("the toy kernel's sources kept changing during the comparison")
 
 
 @pytest.mark.parametrize("splice", ["jmp", "trap"])
-def test_counts_bytes_and_removal_match_unicorn(splice: str) -> None:
+@pytest.mark.parametrize("image", IMAGES)
+def test_counts_bytes_and_removal_match_unicorn(image: str, splice: str) -> None:
     _manager()
     failures = []
-    for name in _functions():
-        (q_count, q_log, q_orig, q_after), (u_count, u_log, _, _) = _pair(name, splice)
+    for name in _functions(image):
+        (q_count, q_log, q_orig, q_after), (u_count, u_log, _, _) = _pair(image, name, splice)
         if q_count == 0:
             failures.append(f"{name}/{splice}: never reached, the comparison says nothing")
         # (a) the same number of entries under both emulators
@@ -369,3 +408,30 @@ def test_counts_bytes_and_removal_match_unicorn(splice: str) -> None:
         if q_after != q_orig:
             failures.append(f"{name}/{splice}: text not restored")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+@pytest.mark.parametrize("image", IMAGES)
+def test_counts_equal_the_gdbstub_oracle(image: str, splice: str) -> None:
+    """One QEMU, a counter at every function's entry, all spliced at once: each
+    equals the gdbstub breakpoint count at that entry, the splices are what the
+    policy asked for, and removing them restores every byte of text."""
+    Manager = _manager()
+    with Manager.attach(f"qemu:{image}") as m:
+        fns = [m.find_function(name) for name in _functions(image)]
+        original = {fn.name: m.target.read(fn.address, fn.size) for fn in fns}
+        oracles = {fn.name: m.target.oracle_counter(fn.address) for fn in fns}
+        counters = {fn.name: m.malloc(8) for fn in fns}
+        handles = [m.insert_snippet(m.entry_point(fn), counters[fn.name].assign(
+            counters[fn.name] + 1), splice=splice) for fn in fns]
+        # trap: one route per site in the kernel's table; jmp: none
+        assert len(m.target.traps_in_guest()) == (len(fns) if splice == "trap" else 0)
+        m.run(seed=SEED, iterations=MANAGER_ITERATIONS)
+        counts = {name: m.read(v) for name, v in counters.items()}
+        for h in handles:
+            m.remove_snippet(h)
+        assert m.target.traps_in_guest() == []
+        restored = {fn.name: m.target.read(fn.address, fn.size) for fn in fns}
+    assert counts == {name: o.count for name, o in oracles.items()}
+    assert all(counts.values()), counts  # every one reached: the comparison says something
+    assert restored == original

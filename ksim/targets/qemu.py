@@ -417,14 +417,10 @@ class QemuTarget:
                 except TargetTimeout:
                     continue  # still running: time for the checks above
                 except TargetDied as e:
-                    status = machine.wait_exit()
-                    why = EXIT_STATUSES.get(status if status is not None else -1,
-                                            "QEMU ended")
-                    raise TargetDied(f"{self.name}: {why} during the run (QEMU exit status "
-                                     f"{status}); serial:\n{machine.serial_text()[-2000:]}") from e
+                    raise self._ended(machine.wait_exit(), "QEMU ended") from e
                 if stop.exited:
-                    raise TargetDied(f"{self.name}: the kernel exited ({stop.raw}); serial:\n"
-                                     f"{machine.serial_text()[-2000:]}")
+                    # the stub reports the exit first (semihosting's SYS_EXIT: W<code>)
+                    raise self._ended(stop.exit_code, f"the kernel exited ({stop.raw})")
                 pc = gdb.read_pc()
                 if pc == halt:
                     break
@@ -441,6 +437,15 @@ class QemuTarget:
             output=machine.serial_text(), seconds=seconds,
             bench_cycles=self._get_u64(toy.BENCH_CYCLES) if bench_calls else None,
             accel=machine.accel, boot_seconds=boot)
+
+    def _ended(self, status: int | None, otherwise: str) -> TargetDied:
+        """The error for a QEMU that ended during a run, with status ``status``."""
+        machine = self.machine
+        assert machine is not None
+        machine.wait_exit()  # reaped: the next run says QEMU has ended, not "connection lost"
+        why = EXIT_STATUSES.get(status if status is not None else -1, otherwise)
+        return TargetDied(f"{self.name}: {why} during the run (QEMU exit status {status}); "
+                          f"serial:\n{machine.serial_text()[-2000:]}")
 
     def _stop_guest(self, counters: dict[int, _BreakpointCounter]) -> None:
         """Stop a running guest where it is; a counted breakpoint it reports
