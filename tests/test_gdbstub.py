@@ -157,3 +157,44 @@ def test_continue_from_a_rep_breakpoint_hits_once_per_execution(machine) -> None
         assert gdb.read_register("rip") == 0x7003
         dis.append(gdb.read_register("rdi") & 0xFFFF)
     assert dis == [0x8000, 0x8005, 0x800A]
+
+
+# --- AArch64: qemu-system-aarch64 -M virt, no kernel ----------------------------------------
+needs_qemu_arm64 = pytest.mark.skipif(shutil.which("qemu-system-aarch64") is None,
+                                      reason="qemu-system-aarch64 not installed "
+                                             "(apt-get install qemu-system-arm)")
+VIRT_RAM = 0x40000000  # QEMU virt's RAM; the MMU is off at reset, so addresses are physical
+
+
+@pytest.mark.slow
+@needs_qemu_arm64
+def test_aarch64_register_file_breakpoint_and_step() -> None:
+    """The AArch64 register file from the stub's target.xml (x0..x30, sp, pc,
+    cpsr: AARCH64_REGS), the program counter named as the Arch names it, and
+    breakpoints and steps on four-byte instructions."""
+    from ksim.arch import get_arch
+    from ksim.machine.gdbstub import AARCH64_REGS
+    from ksim.machine.qemu import QemuMachine
+
+    with QemuMachine(accel="tcg", memory="64M", timeout=10.0, arch="aarch64") as m:
+        gdb = m.gdb
+        assert m.accel == "tcg"
+        assert [(name, size) for name, (_, _, size) in gdb.regs.items()][:len(AARCH64_REGS)] == \
+            list(AARCH64_REGS)
+        assert gdb.pc == get_arch("aarch64").pc_reg == "pc"
+        # movz x0, #1; add x0, x0, #1; nop; b .-8 (back to the add)
+        program = bytes.fromhex("200080d2" "00040091" "1f2003d5" "feffff17")
+        gdb.write_memory(VIRT_RAM, program)
+        assert m.read_physical(VIRT_RAM, len(program)) == program
+        gdb.write_register("pc", VIRT_RAM)
+        gdb.set_breakpoint(VIRT_RAM + 8)
+        assert gdb.cont(timeout=10).signal == 5
+        assert gdb.read_pc() == VIRT_RAM + 8 and gdb.read_register("x0") == 2
+        assert gdb.read_memory(VIRT_RAM, len(program)) == program  # no breakpoint in memory
+        # continuing from the breakpoint steps off it: one more trip round the loop
+        assert gdb.cont(timeout=10).signal == 5
+        assert gdb.read_pc() == VIRT_RAM + 8 and gdb.read_register("x0") == 3
+        gdb.remove_breakpoint(VIRT_RAM + 8)
+        gdb.step()
+        assert gdb.read_pc() == VIRT_RAM + 12
+        assert gdb.read_registers()["x0"] == 3

@@ -323,24 +323,18 @@ def _manager():
     return Manager
 
 
-#: the x86 toy's names that are Linux's arm64 names in toy-arm64 (images/toy/include/asm-arm64.h)
-ARM64_PREFIXES = {"__x64_sys_": "__arm64_sys_"}
-
-
 def _functions(image: str = "toy") -> list[str]:
     """A plain function and the first function of every hard case the toy kernel
     lists (x86-64's hard cases: on arm64 they are ordinary functions of the same
-    workload, under their arm64 names)."""
+    workload), by the names ``image`` gives them."""
+    from ksim import images
     from ksim.images import toy
 
     names = ["tcp_sync_mss"]
     for cases in toy.HARD_CASES.values():
         if cases[0] not in names:
             names.append(cases[0])
-    if image == "toy-arm64":
-        for x86, arm64 in ARM64_PREFIXES.items():
-            names = [arm64 + n[len(x86):] if n.startswith(x86) else n for n in names]
-    return names
+    return [images.get(image).local_name(name) for name in names]
 
 
 def _record_pokes(manager) -> list[tuple[int, bytes, bytes]]:
@@ -435,3 +429,27 @@ def test_counts_equal_the_gdbstub_oracle(image: str, splice: str) -> None:
     assert counts == {name: o.count for name, o in oracles.items()}
     assert all(counts.values()), counts  # every one reached: the comparison says something
     assert restored == original
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+@pytest.mark.parametrize("image", [_image_param("toy-arm64")])
+def test_ksim_count_on_qemu(capsys, image: str, splice: str) -> None:
+    """``ksim count FUNC --image toy-arm64 --target qemu``: count == the gdbstub
+    oracle, for one function and for a wildcard of several."""
+    import json
+
+    from ksim.cli import main
+
+    status = main(["count", "tcp_sync_mss", "--image", image, "--target", "qemu",
+                   "--splice", splice, "--seed", "5", "--iterations", "200", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0
+    assert report["target"] == f"qemu:{image}" and report["tactic"] == splice
+    assert report["count"] == report["oracle"] > 0, report
+    status = main(["count", "kmem_cache_*", "--image", image, "--target", "qemu",
+                   "--splice", splice, "--iterations", "100", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0, report
+    rows = report["rows"]
+    assert len(rows) >= 3 and all(r["tactic"] == splice for r in rows)
+    assert all(r["count"] == r["oracle"] for r in rows) and any(r["count"] for r in rows), rows

@@ -227,10 +227,7 @@ class QemuTarget:
     def _reboot(self) -> float:
         """A new QEMU with pristine kernel data and ksim's text, patch area,
         heap and trap routes carried over."""
-        if self.machine is not None and not self.machine.alive():
-            raise TargetDied(f"{self.name}: QEMU ended in an earlier run (exit status "
-                             f"{self.machine.exit_status}), taking ksim's changes with it; "
-                             f"open the target again")
+        self._check_alive()
         keep = [*self._text, *self._code.allocated().items(), *self._data.allocated().items()]
         saved = [(a, self.read(a, n)) for a, n in keep]
         old = self.machine
@@ -245,10 +242,17 @@ class QemuTarget:
         return seconds
 
     # --- memory -------------------------------------------------------------------------
+    def _check_alive(self) -> None:
+        if self.machine is not None and not self.machine.alive():
+            raise TargetDied(f"{self.name}: QEMU ended in an earlier run (exit status "
+                             f"{self.machine.exit_status}), taking ksim's changes with it; "
+                             f"open the target again")
+
     def _gdb(self) -> GdbStub:
         """The gdbstub of a stopped guest."""
         if self.machine is None or self.machine.gdb is None:
             raise TargetDied(f"{self.name} is closed")
+        self._check_alive()
         gdb = self.machine.gdb
         if gdb.running:
             # only run() lets the guest run, and it owns the stop reply
@@ -469,7 +473,8 @@ class QemuTarget:
         if counter not in self._counters:
             return
         self._counters.remove(counter)
-        if self.machine is not None and self.machine.gdb is not None and \
+        # a QEMU that has ended (the kernel panicked) has no breakpoints left to remove
+        if self.machine is not None and self.machine.gdb is not None and self.machine.alive() and \
                 all(c.address != counter.address for c in self._counters) and \
                 counter.address != self._sym(HALT):
             self._gdb().remove_breakpoint(counter.address)
