@@ -64,6 +64,8 @@ class UnicornTarget:
         self._code = RegionAllocator(sym("ksim_patch_area"), sym("ksim_patch_area_end"),
                                      name="patch area")
         self._data = RegionAllocator(sym("ksim_heap"), sym("ksim_heap_end"), name="data heap")
+        #: the patch area as the image holds it
+        self._code_filler = self.machine.read(self._code.start, self._code.end - self._code.start)
         self._traps: dict[int, int] = {}
         self._trap_hooks: dict[int, list[Callable[[UnicornMachine, int], int | None]]] = {}
         self._text = [(s.address, s.size) for s in self.image.sections if s.executable]
@@ -92,8 +94,11 @@ class UnicornTarget:
         return self._code.alloc(size, 16)
 
     def free_code(self, address: int) -> None:
+        """Free a patch block, its bytes back to the image's filler there (x86-64:
+        int3; the arm64 toy's BRK #0), so that removal leaves the text as it was."""
         size = self._code.size_of(address)
-        self.machine.write(address, bytes([self.arch.pad_byte]) * size)
+        offset = address - self._code.start
+        self.machine.write(address, self._code_filler[offset:offset + size])
         self._code.free(address)
 
     def alloc_data(self, size: int, align: int = 8) -> int:
