@@ -37,8 +37,13 @@ def test_examples_on_qemu(toy_path, example, args):
 
 
 @pytest.mark.slow
-@qemu
-def test_probes_on_qemu_match_unicorn(toy_path):
+@pytest.mark.parametrize("image", [
+    pytest.param("toy", marks=qemu),
+    pytest.param("toy-arm64", marks=pytest.mark.skipif(
+        shutil.which("qemu-system-aarch64") is None,
+        reason="qemu-system-aarch64 is not installed")),
+])
+def test_probes_on_qemu_match_unicorn(toy_path, image):
     def counts(spec: str) -> tuple[int, int, int]:
         with Manager.attach(spec) as m:
             probes = Probes(m)
@@ -53,7 +58,7 @@ def test_probes_on_qemu_match_unicorn(toy_path):
             probes.unregister_kretprobe(rp)
             return out
 
-    assert counts("qemu:toy") == counts("unicorn:toy")
+    assert counts(f"qemu:{image}") == counts(f"unicorn:{image}")
 
 
 @pytest.mark.slow
