@@ -51,6 +51,7 @@ from typing import Any
 
 from ksim.analysis.function import CACHE_FUNCTIONS
 from ksim.analysis.store import for_batch
+from ksim.bench import bpftrace
 from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
 from ksim.errors import KsimError
 
@@ -63,63 +64,6 @@ WORKLOAD = ("for i in 1 2 3; do ls -R /proc/sys >/dev/null 2>&1; cat /proc/memin
             ">/dev/null; find /usr/lib/python3* -maxdepth 1 >/dev/null 2>&1; done")
 SEED = 20261123
 
-# The guest side of a bpftrace run: start bpftrace, time its attaching, run the
-# workload, stop it with SIGINT, time its detaching, report as one JSON line.
-DRIVER = r'''
-import json, os, re, signal, subprocess, sys, threading, time
-prog, workload, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
-start = time.monotonic()
-probes = open(prog).read().count(",") + 2
-# bpftrace refuses more than 512 probes unless told (BPFTRACE_MAX_PROBES)
-env = dict(os.environ, BPFTRACE_MAX_PROBES=str(probes + 16))
-p = subprocess.Popen(["bpftrace", prog], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                     text=True, bufsize=1, env=env)
-out = {"attaching": None, "ready": None, "done": False}
-lines = []
-def watchdog():  # the whole run -- attaching, the workload, detaching -- within the limit
-    time.sleep(limit)
-    if not out["done"]:
-        out["timeout"] = "attaching" if out["ready"] is None else "detaching"
-        p.kill()
-threading.Thread(target=watchdog, daemon=True).start()
-for line in p.stdout:
-    now = time.monotonic()
-    if line.startswith("Attaching") and out["attaching"] is None:
-        out["attaching"] = now
-    if line.strip() == "ksim-ready":
-        out["ready"] = now
-        break
-    lines.append(line)
-if out["ready"] is None:
-    p.wait()
-    end = time.monotonic()
-    out["done"] = True
-    print(json.dumps({"status": "timeout" if out.get("timeout") else "error", "limit": limit,
-                      "phase": out.get("timeout"),
-                      "startup_s": (out["attaching"] or end) - start,
-                      "attach_s": end - (out["attaching"] or start), "exit_s": end - start,
-                      "output": "".join(lines)[-2000:]}))
-    sys.exit(0)
-w0 = time.monotonic()
-subprocess.run(workload, shell=True)
-w1 = time.monotonic()
-p.send_signal(signal.SIGINT)
-rest = p.stdout.read()
-p.wait()
-end = time.monotonic()
-out["done"] = True
-if out.get("timeout"):
-    print(json.dumps({"status": "timeout", "limit": limit, "phase": out["timeout"],
-                      "startup_s": out["attaching"] - start,
-                      "attach_s": out["ready"] - out["attaching"], "workload_s": w1 - w0,
-                      "detach_s": None, "exit_s": end - start}))
-    sys.exit(0)
-hits = [int(m) for m in re.findall(r"^@: (\d+)", rest, re.M)]
-print(json.dumps({"status": "ok", "startup_s": out["attaching"] - start,
-                  "attach_s": out["ready"] - out["attaching"], "workload_s": w1 - w0,
-                  "detach_s": end - w1, "hits": hits[0] if hits else None,
-                  "output": rest[-500:] if not hits else ""}))
-'''
 
 
 # --- the toy kernels ---------------------------------------------------------------------
@@ -292,20 +236,10 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
 
 
 def _bpftrace(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
-    """One bpftrace run in the guest (through the driver) on ``points``' functions."""
-    from ksim.live.testbed import guest_file, host_python
-
-    prog = guest_file(work, f"probes-{kind}-{len(points)}.bt",
-                      ",\n".join(f"{kind}:{p.function}" for p in points)
-                      + "\n{ @ = count(); }\ninterval:ms:100 { printf(\"ksim-ready\\n\"); }\n")
-    driver = guest_file(work, "bpftrace_driver.py", DRIVER)
-
-    cmd = f"{host_python()} {driver} {prog} '{WORKLOAD}' {LIMIT_S:g}"
-    out = t.exec(cmd, timeout=3 * LIMIT_S + 600)
-    try:
-        return dict(json.loads(out.strip().splitlines()[-1]))
-    except (ValueError, IndexError):
-        return {"status": "error", "output": out[-2000:]}
+    """One bpftrace run in the guest on ``points``' functions, counting their hits."""
+    program = (",\n".join(f"{kind}:{p.function}" for p in points)
+               + "\n{ @ = count(); }\n" + bpftrace.READY_PROBE)
+    return bpftrace.run(t, program, WORKLOAD, LIMIT_S, work, f"probes-{kind}-{len(points)}.bt")
 
 
 def _bpftrace_tries(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:

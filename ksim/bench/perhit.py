@@ -14,7 +14,12 @@ Manager (unicorn, QEMU) or by the same planner and codegen in a user-mode build
   of a Python exact-address hook (unicorn's own instrumentation), for contrast.
 * **qemu** — the toy kernel under qemu-system-x86_64 (TCG here): emulated time per
   hit.  Never hardware figures.
-* **live** — the Debian kernel of the testbed, when it is up.
+* **live** — the Debian kernel of the testbed, when it is up: a guest program times
+  getpid while ``__x64_sys_getpid`` carries, in turn, nothing, ksim's jmp and trap
+  counters, the kernel's own kprobes (int3, jump-optimized, ftrace-based at +0), and
+  Debian's bpftrace counting it with ``kprobe:`` and with ``kfunc:`` (``@ =
+  count()``, :mod:`ksim.bench.bpftrace`) -- one guest, one run.  Emulated cycles
+  under TCG, never hardware figures.
 
 Emulated targets measure the seeded workload with the probe on its hottest
 function that the given tactic can splice (hits counted by the snippet itself),
@@ -24,6 +29,7 @@ that mode really calls the function.
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 from ksim.bench import native
@@ -394,9 +400,12 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
                 rec = measure(label, probe=f"{LIVE_FUNCTION}+{offset}", kprobe_state=listing)
             finally:
                 rec["hits"] = unkprobe(event, saved)
+        for kind in ("kprobe", "kfunc"):
+            rows.append(_bpftrace_count(t, kind, cmd))
     base = rows[0]["min_cycles_per_call"]
     for r in rows[1:]:
-        r["overhead"] = r["min_cycles_per_call"] - base
+        if r.get("min_cycles_per_call") is not None:
+            r["overhead"] = r["min_cycles_per_call"] - base
     table = Table(f"live ({state.get('kernel')}, {state.get('accel')}): emulated cycles per "
                   f"getpid ({LIVE_FUNCTION} probed), {calls} calls",
                   ["variant", "tactic/probe", "cycles/call (min)", "median", "overhead/hit", "hits"],
@@ -409,6 +418,32 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
     return {"rows": rows, "function": LIVE_FUNCTION, "entry_bytes": head.hex(),
             "accel": state.get("accel"), "kernel": state.get("kernel"),
             "entry_size": fn.size}, [table], notes
+
+
+def _bpftrace_count(t: Any, kind: str, cmd: str) -> dict[str, Any]:
+    """bpftrace's ``count()`` on LIVE_FUNCTION (a ``kprobe:`` -- ftrace-based at +0 --
+    or a ``kfunc:``, a BPF trampoline), timed by the same guest program while it runs."""
+    import json
+
+    from ksim.bench import bpftrace
+    from ksim.live import testbed
+
+    if shutil.which("bpftrace") is None:
+        testbed.ensure_tools(("bpftrace",))
+    program = f"{kind}:{LIVE_FUNCTION} {{ @ = count(); }}\n" + bpftrace.READY_PROBE
+    work = testbed.cache_dir() / "bench-per-hit"
+    out = bpftrace.run(t, program, cmd, 1800.0, work, f"count-{kind}.bt")
+    rec: dict[str, Any] = {"variant": f"bpftrace {kind} count()", "probe": f"{kind}:{LIVE_FUNCTION}",
+                           "min_cycles_per_call": None, "median_cycles_per_call": None}
+    if out.get("status") != "ok":
+        rec["error"] = out.get("output", out.get("status"))
+        return rec
+    try:
+        rec.update(json.loads(out["workload_output"].strip().splitlines()[-1]))
+    except (ValueError, IndexError):
+        rec["error"] = f"no figures from the guest program: {out['workload_output'][-300:]!r}"
+    rec["hits"] = out.get("hits")
+    return rec
 
 
 def _round(v: Any) -> Any:
