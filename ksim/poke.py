@@ -42,12 +42,18 @@ def check_old(read: Read, writes: Sequence[Write]) -> None:
 def protocol_steps(writes: Sequence[Write], trap: bytes) -> list[list[tuple[int, bytes]]]:
     """The byte writes of each step of the protocol (a step ends with a sync).
 
-    Single-byte writes need no protocol: a one-byte store is atomic."""
-    if all(len(w.new) == 1 for w in writes):
+    The "first byte" is the trap's length: one byte on x86-64, one 4-byte word on
+    AArch64, whose aligned word stores are atomic for instruction fetch.  Writes
+    no longer than the trap need no protocol: one store is atomic.  (With a
+    one-byte head and a 4-byte trap, a site whose first byte changed got the whole
+    trap in step 1 but only the bytes of its tail that changed in step 2: two B
+    instructions differing in their first byte left a broken word behind.)"""
+    k = len(trap)
+    if all(len(w.new) <= k for w in writes):
         return [[(w.address, w.new) for w in writes if w.old != w.new]]
-    head_trap = [(w.address, trap) for w in writes if len(w.new) > 1 and w.new[:1] != w.old[:1]]
-    tails = [(w.address + 1, w.new[1:]) for w in writes if len(w.new) > 1 and w.new[1:] != w.old[1:]]
-    heads = [(w.address, w.new[:1]) for w in writes if w.new[:1] != w.old[:1] or len(w.new) == 1]
+    head_trap = [(w.address, trap) for w in writes if len(w.new) > k and w.new[:k] != w.old[:k]]
+    tails = [(w.address + k, w.new[k:]) for w in writes if len(w.new) > k and w.new[k:] != w.old[k:]]
+    heads = [(w.address, w.new[:k]) for w in writes if w.new[:k] != w.old[:k] or len(w.new) <= k]
     return [step for step in (head_trap, tails, heads) if step]
 
 

@@ -52,3 +52,25 @@ def test_stale_old_bytes_change_nothing():
 
 def test_single_byte_writes_are_one_step():
     assert protocol_steps([Write(3, b"\x55", b"\xcc")], b"\xcc") == [[(3, b"\xcc")]]
+
+
+# AArch64: the trap (BRK #0x004) and every instruction are one 4-byte word
+BRK = bytes.fromhex("800020d4")
+B_OLD = bytes.fromhex("70180014")                 # b +0x61c0
+B_NEW = bytes.fromhex("84190014")                 # b +0x6610: differs in the first byte only
+
+
+def test_a_word_trap_rewrites_one_word_in_one_store():
+    """An aligned word store is atomic for instruction fetch on AArch64: one
+    instruction is rewritten in one step, never a trap head over it whose tail
+    the protocol would then skip (the tail of B_NEW equals B_OLD's)."""
+    mem, log, read, write = memory(B_OLD + B_OLD)
+    apply([Write(0, B_OLD, B_NEW)], read=read, write=write, trap=BRK)
+    assert log == [(0, B_NEW)] and bytes(mem) == B_NEW + B_OLD
+
+
+def test_a_word_trap_heads_a_longer_write():
+    mem, log, read, write = memory(B_OLD + B_OLD + B_OLD)
+    apply([Write(0, B_OLD + B_OLD, B_NEW + B_NEW)], read=read, write=write, trap=BRK)
+    assert log == [(0, BRK), (4, B_NEW), (0, B_NEW)]
+    assert bytes(mem) == B_NEW + B_NEW + B_OLD

@@ -1,4 +1,5 @@
-"""The engine's core promises, driven by hypothesis on the toy kernel in unicorn:
+"""The engine's core promises, driven by hypothesis on the toy kernel in unicorn
+(each build: x86-64 and arm64):
 
 * a spliced kernel behaves exactly like the original except for the snippet's
   own effects (same workload checksum);
@@ -24,8 +25,8 @@ ITERATIONS = 300
 
 
 @pytest.fixture(scope="module")
-def world(toy_manager):
-    m = toy_manager
+def world(image_manager):
+    m = image_manager
     base = m.run(seed=SEED, iterations=ITERATIONS)
     text = m.text_snapshot()
     funcs = [f for f in m.target.image.functions
