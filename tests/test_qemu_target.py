@@ -409,7 +409,8 @@ def test_counts_bytes_and_removal_match_unicorn(image: str, splice: str) -> None
 def test_counts_equal_the_gdbstub_oracle(image: str, splice: str) -> None:
     """One QEMU, a counter at every function's entry, all spliced at once: each
     equals the gdbstub breakpoint count at that entry, the splices are what the
-    policy asked for, and removing them restores every byte of text."""
+    policy asked for, and removing them restores every byte of text and of the
+    patch area."""
     Manager = _manager()
     with Manager.attach(f"qemu:{image}") as m:
         fns = [m.find_function(name) for name in _functions(image)]
@@ -426,6 +427,9 @@ def test_counts_equal_the_gdbstub_oracle(image: str, splice: str) -> None:
             m.remove_snippet(h)
         assert m.target.traps_in_guest() == []
         restored = {fn.name: m.target.read(fn.address, fn.size) for fn in fns}
+        # the freed patch blocks hold the image's filler again (arm64: BRK #0)
+        area = m.target.image.address_of("ksim_patch_area")
+        assert m.target.read(area, 4096) == m.target.image.read(area, 4096)
     assert counts == {name: o.count for name, o in oracles.items()}
     assert all(counts.values()), counts  # every one reached: the comparison says something
     assert restored == original

@@ -172,6 +172,8 @@ class QemuTarget:
         self._code = RegionAllocator(sym(toy.PATCH_AREA), sym(toy.PATCH_AREA_END),
                                      name="patch area")
         self._data = RegionAllocator(sym(toy.HEAP), sym(toy.HEAP_END), name="data heap")
+        #: the patch area as the image holds it (x86-64: int3; the arm64 toy: BRK #0)
+        self._code_filler = self.image.read(self._code.start, self._code.end - self._code.start)
         # kernel text proper; the patch area is carried over by its allocations
         # (free patch memory holds the image's filler, as in a fresh image)
         self._text = [(s.address, s.size) for s in self.image.sections
@@ -293,8 +295,11 @@ class QemuTarget:
         return self._code.alloc(size, 16)
 
     def free_code(self, address: int) -> None:
+        """Free a patch block, its bytes back to the image's filler there, as the
+        unicorn target does: removal leaves the patch area as the image has it."""
         size = self._code.size_of(address)
-        self._write_raw(address, bytes([self.arch.pad_byte]) * size)
+        offset = address - self._code.start
+        self._write_raw(address, self._code_filler[offset:offset + size])
         self._code.free(address)
 
     def alloc_data(self, size: int, align: int = 8) -> int:
