@@ -32,7 +32,8 @@ from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
 from ksim import images
-from ksim.errors import ComponentBuildError, LinkError, UnknownSymbol
+from ksim.arch import get_arch
+from ksim.errors import ComponentBuildError, ComponentUnsupported, LinkError, UnknownSymbol
 from ksim.kapi import CodeBlock, Manager
 
 #: the kernel's code generation flags (images/toy/Makefile, Linux's arch/x86/Makefile)
@@ -44,6 +45,9 @@ CFLAGS = (
 )
 #: where bundled components' sources live
 SOURCE_DIR = Path(__file__).resolve().parent / "component_src"
+
+#: the architecture whose objects build_c() compiles and load() links
+ARCH = "x86_64"
 
 # x86-64 psABI relocation types (System V AMD64 ABI, Table 4.10)
 R_X86_64_64, R_X86_64_PC32, R_X86_64_PLT32, R_X86_64_32, R_X86_64_32S = 1, 2, 4, 10, 11
@@ -108,6 +112,11 @@ class Component:
 
 def load(kmgr: Manager, obj: Path | bytes) -> Component:
     """Load a relocatable object into the patch area, linked against the kernel."""
+    if kmgr.arch is not get_arch(ARCH):
+        raise ComponentUnsupported(
+            f"components are {ARCH} objects and {kmgr.target.name} runs {kmgr.arch.name}: "
+            "loading C components (and the timers built on them) is not available on "
+            "this architecture")
     data = obj.read_bytes() if isinstance(obj, Path) else obj
     elf = ELFFile(io.BytesIO(data))
     if elf["e_type"] != "ET_REL" or elf["e_machine"] != "EM_X86_64":

@@ -363,6 +363,13 @@ class LinkError(KsimError):
     code = "link"
 
 
+class ComponentUnsupported(LinkError):
+    """Components are not available on the kernel's architecture (the loader links
+    another architecture's objects); nor is what is built on them (timers)."""
+
+    code = "component-unsupported"
+
+
 class ComponentBuildError(LinkError):
     """Compiling a component from C failed."""
 

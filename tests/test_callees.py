@@ -1,5 +1,5 @@
 """Callee watching: the per-site destination set (in unicorn, as generated code) and
-the CalleeWatcher on unicorn:toy, checked against exact address hooks."""
+the CalleeWatcher on unicorn:toy and unicorn:toy-arm64, checked against exact address hooks."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import TOY_IMAGES, needs_image, toy_name
 from snippet_machine import Machine, random_regs
 
 from ksim.analysis import call_graph
@@ -77,10 +78,16 @@ def test_a_slot_taken_meanwhile_sends_the_destination_on(table_machine):
 INDIRECT_FUNCS = ["do_syscall_64", "vfs_read", "vfs_write", "filp_open", "dev_queue_xmit"]
 
 
-@pytest.fixture
-def kmgr(toy_path):
-    with Manager.attach("unicorn:toy") as m:
+@pytest.fixture(params=TOY_IMAGES)
+def kmgr(request):
+    needs_image(request.param)
+    with Manager.attach(f"unicorn:{request.param}") as m:
         yield m
+
+
+def watched(kmgr) -> list[str]:
+    """INDIRECT_FUNCS by the names the kernel gives them."""
+    return [toy_name(kmgr, f) for f in INDIRECT_FUNCS]
 
 
 def hook_calls(kmgr, watcher) -> list[tuple[int, int]]:
@@ -99,19 +106,20 @@ def hook_calls(kmgr, watcher) -> list[tuple[int, int]]:
 
 def test_destinations_equal_the_hook_oracle(kmgr):
     watcher = CalleeWatcher(kmgr)
-    points = watcher.watch(INDIRECT_FUNCS)
-    assert {p.function for p in points} == set(INDIRECT_FUNCS)
+    points = watcher.watch(watched(kmgr))
+    assert {p.function for p in points} == set(watched(kmgr))
     calls = hook_calls(kmgr, watcher)
     oracle = {a: {d for s, d in calls if s == a} for a in watcher.sites}
     assert watcher.destinations() == oracle
     assert set(watcher.overflows().values()) == {0}
-    assert len(oracle[kmgr.callsite_points("do_syscall_64")[-1].address]) > 5
+    syscall = toy_name(kmgr, "do_syscall_64")
+    assert len(oracle[kmgr.callsite_points(syscall)[-1].address]) > 5
     watcher.unwatch()
 
 
 def test_small_table_overflows_exactly(kmgr):
     watcher = CalleeWatcher(kmgr, slots=3)
-    (site,) = watcher.watch("do_syscall_64")
+    (site,) = watcher.watch(toy_name(kmgr, "do_syscall_64"))
     calls = [d for _, d in hook_calls(kmgr, watcher)]
     first = list(dict.fromkeys(calls))[:3]            # the first three distinct, in order
     table = watcher._table(watcher.sites[site.address])
@@ -121,7 +129,7 @@ def test_small_table_overflows_exactly(kmgr):
 
 
 def test_unwatch_restores_the_text_byte_for_byte(kmgr):
-    funcs = [kmgr.find_function(f) for f in INDIRECT_FUNCS + ["e100_watchdog", "kmem_cache_alloc"]]
+    funcs = [kmgr.find_function(f) for f in watched(kmgr) + ["e100_watchdog", "kmem_cache_alloc"]]
     text = [kmgr.copy_from_kernel(f.address, f.size) for f in funcs]
     watcher = CalleeWatcher(kmgr)
     watcher.watch(funcs)
@@ -134,8 +142,9 @@ def test_unwatch_restores_the_text_byte_for_byte(kmgr):
 
 
 def test_a_direct_call_is_refused_and_nothing_changes(kmgr):
-    direct, indirect = kmgr.callsite_points("do_syscall_64")
-    func = kmgr.find_function("do_syscall_64")
+    syscall = toy_name(kmgr, "do_syscall_64")
+    direct, indirect = kmgr.callsite_points(syscall)
+    func = kmgr.find_function(syscall)
     text = kmgr.copy_from_kernel(func.address, func.size)
     watcher = CalleeWatcher(kmgr)
     with pytest.raises(NotIndirectCall):
@@ -150,15 +159,16 @@ def test_a_direct_call_is_refused_and_nothing_changes(kmgr):
 
 def test_merge_into_adds_the_observed_edges_by_name(kmgr):
     watcher = CalleeWatcher(kmgr)
-    watcher.watch(["do_syscall_64", "vfs_read"])
+    syscall = toy_name(kmgr, "do_syscall_64")
+    watcher.watch([syscall, "vfs_read"])
     kmgr.run(seed=2, iterations=40)
-    graph = call_graph(kmgr.target.image, [kmgr.find_function("do_syscall_64"),
+    graph = call_graph(kmgr.target.image, [kmgr.find_function(syscall),
                                            kmgr.find_function("vfs_read")])
-    static = graph.callees("do_syscall_64")
+    static = graph.callees(syscall)
     new = watcher.merge_into(graph)
     assert ("vfs_read", "ramfs_file_read") in new
-    assert "__x64_sys_read" in graph.callees("do_syscall_64") - static
-    assert "do_syscall_64" in graph.callers("__x64_sys_write")
+    assert toy_name(kmgr, "__x64_sys_read") in graph.callees(syscall) - static
+    assert syscall in graph.callers(toy_name(kmgr, "__x64_sys_write"))
     assert watcher.merge_into(graph) == set()          # merging again adds nothing
     watcher.unwatch()
 

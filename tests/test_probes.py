@@ -1,10 +1,11 @@
-"""Kprobes-style probes on unicorn:toy, with the behaviours of Linux's lib/test_kprobes.c:
+"""Kprobes-style probes on unicorn:toy and unicorn:toy-arm64, with the behaviours of Linux's lib/test_kprobes.c:
 pre and post handlers, batch registration, recursion counted as missed, kretprobe
 return values, refusals that change nothing, and 256 probes leaving the text as it was."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import TOY_IMAGES, needs_image, toy_name
 
 from ksim.errors import HandlerUnsupported, NoReturnPoint, NotOnBoundary, ProbeExists
 from ksim.kapi import Manager
@@ -14,10 +15,15 @@ from ksim.snippets import arg, call, retval
 ITER = 200
 
 
-@pytest.fixture
-def m(toy_path):
-    with Manager.attach("unicorn:toy") as mgr:
+@pytest.fixture(params=TOY_IMAGES)
+def m(request):
+    needs_image(request.param)
+    with Manager.attach(f"unicorn:{request.param}") as mgr:
         yield mgr
+
+
+def arg_reg(m: Manager, n: int) -> str:
+    return m.arch.arg_regs[n]
 
 
 def text(m: Manager) -> dict[int, bytes]:
@@ -40,7 +46,7 @@ def test_snippet_pre_and_post_both_fire_and_post_sees_pre(m):
     probes.register_kprobe(kp)
     pmtus = []
     remove = m.target.machine.hook_code(addr(m, "tcp_sync_mss"),
-                                        lambda mach, _a: pmtus.append(mach.reg("rsi")))
+                                        lambda mach, _a: pmtus.append(mach.reg(arg_reg(m, 1))))
     m.run(iterations=ITER)
     remove()
     assert kp.nhit == m.read(posts) == len(pmtus) > 0
@@ -57,19 +63,20 @@ def ast_seq(*body):
 def test_python_pre_and_post_handlers_see_and_change_registers(m):
     probes = Probes(m)
     log: list[tuple[str, int]] = []
+    pmtu = arg_reg(m, 1)
 
     def pre(kp, regs):
-        log.append(("pre", regs.rsi))
-        assert regs.rip == kp.address
-        regs.rsi = 1500  # every call now syncs to an MTU of 1500
+        log.append(("pre", regs[pmtu]))
+        assert regs.ip == regs[m.arch.pc_reg] == kp.address
+        regs[pmtu] = 1500  # every call now syncs to an MTU of 1500
 
     def post(kp, regs):
-        log.append(("post", regs.rsi))
+        log.append(("post", regs[pmtu]))
 
     kp = KProbe("tcp_sync_mss", pre_handler=pre, post_handler=post)
     probes.register_kprobe(kp)
     mss = []
-    removes = [m.target.machine.hook_code(a, lambda mach, _a: mss.append(mach.reg("rax")))
+    removes = [m.target.machine.hook_code(a, lambda mach, _a: mss.append(mach.reg(m.arch.ret_reg)))
                for a in rets(m, "tcp_sync_mss")]
     m.run(iterations=ITER)
     for r in removes:
@@ -143,7 +150,7 @@ def test_kretprobe_sees_return_values_through_recursion(m, python):
     rp = KretProbe("fib", handler=handler)
     probes.register_kretprobe(rp)
     want: list[int] = []
-    removes = [m.target.machine.hook_code(a, lambda mach, _a: want.append(mach.reg("rax")))
+    removes = [m.target.machine.hook_code(a, lambda mach, _a: want.append(mach.reg(m.arch.ret_reg)))
                for a in rets(m, "fib")]
     m.run(iterations=ITER)
     for r in removes:
@@ -169,7 +176,7 @@ def test_jprobe_gets_the_arguments(m):
     probes.register_jprobe(jp)
     want: list[tuple[int, int]] = []
     remove = m.target.machine.hook_code(
-        addr(m, "tcp_sync_mss"), lambda mach, _a: want.append((mach.reg("rdi"), mach.reg("rsi"))))
+        addr(m, "tcp_sync_mss"), lambda mach, _a: want.append((mach.reg(arg_reg(m, 0)), mach.reg(arg_reg(m, 1)))))
     m.run(iterations=ITER)
     remove()
     assert args == want and jp.nhit == len(want) > 0
@@ -234,7 +241,7 @@ def test_256_probes_registered_hit_and_cleared(m):
     for name in ("tcp_sync_mss", "submit_bio", "kmalloc", "kfree", "kmem_cache_alloc",
                  "kmem_cache_free", "vfs_read", "vfs_write", "memcpy", "crc32_le", "schedule",
                  "__alloc_pages", "__free_pages", "tcp_sendmsg", "e100_xmit_frame",
-                 "e100_rx_clean", "do_syscall_64", "fib", "update_process_times",
+                 "e100_rx_clean", toy_name(m, "do_syscall_64"), "fib", "update_process_times",
                  "scheduler_tick", "run_timer_softirq", "context_switch", "__switch_to"):
         sites += [i.address for i in m.facts.function_code(name).insns]
     sites = sites[:256]
@@ -252,5 +259,5 @@ def test_256_probes_registered_hit_and_cleared(m):
     assert sum(1 for kp in kps if kp.nhit) > 100
     probes.unregister_kprobes(kps)
     assert m.splices() == {} and text(m) == before
-    with Manager.attach("unicorn:toy") as clean:
+    with Manager.attach(m.target.name) as clean:
         assert m.run(iterations=50).checksum == clean.run(iterations=50).checksum

@@ -1,19 +1,35 @@
-"""Function and call-site replacement, and components loaded with relocations."""
+"""Function and call-site replacement (on unicorn:toy and unicorn:toy-arm64), and
+components loaded with relocations (x86-64 objects: refused by name on arm64)."""
 
 from __future__ import annotations
 
 import pytest
+from conftest import TOY_IMAGES, needs_image
 
 from ksim import components
-from ksim.errors import AlreadySpliced, LinkError, NotOnBoundary, ReplacementError
+from ksim.errors import (
+    AlreadySpliced,
+    ComponentUnsupported,
+    LinkError,
+    NotOnBoundary,
+    ReplacementError,
+)
 from ksim.kapi import Manager
 from ksim.replace import Replacements
+from ksim.timers import VTimers
 
 ITER = 200
 
 
+@pytest.fixture(params=TOY_IMAGES)
+def m(request):
+    needs_image(request.param)
+    with Manager.attach(f"unicorn:{request.param}") as mgr:
+        yield mgr
+
+
 @pytest.fixture
-def m(toy_path):
+def x86(toy_path):
     with Manager.attach("unicorn:toy") as mgr:
         yield mgr
 
@@ -30,7 +46,8 @@ int task_pid_nr_v2(void *task) { calls++; return 1000 + (int)(jiffies & 0); }
 """
 
 
-def test_a_short_function_is_replaced_through_a_trap_and_undone(m):
+def test_a_short_function_is_replaced_through_a_trap_and_undone(x86):
+    m = x86
     baseline = m.run(iterations=ITER).checksum
     before = text(m)
     comp = components.load(m, components.build_c(PID_SOURCE, name="pid_v2"))
@@ -87,7 +104,8 @@ def test_a_replaced_entry_cannot_be_spliced_until_undone(m):
         r.undo(h)
 
 
-def test_component_relocations_link_data_and_kernel_symbols(m):
+def test_component_relocations_link_data_and_kernel_symbols(x86):
+    m = x86
     src = """
 typedef unsigned long u64;
 extern u64 jiffies;
@@ -103,3 +121,15 @@ u64 pick(u64 i) { counter++; return table[i & 3]; }
     assert hex(m.target.image.address_of("jiffies")) in insns[0].op_str
     comp.unload()
     assert not comp.loaded
+
+
+def test_components_and_timers_are_refused_by_name_on_arm64():
+    needs_image("toy-arm64")
+    with Manager.attach("unicorn:toy-arm64") as m:
+        before, code = m.text_snapshot(), m.target._code.allocated()
+        with pytest.raises(ComponentUnsupported, match="runs aarch64: loading C components"):
+            components.load(m, components.build_c(PID_SOURCE, name="pid_v2"))
+        with pytest.raises(ComponentUnsupported, match="not available on this architecture"):
+            VTimers(m)
+        assert m.text_snapshot() == before and m.target._code.allocated() == code
+        assert m.splices() == {}
