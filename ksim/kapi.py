@@ -40,7 +40,7 @@ from ksim.errors import (
 from ksim.image.model import Function
 from ksim.snippets import ast
 from ksim.snippets.check import check as check_snippet
-from ksim.snippets.codegen import gprs
+from ksim.snippets.codegen import gprs, position_independent
 from ksim.snippets.verify import Guard, Rules, verify
 from ksim.splice import planner
 from ksim.splice.patch import Patch, Write
@@ -553,12 +553,19 @@ class Manager:
         abi = self.target.abi
         operand = self._call_operand(point, pre)
 
+        anywhere = position_independent(pre, abi)
+        compiled: dict[int, bytes] = {}
+
         def compile_at(address: int) -> bytes:
             if not pre:
                 return b""
-            return self.arch.compile_snippets(pre, address, live=live, abi=abi,
-                                              point_kind=str(point.kind.value),
-                                              call_operand=operand)
+            if anywhere and compiled:  # the same bytes at every address: compile once
+                return next(iter(compiled.values()))
+            if address not in compiled:
+                compiled[address] = self.arch.compile_snippets(
+                    pre, address, live=live, abi=abi, point_kind=str(point.kind.value),
+                    call_operand=operand)
+            return compiled[address]
 
         post = None
         if posts or post_trap:

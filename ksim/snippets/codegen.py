@@ -41,6 +41,11 @@ class Emitter(ABC):
 
     Temporaries live on a stack the Emitter manages; ``depth`` counts them.
     Labels are opaque objects from ``new_label``.
+
+    The code depends on the address it is generated for through ``call`` only:
+    data addresses are built as constants (never PC-relative) and labels are
+    relative within the code, so code without calls runs unchanged wherever it is
+    copied (:func:`position_independent`).
     """
 
     depth: int
@@ -658,6 +663,12 @@ def uses_calls(node: Any, abi: Any = None) -> bool:
     ABI's read_nofault function."""
     nofault = read_mode(abi) == "nofault"
     return any(isinstance(x, ast.Call) or (nofault and type(x) is ast.Load) for x in ast.walk(node))
+
+
+def position_independent(snippets: Sequence[ast.Node], abi: Any = None) -> bool:
+    """Whether the code of ``snippets`` is the same at every address (no calls:
+    the Emitter contract), so that one compilation serves wherever it is placed."""
+    return not any(uses_calls(s, abi) for s in snippets)
 
 
 def point_reads(arch: Arch, node: Any) -> frozenset[str]:
