@@ -23,7 +23,7 @@ import itertools
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ksim.analysis.points import Point, PointKind
 from ksim.analysis.store import for_batch
@@ -371,26 +371,17 @@ class Manager:
             handles.append(Handle(next(self._ids), p, verify([code], rules)[0]))
         if not handles:
             return []
-        # one pass: each point's window is busy for the points planned after it
-        busy = _Busy(dict(self._owners), None)
-        reqs = [self._request(h.point, [h], splice, busy) for h in handles]
+        reqs = [self._request(h.point, [h], splice, _Busy(self._owners, None)) for h in handles]
         # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
         bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
                   for r in reqs]
         block = self._alloc_code(max(sum(bounds), 1), points[0].address)
-        patches: list[Patch] = []
         try:
-            at = block
-            for req, bound in zip(reqs, bounds, strict=True):
-                req = dataclasses.replace(req, busy=busy, code_address=at)
-                patch = planner.plan(self.arch, req)
-                if len(patch.code) > bound:
-                    raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound")
-                for address in planner.overwritten(patch):
-                    busy._owners[address] = req.point
-                patches.append(patch)
-                at += bound
-            self._commit_many(block, patches, handles)
+            patches, refused = planner.plan_batch(self.arch, reqs, bounds, block,
+                                                  _Busy(self._owners, None))
+            if refused:  # all or nothing
+                raise refused[min(refused)]
+            self._commit_many(block, cast(list[Patch], patches), handles)
         except BaseException:
             self._release_code(block)
             raise

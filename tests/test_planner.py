@@ -321,3 +321,46 @@ def test_a_loop_back_to_the_point_runs_the_snippets_again(policy):
                               + b"\xe9" + rel32(P + 15, F + 5))
     else:
         assert patch.code == SNIPPET + LOOP_AT_THE_POINT[:3] + b"\xe9" + rel32(P + 9, F + 3)
+
+
+# --- batches: points that share padding --------------------------------------------------------
+def _loop_at(base: int, name: str) -> planner.FunctionCode:
+    """LOOP_NEAR_ENTRY at ``base``: only a springboard (or the trap) splices its entry."""
+    insns = tuple(ARCH.decode(LOOP_NEAR_ENTRY, base))
+    return planner.FunctionCode(name, base, base + len(LOOP_NEAR_ENTRY), insns,
+                                frozenset({base, base + 2}), False)
+
+
+def _at(fc: planner.FunctionCode, policy: str, *padding: tuple[int, bytes]) -> planner.SpliceRequest:
+    return planner.SpliceRequest(point=fc.start, func=fc, compile=lambda at: SNIPPET,
+                                 code_address=P, policy=policy, padding=padding)
+
+
+SHARED = (F + 0x20, bytes([0xCC] * 5))   # reached from F and from F + 0x40
+OWN = (F - 0x60, bytes([0xCC] * 5))      # reached from F only
+
+
+def test_a_batch_leaves_the_only_slot_a_later_point_reaches_to_it():
+    first, second = _loop_at(F, "f"), _loop_at(F + 0x40, "g")
+    reqs = [_at(first, "jmp", SHARED, OWN), _at(second, "jmp", SHARED)]
+    # alone, each takes the shared slot (the first it lists)
+    assert all(planner.plan(ARCH, r).writes[0].address == SHARED[0] for r in reqs)
+    patches, refused = planner.plan_batch(ARCH, reqs, [64, 64], P, frozenset())
+    assert refused == {}
+    a, b = patches
+    assert a is not None and b is not None
+    assert a.writes[0] == Write(OWN[0], OWN[1], b"\xe9" + rel32(OWN[0] + 5, P))
+    assert b.writes[0] == Write(SHARED[0], SHARED[1], b"\xe9" + rel32(SHARED[0] + 5, P + 64))
+    assert (a.code_address, b.code_address) == (P, P + 64)
+
+
+def test_a_batch_with_more_springboards_than_slots_traps_or_refuses_the_rest():
+    fs = [_loop_at(F, "f"), _loop_at(F + 0x40, "g"), _loop_at(F + 0x50, "h")]
+    auto = [_at(f, "auto", SHARED) for f in fs]
+    patches, refused = planner.plan_batch(ARCH, auto, [64] * 3, P, frozenset())
+    assert refused == {}
+    assert [p.tactic for p in patches if p is not None] == ["springboard", "trap", "trap"]
+    jmp = [_at(f, "jmp", SHARED) for f in fs]
+    patches, refused = planner.plan_batch(ARCH, jmp, [64] * 3, P, frozenset())
+    assert sorted(refused) == [1, 2] and patches[1] is None and patches[2] is None
+    assert "the batch's other springboards hold every slot it reaches" in str(refused[1])

@@ -35,8 +35,10 @@ the point keeps all of it:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import accumulate
+from typing import Any
 
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import (
@@ -53,6 +55,9 @@ from ksim.splice.patch import Patch, Write
 
 #: the tactics, cheapest first (cost per hit: a jump, two jumps, a trap)
 JMP_TACTICS = ("jmp", "jmp+displace", "springboard")
+#: the springboard tactic's refusal when every slot in reach is taken or none exists
+NO_SLOT = "no free padding within short-jump reach"
+
 POLICIES: dict[str, tuple[str, ...]] = {
     "jmp": JMP_TACTICS,
     "trap": ("trap",),
@@ -157,10 +162,21 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
     Raises NotOnBoundary / OutsideText / Blacklisted / AlreadySpliced before
     trying tactics, and NoSafeTactic (with every tactic's reason) when none fits.
     """
-    check_point(arch, req)
-    tactics = POLICIES.get(req.policy)
+    return plan_with(arch, req, policy_tactics(req.policy), report)
+
+
+def policy_tactics(policy: str) -> tuple[str, ...]:
+    """The tactics a policy tries, in order."""
+    tactics = POLICIES.get(policy)
     if tactics is None:
-        raise KsimError(f"unknown splice policy {req.policy!r}; use one of {', '.join(POLICIES)}")
+        raise KsimError(f"unknown splice policy {policy!r}; use one of {', '.join(POLICIES)}")
+    return tactics
+
+
+def plan_with(arch: Arch, req: SpliceRequest, tactics: Sequence[str],
+              report: PlanReport | None = None) -> Patch:
+    """:func:`plan` with the given tactics, in order, in place of the policy's."""
+    check_point(arch, req)
     report = report if report is not None else PlanReport()
     for tactic in tactics:
         result = TACTICS[tactic](arch, req)
@@ -168,6 +184,111 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
             return result
         report.refusals.append(Refusal(tactic, result))
     raise NoSafeTactic(req.point, {r.tactic: r.reason for r in report.refusals})
+
+
+def plan_batch(arch: Arch, reqs: Sequence[SpliceRequest], bounds: Sequence[int], block: int,
+               busy: Container[int]) -> tuple[list[Patch | None], dict[int, NoSafeTactic]]:
+    """Plan many points at once: each request's patch code at ``block`` plus the
+    bounds of the requests before it, every window ``busy`` for the others.
+
+    Points whose policy puts the springboard after other tactics try those first,
+    in order; the points left for springboards then share the padding slots by a
+    maximum matching (each point's slots are the ones it reaches), so that a slot
+    the first of two points would take is left to the second when it is the only
+    one that point reaches.  What gets no slot takes the policy's later tactics
+    (the trap), or is refused.  Returns each request's patch (None when refused)
+    and the refusals, by index."""
+    claimed = _Claimed(busy)
+    at = list(accumulate(bounds[:-1], initial=block)) if reqs else []
+    patches: list[Patch | None] = [None] * len(reqs)
+    refused: dict[int, NoSafeTactic] = {}
+    waiting: dict[int, tuple[tuple[str, ...], PlanReport]] = {}
+
+    def claim(i: int, patch: Patch) -> None:
+        if len(patch.code) > bounds[i]:
+            raise KsimError(f"patch code ({len(patch.code)} bytes) outgrew its bound")
+        claimed.take(overwritten(patch))
+        patches[i] = patch
+
+    def placed(i: int, **changes: Any) -> SpliceRequest:
+        return replace(reqs[i], busy=claimed, code_address=at[i], **changes)
+
+    for i, req in enumerate(reqs):
+        tactics = policy_tactics(req.policy)
+        k = tactics.index("springboard") if "springboard" in tactics else len(tactics)
+        report = PlanReport()
+        try:
+            claim(i, plan_with(arch, placed(i), tactics[:k], report))
+        except NoSafeTactic as exc:
+            if k == len(tactics):
+                refused[i] = exc
+            else:
+                waiting[i] = (tactics[k + 1:], report)
+    slots = {i: springboard_slots(arch, placed(i)) for i in waiting}
+    match = _match({i: [lo for lo, _ in s] for i, s in slots.items() if not isinstance(s, str)})
+    for i, (later, report) in waiting.items():
+        found = slots[i]
+        if i in match:
+            only = tuple(slot for slot in reqs[i].padding if slot[0] == match[i])
+            try:
+                claim(i, plan_with(arch, placed(i, padding=only), ("springboard",), report))
+                continue
+            except NoSafeTactic:
+                pass
+        elif isinstance(found, str):
+            report.refusals.append(Refusal("springboard", found))
+        elif not found:
+            report.refusals.append(Refusal("springboard", NO_SLOT))
+        else:
+            report.refusals.append(Refusal("springboard", f"{NO_SLOT}: the batch's other "
+                                                          "springboards hold every slot it reaches"))
+        try:
+            claim(i, plan_with(arch, placed(i), later, report))
+        except NoSafeTactic as exc:
+            refused[i] = exc
+    return patches, refused
+
+
+class _Claimed:
+    """``busy`` and the bytes a batch's patches overwrite so far."""
+
+    __slots__ = ("_busy", "_mine")
+
+    def __init__(self, busy: Container[int]) -> None:
+        self._busy, self._mine = busy, set[int]()
+
+    def take(self, addresses: Iterable[int]) -> None:
+        self._mine.update(addresses)
+
+    def __contains__(self, address: object) -> bool:
+        return address in self._mine or address in self._busy
+
+
+def _match(wants: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    """A maximum matching of points to slots (Kuhn's augmenting paths, breadth first),
+    points tried in order, each point's slots in its own order: point -> slot."""
+    slot_of: dict[int, int] = {}
+    point_of: dict[int, int] = {}
+    for root in wants:
+        came: dict[int, int] = {}  # slot -> the point whose search reached it
+        queue, head, free = [root], 0, None
+        while head < len(queue) and free is None:
+            point = queue[head]
+            head += 1
+            for slot in wants[point]:
+                if slot in came:
+                    continue
+                came[slot] = point
+                if slot not in point_of:
+                    free = slot
+                    break
+                queue.append(point_of[slot])
+        while free is not None:  # flip the path: each point on it takes the next slot
+            point = came[free]
+            before = slot_of.get(point)
+            slot_of[point], point_of[free] = free, point
+            free = before
+    return slot_of
 
 
 def check_point(arch: Arch, req: SpliceRequest) -> None:
@@ -331,26 +452,40 @@ def _tactic_jmp(arch: Arch, req: SpliceRequest, *, displace: bool) -> Patch | st
     return _patch(arch, req, "jmp+displace" if displace else "jmp", moved, (write,))
 
 
-def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
+def springboard_slots(arch: Arch, req: SpliceRequest) -> tuple[tuple[int, bytes], ...] | str:
+    """Every free padding slot a springboard at the point can use (in ``req.padding``
+    order, with the bytes its jump replaces), or why the point takes no short jump."""
+    found = _springboard(arch, req)
+    return found if isinstance(found, str) else found[1]
+
+
+def _springboard(arch: Arch, req: SpliceRequest
+                 ) -> tuple[tuple[Insn, ...], tuple[tuple[int, bytes], ...]] | str:
+    """The short jump's window and the free slots it reaches, or why it has none."""
     moved = _window(arch, req, arch.short_jmp_size)
     if isinstance(moved, str):
         return moved
     # the window itself may spill into the padding: its bytes are no slot
     window_end = max(moved[-1].end, req.point + arch.short_jmp_size)
-    slot = next(
-        (
-            (lo, filler[: arch.jmp_size])
-            for lo, filler in req.padding
-            if len(filler) >= arch.jmp_size
-            and (lo >= window_end or lo + arch.jmp_size <= req.point)
-            and arch.short_jmp_reaches(req.point, lo)
-            and arch.jmp_reaches(lo, req.dest)
-            and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
-        ),
-        None,
+    return tuple(moved), tuple(
+        (lo, filler[: arch.jmp_size])
+        for lo, filler in req.padding
+        if len(filler) >= arch.jmp_size
+        and (lo >= window_end or lo + arch.jmp_size <= req.point)
+        and arch.short_jmp_reaches(req.point, lo)
+        and arch.jmp_reaches(lo, req.dest)
+        and not any(a in req.busy for a in range(lo, lo + arch.jmp_size))
     )
-    if slot is None:
-        return "no free padding within short-jump reach"
+
+
+def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
+    found = _springboard(arch, req)
+    if isinstance(found, str):
+        return found
+    moved, slots = found
+    if not slots:
+        return NO_SLOT
+    slot = slots[0]
     board = Write(slot[0], slot[1], arch.jmp(slot[0], req.dest))
     head = _overwrite(moved, arch.short_jmp(req.point, slot[0]), arch.pad_byte, req.func.tail)
     # the board goes in first: the short jump must never land on padding
