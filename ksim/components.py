@@ -2,19 +2,21 @@
 
 KernInst calls complex functions (timer routines, replacement functions) in C
 code outside the snippets.  Here a component is a relocatable object built with
-the kernel's code model (``gcc -c -mcmodel=kernel -mno-red-zone -fno-pic ...``),
-loaded into the patch area (its text, rodata, data and bss in one block), with
-its relocations applied and its undefined symbols linked against the kernel's
-symbols.  Snippets then ``call()`` its functions, and function replacement can
-jump to them.
+the kernel's code model for the kernel's architecture (its
+``Arch.component_toolchain``: x86-64 ``gcc -c -mcmodel=kernel -mno-red-zone
+-fno-pic ...``, AArch64 ``aarch64-linux-gnu-gcc -c -mcmodel=small -fno-pic
+-mgeneral-regs-only ...``), loaded into the patch area (its text, rodata, data
+and bss in one block), with its relocations applied and its undefined symbols
+linked against the kernel's symbols.  Snippets then ``call()`` its functions,
+and function replacement can jump to them.
 
-    comp = load(kmgr, build_c(source_text))
+    comp = load(kmgr, build_c(source_text, arch=kmgr.arch))
     comp.symbol("vt_start")
     comp.unload()
 
-Only the relocation kinds a -mcmodel=kernel object uses are supported
-(R_X86_64_64, PC32, PLT32, 32, 32S); anything else is a LinkError, refused
-before the kernel is touched.
+Only the relocation types in the architecture's table are applied (each with
+its reach checked); anything else, an unresolved symbol, or an object of another
+architecture is a LinkError, refused before the kernel is touched.
 """
 
 from __future__ import annotations
@@ -23,44 +25,55 @@ import hashlib
 import io
 import shutil
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elftools.elf.descriptions import describe_reloc_type
 from elftools.elf.elffile import ELFFile
 from elftools.elf.relocation import RelocationSection
 from elftools.elf.sections import SymbolTableSection
 
 from ksim import images
-from ksim.arch import get_arch
+from ksim.arch import DEFAULT_ARCH, Arch, get_arch
+from ksim.arch.base import ComponentToolchain, Relocation
 from ksim.errors import ComponentBuildError, ComponentUnsupported, LinkError, UnknownSymbol
 from ksim.kapi import CodeBlock, Manager
 
-#: the kernel's code generation flags (images/toy/Makefile, Linux's arch/x86/Makefile)
-CFLAGS = (
-    "-O2", "-std=gnu11", "-ffreestanding", "-nostdlib", "-mcmodel=kernel", "-mno-red-zone",
-    "-fno-pic", "-fno-pie", "-mgeneral-regs-only", "-fcf-protection=none",
-    "-fno-stack-protector", "-fno-asynchronous-unwind-tables", "-fno-common",
-    "-mpreferred-stack-boundary=3", "-Wall",
-)
 #: where bundled components' sources live
 SOURCE_DIR = Path(__file__).resolve().parent / "component_src"
 
-#: the architecture whose objects build_c() compiles and load() links
-ARCH = "x86_64"
-
-# x86-64 psABI relocation types (System V AMD64 ABI, Table 4.10)
-R_X86_64_64, R_X86_64_PC32, R_X86_64_PLT32, R_X86_64_32, R_X86_64_32S = 1, 2, 4, 10, 11
 SHN_UNDEF = "SHN_UNDEF"
+_MASK64 = (1 << 64) - 1
 
 
-def build_c(source: str, *, include: tuple[Path, ...] = (), name: str = "component") -> Path:
-    """Compile C source to a relocatable object in ksim's cache (by content hash)."""
-    gcc = shutil.which("gcc")
+def toolchain(arch: Arch | str | None = None) -> ComponentToolchain:
+    """The architecture's component toolchain (default: ``ksim.arch.DEFAULT_ARCH``);
+    ComponentUnsupported when components are not available on it."""
+    if arch is None:
+        arch = DEFAULT_ARCH
+    a = get_arch(arch) if isinstance(arch, str) else arch
+    tc = a.component_toolchain
+    if tc is None:
+        raise ComponentUnsupported(f"C components are not available on {a.name}")
+    return tc
+
+
+def build_c(source: str, *, arch: Arch | str | None = None, include: tuple[Path, ...] = (),
+            name: str = "component") -> Path:
+    """Compile C source to a relocatable object for ``arch`` (an Arch or its name;
+    default ``ksim.arch.DEFAULT_ARCH``; a Manager's is ``kmgr.arch``) in ksim's
+    cache (by content hash).  ComponentUnsupported when the architecture's compiler
+    is not installed (naming the package that installs it)."""
+    tc = toolchain(arch)
+    gcc = shutil.which(tc.compiler)
     if gcc is None:
-        raise ComponentBuildError("gcc is not installed")
-    flags = list(CFLAGS) + [f"-I{p}" for p in include]
-    key = hashlib.sha256("\0".join([source, *flags]).encode()).hexdigest()[:16]
+        raise ComponentUnsupported(
+            f"{tc.compiler} is not installed: components for this architecture need it "
+            f"(apt-get install {tc.package})")
+    flags = [*tc.cflags, *(f"-I{p}" for p in include)]
+    key = hashlib.sha256("\0".join([tc.compiler, source, *flags]).encode()).hexdigest()[:16]
     out_dir = images.cache_root() / "components"
     out = out_dir / f"{name}-{key}.o"
     if out.exists():
@@ -72,14 +85,14 @@ def build_c(source: str, *, include: tuple[Path, ...] = (), name: str = "compone
     proc = subprocess.run([gcc, *flags, "-c", "-o", str(tmp), str(src)],
                           capture_output=True, text=True)
     if proc.returncode != 0:
-        raise ComponentBuildError(f"gcc failed on {name}:\n{proc.stderr}")
+        raise ComponentBuildError(f"{tc.compiler} failed on {name}:\n{proc.stderr}")
     tmp.replace(out)  # atomic: concurrent builds never see half an object
     return out
 
 
-def bundled(name: str) -> Path:
-    """Build one of ksim's own components (``ksim/component_src/NAME.c``)."""
-    return build_c((SOURCE_DIR / f"{name}.c").read_text(), name=name)
+def bundled(name: str, arch: Arch | str | None = None) -> Path:
+    """Build one of ksim's own components (``ksim/component_src/NAME.c``) for ``arch``."""
+    return build_c((SOURCE_DIR / f"{name}.c").read_text(), arch=arch, name=name)
 
 
 @dataclass
@@ -110,37 +123,56 @@ class Component:
         self.loaded = False
 
 
-def load(kmgr: Manager, obj: Path | bytes) -> Component:
-    """Load a relocatable object into the patch area, linked against the kernel."""
-    if kmgr.arch is not get_arch(ARCH):
-        raise ComponentUnsupported(
-            f"components are {ARCH} objects and {kmgr.target.name} runs {kmgr.arch.name}: "
-            "loading C components (and the timers built on them) is not available on "
-            "this architecture")
-    data = obj.read_bytes() if isinstance(obj, Path) else obj
-    elf = ELFFile(io.BytesIO(data))
-    if elf["e_type"] != "ET_REL" or elf["e_machine"] != "EM_X86_64":
-        raise LinkError("a component is an x86-64 relocatable object (ET_REL)")
-    layout, size, align = _layout(elf)
-    if not layout:
-        raise LinkError("the object has no code or data")
-    image = kmgr.target.image
-    # all resolution happens before anything is allocated: a refusal changes nothing
-    symtab = elf.get_section_by_name(".symtab")
-    if not isinstance(symtab, SymbolTableSection):
-        raise LinkError("the object has no symbol table")
-    undefined = {s.name for s in symtab.iter_symbols()
-                 if s["st_shndx"] == SHN_UNDEF and s.name}
-    missing = sorted(n for n in undefined if not _has_symbol(image, n))
-    if missing:
-        raise LinkError(f"unresolved symbols: {', '.join(missing)}")
-    # the allocator aligns to 16: take slack and align the block's start ourselves
-    block = kmgr.reserve_code(size + align - 16)
-    base = -(-block.block // align) * align
-    try:
-        sections = {name: base + off for name, (off, _) in layout.items()}
-        blob = bytearray(size)
-        for off, sec in layout.values():
+@dataclass(frozen=True)
+class Linked:
+    """An object linked at ``base``: the block's bytes, where its sections and
+    global symbols are, and its functions' entries."""
+
+    base: int
+    blob: bytes
+    sections: dict[str, int]
+    symbols: dict[str, int]
+    functions: frozenset[int]
+
+
+class RelocatableObject:
+    """A component's relocatable object, checked for one toolchain: the right
+    machine, something to load, and only relocation types the toolchain applies.
+    Linking it (:meth:`link`) is pure: bytes and addresses in, bytes out."""
+
+    def __init__(self, data: bytes, tc: ComponentToolchain) -> None:
+        self.tc = tc
+        self.elf = elf = ELFFile(io.BytesIO(data))
+        if elf["e_type"] != "ET_REL" or elf["e_machine"] != tc.elf_machine:
+            raise LinkError(
+                f"a component is a {tc.elf_machine} relocatable object (ET_REL), not "
+                f"{elf['e_machine']} {elf['e_type']}: build it for the kernel's architecture "
+                "(build_c(..., arch=kmgr.arch))")
+        self.layout, self.size, self.align = _layout(elf)
+        if not self.layout:
+            raise LinkError("the object has no code or data")
+        symtab = elf.get_section_by_name(".symtab")
+        if not isinstance(symtab, SymbolTableSection):
+            raise LinkError("the object has no symbol table")
+        self.symtab = symtab
+        self.undefined = frozenset(s.name for s in symtab.iter_symbols()
+                                   if s["st_shndx"] == SHN_UNDEF and s.name)
+        self.relocs = list(_relocations(elf, self.layout))
+        unknown = sorted({r["r_info_type"] for _, r in self.relocs} - set(tc.relocations))
+        if unknown:
+            names = ", ".join(f"{describe_reloc_type(t, elf)} ({t})" for t in unknown)
+            raise LinkError(f"relocation {names} is not supported in a component (supported: "
+                            f"{', '.join(_names(tc))})")
+
+    def link(self, base: int, resolve: Callable[[str], int]) -> Linked:
+        """The object placed at ``base`` (aligned to ``self.align``), its undefined
+        symbols at ``resolve(name)``; LinkError when a relocation does not fit."""
+        if base % self.align:
+            raise LinkError(f"{base:#x} is not {self.align}-byte aligned")
+        elf = self.elf
+        sections = {name: base + off for name, (off, _) in self.layout.items()}
+        blob = bytearray(self.size)
+        for off, sec in self.layout.values():
             if sec["sh_type"] != "SHT_NOBITS":
                 blob[off:off + sec["sh_size"]] = sec.data()
         index = {elf.get_section(i).name: i for i in range(elf.num_sections())}
@@ -148,7 +180,7 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
 
         def address_of(sym) -> int:  # type: ignore[no-untyped-def]
             if sym["st_shndx"] == SHN_UNDEF:
-                return _kernel_symbol(image, sym.name)
+                return resolve(sym.name)
             if sym["st_shndx"] == "SHN_ABS":
                 return int(sym["st_value"])
             sec_addr = by_index.get(sym["st_shndx"])
@@ -156,29 +188,43 @@ def load(kmgr: Manager, obj: Path | bytes) -> Component:
                 raise LinkError(f"symbol {sym.name!r} is in a section that is not loaded")
             return sec_addr + int(sym["st_value"])
 
-        for rel in elf.iter_sections():
-            if not isinstance(rel, RelocationSection):
-                continue
-            target_name = elf.get_section(rel["sh_info"]).name
-            if target_name not in layout:
-                continue  # relocations of debug info and the like
-            off0 = layout[target_name][0]
-            for r in rel.iter_relocations():
-                sym = symtab.get_symbol(r["r_info_sym"])
-                _apply(blob, off0 + r["r_offset"], base + off0 + r["r_offset"],
-                       r["r_info_type"], address_of(sym) + r["r_addend"], sym.name)
-        symbols = {s.name: address_of(s) for s in symtab.iter_symbols()
-                   if s.name and s["st_shndx"] not in (SHN_UNDEF, "SHN_ABS")
-                   and s["st_info"]["type"] in ("STT_FUNC", "STT_OBJECT", "STT_NOTYPE")
+        for off0, r in self.relocs:
+            sym = self.symtab.get_symbol(r["r_info_sym"])
+            apply_relocation(blob, off0 + r["r_offset"], base + off0 + r["r_offset"],
+                             self.tc.relocations[r["r_info_type"]],
+                             address_of(sym) + r["r_addend"], sym.name or "section")
+        defined = [s for s in self.symtab.iter_symbols()
+                   if s["st_shndx"] not in (SHN_UNDEF, "SHN_ABS")]
+        symbols = {s.name: address_of(s) for s in defined
+                   if s.name and s["st_info"]["type"] in ("STT_FUNC", "STT_OBJECT", "STT_NOTYPE")
                    and s["st_info"]["bind"] in ("STB_GLOBAL", "STB_WEAK")}
-        functions = frozenset(address_of(s) for s in symtab.iter_symbols()
-                              if s["st_info"]["type"] == "STT_FUNC"
-                              and s["st_shndx"] not in (SHN_UNDEF, "SHN_ABS"))
-        kmgr.fill_code(block, base, bytes(blob), entries=functions)
+        functions = frozenset(address_of(s) for s in defined if s["st_info"]["type"] == "STT_FUNC")
+        return Linked(base, bytes(blob), sections, symbols, functions)
+
+
+def load(kmgr: Manager, obj: Path | bytes) -> Component:
+    """Load a relocatable object into the patch area, linked against the kernel."""
+    tc = kmgr.arch.component_toolchain
+    if tc is None:
+        raise ComponentUnsupported(
+            f"{kmgr.target.name} runs {kmgr.arch.name}: loading C components (and the "
+            "timers built on them) is not available on this architecture")
+    # every check that needs no address happens before anything is allocated
+    ro = RelocatableObject(obj.read_bytes() if isinstance(obj, Path) else obj, tc)
+    image = kmgr.target.image
+    missing = sorted(n for n in ro.undefined if not _has_symbol(image, n))
+    if missing:
+        raise LinkError(f"unresolved symbols: {', '.join(missing)}")
+    # the allocator aligns to 16: take slack and align the block's start ourselves
+    block = kmgr.reserve_code(ro.size + ro.align - 16)
+    base = -(-block.block // ro.align) * ro.align
+    try:
+        linked = ro.link(base, lambda name: _kernel_symbol(image, name))
+        kmgr.fill_code(block, base, linked.blob, entries=linked.functions)
     except BaseException:
         kmgr.release_code(block)
         raise
-    return Component(kmgr, base, size, symbols, sections, block)
+    return Component(kmgr, base, ro.size, linked.symbols, linked.sections, block)
 
 
 def _layout(elf: ELFFile) -> tuple[dict[str, tuple[int, Any]], int, int]:
@@ -211,20 +257,45 @@ def _kernel_symbol(image, name: str) -> int:  # type: ignore[no-untyped-def]
     return int(image.address_of(name))
 
 
-def _apply(blob: bytearray, off: int, place: int, kind: int, value: int, name: str) -> None:
-    if kind == R_X86_64_64:
-        blob[off:off + 8] = (value % 2**64).to_bytes(8, "little")
-        return
-    if kind in (R_X86_64_PC32, R_X86_64_PLT32):
-        value -= place
-        lo, hi = -2**31, 2**31
-    elif kind == R_X86_64_32:
-        lo, hi = 0, 2**32
-    elif kind == R_X86_64_32S:
-        value = value - 2**64 if value >= 2**63 else value
-        lo, hi = -2**31, 2**31
+def _relocations(elf: ELFFile, layout: dict[str, tuple[int, Any]]) -> Any:
+    """(offset of the section in the block, relocation) of every relocation of a
+    loaded section (not those of debug info and the like)."""
+    for rel in elf.iter_sections():
+        if not isinstance(rel, RelocationSection):
+            continue
+        target_name = elf.get_section(rel["sh_info"]).name
+        if target_name in layout:
+            for r in rel.iter_relocations():
+                yield layout[target_name][0], r
+
+
+def _names(tc: ComponentToolchain) -> list[str]:
+    return [f"{r.name} ({n})" for n, r in sorted(tc.relocations.items())]
+
+
+def apply_relocation(blob: bytearray, off: int, place: int, kind: Relocation, value: int,
+                     name: str) -> None:
+    """Apply one relocation of ``kind`` at ``blob[off:]`` (at address ``place``), whose
+    symbol plus addend is ``value`` (S + A); LinkError when it does not fit."""
+    if kind.page:
+        x = (value & ~0xFFF) - (place & ~0xFFF)
     else:
-        raise LinkError(f"relocation type {kind} against {name!r} is not supported")
-    if not lo <= value < hi:
-        raise LinkError(f"relocation against {name!r} does not fit in 32 bits ({value:#x})")
-    blob[off:off + 4] = (value % 2**32).to_bytes(4, "little")
+        x = value - place if kind.pcrel else value
+    x &= _MASK64
+    x = x - (1 << 64) if x >> 63 else x        # signed, as the address arithmetic wraps
+    if kind.range is not None and not kind.range[0] <= x < kind.range[1]:
+        raise LinkError(f"{kind.name} against {name!r} at {place:#x} is out of reach "
+                        f"({x:#x} not in [{kind.range[0]:#x}, {kind.range[1]:#x}))")
+    if x & ((1 << kind.shift) - 1):
+        raise LinkError(f"{kind.name} against {name!r} at {place:#x}: {x:#x} is not a "
+                        f"multiple of {1 << kind.shift}")
+    v = (x >> kind.shift) & ((1 << kind.bits) - 1)
+    if not kind.fields:
+        blob[off:off + kind.size] = v.to_bytes(kind.size, "little")
+        return
+    word = int.from_bytes(blob[off:off + kind.size], "little")
+    for lsb, width in kind.fields:
+        mask = (1 << width) - 1
+        word = (word & ~(mask << lsb)) | ((v & mask) << lsb)
+        v >>= width
+    blob[off:off + kind.size] = word.to_bytes(kind.size, "little")

@@ -90,7 +90,7 @@ class VTimers:
     def __init__(self, kmgr: Manager, sampler: Sampler | None = None) -> None:
         self.kmgr = kmgr
         self.sampler = sampler if sampler is not None else Sampler(kmgr)
-        self.component = components.load(kmgr, components.bundled("vtimer"))
+        self.component = components.load(kmgr, components.bundled("vtimer", kmgr.arch))
         # the timer snippets call the component's entry points, and only those
         kmgr.allow_calls(*(self.component.symbol(f) for f in ("vt_start", "vt_stop", "vt_switch")))
         self.timers: dict[int, VTimer] = {}

@@ -22,7 +22,7 @@ from ksim.arch import REGISTRY
 PACKAGE = Path(ksim.__file__).resolve().parent
 #: the generic modules and packages (under ksim/)
 GENERIC = ("analysis", "splice", "snippets", "kapi", "probes", "replace", "callees", "timers",
-           "sampling", "trace")
+           "components", "sampling", "trace")
 #: what generic code may import of ksim.arch
 ALLOWED = ("ksim.arch", "ksim.arch.base")
 #: names of architectures: the registered ones and their aliases, and the usual

@@ -1,5 +1,6 @@
 """Function and call-site replacement (on unicorn:toy and unicorn:toy-arm64), and
-components loaded with relocations (x86-64 objects: refused by name on arm64)."""
+components loaded with relocations, built for each image's architecture
+(the relocations themselves: tests/test_component_relocations.py)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,12 @@ from conftest import TOY_IMAGES, needs_image
 from ksim import components
 from ksim.errors import (
     AlreadySpliced,
-    ComponentUnsupported,
     LinkError,
     NotOnBoundary,
     ReplacementError,
 )
 from ksim.kapi import Manager
 from ksim.replace import Replacements
-from ksim.timers import VTimers
 
 ITER = 200
 
@@ -46,14 +45,18 @@ int task_pid_nr_v2(void *task) { calls++; return 1000 + (int)(jiffies & 0); }
 """
 
 
-def test_a_short_function_is_replaced_through_a_trap_and_undone(x86):
-    m = x86
+@pytest.mark.parametrize("splice", ["trap", "jmp"])
+def test_a_short_function_is_replaced_by_a_component_and_undone(m, splice):
     baseline = m.run(iterations=ITER).checksum
     before = text(m)
-    comp = components.load(m, components.build_c(PID_SOURCE, name="pid_v2"))
+    patch_area = m.target.read(m.target._code.start, 4096)
+    comp = components.load(m, components.build_c(PID_SOURCE, arch=m.arch, name="pid_v2"))
     r = Replacements(m)
-    h = r.replace_function("task_pid_nr", comp.symbol("task_pid_nr_v2"), splice="trap")
-    assert h.tactic == "trap" and h.writes[0].new == b"\xcc"
+    h = r.replace_function("task_pid_nr", comp.symbol("task_pid_nr_v2"), splice=splice)
+    if splice == "trap":
+        assert h.tactic == "trap" and h.writes[0].new == m.arch.trap
+    else:
+        assert h.tactic in ("jmp", "jmp+displace", "springboard")
     with m.oracle(m.find_function("task_pid_nr").address) as o:
         m.run(iterations=ITER)
     calls = int.from_bytes(m.copy_from_kernel(comp.symbol("calls"), 8), "little")
@@ -61,6 +64,7 @@ def test_a_short_function_is_replaced_through_a_trap_and_undone(x86):
     r.undo(h)
     comp.unload()
     assert text(m) == before
+    assert m.target.read(m.target._code.start, 4096) == patch_area
     assert m.run(iterations=ITER).checksum == baseline
 
 
@@ -89,7 +93,8 @@ def test_refusals_change_nothing(m):
     code = m.target.read(m.target._code.start, 64)
     with pytest.raises(LinkError):
         components.load(m, components.build_c("extern int no_such_symbol; int f(void) "
-                                              "{ return no_such_symbol; }", name="bad"))
+                                              "{ return no_such_symbol; }", arch=m.arch,
+                                              name="bad"))
     assert m.target.read(m.target._code.start, 64) == code
     assert text(m) == before and r.active == {}
 
@@ -121,15 +126,3 @@ u64 pick(u64 i) { counter++; return table[i & 3]; }
     assert hex(m.target.image.address_of("jiffies")) in insns[0].op_str
     comp.unload()
     assert not comp.loaded
-
-
-def test_components_and_timers_are_refused_by_name_on_arm64():
-    needs_image("toy-arm64")
-    with Manager.attach("unicorn:toy-arm64") as m:
-        before, code = m.text_snapshot(), m.target._code.allocated()
-        with pytest.raises(ComponentUnsupported, match="runs aarch64: loading C components"):
-            components.load(m, components.build_c(PID_SOURCE, name="pid_v2"))
-        with pytest.raises(ComponentUnsupported, match="not available on this architecture"):
-            VTimers(m)
-        assert m.text_snapshot() == before and m.target._code.allocated() == code
-        assert m.splices() == {}

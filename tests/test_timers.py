@@ -1,4 +1,5 @@
-"""Virtual and wall timers on unicorn:toy.
+"""Virtual and wall timers on unicorn:toy and unicorn:toy-arm64 (the vtimer
+component built for each image's architecture).
 
 Exact check: with a counter the test can observe (a kernel variable counting
 memcpy calls, like a hardware event counter), an independent Python model driven
@@ -9,6 +10,7 @@ start matched by a stop or still in flight, starts == entries)."""
 from __future__ import annotations
 
 import pytest
+from conftest import TOY_IMAGES, needs_image, toy_name
 
 from ksim.kapi import Manager
 from ksim.timers import VTimers
@@ -16,9 +18,10 @@ from ksim.timers import VTimers
 ITER = 300
 
 
-@pytest.fixture
-def m(toy_path):
-    with Manager.attach("unicorn:toy") as mgr:
+@pytest.fixture(params=TOY_IMAGES)
+def m(request):
+    needs_image(request.param)
+    with Manager.attach(f"unicorn:{request.param}") as mgr:
         yield mgr
 
 
@@ -56,7 +59,7 @@ class Model:
             del self.slots[self.task(mach)]
 
     def switch(self, mach, _a) -> None:
-        prev, nxt = mach.reg("rdi"), mach.reg("rsi")
+        prev, nxt = (mach.reg(r) for r in self.m.arch.arg_regs[:2])
         if prev == nxt:
             return
         if prev in self.slots and self.slots[prev][0]:
@@ -67,6 +70,7 @@ class Model:
 
 @pytest.mark.parametrize("func", ["context_switch", "vfs_write", "tcp_sendmsg"])
 def test_timer_totals_match_a_model_driven_by_hooks(m, func):
+    func = toy_name(m, func)
     events = m.malloc()
     count = m.insert_snippet(m.entry_point("memcpy"), events.atomic_assign(events + 1))
     model = Model(m, events)
@@ -90,6 +94,8 @@ def test_timer_totals_match_a_model_driven_by_hooks(m, func):
 
 @pytest.mark.parametrize("func", ["context_switch", "fib", "kmalloc"])
 def test_tsc_timers_are_consistent(m, func):
+    func = toy_name(m, func)
+    before = m.text_snapshot()
     with VTimers(m) as vt, m.oracle(m.entry_point(func).address) as entries:
         virt = vt.add_vtimer([m.entry_point(func)], m.exit_points(func))
         wall = vt.add_vtimer([m.entry_point(func)], m.exit_points(func), is_wall=True)
@@ -104,10 +110,12 @@ def test_tsc_timers_are_consistent(m, func):
         assert wall.value == b.wall_time and virt.value == a.vtime
         assert a.overflow == 0
     assert m.splices() == {}
+    assert m.text_snapshot() == before
 
 
 def test_timers_sample_during_a_run_and_clean_up(m):
     before = m.text_snapshot()
+    patch_area = m.target.read(m.target._code.start, 4096)
     got = []
     vt = VTimers(m)
     vt.add_vtimer([m.entry_point("fib")], m.exit_points("fib"), sample=got.append, interval=0.0)
@@ -117,3 +125,16 @@ def test_timers_sample_during_a_run_and_clean_up(m):
     vt.cleanup()
     assert m.splices() == {}
     assert m.text_snapshot() == before
+    assert m.target.read(m.target._code.start, 4096) == patch_area
+
+
+def test_the_link_register_is_live_at_a_tail_call_exit():
+    """kmalloc's exits on the arm64 toy are tail calls (B kmem_cache_alloc after
+    the frame's x30 is restored): the callee returns through x30, so a timer's
+    call there must keep it (the convention's link_reg)."""
+    needs_image("toy-arm64")
+    with Manager.attach("unicorn:toy-arm64") as m:
+        code = m.facts.function_code("kmalloc")
+        exits = m.exit_points("kmalloc")
+        assert exits and all(code.insns[code.index_of(p.address)].mnemonic == "b" for p in exits)
+        assert all("x30" in m.facts.live_at(p) for p in exits)

@@ -124,6 +124,11 @@ class CallConvention:
     indirect_thunk: re.Pattern[str]
     #: a jump to one of these is a return (return thunks)
     return_thunk: re.Pattern[str]
+    #: the register a call leaves the return address in (None: on the stack, as on
+    #: x86-64): live at every return and tail call, whatever the function wrote to
+    #: it before (AArch64: x30, restored from the frame before a tail call's B;
+    #: the callee returns through it)
+    link_reg: str | None = None
 
     @property
     def ret_reg(self) -> str:
@@ -142,12 +147,16 @@ class CallConvention:
         return self.all_regs - self.preserved_across_calls
 
     @property
+    def _link(self) -> frozenset[str]:
+        return frozenset({self.link_reg}) if self.link_reg else frozenset()
+
+    @property
     def at_return(self) -> frozenset[str]:
-        return frozenset(self.ret_regs) | self.preserved_across_calls
+        return frozenset(self.ret_regs) | self.preserved_across_calls | self._link
 
     @property
     def at_tail_call(self) -> frozenset[str]:
-        return frozenset(self.arg_regs) | self.preserved_across_calls
+        return frozenset(self.arg_regs) | self.preserved_across_calls | self._link
 
     def at_call(self) -> frozenset[str]:
         return frozenset(self.arg_regs) | {self.stack_reg}
@@ -249,6 +258,46 @@ class JumpTableIdioms(Protocol):
         ...
 
 
+# --- components: how C code is built and linked for an architecture (ksim.components) ----
+@dataclass(frozen=True, slots=True)
+class Relocation:
+    """One ELF relocation type, as data: what value it computes and where it puts it.
+
+    X = S + A, less P when ``pcrel``; with ``page``, Page(S + A) - Page(P) (4 KB
+    pages: AArch64's ADRP).  X must lie in ``range`` (None: no check, the "_NC"
+    kinds) and be a multiple of 2**``shift``; then ``bits`` bits of X from bit
+    ``shift`` up are stored: as a little-endian ``size``-byte datum when ``fields``
+    is empty, else into the ``size``-byte instruction word, low bits first, in its
+    ``fields`` ((lowest bit, width) each; a field wider than what is left of the
+    value is zero-filled).
+    """
+
+    name: str
+    size: int
+    bits: int
+    shift: int = 0
+    pcrel: bool = False
+    page: bool = False
+    range: tuple[int, int] | None = None
+    fields: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class ComponentToolchain:
+    """How components (``ksim.components``) are built for an architecture: the C
+    compiler and the kernel's code generation flags, and the relocation types a
+    relocatable object built so carries (anything else is refused)."""
+
+    #: the C compiler (a program on PATH) and the Debian package that installs it
+    compiler: str
+    package: str
+    cflags: tuple[str, ...]
+    #: pyelftools' e_machine of the objects it produces
+    elf_machine: str
+    #: ELF relocation type number -> how to apply it
+    relocations: dict[int, Relocation]
+
+
 class Arch(Protocol):
     """What generic code may ask of an architecture (see ksim.arch.x86_64)."""
 
@@ -272,6 +321,9 @@ class Arch(Protocol):
     all_regs: frozenset[str]
     #: the program counter's register name (x86-64: rip)
     pc_reg: str
+    #: how C components are compiled and linked for this architecture (None: they
+    #: are not available on it)
+    component_toolchain: ComponentToolchain | None
 
     @property
     def jump_tables(self) -> JumpTableIdioms:

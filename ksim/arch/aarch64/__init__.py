@@ -31,7 +31,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ksim.arch.base import Arch, CallOperand, CodeScans, FlowScan, Insn, JumpTableIdioms
+from ksim.arch.base import (
+    Arch,
+    CallOperand,
+    CodeScans,
+    ComponentToolchain,
+    FlowScan,
+    Insn,
+    JumpTableIdioms,
+    Relocation,
+)
 from ksim.errors import RelocationError
 
 from . import pcrel, regs
@@ -49,6 +58,67 @@ _BRK, _HLT, _IMM16_MASK = 0xD4200000, 0xD4400000, 0xFFE0001F
 _FILLERS = frozenset({0xD503201F, 0x00000000})
 
 
+# --- components ---------------------------------------------------------------------------
+#: where each instruction keeps the immediate a relocation sets (Arm ARM C4.1; the
+#: same places as ``pcrel``): ADR/ADRP's immlo [30:29] then immhi [23:5], ADD's and
+#: the unsigned-offset loads' and stores' imm12 [21:10], B/BL's imm26 [25:0],
+#: B.cond/CBZ's imm19 [23:5], TBZ's imm14 [18:5]
+_ADR, _IMM12 = ((29, 2), (5, 19)), ((10, 12),)
+
+
+def _lo12(name: str, scale: int) -> Relocation:
+    """LDST<8*2**scale>_ABS_LO12_NC: X[11:scale] into the scaled imm12 (no overflow
+    check: the ADRP before it supplies the page)."""
+    return Relocation(name, size=4, bits=12 - scale, shift=scale, fields=_IMM12)
+
+
+def _branch(name: str, bits: int, field: tuple[int, int]) -> Relocation:
+    """A branch's S+A-P, X[bits+1:2], checked to fit: -2**(bits+1) <= X < 2**(bits+1)."""
+    reach = 1 << (bits + 1)
+    return Relocation(name, size=4, bits=bits, shift=2, pcrel=True, range=(-reach, reach),
+                      fields=(field,))
+
+
+#: Components: the arm64 toy's code generation (images/toy/Makefile, Linux's
+#: arch/arm64/Makefile: the small code model, no FP/SIMD, no BTI/PAC, no
+#: outlined atomics), and the relocations a -mcmodel=small -fno-pic object uses,
+#: as "ELF for the Arm 64-bit Architecture (AArch64)" (aaelf64) section 5.7
+#: defines them and Linux's arch/arm64/kernel/module.c (apply_relocate_add)
+#: applies them.  Absolute data words: ABS64, and ABS32 / PREL32 checked to
+#: -2**31 <= X < 2**32.  Branches: CALL26/JUMP26 +-128 MB, CONDBR19 +-1 MB,
+#: TSTBR14 +-32 KB.  Addresses: ADR_PREL_LO21 +-1 MB, ADR_PREL_PG_HI21 (ADRP) +-4 GB
+#: in pages, with ADD_ABS_LO12_NC or an LDSTn_ABS_LO12_NC for the low 12 bits.
+TOOLCHAIN = ComponentToolchain(
+    compiler="aarch64-linux-gnu-gcc",
+    package="gcc-aarch64-linux-gnu",
+    cflags=("-O2", "-std=gnu11", "-ffreestanding", "-nostdlib", "-mcmodel=small", "-fno-pic",
+            "-fno-pie", "-mgeneral-regs-only", "-mbranch-protection=none",
+            "-mno-outline-atomics", "-mabi=lp64", "-mlittle-endian", "-fsigned-char",
+            "-fno-stack-protector", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables",
+            "-fno-common", "-Wall"),
+    elf_machine="EM_AARCH64",
+    relocations={
+        257: Relocation("R_AARCH64_ABS64", size=8, bits=64),
+        258: Relocation("R_AARCH64_ABS32", size=4, bits=32, range=(-2**31, 2**32)),
+        261: Relocation("R_AARCH64_PREL32", size=4, bits=32, pcrel=True, range=(-2**31, 2**32)),
+        274: Relocation("R_AARCH64_ADR_PREL_LO21", size=4, bits=21, pcrel=True,
+                        range=(-2**20, 2**20), fields=_ADR),
+        275: Relocation("R_AARCH64_ADR_PREL_PG_HI21", size=4, bits=21, shift=12, pcrel=True,
+                        page=True, range=(-2**32, 2**32), fields=_ADR),
+        277: Relocation("R_AARCH64_ADD_ABS_LO12_NC", size=4, bits=12, fields=_IMM12),
+        278: _lo12("R_AARCH64_LDST8_ABS_LO12_NC", 0),
+        279: _branch("R_AARCH64_TSTBR14", 14, (5, 14)),
+        280: _branch("R_AARCH64_CONDBR19", 19, (5, 19)),
+        282: _branch("R_AARCH64_JUMP26", 26, (0, 26)),
+        283: _branch("R_AARCH64_CALL26", 26, (0, 26)),
+        284: _lo12("R_AARCH64_LDST16_ABS_LO12_NC", 1),
+        285: _lo12("R_AARCH64_LDST32_ABS_LO12_NC", 2),
+        286: _lo12("R_AARCH64_LDST64_ABS_LO12_NC", 3),
+        299: _lo12("R_AARCH64_LDST128_ABS_LO12_NC", 4),
+    },
+)
+
+
 class AArch64:
     """AArch64 (AAPCS64 / Linux kernel calling convention), little-endian."""
 
@@ -63,6 +133,7 @@ class AArch64:
     ret_reg = LINUX.ret_reg
     all_regs = LINUX.all_regs
     pc_reg = "pc"
+    component_toolchain: ComponentToolchain | None = TOOLCHAIN
     #: the name register effects give the condition flags
     flags_reg = regs.FLAGS
 

@@ -7,7 +7,9 @@ The stack pointer is preserved too but kept apart (``stack_reg``, see
 :class:`ksim.arch.base.CallConvention`).  x16/x17 (IP0/IP1, clobbered by veneers),
 x18 (the platform register: an ordinary temporary, or the shadow call stack
 pointer that every callee preserves), the link register x30 and the flags are
-caller-saved.
+caller-saved.  x30 is live at every return and tail call nonetheless
+(``link_reg``): it holds the address the function, or the callee it branches
+to, returns to.
 
 The special callees are the assembly routines with their own register
 interfaces: ``_mcount`` and the ftrace trampolines (entered with the caller's x30
@@ -43,4 +45,6 @@ LINUX = CallConvention(
     special_call_table=_NOTHING,
     indirect_thunk=_NOTHING,
     return_thunk=_NOTHING,
+    # the return address: a tail call's callee returns through it
+    link_reg="x30",
 )

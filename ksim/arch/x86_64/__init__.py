@@ -10,7 +10,16 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from ksim.arch.base import Arch, CallOperand, CodeScans, FlowScan, Insn, JumpTableIdioms
+from ksim.arch.base import (
+    Arch,
+    CallOperand,
+    CodeScans,
+    ComponentToolchain,
+    FlowScan,
+    Insn,
+    JumpTableIdioms,
+    Relocation,
+)
 from ksim.errors import OutOfRange, RelocationError
 
 from . import regs
@@ -30,6 +39,31 @@ def _distance(src_end: int, dst: int) -> int:
     return d - (1 << 64) if d >> 63 else d
 
 
+_S32 = (-2**31, 2**31)
+
+#: Components: the kernel's code generation (images/toy/Makefile, Linux's
+#: arch/x86/Makefile), and the relocations a -mcmodel=kernel object uses
+#: (System V AMD64 psABI, Table 4.10: "64" S+A, "PC32"/"PLT32" S+A-P, "32" S+A
+#: zero-extended, "32S" S+A sign-extended).  The PLT is never needed: every
+#: symbol is linked directly, so PLT32 is PC32.
+TOOLCHAIN = ComponentToolchain(
+    compiler="gcc",
+    package="gcc",
+    cflags=("-O2", "-std=gnu11", "-ffreestanding", "-nostdlib", "-mcmodel=kernel",
+            "-mno-red-zone", "-fno-pic", "-fno-pie", "-mgeneral-regs-only",
+            "-fcf-protection=none", "-fno-stack-protector", "-fno-asynchronous-unwind-tables",
+            "-fno-common", "-mpreferred-stack-boundary=3", "-Wall"),
+    elf_machine="EM_X86_64",
+    relocations={
+        1: Relocation("R_X86_64_64", size=8, bits=64),
+        2: Relocation("R_X86_64_PC32", size=4, bits=32, pcrel=True, range=_S32),
+        4: Relocation("R_X86_64_PLT32", size=4, bits=32, pcrel=True, range=_S32),
+        10: Relocation("R_X86_64_32", size=4, bits=32, range=(0, 2**32)),
+        11: Relocation("R_X86_64_32S", size=4, bits=32, range=_S32),
+    },
+)
+
+
 class X86_64:
     """x86-64 (System V / Linux kernel calling convention)."""
 
@@ -43,6 +77,7 @@ class X86_64:
     ret_reg = LINUX.ret_reg
     all_regs = LINUX.all_regs
     pc_reg = "rip"
+    component_toolchain: ComponentToolchain | None = TOOLCHAIN
 
     def decode(self, code: bytes, address: int) -> Iterator[Insn]:
         from .reader import decode
