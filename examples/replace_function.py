@@ -3,10 +3,12 @@
 replace_function.C, section 6.4), with a replacement compiled separately.
 
     python examples/replace_function.py [TARGET] [ITERATIONS]
+    python examples/replace_function.py unicorn:toy-arm64
 
 tcp_sync_mss(sk, pmtu) is replaced by a C version from the component repository
-(built with gcc -c -mcmodel=kernel, loaded into the patch area, linked against
-the kernel's e100_netdev) that also reserves 12 bytes for TCP timestamps and
+(built for the kernel's architecture -- gcc -c -mcmodel=kernel on x86-64,
+aarch64-linux-gnu-gcc -c -mcmodel=small on arm64 -- loaded into the patch area,
+linked against the kernel's e100_netdev) that also reserves 12 bytes for TCP timestamps and
 clamps to the NIC's MTU, and counts its calls.  Checks: the workload's checksum
 changes while the replacement is in, the replacement ran once per entry of the
 original (address hook), and undo brings the checksum back.
@@ -49,7 +51,8 @@ def main(argv: list[str]) -> int:
     iterations = int(argv[1]) if len(argv) > 1 else 500
     with Manager.attach(target) as kmgr:
         baseline = kmgr.run(iterations=iterations).checksum
-        obj = components.build_c(SOURCE, include=(ROOT / "images" / "toy" / "include",),
+        obj = components.build_c(SOURCE, arch=kmgr.arch,
+                                 include=(ROOT / "images" / "toy" / "include",),
                                  name="tcp_sync_mss_v2")
         comp = components.load(kmgr, obj)
         repl = Replacements(kmgr)

@@ -45,7 +45,8 @@ def main(argv: list[str]) -> int:
         with kmgr.oracle(callee) as before:
             baseline = kmgr.run(iterations=iterations).checksum
         comp = components.load(kmgr, components.build_c(
-            SOURCE, include=(ROOT / "images" / "toy" / "include",), name="tcp_sync_mss_v2"))
+            SOURCE, arch=kmgr.arch, include=(ROOT / "images" / "toy" / "include",),
+            name="tcp_sync_mss_v2"))
         repl = Replacements(kmgr)
         r = repl.replace_call(site, comp.symbol("tcp_sync_mss_v2"))
         with kmgr.oracle(site) as at_site, kmgr.oracle(callee) as original:

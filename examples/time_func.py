@@ -4,19 +4,24 @@
 
     python examples/time_func.py [TARGET] FUNCTION [ITERATIONS]
     python examples/time_func.py unicorn:toy context_switch
+    python examples/time_func.py unicorn:toy-arm64 do_syscall_64   # its invoke_syscall
 
 Initialises the timer environment (context-switch code), adds a virtual and a
 wall cycle timer with start code at the function's entry and stop code at its
 exits, samples both while the kernel runs, and prints the totals.  It checks
 what can be checked of cycle counts against an oracle: every entry (counted by
 an address hook on unicorn) started the timer, each start was stopped or is
-still in flight, and virtual time never exceeds wall time.
+still in flight, and virtual time never exceeds wall time.  The function is named
+as on the x86 toy; an image that calls it otherwise is asked for its own name
+(ksim.images: ImageSpec.local_name).
 """
 
 from __future__ import annotations
 
 import sys
 
+from ksim import images
+from ksim.errors import UnknownImage
 from ksim.kapi import Manager
 from ksim.timers import VTimers, default_sample_callback
 
@@ -28,6 +33,10 @@ def main(argv: list[str]) -> int:
         print(__doc__, file=sys.stderr)
         return 2
     target, func = argv[0], argv[1]
+    try:
+        func = images.get(target.partition(":")[2]).local_name(func)
+    except UnknownImage:
+        pass                                    # not a registered image: its own names
     iterations = int(argv[2]) if len(argv) > 2 else 500
     with Manager.attach(target) as kmgr:
         vt = VTimers(kmgr)                      # initialize_vtimer_environment

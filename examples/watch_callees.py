@@ -4,17 +4,20 @@ watch_callees.C, section 6.5).
 
     python examples/watch_callees.py [TARGET] [FUNCTION...] [--iterations N] [--seed S]
     python examples/watch_callees.py unicorn:toy do_syscall_64
+    python examples/watch_callees.py unicorn:toy-arm64      # its invoke_syscall
 
 Every indirect call site of the functions (default: the toy kernel's syscall
 dispatch, `sys_call_table[nr](regs)` in do_syscall_64) gets a snippet recording
-the call's destination in a small table in kernel data (ksim.callees).  After the
+the call's destination in a small table in kernel data (ksim.callees).  Functions
+are named as on the x86 toy; an image that calls one otherwise (the arm64 toy's
+invoke_syscall) is asked for its own name (ksim.images: ImageSpec.local_name).  After the
 workload the example prints each site and the functions it reached, merges them
 into the static call graph, and unwatches (the text must come back byte for byte).
 
 The destinations are checked against an oracle.  On unicorn it is an exact
 address hook on each call site that computes the destination from the registers
 and memory at that moment; on other targets (qemu:toy) it is that same hook on
-unicorn:toy running the same workload (same seed and iterations).  Any mismatch
+unicorn running the same image and workload (same seed and iterations).  Any mismatch
 exits with status 1.
 """
 
@@ -24,10 +27,20 @@ import argparse
 import sys
 from typing import Any
 
+from ksim import images
 from ksim.analysis import call_graph
 from ksim.arch.base import CallOperand
 from ksim.callees import CalleeWatcher, evaluate_operand
+from ksim.errors import UnknownImage
 from ksim.kapi import Manager
+
+
+def image_of(target: str) -> images.ImageSpec | None:
+    """The registered image a target spec names (``unicorn:toy-arm64``), if any."""
+    try:
+        return images.get(target.partition(":")[2])
+    except UnknownImage:
+        return None
 
 
 def watch(target: str, functions: list[str], seed: int, iterations: int, *, report: bool
@@ -97,13 +110,15 @@ def main(argv: list[str]) -> int:
     opts = parser.parse_args(argv)
     args = opts.args
     target = args.pop(0) if args and ":" in args[0] else "unicorn:toy"
-    functions = args or ["do_syscall_64"]
+    spec = image_of(target)
+    functions = [spec.local_name(f) if spec else f for f in args or ["do_syscall_64"]]
 
     seen, oracle = watch(target, functions, opts.seed, opts.iterations, report=True)
     source = "address hooks on the call sites"
     if oracle is None:
-        _, oracle = watch("unicorn:toy", functions, opts.seed, opts.iterations, report=False)
-        source += " (unicorn:toy, same workload)"
+        emulated = f"unicorn:{spec.name if spec else 'toy'}"
+        _, oracle = watch(emulated, functions, opts.seed, opts.iterations, report=False)
+        source += f" ({emulated}, same workload)"
     assert oracle is not None
     print(f"oracle ({source}): {sum(len(d) for d in oracle.values())} destinations "
           f"at {len(oracle)} sites")

@@ -1,6 +1,8 @@
-"""The KernInst and Kprobes example programs run on unicorn:toy; each checks its own
-result against an oracle (address hooks, workload bookkeeping) and exits non-zero
-on a mismatch."""
+"""The KernInst and Kprobes example programs run on unicorn:toy (and those built
+on components -- timers, replacement -- and callee watching on unicorn:toy-arm64
+and qemu:toy-arm64 too); each checks its own result against an oracle (address
+hooks, gdbstub breakpoints, workload bookkeeping) and exits non-zero on a
+mismatch."""
 
 from __future__ import annotations
 
@@ -64,3 +66,28 @@ def test_count_func_counts_what_the_oracle_counts(toy_path):
         with m.oracle(m.find_function("tcp_sync_mss").address) as oracle:
             m.run()
             assert counted == oracle.count > 0
+
+
+# --- the component examples on the arm64 toy (components built with aarch64-linux-gnu-gcc) --
+def _arm64(target: str, *marks):
+    import shutil
+
+    binary = "qemu-system-aarch64" if target.startswith("qemu:") else "aarch64-linux-gnu-gcc"
+    return pytest.param(target, id=target, marks=[*marks, pytest.mark.skipif(
+        shutil.which(binary) is None or shutil.which("aarch64-linux-gnu-gcc") is None,
+        reason="needs gcc-aarch64-linux-gnu (and qemu-system-arm for QEMU)")])
+
+
+ARM64_TARGETS = [_arm64("unicorn:toy-arm64"), _arm64("qemu:toy-arm64", pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("target", ARM64_TARGETS)
+@pytest.mark.parametrize("example,args,expect", [
+    ("time_func.py", ("context_switch", "300"), "switches out"),
+    ("time_func.py", ("do_syscall_64", "300"), "invoke_syscall:"),
+    ("replace_function.py", ("300",), "undone"),
+    ("replace_function_call.py", ("300",), "undone"),
+    ("watch_callees.py", ("--iterations", "60"), "__arm64_sys_read"),
+])
+def test_component_examples_on_the_arm64_toy(target, example, args, expect):
+    assert expect in run_example(example, target, *args)
