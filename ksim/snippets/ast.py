@@ -539,11 +539,13 @@ def _same_field(x: Any, y: Any) -> bool:
 
 
 def walk(node: Any) -> Any:
-    """Every node of a tree, parents before children."""
-    yield node
-    if isinstance(node, Node):
-        for child in node.children():
-            yield from walk(child)
+    """Every node of a tree, parents before children (depth first, in order)."""
+    stack = [node]
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, Node):
+            stack.extend(reversed(node.children()))
 
 
 def substitute(node: Any, replace: Any) -> Any:

@@ -245,41 +245,26 @@ class Codegen:
         self.bound_elems: list[tuple[ast.Elem, int]] = []
         #: the temporary of Local(0) of the Frame being generated
         self.frame_base: int | None = None
-        self._gen: dict[type, Callable[[Any], None]] = {
-            ast.Const: lambda n: self.e.const(n.value),
-            ast.Var: self._var,
-            ast.BinOp: self._binop,
-            ast.Unary: self._unary,
-            ast.Compare: self._compare,
-            ast.LogicalAnd: self._land,
-            ast.LogicalOr: self._lor,
-            ast.LogicalNot: self._lnot,
-            ast.Assign: self._assign,
-            ast.AtomicAssign: self._atomic_assign,
-            ast.If: self._if,
-            ast.Seq: self._seq,
-            ast.Call: self._call,
-            ast.Tsc: lambda n: self.e.counter(),
-            ast.Pid: self._pid,
-            ast.Tgid: self._tgid,
-            ast.Comm: self._comm,
-            ast.Cpu: self._cpu,
-            ast.Arg: lambda n: self.e.point_reg(self.arch.arg_regs[n.n]),
-            ast.RetVal: lambda n: self.e.point_reg(self.arch.ret_reg),
-            ast.Load: self._load,
-            OperandLoad: self._operand_load,
-            ast.Reg: lambda n: self.e.point_reg(n.name),
-            ast.Guarded: self._guarded,
-            ast.Frame: self._frame,
-            ast.Local: self._local,
-            ast.Elem: self._elem,
-            ast.CompareExchange: self._compare_exchange,
-        }
         self.read_mode = read_mode(abi)
 
     def gen(self, node: ast.Node) -> None:
         """Code leaving ``node``'s value in the accumulator."""
-        self._gen[type(node)](node)
+        _GEN[type(node)](self, node)
+
+    def _const(self, n: ast.Const) -> None:
+        self.e.const(n.value)
+
+    def _tsc(self, n: ast.Tsc) -> None:
+        self.e.counter()
+
+    def _arg(self, n: ast.Arg) -> None:
+        self.e.point_reg(self.arch.arg_regs[n.n])
+
+    def _retval(self, n: ast.RetVal) -> None:
+        self.e.point_reg(self.arch.ret_reg)
+
+    def _reg(self, n: ast.Reg) -> None:
+        self.e.point_reg(n.name)
 
     def effect(self, node: ast.Node) -> None:
         """Code for ``node``'s effects only (its value is discarded)."""
@@ -607,6 +592,39 @@ class Codegen:
 def _signed(value: int) -> int:
     value &= (1 << 64) - 1
     return value - (1 << 64) if value >> 63 else value
+
+
+#: node type -> the Codegen method that leaves its value in the accumulator
+_GEN: dict[type, Callable[[Codegen, Any], None]] = {
+    ast.Const: Codegen._const,
+    ast.Var: Codegen._var,
+    ast.BinOp: Codegen._binop,
+    ast.Unary: Codegen._unary,
+    ast.Compare: Codegen._compare,
+    ast.LogicalAnd: Codegen._land,
+    ast.LogicalOr: Codegen._lor,
+    ast.LogicalNot: Codegen._lnot,
+    ast.Assign: Codegen._assign,
+    ast.AtomicAssign: Codegen._atomic_assign,
+    ast.If: Codegen._if,
+    ast.Seq: Codegen._seq,
+    ast.Call: Codegen._call,
+    ast.Tsc: Codegen._tsc,
+    ast.Pid: Codegen._pid,
+    ast.Tgid: Codegen._tgid,
+    ast.Comm: Codegen._comm,
+    ast.Cpu: Codegen._cpu,
+    ast.Arg: Codegen._arg,
+    ast.RetVal: Codegen._retval,
+    ast.Load: Codegen._load,
+    OperandLoad: Codegen._operand_load,
+    ast.Reg: Codegen._reg,
+    ast.Guarded: Codegen._guarded,
+    ast.Frame: Codegen._frame,
+    ast.Local: Codegen._local,
+    ast.Elem: Codegen._elem,
+    ast.CompareExchange: Codegen._compare_exchange,
+}
 
 
 def _reads_var(node: Any, key: tuple[int, str | None]) -> bool:

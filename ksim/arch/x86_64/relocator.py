@@ -37,6 +37,7 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import capstone
 from capstone import x86 as cs_x86
@@ -139,7 +140,10 @@ def _pc_relative_form(insn: Insn, decoded: capstone.CsInsn) -> _Form | None:
     return None
 
 
+@lru_cache(maxsize=1 << 16)
 def classify(insn: Insn) -> _Form:
+    """How ``insn`` moves (pure: an instruction's form is a function of the
+    instruction, so a batch that plans a window twice decodes it once)."""
     if len(insn.raw) != insn.size:
         raise RelocationError(f"{insn}: raw bytes and size disagree")
     branch = _branch_form(insn)
