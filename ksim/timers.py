@@ -8,16 +8,17 @@
     vt.remove_vtimers([t]); vt.cleanup()                 # cleanup_vtimer_environment
 
 The start and stop routines and the context-switch routine are C code in the
-component repository (``ksim/component_src/vtimer.c``), loaded into the kernel;
+component repository (``ksim/component_src/vtimer.c``), built for the kernel's
+architecture and loaded into it;
 snippets at the points call them with the timer's kernel address, the current
 task, the cpu and the counter (``tsc()`` by default, or any snippet expression:
 KAPI's hwcounter kinds).  Per timer, per cpu: a virtual total (excluding time a
 task is switched out inside the timed code) and a wall total (outermost start
 to stop).  Recursion-safe: only a task's outermost start/stop pair counts.
 
-Each timer also calls the switch routine at the context-switch points: the entry of ``__switch_to(prev, next)`` (the
-toy kernel's and Linux x86-64's), where the outgoing and incoming tasks are the
-first two arguments.
+Each timer also calls the switch routine at the context-switch points: the entry
+of ``__switch_to(prev, next)`` (both toy kernels', Linux x86-64's and arm64's),
+where the outgoing and incoming tasks are the first two arguments.
 """
 
 from __future__ import annotations
