@@ -174,6 +174,7 @@ class Store:
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
         self._chunks = meta["chunks"]
         self._effects: dict[int, list[tuple[frozenset[str], frozenset[str]]]] = {}
+        self._masks: dict[tuple[int, int], frozenset[str]] = {}
         self._regs: dict[int, list[str]] = {}
         self._tables: dict[str, list] = meta["tables"]
 
@@ -236,8 +237,14 @@ class Store:
         return i
 
     def _names(self, chunk: int, mask: int) -> frozenset[str]:
-        regs = self._chunks[chunk]["regs"]
-        return frozenset(r for k, r in enumerate(regs) if mask >> k & 1)
+        """The register names a chunk's bit mask stands for (a few hundred distinct
+        masks serve a whole kernel: each is built once)."""
+        key = (chunk, mask)
+        names = self._masks.get(key)
+        if names is None:
+            regs = self._chunks[chunk]["regs"]
+            names = self._masks[key] = frozenset(r for k, r in enumerate(regs) if mask >> k & 1)
+        return names
 
     def _effects_of(self, chunk: int) -> list[tuple[frozenset[str], frozenset[str]]]:
         if chunk not in self._effects:
