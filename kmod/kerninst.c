@@ -1121,8 +1121,16 @@ static unsigned long ki_int3_dest(unsigned long addr, const u8 *old, const u8 *n
 {
 	unsigned long dest = ki_jump_dest(addr, new, len);
 
-	if (!dest)
-		dest = ki_jump_dest(addr, old, len);
+	/*
+	 * The new bytes' jump when it leads into text or the patch area, else the
+	 * old bytes': a CPU at the temporary int3 may go either way.  Text may
+	 * jump elsewhere: an alternative that static_cpu_has() left as a jmp into
+	 * .altinstr_aux, outside _stext.._etext.  Restoring such an instruction
+	 * under a splice goes through the splice's own jump to its patch.
+	 */
+	if (dest && (ki_in_code(dest, 1) || ki_in_text(dest, 1)))
+		return dest;
+	dest = ki_jump_dest(addr, old, len);
 	if (dest && (ki_in_code(dest, 1) || ki_in_text(dest, 1)))
 		return dest;
 	return 0;

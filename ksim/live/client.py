@@ -34,6 +34,7 @@ from ksim.errors import (
     TargetTimeout,
 )
 from ksim.live import protocol as wire
+from ksim.splice.patch import Write
 from ksim.targets.base import (
     HeldInterrupt,
     KernelABI,
@@ -48,7 +49,6 @@ from ksim.targets.base import (
 if TYPE_CHECKING:
     from ksim.arch.base import Arch
     from ksim.image.image import Image
-    from ksim.splice.patch import Write
 
 REL32 = 1 << 31
 #: bytes of kernel text the image reads at a time (and keeps): analysing a function
@@ -376,6 +376,7 @@ class LiveTarget:
         # a patch-area write longer than the module takes at once goes as several
         # (text writes are 16 bytes at most)
         step = wire.MAX_POKE_BYTES
+        writes = self._coalesced(writes, step)
         items = [[w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
                  for w in writes for off in range(0, len(w.new), step)]
         requests = [items]
@@ -406,6 +407,24 @@ class LiveTarget:
             if self._block_of(w.address) is None:  # kernel or module text
                 for i, b in enumerate(w.old):
                     self._original.setdefault(w.address + i, b)
+
+    def _coalesced(self, writes: Sequence[Write], step: int) -> list[Write]:
+        """``writes`` with each run of adjacent writes into one patch block joined,
+        up to ``step`` bytes a write: a batch's patches lie end to end in one block,
+        and the daemon and the module then handle a few hundred writes instead of one
+        per patch.  Text writes stay as they are (each is one site of the protocol)."""
+        out: list[Write] = []
+        last_block = None
+        for w in writes:
+            block = self._block_of(w.address)
+            prev = out[-1] if out else None
+            if (block is not None and block == last_block and prev is not None
+                    and prev.end == w.address and len(prev.new) + len(w.new) <= step):
+                out[-1] = Write(prev.address, prev.old + w.old, prev.new + w.new)
+            else:
+                out.append(w)
+            last_block = block
+        return out
 
     def _batch_timeout(self, items: int) -> float:
         """How long a batch of ``items`` route changes and writes may take: the daemon
