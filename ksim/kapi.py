@@ -19,6 +19,7 @@ removing one re-plans the patch and re-points the splice in a single poke.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -352,6 +353,13 @@ class Manager:
         and one for the text.  ``snippet`` is a snippet, or a function giving the
         snippet of each point.  Points already spliced are refused (use
         insert_snippet there); so is a batch naming a point twice."""
+        with _collector_held():
+            return self._insert_many(points, snippet, splice)
+
+    def _insert_many(self, points: Sequence[Point],
+                     snippet: ast.Snippet | Callable[[Point], ast.Snippet],
+                     splice: str) -> list[Handle]:
+        """The body of insert_many."""
         points = list(points)
         for_batch(self.target.image, len(points))
         seen: set[int] = set()
@@ -390,6 +398,11 @@ class Manager:
     def remove_many(self, handles: Sequence[Handle]) -> None:
         """Take ``handles`` out in one step: the points left with nothing are
         restored by one poke; points that keep other instrumentation are re-planned."""
+        with _collector_held():
+            self._remove_many(handles)
+
+    def _remove_many(self, handles: Sequence[Handle]) -> None:
+        """The body of remove_many."""
         gone: dict[int, list[Handle]] = {}
         for h in handles:
             current = self._splices.get(h.point.address)
@@ -691,6 +704,22 @@ class Manager:
         self.target.poke(list(current.patch.undo))
         self._retire(current)
         del self._splices[current.point.address]
+
+
+@contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector held off for the length of a batch: planning
+    one allocates hundreds of thousands of objects, and with a whole kernel's
+    analyses in memory each full collection it triggers walks all of them -- seconds,
+    at unpredictable points.  Reference counting still frees what the batch drops;
+    cycles wait for the next collection after it."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class _Busy:

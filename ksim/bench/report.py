@@ -27,6 +27,8 @@ def render(doc: dict[str, Any], plot_dir: str = "results") -> str:
            f"{' (virtual machine)' if m.get('hypervisor') else ''}, Linux {m.get('kernel')}, "
            f"Python {m.get('python')}, {m.get('gcc')}, {m.get('qemu')}, unicorn {m.get('unicorn')}, "
            f"capstone {m.get('capstone')}; shared with other work while it ran.", ""]
+    if doc.get("note"):  # how the document was put together, when not by one `bench all`
+        out[1:1] = ["", str(doc["note"])]
     for name, entry in doc["benchmarks"].items():
         out.append(f"### {name}: {entry.get('title', '')}")
         out.append("")
