@@ -22,8 +22,15 @@ from typing import Any
 READY_PROBE = 'interval:ms:100 { printf("ksim-ready\\n"); }\n'
 
 DRIVER = r'''
-import json, os, re, signal, subprocess, sys, threading, time
+import json, os, re, resource, signal, subprocess, sys, threading, time
 prog, workload, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+# bpftrace holds a file descriptor per attached probe: 1,024 are too few ("dup(fd):
+# Too many open files: please raise NOFILE"); root may raise both limits
+try:
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1 << 20, 1 << 20))
+except (ValueError, OSError):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 start = time.monotonic()
 probes = open(prog).read().count(",") + 2
 # bpftrace refuses more than 512 probes unless told (BPFTRACE_MAX_PROBES)
