@@ -77,6 +77,9 @@ class SiteFacts:
         self._ask = ask
         self._ahead: dict[tuple[int, int], frozenset[str]] | None = None  # see asking_ahead
         self._starts = [f.address for f in image.functions]
+        #: registers live at each point asked about (a few bytes each, kept for every
+        #: point, unlike the analyses they come from; see live_at)
+        self._live: dict[int, frozenset[str]] = {}
 
     def function_of(self, what: Function | Point | str) -> Function:
         if isinstance(what, Function):
@@ -133,13 +136,20 @@ class SiteFacts:
         return Point(address, kind, func.name)
 
     def live_at(self, point: Point) -> frozenset[str]:
-        return self.analysis(point).live_at(point.address)
+        """Registers live at ``point``.  Kept per point, as the planner's view of each
+        function (function_code) is kept for up to 65,536 functions, while the
+        analyses they come from are kept for CACHE_FUNCTIONS only: a batch planned
+        after a pass over every function of a kernel analyses none of them again."""
+        live = self._live.get(point.address)
+        if live is None:
+            live = self._live[point.address] = self.analysis(point).live_at(point.address)
+        return live
 
     # --- what the planner needs -------------------------------------------------------
     def function_code(self, what: Function | Point | str) -> FunctionCode:
         return self._function_code(self.function_of(what))
 
-    @lru_cache(maxsize=12288)  # noqa: B019 - one SiteFacts per attached image (see CACHE_FUNCTIONS)
+    @lru_cache(maxsize=1 << 16)  # noqa: B019 - one SiteFacts per attached image (see live_at)
     def _function_code(self, func: Function) -> FunctionCode:
         """The function's code for the planner.  Trailing alignment filler that no
         path reaches (int3/nop blocks, which kallsyms-derived extents include) is
@@ -163,7 +173,7 @@ class SiteFacts:
             hazards=self.hazards(insns),
         )
 
-    @lru_cache(maxsize=12288)  # noqa: B019 - one SiteFacts per attached image
+    @lru_cache(maxsize=1 << 16)  # noqa: B019 - one SiteFacts per attached image (see live_at)
     def _extent(self, func: Function) -> tuple[int, bytes]:
         """Where the function's code ends, and the filler after it (its trailing
         unreachable int3/nop blocks and the filler up to the next function): what a
