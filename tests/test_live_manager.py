@@ -56,3 +56,22 @@ def test_ksim_count_command_agrees_with_the_kprobe(testbed: dict) -> None:
     report = json.loads(out.stdout)
     assert out.returncode == 0, report
     assert report["count"] == report["oracle"] and 20_000 <= report["count"] <= 20_002
+
+
+def test_ksim_count_takes_a_wildcard_on_the_live_kernel(testbed: dict) -> None:
+    """One batch over every match; each function's count equals the kernel's kprobe
+    on it over the same run, and the getppid loop's function counts exactly N.  (The
+    pattern leaves out getpid: other processes of the guest call it while the counts
+    are read one after the other, so its two counts cover windows that differ by those
+    calls.)"""
+    out = subprocess.run(
+        [sys.executable, "-m", "ksim.cli", "count", "__x64_sys_getp[gpr]*", "--target",
+         testbed["address"], "--oracle", "kprobe", "--while", f"{getppid_loop()} 20000",
+         "--json"],
+        capture_output=True, text=True, timeout=300)
+    report = json.loads(out.stdout)
+    assert out.returncode == 0, report
+    rows = {r["function"]: r for r in report["rows"]}
+    assert {"__x64_sys_getppid", "__x64_sys_getpgid", "__x64_sys_getpgrp"} <= set(rows)
+    assert all(r["count"] == r["oracle"] for r in rows.values()), rows
+    assert 20_000 <= rows["__x64_sys_getppid"]["count"] <= 20_002

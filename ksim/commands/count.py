@@ -123,9 +123,13 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
                     if oracle != "auto" and name != oracle:
                         raise UnknownOracle(f"{spec} has no {oracle} oracle (its oracle is "
                                             f"{name}; --oracle auto picks it)")
+            # counted from the moment every oracle counts too: on a live kernel other
+            # processes run the function while the oracles are being set up
+            start = {a: m.read(c) for a, c in counters.items()} if oracles else {}
             interrupted = _run(m, options)
+            counts = {a: m.read(c) - start.get(a, 0) for a, c in counters.items()}
             rows = [{"function": label, "address": p.address, "tactic": tactics[p.address],
-                     "count": m.read(counters[p.address]),
+                     "count": counts[p.address],
                      "oracle": oracles[p.address].count if oracles else None}
                     for (p, _), label in zip(points, labels(m, points), strict=True)]
         finally:
