@@ -186,6 +186,23 @@ class Manager:
         """A zeroed integer variable on the kernel's data heap (snippets may write it)."""
         return ast.Var(self.alloc_data(size), size)
 
+    def malloc_array(self, count: int, size: int = 8) -> list[ast.Var]:
+        """``count`` zeroed integer variables of ``size`` bytes each, end to end in one
+        block of the data heap (one per point of a batch, say): read_array reads them
+        all in one request, and free(vars[0]) frees the block."""
+        base = self.alloc_data(max(count, 1) * size)
+        return [ast.Var(base + size * i, size) for i in range(count)]
+
+    def read_array(self, variables: Sequence[ast.Var]) -> list[int]:
+        """The values of ``variables`` from one malloc_array, read at once."""
+        if not variables:
+            return []
+        base, size = variables[0].address, variables[0].size
+        if any(v.address != base + size * i or v.size != size for i, v in enumerate(variables)):
+            raise KsimError("read_array reads the variables of one malloc_array, in order")
+        data = self.target.read(base, size * len(variables))
+        return [int.from_bytes(data[i:i + size], "little") for i in range(0, len(data), size)]
+
     def alloc_data(self, size: int, align: int = 8) -> int:
         """A zeroed block of the kernel's data heap that snippets may write."""
         address = self.target.alloc_data(size, align)

@@ -99,8 +99,8 @@ def around_the_sample(m: Manager, policy: str, n: int = AROUND) -> list[Point]:
 
 def counters(m: Manager, points: list[Point]) -> tuple[int, dict[int, ast.Var]]:
     """One 8-byte counter per point, all in one heap block."""
-    base = m.alloc_data(8 * len(points))
-    return base, {p.address: ast.Var(base + 8 * i, 8) for i, p in enumerate(points)}
+    variables = m.malloc_array(len(points))
+    return variables[0].address, {p.address: v for p, v in zip(points, variables, strict=True)}
 
 
 def counting(var: dict[int, ast.Var]) -> Callable[[Point], ast.Snippet]:

@@ -6,6 +6,7 @@ import pytest
 
 from ksim.errors import (
     AlreadySpliced,
+    KsimError,
     NoSafeTactic,
     NotOnBoundary,
     OutsideText,
@@ -130,6 +131,19 @@ def test_data_memory_round_trip(toy_manager):
     m.copy_to_kernel(v.address, b"\x01" * 8)
     assert m.read(v) == 0x0101010101010101
     m.free(v)
+
+
+def test_an_array_of_variables_is_one_block_read_at_once(toy_manager):
+    m = toy_manager
+    a = m.malloc_array(5)
+    assert [v.address for v in a] == [a[0].address + 8 * i for i in range(5)]
+    assert m.read_array(a) == [0] * 5
+    for i, v in enumerate(a):
+        m.write(v, 1000 + i)
+    assert m.read_array(a) == [m.read(v) for v in a] == [1000, 1001, 1002, 1003, 1004]
+    with pytest.raises(KsimError, match="one malloc_array, in order"):
+        m.read_array([a[1], a[0]])
+    m.free(a[0])
 
 
 def test_an_exception_in_a_hook_is_reraised_after_the_run(toy_manager):

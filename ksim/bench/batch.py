@@ -44,7 +44,6 @@ import json
 import random
 import re
 import shutil
-import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -81,19 +80,18 @@ def _toy(spec: str, policies: tuple[str, ...], ns: list[int | None]) -> dict[str
             for n in ns:
                 points = pool[pol][:n] if n else pool[pol]
                 before = m.text_snapshot()
-                base = m.alloc_data(8 * len(points))
-                var = _counters(base, points)
+                variables = m.malloc_array(len(points))
                 t0 = time.perf_counter()
-                handles = m.insert_many(points, _counting(var), splice=pol)
+                handles = m.insert_many(points, _counting(points, variables), splice=pol)
                 attach_s = time.perf_counter() - t0
                 hits = None
                 if spec.startswith("unicorn"):  # QEMU's toy boots anew with the probes in
                     m.run(seed=1, iterations=100)
-                    hits = sum(m.read(v) for v in var.values())
+                    hits = sum(m.read_array(variables))
                 t0 = time.perf_counter()
                 m.remove_many(handles)
                 detach_s = time.perf_counter() - t0
-                m.free(base)
+                m.free(variables[0])
                 runs.append({"tool": f"ksim-{pol}", "policy": pol, "n": len(points),
                              "attach_s": attach_s, "detach_s": detach_s, "hits": hits,
                              "attach_ms_per_probe": 1e3 * attach_s / max(len(points), 1),
@@ -102,14 +100,9 @@ def _toy(spec: str, policies: tuple[str, ...], ns: list[int | None]) -> dict[str
             "analyse_s": analyse_s}
 
 
-def _counters(base: int, points: list[Any]) -> dict[int, Any]:
-    from ksim.snippets import ast
-
-    return {p.address: ast.Var(base + 8 * i, 8) for i, p in enumerate(points)}
-
-
-def _counting(var: dict[int, Any]) -> Any:
+def _counting(points: list[Any], variables: list[Any]) -> Any:
     """Each point's snippet: add one to its own counter."""
+    var = {p.address: v for p, v in zip(points, variables, strict=True)}
     return lambda p: var[p.address].atomic_assign(var[p.address] + 1)
 
 
@@ -218,18 +211,17 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
     m.spliceable_entries([t.image.function_at(p.address) for p in points], policy)
     analyse_s = time.perf_counter() - t0
     before = t.read_many([p.address for p in points])
-    base = m.alloc_data(8 * len(points))
-    var = _counters(base, points)
+    variables = m.malloc_array(len(points))
     t0 = time.perf_counter()
-    handles = m.insert_many(points, _counting(var), splice=policy)
+    handles = m.insert_many(points, _counting(points, variables), splice=policy)
     attach_s = time.perf_counter() - t0
     run = t.run(while_cmd=WORKLOAD, timeout=LIMIT_S)
-    hits = sum(struct.unpack(f"<{len(points)}Q", t.read(base, 8 * len(points))))
+    hits = sum(m.read_array(variables))
     t0 = time.perf_counter()
     m.remove_many(handles)
     detach_s = time.perf_counter() - t0
     restored = t.read_many([p.address for p in points]) == before
-    m.free(base)
+    m.free(variables[0])
     return {"status": "ok", "attach_s": attach_s, "detach_s": detach_s, "hits": hits,
             "workload_s": run.seconds, "text_restored": restored, "analyse_s": analyse_s,
             "analyses_kept": min(len(points), CACHE_FUNCTIONS)}

@@ -105,7 +105,8 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
         oracle = "none"
     with Manager.attach(spec) as m:
         points, skipped = resolve_points(m, function, splice)
-        counters = {p.address: m.malloc(8) for p, _ in points}
+        variables = m.malloc_array(len(points))
+        counters = {p.address: v for (p, _), v in zip(points, variables, strict=True)}
         handles = m.insert_many([p for p, _ in points],
                                 lambda p: pid_filter(pid, counters[p.address].atomic_assign(
                                     counters[p.address] + 1)),
@@ -115,7 +116,7 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
             tactics = {h.point.address: m.patch_of(h).tactic for h in handles}
             options = _run_options(m, seed, iterations, while_cmd)
             if progress:
-                options["progress"] = _Ticker(m, list(counters.values()))
+                options["progress"] = _Ticker(m, variables)
             if oracle != "none":
                 for p, at in points:
                     oracles[p.address] = m.target.oracle_counter(at)
@@ -125,13 +126,13 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
                                             f"{name}; --oracle auto picks it)")
             # counted from the moment every oracle counts too: on a live kernel other
             # processes run the function while the oracles are being set up
-            start = {a: m.read(c) for a, c in counters.items()} if oracles else {}
+            start = m.read_array(variables) if oracles else [0] * len(variables)
             interrupted = _run(m, options)
-            counts = {a: m.read(c) - start.get(a, 0) for a, c in counters.items()}
+            counts = [n - n0 for n, n0 in zip(m.read_array(variables), start, strict=True)]
             rows = [{"function": label, "address": p.address, "tactic": tactics[p.address],
-                     "count": counts[p.address],
+                     "count": n,
                      "oracle": oracles[p.address].count if oracles else None}
-                    for (p, _), label in zip(points, labels(m, points), strict=True)]
+                    for (p, _), label, n in zip(points, labels(m, points), counts, strict=True)]
         finally:
             with HeldInterrupt():  # a second Ctrl-C waits until the text is restored
                 for o in oracles.values():
@@ -227,7 +228,7 @@ class _Ticker:
         now = time.monotonic()
         if now - self.last >= 1.0:
             self.last = now
-            total = sum(self.manager.read(c) for c in self.counters)
+            total = sum(self.manager.read_array(self.counters))
             print(f"  ... {total} so far", file=sys.stderr)
 
 
