@@ -1,4 +1,4 @@
-"""Differential runs of real kernel code, original versus spliced (ksim.verify.differential).
+"""Differential runs of real kernel code, original versus spliced (ksim.differential.harness).
 
 The Debian 6.1 vmlinux, e100.ko and ext4.ko run in unicorn from seeded random points,
 once as they are and once spliced by the planner; every case must come out
@@ -25,10 +25,10 @@ import pytest
 from hypothesis import settings
 
 from ksim.arch.base import Flow
+from ksim.differential import Case, Harness, Planned, random_cases, tally
 from ksim.errors import KsimError
 from ksim.splice.patch import Patch
 from ksim.splice.planner import FunctionCode
-from ksim.verify import Case, Harness, Planned, random_cases, tally
 
 TACTICS = ("jmp", "jmp+displace", "springboard", "trap")
 

@@ -1,10 +1,10 @@
 """Checks of the engine against itself on real code.
 
-``ksim.verify.differential`` runs a kernel function from a point twice in unicorn,
+``ksim.differential.harness`` runs a kernel function from a point twice in unicorn,
 original and spliced, and compares what the two runs did.
 """
 
-from ksim.verify.differential import (
+from ksim.differential.harness import (
     KINDS,
     SNIPPETS,
     TACTICS,
