@@ -1,8 +1,12 @@
-"""``ksim testbed up | status | exec -- CMD | down``: the live Linux testbed.
+"""``ksim testbed up | prepare | status | exec -- CMD | down``: the live Linux testbed.
 
 A Debian 6.1 kernel in QEMU (KVM when it works, TCG otherwise) with the
 kerninst module and kerninstd inside; ksim reaches it as live://127.0.0.1:PORT.
-Downloads and builds are cached in ~/.cache/ksim/testbed/.
+Downloads and builds are cached in ~/.cache/ksim/testbed/; once the cache holds
+the kernel and the built module, ``up`` needs neither apt nor the network
+(``prepare`` fills the cache without booting; ``--offline`` refuses to fetch and
+names what is missing instead).  The kernel is the one the cache holds;
+``--refresh`` moves to the newest 6.1 ABI apt offers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
                     help="QEMU accelerator (default: auto, KVM when /dev/kvm works, else TCG)")
     up.add_argument("--timeout", type=float, default=300.0, help="boot timeout in seconds")
+    pre = actions.add_parser("prepare", help="fetch, install and build what `up` needs, "
+                             "without booting")
+    for q in (up, pre):
+        q.add_argument("--offline", action="store_true",
+                       help="use only the cache and the installed packages; name what is "
+                            "missing instead of fetching it")
+        q.add_argument("--refresh", action="store_true",
+                       help="use the newest 6.1 kernel ABI apt offers, not the cached one")
     st = actions.add_parser("status", help="is the testbed up, and where")
     ex = actions.add_parser("exec", help="run a shell command in the guest")
     ex.add_argument("--timeout", type=float, default=120.0,
@@ -32,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD",
                     help="the shell command, after --")
     dn = actions.add_parser("down", help="stop the testbed; leaves no process behind")
-    for q in (up, st, ex, dn):
+    for q in (up, pre, st, ex, dn):
         add_json_flag(q)
     p.set_defaults(func=run)
 
@@ -51,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
 
     progress = _progress(args.json)
     if args.action == "up":
-        state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout, progress=progress)
+        state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout,
+                           offline=args.offline, refresh=args.refresh, progress=progress)
         if args.json:
             emit_json(state)
         else:
@@ -59,6 +72,14 @@ def run(args: argparse.Namespace) -> int:
                   f"booted in {state.get('boot_seconds')} s)")
             print(f"address: {state['address']}")
             print(f"token:   {state['token_file']}")
+        return 0
+    if args.action == "prepare":
+        ready = testbed.prepare(offline=args.offline, refresh=args.refresh, progress=progress)
+        if args.json:
+            emit_json(ready)
+        else:
+            print(f"testbed ready to boot: kernel {ready['abi']}, module {ready['module']}, "
+                  f"{len(ready['guest_modules'])} guest modules (cache {ready['cache']})")
         return 0
     if args.action == "status":
         state = testbed.status()

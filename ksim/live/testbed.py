@@ -1,7 +1,9 @@
 """The Linux testbed: a Debian 6.1 kernel in QEMU with /dev/kerninst and kerninstd.
 
-    up()      install what is missing, fetch and unpack the kernel (cached), build
-              the module, make an initramfs, boot QEMU (KVM if it works, TCG
+    prepare() what up() needs before booting: install what is missing, fetch and
+              unpack the kernel, build the module -- each only when the cache
+              lacks it, so a complete cache needs no apt and no network
+    up()      prepare, make an initramfs, boot QEMU (KVM if it works, TCG
               otherwise), start kerninstd in the guest, wait until it answers
     status()  whether it is up, and where
     exec_()   run a command in the guest (through kerninstd's exec op)
@@ -10,7 +12,9 @@
 The guest has no root filesystem of its own: it mounts the host's / read-only
 over 9p and runs kerninstd with the host's Python in a chroot, so the daemon is
 the code in this tree.  Everything downloaded or built lives in
-~/.cache/ksim/testbed/ (KSIM_TESTBED_DIR overrides it).
+~/.cache/ksim/testbed/ (KSIM_TESTBED_DIR overrides it): the kernel ABI it holds
+(kernel.json), the kernel package and its unpacked tree (whose modules.dep gives the
+guest's modules), the ELF vmlinux, and kerninst.ko per ABI and source digest.
 """
 
 from __future__ import annotations
@@ -25,12 +29,13 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksim.errors import MalformedImage, TargetError, TargetTimeout
 from ksim.image.bzimage import decompress_bzimage
@@ -38,10 +43,9 @@ from ksim.image.bzimage import decompress_bzimage
 REPO = Path(__file__).resolve().parents[2]
 KMOD_SOURCES = ("kerninst.c", "kerninst.h", "Makefile")
 DEFAULT_PORT = 7070
-# Modules the guest needs for 9p and the network, in insmod order after --show-depends.
+# Modules the guest needs for 9p and the network; guest_modules adds what they depend on.
 GUEST_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_net")
 BOOT_TIMEOUT = 300.0
-HOST_PACKAGES = ("qemu-system-x86", "busybox-static", "kmod", "gcc", "make", "libc6-dev")
 
 Progress = Callable[[str], None]
 
@@ -72,17 +76,35 @@ def _run(cmd: list[str], *, timeout: float = 600, cwd: Path | None = None,
     except subprocess.TimeoutExpired:
         raise TargetTimeout(f"{' '.join(cmd)}: no result after {timeout:g} s") from None
     except FileNotFoundError:
-        raise TargetError(f"{cmd[0]}: not installed (run scripts/testbed-deps)") from None
+        raise TargetError(f"{cmd[0]}: not installed (not found on PATH)") from None
     if proc.returncode:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
         raise TargetError(f"{' '.join(cmd[:4])}... failed ({proc.returncode}):\n" + "\n".join(tail))
     return proc.stdout
 
 
-# -- packages -------------------------------------------------------------------------
+# -- what the host needs ------------------------------------------------------------
+# Everything below is checked by the presence of the files it provides, never by
+# asking dpkg or apt: once the cache holds the kernel and the built module, `up`
+# runs no package tool and needs no network.  apt is asked only for what is missing.
+
+class Need(NamedTuple):
+    """Something `up` still has to fetch, install or build."""
+
+    what: str                   # what is missing and what it is for
+    package: str | None = None  # the apt package that provides it, if apt installs it
+
+
+#: where the ABI that the cache holds is recorded (resolve_abi)
+KERNEL_RECORD = "kernel.json"
+
+
 def _installed(package: str) -> bool:
-    proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
-                          capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["dpkg-query", "-W", "-f=${Status}", package],
+                              capture_output=True, text=True)
+    except FileNotFoundError:  # no dpkg: nothing counts as installed, apt will say more
+        return False
     return proc.returncode == 0 and "install ok installed" in proc.stdout
 
 
@@ -90,14 +112,179 @@ def _apt_env() -> dict[str, str]:
     return {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
 
-def resolve_abi(progress: Progress = _quiet) -> str:
-    """The newest bookworm kernel ABI (e.g. 6.1.0-56) with both headers and an unsigned image."""
+def _sbin_tool(name: str) -> str | None:
+    """``name`` on PATH or in /usr/sbin, /sbin (an ordinary user's PATH often lacks them)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    return next((str(p) for p in (Path("/usr/sbin") / name, Path("/sbin") / name)
+                 if p.exists()), None)
+
+
+def _is_static_elf(path: Path) -> bool:
+    """An ELF executable without a program interpreter (PT_INTERP): it runs with no C
+    library beside it, as it must in the initramfs."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+            if head[:4] != b"\x7fELF" or head[4] != 2:  # 64-bit ELF only (x86_64 host)
+                return False
+            phoff, = struct.unpack_from("<Q", head, 0x20)
+            phentsize, phnum = struct.unpack_from("<HH", head, 0x36)
+            f.seek(phoff)
+            table = f.read(phentsize * phnum)
+    except (OSError, struct.error, IndexError):
+        return False
+    PT_INTERP = 3
+    return all(struct.unpack_from("<I", table, i * phentsize)[0] != PT_INTERP
+               for i in range(len(table) // phentsize if phentsize else 0))
+
+
+def busybox_path() -> Path | None:
+    """The static busybox the initramfs carries (busybox-static).  Debian's `busybox`
+    package installs a dynamically linked one at the same path, which would find no C
+    library in the initramfs: it does not count."""
+    for candidate in (shutil.which("busybox"), "/bin/busybox", "/usr/bin/busybox"):
+        if candidate and _is_static_elf(Path(candidate)):
+            return Path(candidate)
+    return None
+
+
+def headers_dir(abi: str) -> Path:
+    return Path(f"/usr/src/linux-headers-{abi}-amd64")
+
+
+def _boot_needs() -> list[Need]:
+    needs = []
+    if shutil.which("qemu-system-x86_64") is None:
+        needs.append(Need("qemu-system-x86_64, which boots the guest", "qemu-system-x86"))
+    if busybox_path() is None:
+        needs.append(Need("a static busybox, the guest's userland in the initramfs",
+                          "busybox-static"))
+    return needs
+
+
+def _build_needs(abi: str, what: str) -> list[Need]:
+    """What kbuild needs to build ``what`` against the ABI's headers."""
+    needs = [Need(f"{tool}, to build {what}", tool) for tool in ("gcc", "make")
+             if shutil.which(tool) is None]
+    if not (headers_dir(abi) / "Makefile").exists():
+        needs.append(Need(f"{headers_dir(abi)}, the kernel headers to build {what} against",
+                          f"linux-headers-{abi}-amd64"))
+    return needs
+
+
+def _kernel_complete(root: Path, abi: str) -> bool:
+    return ((root / ".complete").exists() and (root / "boot" / f"vmlinuz-{abi}-amd64").exists()
+            and (root / "lib" / "modules" / f"{abi}-amd64" / "modules.dep").exists())
+
+
+def _image_package(abi: str) -> str:
+    return f"linux-image-{abi}-amd64-unsigned"
+
+
+def _cached_debs(abi: str) -> list[Path]:
+    return sorted((cache_dir() / "debs").glob(f"{_image_package(abi)}_*.deb"))
+
+
+def missing(abi: str) -> list[Need]:
+    """What `up` would still have to fetch, install or build for kernel ``abi``; empty
+    when the cache and the host hold everything, and `up` then needs no network."""
+    needs = _boot_needs()
+    root = cache_dir() / f"linux-{abi}"
+    if not _kernel_complete(root, abi):
+        if not _cached_debs(abi):
+            needs.append(Need(f"{_image_package(abi)}, the kernel package: neither unpacked in "
+                              f"{root} nor downloaded to {cache_dir() / 'debs'}"))
+        if _sbin_tool("depmod") is None:
+            needs.append(Need("depmod, to index the modules of the kernel package as it is "
+                              "unpacked", "kmod"))
+    if not module_cached(abi):
+        needs += _build_needs(abi, f"kerninst.ko for {abi} (not built for these sources yet)")
+    return needs
+
+
+def _describe(needs: list[Need]) -> str:
+    return "\n".join(f"  - {n.what}" + (f" (apt package {n.package})" if n.package else "")
+                     for n in needs)
+
+
+def _provide(needs: list[Need], progress: Progress, offline: bool) -> list[str]:
+    """Install with apt (as root) the packages that provide ``needs``; return them.
+    Offline, or without root, or when apt fails, the error names every need."""
+    packages = list(dict.fromkeys(n.package for n in needs if n.package))
+    if not packages:
+        return []
+    wanted = [n for n in needs if n.package]
+    if offline:
+        raise TargetError("offline, and the testbed needs what this host lacks:\n"
+                          + _describe(wanted))
+    if os.geteuid() != 0:
+        raise TargetError("the testbed needs what this host lacks:\n" + _describe(wanted)
+                          + f"\ninstall as root: apt-get install {' '.join(packages)}")
+    progress(f"installing {' '.join(packages)}")
+    cmd = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+    try:
+        try:
+            _run(cmd, env=_apt_env(), timeout=900)
+        except TargetError as exc:
+            # A machine whose package lists were never fetched (or were cleaned) knows
+            # no package at all: fetch the lists once and try again.
+            if "Unable to locate package" not in str(exc):
+                raise
+            progress("apt-get update (the package lists lack " + ", ".join(packages) + ")")
+            _run(["apt-get", "update"], env=_apt_env(), timeout=900)
+            _run(cmd, env=_apt_env(), timeout=900)
+    except TargetError as exc:
+        raise TargetError("the testbed needs what this host lacks:\n" + _describe(wanted)
+                          + f"\nand installing it with apt failed: {exc}") from None
+    return packages
+
+
+def ensure_packages(abi: str, progress: Progress = _quiet, *, offline: bool = False) -> list[str]:
+    """Install (as root, with apt) the packages `up` needs for kernel ``abi`` and this
+    host lacks (the kernel headers only while kerninst.ko is not built for the ABI and
+    the sources); return what was installed."""
+    return _provide(missing(abi), progress, offline)
+
+
+def ensure_tools(packages: tuple[str, ...], progress: Progress = _quiet) -> list[str]:
+    """Install (as root, with apt) host packages a benchmark runs in the guest through
+    the host's root filesystem (bpftrace); return what was installed."""
+    return _provide([Need(f"{p}, which the guest runs from the host's root filesystem", p)
+                     for p in packages if not _installed(p)], progress, offline=False)
+
+
+# -- the kernel ABI -------------------------------------------------------------------
+def recorded_abi() -> str | None:
+    """The ABI the cache holds: the one recorded when it was resolved, or else the newest
+    kernel unpacked in the cache (a cache filled before the record existed)."""
+    try:
+        abi = json.loads((cache_dir() / KERNEL_RECORD).read_text())["abi"]
+        if re.fullmatch(r"6\.1\.0-\d+", str(abi)):
+            return str(abi)
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    unpacked = [m.group(1) for p in cache_dir().glob("linux-6.1.0-*")
+                if (m := re.fullmatch(r"linux-(6\.1\.0-\d+)", p.name))
+                and _kernel_complete(p, m.group(1))]
+    return max(unpacked, key=lambda v: int(v.rsplit("-", 1)[1])) if unpacked else None
+
+
+def _record_abi(abi: str) -> None:
+    path = cache_dir() / KERNEL_RECORD
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"abi": abi, "resolved": time.time()}) + "\n")
+    tmp.rename(path)
+
+
+def _newest_abi_from_apt(progress: Progress) -> str:
+    """The newest bookworm kernel ABI with both headers and an unsigned image in apt."""
     pattern = r"^linux-(headers|image)-(6\.1\.0-\d+)-amd64(-unsigned)?$"
 
     def search() -> list[str]:
-        out = subprocess.run(["apt-cache", "search", "--names-only",
-                              r"^linux-(headers|image)-6\.1\.0-[0-9]+-amd64(-unsigned)?$"],
-                             capture_output=True, text=True).stdout
+        out = _run(["apt-cache", "search", "--names-only",
+                    r"^linux-(headers|image)-6\.1\.0-[0-9]+-amd64(-unsigned)?$"])
         headers, images = set(), set()
         for line in out.splitlines():
             m = re.match(pattern, line.split(" - ")[0].strip())
@@ -117,52 +304,61 @@ def resolve_abi(progress: Progress = _quiet) -> str:
     return found[-1]
 
 
-def ensure_packages(abi: str, progress: Progress = _quiet) -> list[str]:
-    """Install (as root, with apt) whatever the testbed needs and is missing; return what was installed."""
-    wanted = [*HOST_PACKAGES, f"linux-headers-{abi}-amd64"]
-    missing = [p for p in wanted if not _installed(p)]
-    if missing:
-        if os.geteuid() != 0:
-            raise TargetError(f"missing packages {' '.join(missing)}; install them as root "
-                              "(scripts/testbed-deps)")
-        progress(f"installing {' '.join(missing)}")
-        _run(["apt-get", "install", "-y", "--no-install-recommends", *missing], env=_apt_env(),
-             timeout=900)
-    return missing
-
-
-def ensure_tools(packages: tuple[str, ...], progress: Progress = _quiet) -> list[str]:
-    """Install (as root, with apt) host packages a benchmark runs in the guest through
-    the host's root filesystem (bpftrace); return what was installed."""
-    missing = [p for p in packages if not _installed(p)]
-    if missing:
-        if os.geteuid() != 0:
-            raise TargetError(f"missing packages {' '.join(missing)}; install them as root")
-        progress(f"installing {' '.join(missing)}")
-        _run(["apt-get", "install", "-y", "--no-install-recommends", *missing], env=_apt_env(),
-             timeout=900)
-    return missing
+def resolve_abi(progress: Progress = _quiet, *, offline: bool = False,
+                refresh: bool = False) -> str:
+    """The kernel ABI (e.g. 6.1.0-56) the testbed boots: the one the cache holds, so that
+    a complete cache boots without apt or network; with ``refresh`` (or an empty cache)
+    the newest bookworm ABI apt knows, which is then recorded.  The ABI changes with
+    security updates; `ksim testbed up --refresh` moves the testbed to the newest."""
+    if not refresh:
+        abi = recorded_abi()
+        if abi is not None:
+            return abi
+    if offline:
+        raise TargetError(f"offline, and no kernel is cached in {cache_dir()} "
+                          + ("(--refresh asks apt for the newest)" if refresh else
+                             "(no kernel.json, no unpacked linux-6.1.0-*)")
+                          + "; run `ksim testbed prepare` once with network")
+    try:
+        abi = _newest_abi_from_apt(progress)
+    except TargetError as exc:
+        raise TargetError(f"no kernel is cached in {cache_dir()}, and apt cannot name the "
+                          f"newest 6.1 ABI: {exc}") from None
+    _record_abi(abi)
+    return abi
 
 
 # -- kernel, module, initramfs ------------------------------------------------------
-def kernel_root(abi: str, progress: Progress = _quiet) -> Path:
+def kernel_root(abi: str, progress: Progress = _quiet, *, offline: bool = False) -> Path:
     """The unpacked linux-image-ABI-amd64-unsigned package (vmlinuz and modules), cached."""
     root = cache_dir() / f"linux-{abi}"
-    if (root / "boot" / f"vmlinuz-{abi}-amd64").exists() and (root / ".complete").exists():
+    if _kernel_complete(root, abi):
         return root
     debs = cache_dir() / "debs"
     debs.mkdir(exist_ok=True)
-    package = f"linux-image-{abi}-amd64-unsigned"
-    if not list(debs.glob(f"{package}_*.deb")):
+    package = _image_package(abi)
+    if not _cached_debs(abi):
+        if offline:
+            raise TargetError(f"offline, and {package} is neither unpacked in {root} nor "
+                              f"downloaded to {debs}")
         progress(f"downloading {package}")
-        _run(["apt-get", "download", package], cwd=debs, timeout=900)
-    deb = sorted(debs.glob(f"{package}_*.deb"))[-1]
+        try:
+            _run(["apt-get", "download", package], cwd=debs, timeout=900)
+        except TargetError as exc:
+            raise TargetError(f"the kernel package {package} is not in {debs}, and "
+                              f"downloading it failed: {exc}") from None
+    deb = _cached_debs(abi)[-1]
     progress(f"unpacking {deb.name}")
     shutil.rmtree(root, ignore_errors=True)
     root.mkdir()
     _run(["dpkg-deb", "-x", str(deb), str(root)])
-    # Debian generates modules.dep in postinst; do it here for modprobe --show-depends.
-    _run(["depmod", "-b", str(root), f"{abi}-amd64"])
+    # Debian generates modules.dep in postinst; guest_modules reads it.
+    depmod = _sbin_tool("depmod")
+    if depmod is None:
+        _provide([Need("depmod, to index the modules of the kernel package", "kmod")],
+                 progress, offline)
+        depmod = _sbin_tool("depmod") or "depmod"
+    _run([depmod, "-b", str(root), f"{abi}-amd64"])
     (root / ".complete").touch()
     return root
 
@@ -181,30 +377,57 @@ def extract_vmlinux(vmlinuz: Path, out: Path) -> Path:
     return out
 
 
-def _kbuild(src: Path, sources: tuple[str, ...], build: Path, ko_name: str, abi: str,
-            progress: Progress) -> Path:
-    """Build the module in ``src`` with kbuild against the ABI's headers, in ``build``
-    (a copy, so the source tree never holds build outputs; rebuilt when the sources change)."""
-    digest = hashlib.sha256(b"".join((src / n).read_bytes() for n in sources)).hexdigest()[:16]
-    ko = build / ko_name
+def _digest(src: Path, sources: tuple[str, ...]) -> str:
+    return hashlib.sha256(b"".join((src / n).read_bytes() for n in sources)).hexdigest()[:16]
+
+
+def _kmod_digest() -> str:
+    return _digest(REPO / "kmod", KMOD_SOURCES)
+
+
+def _module_built(build: Path, ko_name: str, digest: str) -> bool:
     stamp = build / ".source"
-    if ko.exists() and stamp.exists() and stamp.read_text() == digest:
+    return (build / ko_name).exists() and stamp.exists() and stamp.read_text() == digest
+
+
+def module_cached(abi: str) -> bool:
+    """Whether kerninst.ko is built for ``abi`` from kmod/ as it is now."""
+    return _module_built(cache_dir() / f"kmod-{abi}", "kerninst.ko", _kmod_digest())
+
+
+def _kbuild(src: Path, sources: tuple[str, ...], build: Path, ko_name: str, abi: str,
+            progress: Progress, offline: bool = False) -> Path:
+    """Build the module in ``src`` with kbuild against the ABI's headers, in ``build``
+    (a copy, so the source tree never holds build outputs; rebuilt when the sources change).
+    A module already built from these sources needs neither the headers nor a compiler."""
+    digest = _digest(src, sources)
+    ko = build / ko_name
+    if _module_built(build, ko_name, digest):
         return ko
+    _provide(_build_needs(abi, ko_name), progress, offline)
     progress(f"building {ko_name}")
-    shutil.rmtree(build, ignore_errors=True)
-    build.mkdir()
-    for name in sources:
-        shutil.copy(src / name, build / name)
-    headers = Path(f"/usr/src/linux-headers-{abi}-amd64")
-    _run(["make", "-C", str(headers), f"M={build}", "modules"], timeout=300)
-    stamp.write_text(digest)
+    # Built beside the cached build and swapped in only when it succeeded: sources that
+    # do not compile leave the previous module in the cache, and a second build running
+    # at the same time has a directory of its own.
+    work = build.with_name(f"{build.name}.build-{os.getpid()}")
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        for name in sources:
+            shutil.copy(src / name, work / name)
+        _run(["make", "-C", str(headers_dir(abi)), f"M={work}", "modules"], timeout=300)
+        (work / ".source").write_text(digest)
+        shutil.rmtree(build, ignore_errors=True)
+        work.rename(build)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return ko
 
 
-def build_module(abi: str, progress: Progress = _quiet) -> Path:
+def build_module(abi: str, progress: Progress = _quiet, *, offline: bool = False) -> Path:
     """Build kmod/ (kerninst.ko) against the ABI's headers, in the cache."""
     return _kbuild(REPO / "kmod", KMOD_SOURCES, cache_dir() / f"kmod-{abi}", "kerninst.ko", abi,
-                   progress)
+                   progress, offline)
 
 
 def build_test_module(src: Path, abi: str, progress: Progress = _quiet) -> Path:
@@ -231,15 +454,45 @@ def load_test_module(src: Path, state: dict[str, Any], progress: Progress = _qui
     return name
 
 
+def _module_name(path: str) -> str:
+    """A module's name as modprobe matches it: the file name without .ko[.xz|.zst|.gz],
+    dashes read as underscores."""
+    name = path.rsplit("/", 1)[-1]
+    name = re.sub(r"\.ko(\.(xz|zst|gz))?$", "", name)
+    return name.replace("-", "_")
+
+
 def guest_modules(root: Path, abi: str) -> list[Path]:
-    out = _run(["modprobe", "-d", str(root), "-S", f"{abi}-amd64", "--show-depends", "-a",
-                *GUEST_MODULES])
-    seen: list[Path] = []
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) >= 2 and parts[0] == "insmod" and Path(parts[1]) not in seen:
-            seen.append(Path(parts[1]))
-    return seen
+    """GUEST_MODULES and what they depend on, in load order: what `modprobe
+    --show-depends` prints, read from the unpacked package's modules.dep, so that no
+    host tool (nor the host's own kernel's modules) is involved.  Soft dependencies
+    (modules.softdep) are optional by definition and not followed; none of these
+    modules has one in 6.1."""
+    base = root / "lib" / "modules" / f"{abi}-amd64"
+    try:
+        text = (base / "modules.dep").read_text()
+    except OSError as exc:
+        raise TargetError(f"{base / 'modules.dep'}: {exc.strerror}; the unpacked kernel in "
+                          f"{root} is incomplete (remove that directory and the next "
+                          "`ksim testbed up` unpacks the package again)") from None
+    deps: dict[str, list[str]] = {}
+    by_name: dict[str, str] = {}
+    for line in text.splitlines():
+        path, colon, rest = line.partition(":")
+        if colon:
+            deps[path.strip()] = rest.split()
+            by_name[_module_name(path.strip())] = path.strip()
+    order: list[str] = []
+    for name in GUEST_MODULES:
+        found = by_name.get(_module_name(name))
+        if found is None:
+            raise TargetError(f"module {name} is not in {base / 'modules.dep'}")
+        # depmod lists every module a module needs, each after the ones that need it:
+        # loaded in reverse, each finds its own dependencies already in
+        for dep in [*reversed(deps[found]), found]:
+            if dep not in order:
+                order.append(dep)
+    return [base / p for p in order]
 
 
 class Cpio:
@@ -350,8 +603,10 @@ def make_initramfs(root: Path, abi: str, ko: Path, port: int, out: Path) -> Path
     archive = Cpio()
     for d in ("bin", "dev", "proc", "sys", "host", "modules", "tmp"):
         archive.dir(d)
-    busybox = shutil.which("busybox") or "/bin/busybox"
-    archive.file("bin/busybox", Path(busybox).read_bytes(), 0o755)
+    busybox = busybox_path()
+    if busybox is None:
+        raise TargetError("no static busybox on this host (apt package busybox-static)")
+    archive.file("bin/busybox", busybox.read_bytes(), 0o755)
     names = []
     for path in guest_modules(root, abi):
         body = path.read_bytes()
@@ -505,8 +760,39 @@ def _console_tail(lines: int = 25) -> str:
     return "\nguest console (last lines):\n" + "\n".join(text.splitlines()[-lines:])
 
 
+def prepare(*, offline: bool = False, refresh: bool = False,
+            progress: Progress = _quiet) -> dict[str, Any]:
+    """Everything `up` needs before it boots: the kernel ABI, the host's packages, the
+    unpacked kernel, its ELF vmlinux, kerninst.ko and the guest's module list.  What the
+    cache already holds is used as it is (no apt, no network); what is missing is
+    fetched, installed or built.  ``offline`` fetches and installs nothing and names
+    all that would need it instead (kerninst.ko is still built when the compiler, make
+    and the headers are installed: that needs no network)."""
+    abi = resolve_abi(progress, offline=offline, refresh=refresh)
+    progress(f"kernel ABI {abi}")
+    needs = missing(abi)
+    if offline and needs:
+        raise TargetError(f"offline, and the testbed cache ({cache_dir()}) or this host lacks "
+                          f"what kernel {abi} needs:\n{_describe(needs)}")
+    try:
+        _provide(needs, progress, offline)  # one apt run for every package
+    except TargetError as exc:
+        if refresh or not any((n.package or "").startswith("linux-headers-") for n in needs):
+            raise
+        # the cached ABI may have left the archive (its headers are needed only when
+        # kerninst.ko is rebuilt): the newest one is a --refresh away
+        raise TargetError(f"{exc}\n(kernel {abi} is the one the cache holds; "
+                          "`ksim testbed up --refresh` moves to the newest apt offers)") from None
+    root = kernel_root(abi, progress, offline=offline)
+    vmlinux = extract_vmlinux(root / "boot" / f"vmlinuz-{abi}-amd64", cache_dir() / f"vmlinux-{abi}")
+    ko = build_module(abi, progress, offline=offline)
+    return {"abi": abi, "cache": str(cache_dir()), "kernel_root": str(root),
+            "vmlinux": str(vmlinux), "module": str(ko),
+            "guest_modules": [str(m) for m in guest_modules(root, abi)]}
+
+
 def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TIMEOUT,
-       progress: Progress = _quiet) -> dict[str, Any]:
+       offline: bool = False, refresh: bool = False, progress: Progress = _quiet) -> dict[str, Any]:
     """Boot the testbed (or return the running one) and return its state."""
     current = status()
     if current["up"]:
@@ -514,12 +800,9 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
         return current
     down()
     t0 = time.monotonic()
-    abi = resolve_abi(progress)
-    progress(f"kernel ABI {abi}")
-    ensure_packages(abi, progress)
-    root = kernel_root(abi, progress)
-    vmlinux = extract_vmlinux(root / "boot" / f"vmlinuz-{abi}-amd64", cache_dir() / f"vmlinux-{abi}")
-    ko = build_module(abi, progress)
+    ready = prepare(offline=offline, refresh=refresh, progress=progress)
+    abi, root, vmlinux, ko = (ready["abi"], Path(ready["kernel_root"]), Path(ready["vmlinux"]),
+                              Path(ready["module"]))
     ensure_token()
     if port is None:
         port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else _free_port()
