@@ -1514,11 +1514,15 @@ static bool ki_splice_any(const struct ki_splice *s, const void *unused)
 	return true;
 }
 
-/* One route change of a batch, with the route it adds (reserved) or retires. */
+/*
+ * One route change of a batch, with the route it adds (reserved) or retires,
+ * and for a set at a site its owner routes already, the route it replaces.
+ */
 struct ki_rop {
 	unsigned long site;
 	unsigned long patch;		/* 0: clear */
 	struct ki_route *route;
+	struct ki_route *old;		/* a set that re-points this owner's route */
 };
 
 /* A poke batch: its route changes, its writes, and the order they are checked in. */
@@ -1578,10 +1582,14 @@ static bool ki_routed_after(struct ki_batch *b, unsigned long site)
 
 /*
  * Whether @o may route an int3 at @site to @patch; caller holds ki_lock.  A
- * route is of no use where POKE would refuse the int3 it waits for.
+ * route is of no use where POKE would refuse the int3 it waits for.  In a
+ * batch (@old given), a site @o routes already is re-pointed: *@old is the
+ * route the new one replaces (a patch planned again, its trap kept).
  */
-static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long patch)
+static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long patch,
+			 struct ki_route **old)
 {
+	struct ki_route *r;
 	int ret;
 
 	if (!ki_in_text(site, 1) || !ki_in_code(patch, 1))
@@ -1593,15 +1601,45 @@ static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long p
 		return ret;
 	if (ki_text_held(o, site, 1))
 		return -EADDRINUSE;
-	if (ki_route_at(site))
+	r = ki_route_at(site);
+	if (r && old && r->owner == o) {
+		*old = r;
+		return 0;
+	}
+	if (r)
 		return -EBUSY;
 	return 0;
 }
 
-/* Whether @o may retire its route at @site: not while an int3 is still there. */
-static int ki_check_untrap(struct ki_owner *o, unsigned long site, struct ki_route **route)
+/* The write of @b that covers @addr, or NULL (b->wsorted is sorted by address). */
+static struct ki_write *ki_batch_write_at(struct ki_batch *b, unsigned long addr)
 {
+	u32 lo = 0, hi = b->nw, mid;
+	struct ki_write *w;
+
+	while (lo < hi) {
+		mid = lo + (hi - lo) / 2;
+		if (b->w[b->wsorted[mid]].addr <= addr)
+			lo = mid + 1;
+		else
+			hi = mid;
+	}
+	if (!lo)
+		return NULL;
+	w = &b->w[b->wsorted[lo - 1]];
+	return addr < w->addr + w->len ? w : NULL;
+}
+
+/*
+ * Whether @o may retire its route at @site: not while an int3 is still there,
+ * unless a write of the same batch takes it out (the route then goes after the
+ * text writes: ki_apply).
+ */
+static int ki_check_untrap(struct ki_batch *b, unsigned long site, struct ki_route **route)
+{
+	struct ki_owner *o = b->o;
 	struct ki_route *r = ki_route_at(site);
+	struct ki_write *w;
 	u8 byte;
 
 	if (!ki_in_text(site, 1))
@@ -1612,8 +1650,11 @@ static int ki_check_untrap(struct ki_owner *o, unsigned long site, struct ki_rou
 		return -EADDRINUSE;
 	if (copy_from_kernel_nofault(&byte, (void *)site, 1))
 		return -EFAULT;
-	if (byte == KI_INT3)
-		return -EBUSY;
+	if (byte == KI_INT3) {
+		w = ki_batch_write_at(b, site);
+		if (!w || w->new[site - w->addr] == KI_INT3)
+			return -EBUSY;
+	}
 	*route = r;
 	return 0;
 }
@@ -1632,10 +1673,10 @@ static int ki_check_rops(struct ki_batch *b)
 		struct ki_rop *op = &b->r[i];
 
 		if (op->patch) {
-			ret = ki_check_trap(b->o, op->site, op->patch);
-			routes++;
+			ret = ki_check_trap(b->o, op->site, op->patch, &op->old);
+			routes += !op->old;
 		} else {
-			ret = ki_check_untrap(b->o, op->site, &op->route);
+			ret = ki_check_untrap(b, op->site, &op->route);
 			routes--;
 		}
 		if (ret)
@@ -1751,7 +1792,30 @@ static int ki_check_int3_routes(struct ki_batch *b)
 	return 0;
 }
 
-/* Apply a checked batch; nothing here can fail. */
+/* Whether a clear of @b's must go before its text writes: a multi-byte write covers its site. */
+static bool ki_clear_first(struct ki_batch *b, const struct ki_rop *op)
+{
+	struct ki_write *w = ki_batch_write_at(b, op->site);
+
+	return w && w->text && w->len > 1;
+}
+
+static void ki_route_unhash(struct ki_rop *op, struct list_head *gone)
+{
+	hash_del_rcu(&op->route->hnode);
+	list_add(&op->route->node, gone);
+	ki_nroutes--;
+}
+
+/*
+ * Apply a checked batch; nothing here can fail.  The order: routes set (a
+ * re-pointed route is replaced, the new one published first, so that a trap
+ * finds one or the other), patch code, text, then the routes cleared -- an int3
+ * the batch takes out keeps its route until it is gone from text; a cleared
+ * route inside a multi-byte write goes first, as that write routes its own
+ * temporary int3.  Retired routes are freed after a sync: no CPU is still in
+ * the int3 handler with one.
+ */
 static void ki_apply(struct ki_batch *b)
 {
 	struct ki_route *r, *next;
@@ -1764,11 +1828,15 @@ static void ki_apply(struct ki_batch *b)
 		if (op->patch) {
 			ki_route_publish(op->route, op->site, op->patch, b->o);
 			op->route = NULL;
-			ki_nroutes++;
-		} else {
-			hash_del_rcu(&op->route->hnode);
-			list_add(&op->route->node, &gone);
-			ki_nroutes--;
+			if (op->old) {
+				hash_del_rcu(&op->old->hnode);
+				list_add(&op->old->node, &gone);
+			} else {
+				ki_nroutes++;
+			}
+		} else if (ki_clear_first(b, op)) {
+			ki_route_unhash(op, &gone);
+			op->route = NULL;
 		}
 	}
 	/* Patch code first: a CPU may be sent to it as soon as an int3 or a jump is in text. */
@@ -1798,9 +1866,11 @@ static void ki_apply(struct ki_batch *b)
 		ki_poke_text_batch(b->tw, n);
 	for (i = 0; i < n; i++)
 		ki_splice_log(b->tw[i].rec, b->tw[i].fresh, b->tw[i].new);
+	for (i = 0; i < b->nr; i++)
+		if (!b->r[i].patch && b->r[i].route)
+			ki_route_unhash(&b->r[i], &gone);
 	if (!list_empty(&gone)) {
-		if (!n)
-			ki_sync();	/* no CPU is still in the handler with a retired route */
+		ki_sync();	/* no CPU is still in the handler with a retired route */
 		list_for_each_entry_safe(r, next, &gone, node)
 			kfree(r);
 	}
@@ -2431,7 +2501,7 @@ static long ki_ioc_set_trap(struct kerninst_trap __user *uarg)
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
 	ki_hazard_lock();
-	ret = o ? ki_check_trap(o, req.site, req.patch) : -ESRCH;
+	ret = o ? ki_check_trap(o, req.site, req.patch, NULL) : -ESRCH;
 	ki_hazard_unlock();
 	if (!ret && ki_nroutes >= READ_ONCE(max_routes))
 		ret = -ENOSPC;
@@ -2459,7 +2529,13 @@ static long ki_ioc_clear_trap(struct kerninst_trap __user *uarg)
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
 	/* Retiring the route while its int3 is in text would let a hit oops. */
-	ret = o ? ki_check_untrap(o, req.site, &r) : -ESRCH;
+	if (o) {
+		struct ki_batch alone = { .o = o };	/* no writes of its own */
+
+		ret = ki_check_untrap(&alone, req.site, &r);
+	} else {
+		ret = -ESRCH;
+	}
 	if (!ret)
 		ki_route_retire(r);
 	mutex_unlock(&ki_lock);

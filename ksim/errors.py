@@ -273,6 +273,13 @@ class OutOfMemory(TargetError):
     code = "out-of-memory"
 
 
+class TrapTableFull(OutOfMemory):
+    """The target's table of trap routes has no room for the sites a change routes;
+    nothing was changed."""
+
+    code = "trap-table-full"
+
+
 class TargetDied(TargetError):
     """The target (an emulator process, a connection) went away."""
 

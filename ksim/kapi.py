@@ -44,7 +44,8 @@ from ksim.snippets.check import check as check_snippet
 from ksim.snippets.codegen import gprs, position_independent
 from ksim.snippets.verify import Guard, Rules, verify
 from ksim.splice import planner
-from ksim.splice.patch import Patch, Write
+from ksim.splice.areas import Areas
+from ksim.splice.patch import Change, Patch, Write
 from ksim.splice.sites import SiteFacts
 from ksim.targets import open_target
 from ksim.targets.base import RunResult, Target
@@ -102,10 +103,21 @@ class Manager:
     def __init__(self, target: Target) -> None:
         self.target = target
         self.arch: Arch = target.arch
+        self.capabilities = caps = target.capabilities
         # a target that can ask the kernel itself which text may be touched (a live
         # kernel) answers for every function analysed; emulated kernels have only
         # their image's tables, which SiteFacts reads itself
-        self.facts = SiteFacts(target.image, self.arch, ask=getattr(target, "text_hazards", None))
+        self.facts = SiteFacts(target.image, self.arch,
+                               ask=target.text_hazards if caps.hazards else None)
+        arch = self.arch
+        #: patch code and heap variables are placed by the Manager inside areas the
+        #: target hands out (ksim.splice.areas): planning costs no request
+        self._code = Areas("patch area", target.alloc_code, target.free_code,
+                           chunk=caps.code_chunk, align=16, read=target.read,
+                           reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
+                                                         and arch.jmp_reaches(hi, near)))
+        self._data = Areas("data heap", lambda n, _near: target.alloc_data(n, 64),
+                           target.free_data, chunk=caps.data_chunk, align=8)
         self._splices: dict[int, _Splice] = {}
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))
@@ -122,9 +134,8 @@ class Manager:
         self._block_of: dict[int, int] = {}
         self._ids = itertools.count(1)
         # the per-cpu recursion guard every snippet that calls out runs under
-        info = getattr(target, "info", None) or {}
-        slots = Guard.slots_for(max(1, int(info.get("nr_cpus", 1) or 1)))
-        self.guard = Guard(target.alloc_data(Guard.size_for(slots)), slots)
+        slots = Guard.slots_for(max(1, caps.nr_cpus))
+        self.guard = Guard(self._data.place(Guard.size_for(slots)), slots)
 
     # --- attach / detach ---------------------------------------------------------
     @classmethod
@@ -138,14 +149,12 @@ class Manager:
         otherwise it undoes a client's splices when it disconnects)."""
         try:
             if keep:
-                keep_splices = getattr(self.target, "keep", None)
-                if keep_splices is not None:
-                    keep_splices()
+                if self.capabilities.keep:
+                    self.target.keep()
             else:
-                for splice in list(self._splices.values()):
-                    for handle in list(splice.handles):
-                        self.remove_snippet(handle)
-                self.target.free_data(self.guard.address)
+                self.remove_many([h for s in self._splices.values() for h in s.handles])
+                self._data.release_all()
+                self._code.release_all()
         finally:
             self.target.close()
 
@@ -204,15 +213,18 @@ class Manager:
         return [int.from_bytes(data[i:i + size], "little") for i in range(0, len(data), size)]
 
     def alloc_data(self, size: int, align: int = 8) -> int:
-        """A zeroed block of the kernel's data heap that snippets may write."""
-        address = self.target.alloc_data(size, align)
+        """A zeroed block of the kernel's data heap that snippets may write (placed in
+        an area of the target's: no request unless a new area is needed)."""
+        address = self._data.place(size, align=align)
         self._heap[address] = size
         return address
 
     def free(self, var: ast.Var | int) -> None:
         address = var.address if isinstance(var, ast.Var) else var
-        self.target.free_data(address)
-        self._heap.pop(address, None)
+        if address not in self._heap:
+            raise UnknownHandle(f"{address:#x} is not a block of the data heap from malloc")
+        self._data.release(address)
+        del self._heap[address]
 
     def allow_calls(self, *functions: Function | str | int) -> None:
         """Name functions snippets may call (a snippet calling anything else is
@@ -258,7 +270,8 @@ class Manager:
     # --- splicing -----------------------------------------------------------------
     def can_insert(self, point: Point, splice: str = "auto") -> str | None:
         """None if a snippet could be spliced at ``point`` with ``splice``, else why not
-        (the very verdict insert_snippet would give)."""
+        (the very verdict insert_snippet would give).  A dry run: planned where the
+        patch would go, with nothing placed and no request of the target."""
         try:
             self._add(Handle(0, point, ast.Seq(())), splice, dry_run=True)
         except KsimError as exc:
@@ -274,7 +287,7 @@ class Manager:
         for_batch(self.target.image, len(funcs))
         out: list[tuple[Function, Point]] = []
         refused: dict[str, str] = {}
-        with self.facts.asking_ahead(funcs):
+        with self.facts.asking_ahead(funcs), self._code.holding():
             for f in funcs:
                 try:
                     point = self.entry_point(f)
@@ -314,7 +327,7 @@ class Manager:
                                        "8-byte variable from malloc")
             snippet, post = (dataclasses.replace(s, missed=missed.address)
                              if isinstance(s, ast.Guarded) else s for s in (snippet, post))
-        if (pre_hook or post_hook) and not hasattr(self.target, "add_trap_hook"):
+        if (pre_hook or post_hook) and not self.capabilities.python_hooks:
             raise HandlerUnsupported(f"{self.target.name} cannot call Python at a trap: "
                                      "use snippet handlers")
         handle = Handle(next(self._ids), point, snippet, post, pre_hook, post_hook)
@@ -344,7 +357,7 @@ class Manager:
         planner.check_point(self.arch, req)
         patch = Patch(point.address, "call", 0, b"", (Write(point.address, insn.raw, new),))
         handle = Handle(next(self._ids), point, callee=to)
-        self.target.poke(list(patch.writes))
+        self.target.apply(Change(text=patch.writes))
         self._own(patch, point.address)
         self._splices[point.address] = _Splice(point, "call", patch, [handle])
         return handle
@@ -400,7 +413,7 @@ class Manager:
         # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
         bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
                   for r in reqs]
-        block = self._alloc_code(max(sum(bounds), 1), points[0].address)
+        block = self._alloc_code(max(sum(bounds), 16), points[0].address)
         try:
             patches, refused = planner.plan_batch(self.arch, reqs, bounds, block,
                                                   _Busy(self._owners, None))
@@ -428,7 +441,8 @@ class Manager:
             gone.setdefault(h.point.address, []).append(h)
         emptied = [self._splices[a] for a, hs in gone.items()
                    if len(hs) == len(self._splices[a].handles)]
-        self.target.poke([w for s in emptied for w in s.patch.undo])
+        self.target.apply(Change(routes=tuple((site, 0) for s in emptied for site, _ in s.patch.routes),
+                                 text=tuple(w for s in emptied for w in s.patch.undo)))
         for splice in emptied:
             self._retire(splice)
             del self._splices[splice.point.address]
@@ -458,7 +472,7 @@ class Manager:
         if self._blocks.get(block.block) is not block or block.filled:
             raise UnknownHandle(f"code block {block.block:#x} is not reserved and empty")
         old = self.target.read(base, len(code))
-        self.target.poke([Write(base, old, code)])
+        self.target.apply(Change(code=(Write(base, old, code),)))
         block.base, block.size, block.old, block.entries = base, len(code), old, entries
         block.filled = True
 
@@ -476,7 +490,7 @@ class Manager:
             del self._calls[address]
         if block.filled:
             code = self.target.read(block.base, block.size)
-            self.target.poke([Write(block.base, code, block.old)])
+            self.target.apply(Change(code=(Write(block.base, code, block.old),)))
         self.target.free_code(block.block)
         del self._blocks[block.block]
 
@@ -543,6 +557,9 @@ class Manager:
         if req.direct:  # straight to the replacement: no patch code
             return planner.plan(self.arch, dataclasses.replace(req, code_address=0))
         size = planner.patch_size_bound(self.arch, req)
+        if dry_run:  # where it would go; nothing is placed
+            address = self._code.peek(size, point.address)
+            return planner.plan(self.arch, dataclasses.replace(req, code_address=address))
         address = self._alloc_code(size, point.address)
         try:
             patch = planner.plan(self.arch, dataclasses.replace(req, code_address=address))
@@ -551,8 +568,6 @@ class Manager:
         except BaseException:
             self._release_code(address)
             raise
-        if dry_run:
-            self._release_code(address)
         return patch
 
     def _request(self, point: Point, handles: Sequence[Handle], policy: str,
@@ -606,7 +621,7 @@ class Manager:
         return req
 
     def _alloc_code(self, size: int, near: int) -> int:
-        address = self.target.alloc_code(size, near=near)
+        address = self._code.place(size, near)
         self._code_users[address] = 1
         return address
 
@@ -616,7 +631,7 @@ class Manager:
         self._code_users[block] -= 1
         if not self._code_users[block]:
             del self._code_users[block]
-            self.target.free_code(block)
+            self._code.release(block)
 
     def _live_after(self, point: Point) -> frozenset[str]:
         """Registers live after the instruction at ``point`` (all of them if unknown)."""
@@ -637,67 +652,51 @@ class Manager:
 
     def _hooks(self, patch: Patch, handles: Sequence[Handle]) -> list[Callable[[], None]]:
         """Register the handles' Python trap hooks at this patch's traps."""
-        add = getattr(self.target, "add_trap_hook", None)
         out: list[Callable[[], None]] = []
+        if not self.capabilities.python_hooks:
+            return out
+        add = self.target.add_trap_hook
         for h in handles:
-            if h.pre_hook is not None and add is not None and patch.trap_site is not None:
+            if h.pre_hook is not None and patch.trap_site is not None:
                 out.append(add(patch.trap_site, h.pre_hook))
-            if h.post_hook is not None and add is not None and patch.post_at is not None:
+            if h.post_hook is not None and patch.post_at is not None:
                 out.append(add(patch.post_at, h.post_hook))
         return out
 
     def _commit(self, point: Point, current: _Splice | None, new: Patch,
                 handles: list[Handle]) -> None:
-        """Put ``new`` in place of ``current`` (or of the original text), all or
-        nothing: on a failure the routes, hooks and memory are as they were."""
-        old_routes = dict(current.patch.routes) if current else {}
+        """Put ``new`` in place of ``current`` (or of the original text) as one
+        Change, all or nothing: on a failure the hooks and memory are as they were."""
+        keep = {site for site, _ in new.routes}
+        gone = tuple((site, 0) for site, _ in (current.patch.routes if current else ())
+                     if site not in keep)
+        code = (Write(new.code_address, self._code.old(new.code_address, len(new.code)),
+                      new.code),) if new.code else ()
+        change = Change(code=code, routes=tuple(new.routes) + gone,
+                        text=tuple(_transition(current.patch if current else None, new)))
         unhook: list[Callable[[], None]] = []
-        routed: list[int] = []
         try:
-            if new.code:
-                old = self.target.read(new.code_address, len(new.code))
-                self.target.poke([Write(new.code_address, old, new.code)])
             unhook = self._hooks(new, handles)
-            for site, dest in new.routes:
-                self.target.set_trap(site, dest)
-                routed.append(site)
-            self.target.poke(_transition(current.patch if current else None, new))
+            self.target.apply(change)
         except BaseException:
-            for site in routed:
-                if site in old_routes:
-                    self.target.set_trap(site, old_routes[site])
-                else:
-                    self.target.clear_trap(site)
             for undo in unhook:
                 undo()
             if new.code:
                 self._release_code(new.code_address)
             raise
+        self._code.wrote(code)
         if current is not None:
-            self._retire(current, keep_routes={site for site, _ in new.routes})
+            self._retire(current)
         self._own(new, point.address)
         self._splices[point.address] = _Splice(point, new.tactic, new, list(handles), unhook)
 
     def _commit_many(self, block: int, patches: Sequence[Patch], handles: Sequence[Handle]) -> None:
-        """Put fresh patches in (no splice at their points yet), all or nothing."""
-        codes = [p for p in patches if p.code]
-        routed: list[int] = []
-        try:
-            if codes:
-                end = max(p.code_address + len(p.code) for p in codes)
-                old = self.target.read(block, end - block)
-                self.target.poke([Write(p.code_address,
-                                        old[p.code_address - block:][:len(p.code)], p.code)
-                                  for p in codes])
-            for p in patches:
-                for site, dest in p.routes:
-                    self.target.set_trap(site, dest)
-                    routed.append(site)
-            self.target.poke([w for p in patches for w in p.writes])
-        except BaseException:
-            for site in routed:
-                self.target.clear_trap(site)
-            raise
+        """Put fresh patches in (no splice at their points yet) as one Change."""
+        code = tuple(Write(p.code_address, self._code.old(p.code_address, len(p.code)), p.code)
+                     for p in patches if p.code)
+        self.target.apply(Change(code=code, routes=tuple(r for p in patches for r in p.routes),
+                                 text=tuple(w for p in patches for w in p.writes)))
+        self._code.wrote(code)
         for p, h in zip(patches, handles, strict=True):
             if p.code:
                 self._block_of[p.code_address] = block
@@ -706,19 +705,18 @@ class Manager:
             self._splices[p.point] = _Splice(h.point, p.tactic, p, [h])
         self._release_code(block)  # the batch's own hold: the block lives as long as a patch
 
-    def _retire(self, splice: _Splice, *, keep_routes: Container[int] = ()) -> None:
-        """Forget an old patch whose text is already gone: its hooks, routes, memory."""
+    def _retire(self, splice: _Splice) -> None:
+        """Forget an old patch whose text and routes are already gone: its hooks and
+        memory."""
         for undo in splice.unhook:
             undo()
-        for site, _ in splice.patch.routes:
-            if site not in keep_routes:
-                self.target.clear_trap(site)
         if splice.patch.code:
             self._release_code(splice.patch.code_address)
         self._own(splice.patch, None)
 
     def _unsplice(self, current: _Splice) -> None:
-        self.target.poke(list(current.patch.undo))
+        self.target.apply(Change(routes=tuple((site, 0) for site, _ in current.patch.routes),
+                                 text=current.patch.undo))
         self._retire(current)
         del self._splices[current.point.address]
 

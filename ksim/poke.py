@@ -23,10 +23,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ksim.errors import StaleText
-from ksim.splice.patch import Write
+from ksim.errors import OverlappingWrites, StaleText
+from ksim.splice.patch import Change, Write
 
 Read = Callable[[int, int], bytes]
+#: a target's route table: route(site, patch) sets or re-points (patch) or clears
+#: (None) the route at ``site`` and returns what was there (None: nothing)
+Route = Callable[[int, "int | None"], "int | None"]
 WriteBytes = Callable[[int, bytes], None]
 
 
@@ -65,3 +68,50 @@ def apply(writes: Sequence[Write], *, read: Read, write: WriteBytes, trap: bytes
         for address, data in step:
             write(address, data)
         sync()
+
+
+def check_disjoint(writes: Sequence[Write]) -> None:
+    """One change writes each byte once (a batch that wrote a byte twice would
+    depend on the order its writes are made in)."""
+    spans = sorted((w.address, w.end) for w in writes)
+    for (_, end), (start, _) in zip(spans, spans[1:], strict=False):
+        if start < end:
+            raise OverlappingWrites(f"one change writes {start:#x} twice: nothing was written")
+
+
+def apply_change(change: Change, *, read: Read, write: WriteBytes, trap: bytes, route: Route,
+                 check_routes: Callable[[Change], None] = lambda _c: None,
+                 sync: Callable[[], None] = lambda: None) -> None:
+    """Apply ``change`` to a kernel that ksim holds stopped (an emulator, a QEMU guest
+    under the gdbstub), all or nothing, in Change's order: code, routes set, text
+    (by the protocol above), routes cleared.
+
+    Everything that can be refused is checked first (old bytes, overlaps, and the
+    target's ``check_routes``); should a write or a route fail after all (the
+    gdbstub's connection breaks), what was made is undone before the error is
+    raised again."""
+    check_disjoint([*change.code, *change.text])
+    check_old(read, [*change.code, *change.text])
+    check_routes(change)
+    written: list[Write] = []
+    routed: list[tuple[int, int | None]] = []
+    try:
+        for w in change.code:
+            written.append(w)
+            write(w.address, w.new)
+        for site, patch in change.sets:
+            routed.append((site, route(site, patch)))
+        if change.text:
+            written.extend(change.text)
+            for step in protocol_steps(change.text, trap):
+                for address, data in step:
+                    write(address, data)
+                sync()
+        for site in change.clears:
+            routed.append((site, route(site, None)))
+    except BaseException:
+        for w in reversed(written):
+            write(w.address, w.old)
+        for site, before in reversed(routed):
+            route(site, before)
+        raise

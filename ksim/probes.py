@@ -374,7 +374,7 @@ class Probes:
             if h is not None and not isinstance(h, ast.Node) and not callable(h):
                 raise ProbeError(f"a handler is a snippet or a callable, not {type(h).__name__}")
         if (self._python(kp.pre_handler) or self._python(kp.post_handler)) and \
-                not hasattr(self.target, "add_trap_hook"):
+                not self.target.capabilities.python_hooks:
             raise HandlerUnsupported(f"{self.target.name} cannot call Python at a trap: "
                                      "use snippet handlers")
         if isinstance(kp.pre_handler, ast.Node):

@@ -4,10 +4,10 @@
 functions and the same workload:
 
 * ``ksim-jmp`` and ``ksim-trap`` -- ``Manager.insert_many`` / ``remove_many`` with
-  the jmp and the trap policy, an 8-byte counter per function, inside
-  ``LiveTarget.batch()``: the patch code goes in with one poke, the text (and the
-  trap routes) with one batched poke, int3 -> sync -> tail -> sync -> head -> sync
-  for all of it at once.  The functions are analysed beforehand (as the old
+  the jmp and the trap policy, an 8-byte counter per function: each call is one
+  ``Target.apply`` of one change -- patch code, trap routes and text as one request
+  and one module batch, int3 -> sync -> tail -> sync -> head -> sync for all of it
+  at once (the same path every command takes).  The functions are analysed beforehand (as the old
   one-by-one figures did: ``analyse_s``; the kernel's analysis store is built
   first, ``store_s``: one read of its text and a whole-kernel analysis, kept on disk
   for the next run); attaching is planning, placing and poking.
@@ -39,7 +39,6 @@ and the text compared with the original bytes.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import re
@@ -268,11 +267,7 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
 
     sizes: list[int | None] = ctx.pick([100, 1000, 10_000, None], [100], [])
     m = Manager.attach(state["address"], token_file=state["token_file"])
-    t: Any = m.target   # the live target: batch(), exec(), tracefs()
-    # One batch scope for the analysis and every run: planning at any N works from the
-    # one look at the kernel the analysis took (LiveTarget.batch)
-    scope = contextlib.ExitStack()
-    scope.enter_context(t.batch())
+    t: Any = m.target   # the live target: exec(), tracefs()
     try:
         work = testbed.cache_dir() / "bench-batch"
         work.mkdir(exist_ok=True)
@@ -327,7 +322,6 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
                 bar.advance(note=f"{tool} N={len(chosen)}: {row['status']}")
         rows.sort(key=lambda r: (r["n"], TOOLS.index(r["tool"])))
     finally:
-        scope.close()
         m.detach()
     return {"rows": rows, "pool": pool, "trap_dispatch": dispatch, "limit_s": LIMIT_S,
             "workload": WORKLOAD, "kernel": state.get("kernel"), "accel": state.get("accel")}
@@ -404,8 +398,8 @@ def _live_notes(live: dict[str, Any]) -> list[str]:
              f"{pool['analysed']} analysed in {pool['analyse_s']:.0f} s before timing, with "
              f"the kernel's analysis store, {pool.get('store_s', 0):.0f} s to read its text and "
              "build it, or to load it)",
-             f"live: ksim attach = Manager.insert_many inside LiveTarget.batch() (planning, "
-             "placing, one poke of patch code, one batched poke of text and routes); bpftrace "
+             f"live: ksim attach = Manager.insert_many (planning, placing, one change applied "
+             "as one request: patch code, text and routes in one module batch); bpftrace "
              "attach = from 'Attaching N probes...' to its first output after the probes "
              "(its start-up, parsing and code generation before that are startup_s); detach = "
              f"remove_many / from SIGINT to bpftrace's exit; limit {live['limit_s']:g} s per run",

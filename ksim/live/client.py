@@ -2,10 +2,12 @@
 
     from ksim.targets import open_target
     t = open_target("live://127.0.0.1:7070")          # token: the testbed's by default
-    t.read(addr, 16); t.poke([Write(addr, old, new)]); t.run(while_cmd="./workload")
+    t.read(addr, 16); t.apply(Change(text=(Write(addr, old, new),)))
+    t.run(while_cmd="./workload")
     t.text_hazards([(addr, 5)])   # [frozenset({"ftrace"})]: the kernel's own answer
-    with t.batch():               # many splices, few round trips (see LiveTarget.batch)
-        m.insert_many(points, snippet, splice="trap")
+
+``apply`` sends a whole Change -- patch code, trap routes, text writes -- as one
+request, which the module makes as one batch, all or nothing.
 
 ``Connection`` is the wire client (hello, HMAC auth, request/reply); ``LiveTarget``
 adds the Target contract on top of it; ``KprobeCounter`` is the oracle: the
@@ -19,13 +21,13 @@ import itertools
 import os
 import socket
 import threading
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ksim.errors import (
+    HandlerUnsupported,
     KsimError,
     OutOfRange,
     ProtocolError,
@@ -34,8 +36,9 @@ from ksim.errors import (
     TargetTimeout,
 )
 from ksim.live import protocol as wire
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 from ksim.targets.base import (
+    Capabilities,
     HeldInterrupt,
     KernelABI,
     MemRef,
@@ -54,8 +57,6 @@ REL32 = 1 << 31
 #: bytes of kernel text the image reads at a time (and keeps): analysing a function
 #: reads a few hundred bytes, and neighbours are analysed next
 TEXT_CHUNK = 256 << 10
-#: untouched patch blocks a batch keeps for reuse (see LiveTarget.batch)
-SPARE_BLOCKS = 8
 
 
 def default_token_file() -> str:
@@ -196,22 +197,17 @@ class LiveTarget:
         self.name = f"live://{host}:{port}"
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
         self._text_chunks: dict[int, bytes] = {}  # the image's reads of kernel text
-        self._blocks: dict[int, int] = {}    # this client's patch blocks: address -> size
+        self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
-        self._touched: set[int] = set()      # patch blocks a poke wrote into
-        # batch() state: nesting depth, route changes not sent yet (site -> patch, 0:
-        # clear; in order), sites whose queued route went down with a refused batch,
-        # hazard answers asked already, untouched patch blocks kept for reuse
-        self._batch = 0
-        self._routes: dict[int, int] = {}
-        self._unset: set[int] = set()
-        self._hazard_memo: dict[tuple[int, int], frozenset[str]] | None = None
-        self._spare: list[tuple[int, int]] = []
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
         self._token_file, self._timeout = token_file, timeout
         reply = self.conn.request("info")
         self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
         i = self.info
+        self.capabilities = Capabilities(
+            traps=True, hazards=True, exec=bool(i.get("allow_exec")), keep=True,
+            oracles=(KprobeCounter.name,), nr_cpus=max(1, int(i.get("nr_cpus", 1) or 1)),
+            max_items=wire.MAX_WRITES, max_bytes=wire.MAX_POKE_TOTAL)
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
@@ -320,8 +316,6 @@ class LiveTarget:
         return syms[i][1], address - syms[i][0]
 
     def _request(self, op: str, **args: Any) -> dict[str, Any]:
-        """A request of this target; route changes a batch queued go first."""
-        self._flush_routes()
         return self.conn.request(op, **args)
 
     def original(self, address: int, size: int) -> bytes:
@@ -366,53 +360,67 @@ class LiveTarget:
                 return start
         return None
 
-    def poke(self, writes: Sequence[Write]) -> None:
-        """Apply writes all or nothing, as one request and one batch in the module
-        (with the route changes a batch queued, made first).  Text the kernel relies
-        on (see text_hazards) is refused with the hazard's own UnsafeSite error
-        (FtraceSite, BugSite, ...), naming the hazards; nothing is written then."""
-        if not writes:
+    def apply(self, change: Change) -> None:
+        """Make ``change`` as one request, which the module makes as one batch, all or
+        nothing: its route changes and writes checked first (old bytes, hazards, who
+        holds what), then patch code, routes set, text (the poke protocol), routes
+        cleared.  Text the kernel relies on (see text_hazards) is refused with the
+        hazard's own UnsafeSite error (FtraceSite, BugSite, ...), naming the hazards.
+
+        A change over one batch's limits (capabilities.max_items, max_bytes) sends its
+        patch code ahead in parts -- nothing reaches that code yet -- and the rest as
+        the one batch; text and routes over the limits are refused before anything
+        is sent."""
+        if not change:
             return
-        # a patch-area write longer than the module takes at once goes as several
-        # (text writes are 16 bytes at most)
         step = wire.MAX_POKE_BYTES
-        writes = self._coalesced(writes, step)
-        items = [[w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
-                 for w in writes for off in range(0, len(w.new), step)]
-        requests = [items]
-        if len(items) > wire.MAX_WRITES or sum(len(w.new) for w in writes) > wire.MAX_POKE_TOTAL:
-            # over one batch's limits: only code nothing reaches yet may go in parts
-            if any(self._block_of(w.address) is None for w in writes):
-                raise TargetError(f"a poke of {len(items)} writes into kernel text is over the "
-                                  f"module's batch limits ({wire.MAX_WRITES} writes, "
-                                  f"{wire.MAX_POKE_TOTAL} bytes)")
-            per = max(1, min(wire.MAX_WRITES, wire.MAX_POKE_TOTAL // step))
-            requests = [items[i:i + per] for i in range(0, len(items), per)]
-        routes, self._routes = self._routes, {}
-        for w in writes:  # a block a write may have reached is not handed out again as new
-            block = self._block_of(w.address)
-            if block is not None:
-                self._touched.add(block)
-        try:
-            for i, part in enumerate(requests):
-                args: dict[str, Any] = {"writes": part}
-                if routes and i == 0:
-                    args["routes"] = [[site, patch] for site, patch in routes.items()]
-                self.conn.request("poke", reply_timeout=self._batch_timeout(len(part) + len(routes)),
-                                  **args)
-        except BaseException:
-            self._unset |= {site for site, patch in routes.items() if patch}
-            raise
-        for w in writes:
-            if self._block_of(w.address) is None:  # kernel or module text
-                for i, b in enumerate(w.old):
-                    self._original.setdefault(w.address + i, b)
+        code = [[w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
+                for w in self._coalesced(change.code, step) for off in range(0, len(w.new), step)]
+        text = [[w.address, w.old.hex(), w.new.hex()] for w in change.text]
+        routes = [[site, patch] for site, patch in change.routes]
+        text_bytes = sum(len(w.new) for w in change.text)
+        if len(text) + len(routes) > wire.MAX_WRITES or text_bytes > wire.MAX_POKE_TOTAL:
+            raise TargetError(f"a change of {len(text)} text writes and {len(routes)} route "
+                              f"changes is over the module's batch limits ({wire.MAX_WRITES} "
+                              f"writes and route changes, {wire.MAX_POKE_TOTAL} bytes): "
+                              "nothing was sent")
+        # the code that fits beside the text and routes goes with them; the rest ahead
+        room_items = wire.MAX_WRITES - len(text) - len(routes)
+        room_bytes = wire.MAX_POKE_TOTAL - text_bytes
+        ahead: list[list[Any]] = []
+        with_text: list[list[Any]] = []
+        used = 0
+        for item in reversed(code):
+            n = len(item[2]) // 2
+            if len(with_text) < room_items and used + n <= room_bytes and not ahead:
+                with_text.append(item)
+                used += n
+            else:
+                ahead.append(item)
+        ahead.reverse()
+        with_text.reverse()
+        per = max(1, min(wire.MAX_WRITES, wire.MAX_POKE_TOTAL // step))
+        for i in range(0, len(ahead), per):
+            part = ahead[i:i + per]
+            self.conn.request("poke", reply_timeout=self._batch_timeout(len(part)), writes=part)
+        writes = with_text + text
+        args: dict[str, Any] = {"routes": routes} if routes else {}
+        if writes:
+            args["writes"] = writes
+        if writes:
+            self.conn.request("poke", reply_timeout=self._batch_timeout(len(writes) + len(routes)),
+                              **args)
+        else:
+            self.conn.request("routes", reply_timeout=self._batch_timeout(len(routes)), **args)
+        for w in change.text:  # kernel or module text, as it was before this client
+            for i, b in enumerate(w.old):
+                self._original.setdefault(w.address + i, b)
 
     def _coalesced(self, writes: Sequence[Write], step: int) -> list[Write]:
-        """``writes`` with each run of adjacent writes into one patch block joined,
-        up to ``step`` bytes a write: a batch's patches lie end to end in one block,
-        and the daemon and the module then handle a few hundred writes instead of one
-        per patch.  Text writes stay as they are (each is one site of the protocol)."""
+        """``writes`` with each run of adjacent writes into one patch area joined, up to
+        ``step`` bytes a write: a batch's patches lie end to end in one area, and the
+        daemon and the module then handle a few hundred writes instead of one per
+        patch."""
         out: list[Write] = []
         last_block = None
         for w in writes:
@@ -432,74 +440,25 @@ class LiveTarget:
         millisecond), the module pokes each."""
         return self._timeout + 0.01 * items
 
-    def _flush_routes(self) -> None:
-        """Send the route changes a batch queued, as one request (all or nothing)."""
-        if not self._routes:
-            return
-        routes, self._routes = self._routes, {}
-        try:
-            self.conn.request("routes", reply_timeout=self._batch_timeout(len(routes)),
-                              routes=[[site, patch] for site, patch in routes.items()])
-        except BaseException:
-            self._unset |= {site for site, patch in routes.items() if patch}
-            raise
-
-    @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Many changes with few round trips, for Manager.insert_many/remove_many
-        over thousands of points.  Inside:
-
-        * ``set_trap``/``clear_trap`` are queued and sent with the next ``poke``: the
-          module makes the route changes and then the writes as one batch, all or
-          nothing; before any other request they are sent on their own.  A refused
-          route is raised by that request (nothing of it was made), and a later
-          ``clear_trap`` of a route that went down with it does nothing;
-        * ``text_hazards`` asks the kernel once per range: planning works from one
-          look at the kernel, and the module checks every write again when it is
-          made (a hazard that appeared since is refused, never missed);
-        * a patch block freed without ever being written is kept and handed out
-          again by ``alloc_code`` (a dry run's, ``Manager.can_insert``).
-
-        On leaving, what is queued is sent and the kept blocks are freed."""
-        self._batch += 1
-        if self._batch == 1:
-            self._hazard_memo = {}
-        done = False
-        try:
-            yield
-            done = True
-        finally:
-            self._batch -= 1
-            if not self._batch:
-                self._hazard_memo = None
-                try:
-                    self._flush_routes()
-                    spare, self._spare = self._spare, []
-                    for address, _size in spare:
-                        self._free_block(address)
-                except KsimError:
-                    if done:
-                        raise
-
     def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
         """Why the kernel relies on each (address, length) text range staying as it is,
         asked of the kernel itself: names from ``ksim.live.abi.HAZARDS`` ("ftrace",
         "jump_label", "static_call", "kprobe", "blacklist", "extable", "bug", "warn",
         "not_text", "unknown"); an empty set when the range may be written.
-        A length is 1..16 bytes."""
-        memo = self._hazard_memo if self._hazard_memo is not None else {}
+        A length is 1..16 bytes.  Up to MAX_RANGES ranges go in one request: a
+        batch's planning asks about all its functions at once (SiteFacts.asking_ahead)."""
         wanted = [(int(a), int(n)) for a, n in ranges]
-        ask = list(dict.fromkeys(r for r in wanted if r not in memo))
+        ask = list(dict.fromkeys(wanted))
+        memo: dict[tuple[int, int], frozenset[str]] = {}
         for start in range(0, len(ask), wire.MAX_RANGES):
             chunk = ask[start:start + wire.MAX_RANGES]
-            reply = self._request("hazards", ranges=[list(r) for r in chunk])
+            reply = self._request("hazards", ranges=[list(r) for r in chunk],
+                                  reply_timeout=self._batch_timeout(len(chunk) // 16))
             memo.update(zip(chunk, (frozenset(n) for n in reply["hazards"]), strict=True))
         return [memo[r] for r in wanted]
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
-        address = self._reuse_spare(size, near)
-        if address is not None:
-            return address
+        """A patch area of ``size`` bytes, within a jump's reach of ``near``."""
         address = int(self._request("alloc_code", size=size)["address"])
         bisect.insort(self._block_starts, address)
         self._blocks[address] = size
@@ -512,31 +471,10 @@ class LiveTarget:
     def _reaches(address: int, size: int, near: int) -> bool:
         return -REL32 <= address - near and address + size - near < REL32
 
-    def _reuse_spare(self, size: int, near: int | None) -> int | None:
-        """The smallest untouched block a batch kept that fits (see batch)."""
-        fits = [(n, a) for a, n in self._spare
-                if n >= size and (near is None or self._reaches(a, n, near))]
-        if not fits:
-            return None
-        n, address = min(fits)
-        self._spare.remove((address, n))
-        return address
-
     def free_code(self, address: int) -> None:
-        size = self._blocks.get(address)
-        if self._batch and size is not None and address not in self._touched:
-            self._spare.append((address, size))
-            if len(self._spare) > SPARE_BLOCKS:  # keep the largest
-                self._spare.sort(reverse=True, key=lambda b: b[1])
-                self._free_block(self._spare.pop()[0])
-            return
-        self._free_block(address)
-
-    def _free_block(self, address: int) -> None:
         self._request("free_code", address=address)
         if self._blocks.pop(address, None) is not None:
             self._block_starts.remove(address)
-        self._touched.discard(address)
 
     def alloc_data(self, size: int, align: int = 8) -> int:
         return int(self._request("alloc_data", size=size, align=align)["address"])
@@ -544,32 +482,10 @@ class LiveTarget:
     def free_data(self, address: int) -> None:
         self._request("free_data", address=address)
 
-    def set_trap(self, site: int, patch: int) -> None:
-        """Route an int3 at ``site`` to ``patch`` (inside batch(): queued)."""
-        if not self._batch:
-            self._request("set_trap", site=site, patch=patch)
-            return
-        if self._routes.get(site) == 0:  # its clear is queued: that goes first
-            self._flush_routes()
-        self._unset.discard(site)
-        self._routes[site] = patch
-        if len(self._routes) >= wire.MAX_WRITES:
-            self._flush_routes()
-
-    def clear_trap(self, site: int) -> None:
-        """Retire the route at ``site`` (inside batch(): queued)."""
-        if self._routes.get(site):  # never sent: nothing to clear
-            del self._routes[site]
-            return
-        if site in self._unset:  # went down with a refused batch
-            self._unset.discard(site)
-            return
-        if not self._batch:
-            self._request("clear_trap", site=site)
-            return
-        self._routes[site] = 0
-        if len(self._routes) >= wire.MAX_WRITES:
-            self._flush_routes()
+    def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
+                      ) -> Callable[[], None]:
+        raise HandlerUnsupported(f"{self.name} cannot call Python at a trap: "
+                                 "use snippet handlers")
 
     def areas(self) -> list[dict[str, Any]]:
         """The patch area's and the data heap's areas now: region, address, size, free."""
@@ -610,7 +526,6 @@ class LiveTarget:
     def _exec_with_progress(self, cmd: str, timeout: float,
                             progress: Callable[[], None]) -> dict[str, Any]:
         outcome: dict[str, Any] = {}
-        self._flush_routes()  # the command runs over another connection
 
         def work() -> None:
             try:
@@ -671,10 +586,6 @@ class LiveTarget:
         return KprobeCounter(self, address)
 
     def close(self) -> None:
-        try:
-            self._flush_routes()  # a kept session keeps them
-        except KsimError:
-            pass
         try:
             self.conn.request("bye")
         except (KsimError, OSError):

@@ -28,6 +28,40 @@ class Write:
 
 
 @dataclass(frozen=True, slots=True)
+class Change:
+    """One step of the Manager's, which a target applies whole or not at all
+    (``Target.apply``): patch code placed, trap routes set or cleared, text written.
+
+    A target makes it in this order, so that no CPU is ever sent where nothing is
+    yet: ``code`` (patch-area bytes nothing reaches yet), then the routes that
+    ``routes`` sets (site -> patch; a site already routed is re-pointed), then
+    ``text`` (by the poke protocol, ksim.poke), then the routes it clears (patch 0):
+    a trap leaves text before its route goes.  Every write's ``old`` bytes are
+    checked before anything is made; a refused part changes no byte and no route.
+    """
+
+    code: tuple[Write, ...] = ()
+    routes: tuple[tuple[int, int], ...] = ()
+    text: tuple[Write, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.code or self.routes or self.text)
+
+    @property
+    def sets(self) -> tuple[tuple[int, int], ...]:
+        return tuple(r for r in self.routes if r[1])
+
+    @property
+    def clears(self) -> tuple[int, ...]:
+        return tuple(site for site, patch in self.routes if not patch)
+
+    @property
+    def items(self) -> int:
+        """Writes and route changes: what a target's batch limits count."""
+        return len(self.code) + len(self.routes) + len(self.text)
+
+
+@dataclass(frozen=True, slots=True)
 class Patch:
     """Everything needed to splice one point, and to take the splice out again.
 

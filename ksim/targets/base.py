@@ -2,8 +2,12 @@
 
 A target is a kernel ksim can read and change: the toy kernel in unicorn, the toy
 kernel in QEMU, a live Linux kernel behind kerninstd.  The planner never talks to
-a target; the Manager asks the target for memory, asks the planner for a Patch,
-and hands the Patch's writes to the target.
+a target.  The Manager takes areas of patch and heap memory from the target and
+places patches inside them itself, asks the planner for Patches, and hands the
+target one ``Change`` per request (one point or ten thousand), which the target
+applies whole or not at all (``apply``: one poke sequence in an emulator, one
+request and one module batch on a live kernel).  What a target can do is declared
+in ``capabilities``, never found out by trying.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ksim.errors import BadRunValue, UnknownRunOption
 if TYPE_CHECKING:
     from ksim.arch.base import Arch
     from ksim.image.model import Image
-    from ksim.splice.patch import Write
+    from ksim.splice.patch import Change
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +87,39 @@ class Region:
         return self.end - self.start
 
 
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What a target can do, declared (the Manager and the commands read it; nothing
+    finds it out by calling and catching)."""
+
+    #: trap splicing: the kernel's trap path (or the emulator's hook) sends a trap at
+    #: a routed site to its patch
+    traps: bool = True
+    #: ``add_trap_hook``: Python called at a trap (an emulator running in-process)
+    python_hooks: bool = False
+    #: ``text_hazards``: the running kernel says which text it relies on (ftrace,
+    #: jump labels, kprobes, ...); without it the image's own tables answer
+    hazards: bool = False
+    #: ``run(while_cmd=...)`` runs a command in the guest while instrumented
+    exec: bool = False
+    #: ``keep``: splices may outlive the client that made them
+    keep: bool = False
+    #: the independent counts ``oracle_counter`` gives (its ``name``s)
+    oracles: tuple[str, ...] = ()
+    #: CPUs that may run a snippet at once (per-cpu slots of the recursion guard)
+    nr_cpus: int = 1
+    #: one ``apply``'s limits: writes and route changes together, and new bytes
+    #: (None: no limit).  Patch code nothing reaches yet may go ahead in parts
+    #: beyond them; text and routes may not.
+    max_items: int | None = None
+    max_bytes: int | None = None
+    #: the size of the patch-area and heap areas the Manager takes at a time and
+    #: places patches and variables in itself: a dry run or an insert then costs
+    #: no request (a larger request gets an area of its own)
+    code_chunk: int = 64 << 10
+    data_chunk: int = 4 << 10
+
+
 class Target(Protocol):
     """Implemented by ksim.targets.unicorn, ksim.targets.qemu and ksim.live.client."""
 
@@ -101,41 +138,57 @@ class Target(Protocol):
     @property
     def abi(self) -> KernelABI: ...
 
+    @property
+    def capabilities(self) -> Capabilities: ...
+
     def read(self, address: int, size: int) -> bytes:
         """Read kernel memory (text or data); TargetFault on a bad address."""
         ...
 
-    def poke(self, writes: Sequence[Write]) -> None:
-        """Apply text writes, all or nothing.
+    def apply(self, change: Change) -> None:
+        """Make ``change`` (patch code, trap routes, text writes; see Change for the
+        order), all or nothing: the only call that changes text or routes.
 
         Each write's ``old`` bytes are checked against memory first; if any differ,
-        StaleText is raised and nothing is written.  Targets that run while being
+        StaleText is raised and nothing is changed.  Targets that run while being
         changed use the int3 -> sync -> tail -> sync -> head protocol (ksim.poke).
+        A refused part (a hazard, a full trap table, text another client holds)
+        raises its own error and changes no byte and no route.
         """
         ...
 
     def alloc_code(self, size: int, near: int) -> int:
-        """Executable memory for a patch, reachable by a jmp from ``near``."""
+        """An area of executable memory for patches, reachable by a jump from
+        ``near``; the Manager places patches inside it."""
         ...
 
     def free_code(self, address: int) -> None: ...
 
     def alloc_data(self, size: int, align: int = 8) -> int:
-        """Zeroed kernel data memory (counters, timers)."""
+        """A zeroed area of kernel data memory; the Manager places variables in it."""
         ...
 
     def free_data(self, address: int) -> None: ...
 
     def write(self, address: int, data: bytes) -> None:
-        """Write kernel *data* memory (never text: text changes go through poke)."""
+        """Write kernel *data* memory (never text: text changes go through apply)."""
         ...
 
-    def set_trap(self, site: int, patch: int) -> None:
-        """Route a trap instruction at ``site`` to ``patch`` (before the trap is poked)."""
+    def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
+        """Why the running kernel relies on each (address, length) text range staying
+        as it is (``capabilities.hazards``; otherwise empty sets: the image's tables
+        answer)."""
         ...
 
-    def clear_trap(self, site: int) -> None:
-        """Forget a trap route (after the trap bytes are gone)."""
+    def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
+                      ) -> Callable[[], None]:
+        """Call ``fn(machine, site)`` at the trap at ``site`` (``capabilities.python_hooks``;
+        otherwise HandlerUnsupported).  Returns what removes it."""
+        ...
+
+    def keep(self, keep: bool = True, name: str | None = None) -> str | None:
+        """Leave this client's splices in the kernel when it goes
+        (``capabilities.keep``; otherwise TargetError)."""
         ...
 
     def run(self, *args: Any, **options: Any) -> RunResult:

@@ -28,7 +28,7 @@ Repeated runs
 Trap dispatch
     The toy kernel's own handler (x86: #BP on int3; arm64: the EL1 synchronous
     vector on BRK), the same ``struct ksim_trap { u64 site; u64 patch; }``
-    table on both: ``set_trap``/``clear_trap`` edit the dense
+    table on both: the routes of a change (``apply``) edit the dense
     ``ksim_trap_table[0:ksim_trap_count]`` in guest memory (removal moves the
     last entry into the hole), mirrored in Python so that a new boot gets the
     same table.
@@ -72,11 +72,13 @@ from ksim import poke
 from ksim.arch import get_arch
 from ksim.errors import (
     BadRunValue,
+    HandlerUnsupported,
     KsimError,
     TargetDied,
     TargetError,
     TargetFault,
     TargetTimeout,
+    TrapTableFull,
 )
 from ksim.image.elf import load_image
 from ksim.images import toy
@@ -84,8 +86,9 @@ from ksim.images.abi import toy_abi
 from ksim.machine.gdbstub import SIGTRAP, GdbStub
 from ksim.machine.qemu import QemuMachine
 from ksim.splice.alloc import RegionAllocator
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change
 from ksim.targets.base import (
+    Capabilities,
     HeldInterrupt,
     RunResult,
     check_callback,
@@ -156,6 +159,10 @@ def _image_path(rest: str) -> Path:
 
 
 class QemuTarget:
+    #: the toy kernel's own trap path routes traps (no Python at a trap); the
+    #: oracle is a gdbstub breakpoint
+    capabilities = Capabilities(traps=True, oracles=("gdbstub-breakpoint",))
+
     def __init__(self, image: str = "toy", *, accel: str = "auto", timeout: float = 10.0,
                  boot_timeout: float = 60.0, qemu: str | None = None) -> None:
         """Boot ``image`` (a bundled image name or an ELF path) to ``ksim_entry64``.
@@ -282,11 +289,45 @@ class QemuTarget:
     def _write_raw(self, address: int, data: bytes) -> None:
         self._gdb().write_memory(address, data)
 
-    def poke(self, writes: Sequence[Write]) -> None:
-        """Apply text writes with the VM stopped: every old byte is checked first
-        (StaleText, nothing written), then the writes go in (ksim.poke's order,
-        which for a stopped single CPU is simply all of them)."""
-        poke.apply(writes, read=self.read, write=self._write_raw, trap=self.arch.trap)
+    def apply(self, change: Change) -> None:
+        """Make ``change`` with the VM stopped (Target.apply): every old byte and the
+        trap table's room are checked first (nothing changes when one is wrong),
+        then the code, the routes and the text go in (ksim.poke's order, which for
+        a stopped guest is simply all of them)."""
+        self._gdb()  # a running or closed guest is refused before anything is checked
+        poke.apply_change(change, read=self.read, write=self._write_raw, trap=self.arch.trap,
+                          route=self._route, check_routes=self._check_room)
+
+    def _slots(self) -> int:
+        return self.image.symbol(toy.TRAP_TABLE).size // toy.TRAP_ENTRY_SIZE or toy.TRAP_SLOTS
+
+    def _check_room(self, change: Change) -> None:
+        routed = {site for site, _ in self._traps}
+        after = (routed | {site for site, _ in change.sets}) - set(change.clears)
+        grows = len(after) - len(routed)
+        if grows > 0 and len(after) > self._slots():
+            raise TrapTableFull(f"ksim_trap_table is full ({self._slots()} trap sites): "
+                                f"{grows} more cannot be routed; nothing was changed")
+
+    def _route(self, site: int, patch: int | None) -> int | None:
+        before = next((p for s, p in self._traps if s == site), None)
+        if patch is None:
+            self._clear_trap(site)
+        else:
+            self._set_trap(site, patch)
+        return before
+
+    def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
+        """No kernel to ask: the image's tables answer (capabilities.hazards)."""
+        return [frozenset() for _ in ranges]
+
+    def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
+                      ) -> Callable[[], None]:
+        raise HandlerUnsupported(f"{self.name} cannot call Python at a trap: "
+                                 "use snippet handlers")
+
+    def keep(self, keep: bool = True, name: str | None = None) -> str | None:
+        raise TargetError(f"{self.name}: splices end with QEMU (capabilities.keep)")
 
     def alloc_code(self, size: int, near: int) -> int:
         # the whole patch area is within a jump's reach of the kernel text
@@ -315,21 +356,20 @@ class QemuTarget:
         self._data.free(address)
 
     # --- traps ----------------------------------------------------------------------------
-    def set_trap(self, site: int, patch: int) -> None:
+    def _set_trap(self, site: int, patch: int) -> None:
         for i, (s, _) in enumerate(self._traps):
             if s == site:
                 self._traps[i] = (site, patch)
                 self._write_trap_entry(i)
                 return
-        slots = self.image.symbol(toy.TRAP_TABLE).size // toy.TRAP_ENTRY_SIZE or toy.TRAP_SLOTS
-        if len(self._traps) >= slots:
-            raise TargetError(f"ksim_trap_table is full ({slots} trap sites)")
+        if len(self._traps) >= self._slots():
+            raise TrapTableFull(f"ksim_trap_table is full ({self._slots()} trap sites)")
         self._traps.append((site, patch))
         # the entry first, then the count: the handler only looks below the count
         self._write_trap_entry(len(self._traps) - 1)
         self._write_trap_count()
 
-    def clear_trap(self, site: int) -> None:
+    def _clear_trap(self, site: int) -> None:
         index = next((i for i, (s, _) in enumerate(self._traps) if s == site), None)
         if index is None:
             return

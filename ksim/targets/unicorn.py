@@ -27,13 +27,16 @@ from typing import Any
 
 from ksim import images, poke
 from ksim.arch import get_arch
-from ksim.errors import EmulationError, TargetFault
+from ksim.errors import EmulationError, TargetError, TargetFault
 from ksim.image.elf import load_image
 from ksim.images.abi import toy_abi
 from ksim.machine.unicorn import UnicornMachine, check_run
 from ksim.splice.alloc import RegionAllocator
-from ksim.splice.patch import Write
-from ksim.targets.base import RunResult, run_options
+from ksim.splice.patch import Change
+from ksim.targets.base import Capabilities, RunResult, run_options
+
+#: what an in-process emulator can do: traps reach Python, which may call handlers
+CAPABILITIES = Capabilities(traps=True, python_hooks=True, oracles=("unicorn-address-hook",))
 
 
 @dataclass
@@ -53,6 +56,8 @@ class _HookCounter:
 
 
 class UnicornTarget:
+    capabilities = CAPABILITIES
+
     def __init__(self, image_name: str = "toy") -> None:
         path = images.path(image_name)
         self.name = f"unicorn:{image_name}"
@@ -87,8 +92,23 @@ class UnicornTarget:
     def _heap_regions(self) -> list[tuple[int, int]]:
         return [(self._data.start, self._data.end - self._data.start)]
 
-    def poke(self, writes: Sequence[Write]) -> None:
-        poke.apply(writes, read=self.read, write=self.machine.write, trap=self.arch.trap)
+    def apply(self, change: Change) -> None:
+        """Make ``change`` whole (Target.apply); the emulator is stopped between runs."""
+        poke.apply_change(change, read=self.read, write=self.machine.write,
+                          trap=self.arch.trap, route=self._route)
+
+    def _route(self, site: int, patch: int | None) -> int | None:
+        before = self._traps.pop(site, None)
+        if patch is not None:
+            self._traps[site] = patch
+        return before
+
+    def text_hazards(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]]:
+        """No running kernel to ask: the image's tables answer (capabilities.hazards)."""
+        return [frozenset() for _ in ranges]
+
+    def keep(self, keep: bool = True, name: str | None = None) -> str | None:
+        raise TargetError(f"{self.name}: splices end with the emulator (capabilities.keep)")
 
     def alloc_code(self, size: int, near: int) -> int:
         return self._code.alloc(size, 16)
@@ -110,12 +130,6 @@ class UnicornTarget:
         self._data.free(address)
 
     # --- traps -------------------------------------------------------------------
-    def set_trap(self, site: int, patch: int) -> None:
-        self._traps[site] = patch
-
-    def clear_trap(self, site: int) -> None:
-        self._traps.pop(site, None)
-
     def add_trap_hook(self, site: int, fn: Callable[[UnicornMachine, int], int | None]
                       ) -> Callable[[], None]:
         """Call ``fn(machine, site)`` each time the trap at ``site`` is taken, before

@@ -1,0 +1,186 @@
+"""Patch and heap memory as the Manager places things in it.
+
+The target hands out areas (``Target.alloc_code`` / ``alloc_data``) a chunk at a
+time; the Manager places each patch, batch of patches or variable inside them
+itself.  Planning a point, asking whether it could be spliced (a dry run) or
+inserting it then costs no request of the target: on a live kernel that was two
+round trips per point (``alloc_code`` and ``free_code``), the whole cost of a
+wildcard's dry run.
+
+Placement is a bump pointer per area, and an area goes back to the target when
+the last thing placed in it is released.  Space inside an area is never handed
+out twice: a CPU may still be running in a patch that was just taken out (the
+splice's jump is gone, but a task preempted inside the patch comes back to it),
+and only the target knows when none can be any more -- a live kernel's daemon
+waits for that (QUIESCE) before it reuses a freed area.  For the same reason a
+released variable's bytes are never given to the next ``malloc`` while its area
+lives: a snippet still in flight may write them.
+
+For the patch area the Manager keeps the area's bytes as it last wrote them (read
+once when the area is taken), so that a patch's write carries its ``old`` bytes
+without reading the target first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from ksim.errors import UnknownHandle
+from ksim.splice.patch import Write
+
+#: take(size, near) -> address of a new area; give(address) returns it
+Take = Callable[[int, "int | None"], int]
+Give = Callable[[int], None]
+#: reaches(near, start, end): code at start..end may be jumped to from near and back
+Reaches = Callable[[int, int, int], bool]
+
+
+@dataclass
+class Area:
+    start: int
+    size: int
+    cursor: int
+    #: things placed in it and not released
+    users: int = 0
+    #: its bytes as last written (patch areas only; None until first asked)
+    shadow: bytearray | None = None
+    placed: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.size
+
+    def fit(self, size: int, align: int) -> int | None:
+        address = -(-self.cursor // align) * align
+        return address if address + size <= self.end else None
+
+
+class Areas:
+    """Areas of one kind (patch code or data heap) this Manager holds."""
+
+    def __init__(self, name: str, take: Take, give: Give, *, chunk: int, align: int,
+                 reaches: Reaches | None = None,
+                 read: Callable[[int, int], bytes] | None = None) -> None:
+        self.name = name
+        self._take, self._give, self._read = take, give, read
+        self.chunk, self.align, self._reaches = chunk, align, reaches
+        self._areas: dict[int, Area] = {}
+        #: placed address -> its area's start
+        self._owner: dict[int, int] = {}
+        #: depth of holding(): areas a dry run takes are kept until it ends
+        self._holding = 0
+
+    # --- placing -----------------------------------------------------------------
+    def place(self, size: int, near: int | None = None, align: int | None = None) -> int:
+        """Room for ``size`` bytes (reachable from ``near``, for code), taking a new
+        area from the target only when none of those held has room."""
+        align = align or self.align
+        area, address = self._find(size, near, align)
+        area.cursor = address + size
+        area.users += 1
+        area.placed[address] = size
+        self._owner[address] = area.start
+        return address
+
+    def peek(self, size: int, near: int | None = None, align: int | None = None) -> int:
+        """Where ``place`` would put ``size`` bytes now, placing nothing (a dry run).
+        When no area held reaches, one is taken to answer; it is given back at once,
+        or, inside ``holding()``, when that ends (many dry runs, one area)."""
+        area, address = self._find(size, near, align or self.align)
+        if not area.users and not self._holding:
+            self._drop(area)
+        return address
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Dry runs inside keep the areas they take; those still empty at the end go
+        back (the target's memory is then as it was before)."""
+        self._holding += 1
+        try:
+            yield
+        finally:
+            self._holding -= 1
+            if not self._holding:
+                for area in [a for a in self._areas.values() if not a.users]:
+                    self._drop(area)
+
+    def _find(self, size: int, near: int | None, align: int) -> tuple[Area, int]:
+        if size <= 0:
+            raise ValueError(f"{self.name}: a placement needs a positive size, not {size}")
+        for area in self._areas.values():
+            address = area.fit(size, align)
+            if address is not None and self._reach(near, address, address + size):
+                return area, address
+        area = self._new(size + align, near)
+        address = area.fit(size, align)
+        if address is None or not self._reach(near, address, address + size):
+            self._drop(area)
+            raise AssertionError(f"{self.name}: a new area of {area.size} bytes at "
+                                 f"{area.start:#x} does not hold {size} bytes near {near}")
+        return area, address
+
+    def _reach(self, near: int | None, start: int, end: int) -> bool:
+        return near is None or self._reaches is None or self._reaches(near, start, end)
+
+    def _new(self, size: int, near: int | None) -> Area:
+        size = max(self.chunk, -(-size // self.align) * self.align)
+        start = self._take(size, near)
+        area = self._areas[start] = Area(start, size, start)
+        return area
+
+    def _drop(self, area: Area) -> None:
+        del self._areas[area.start]
+        self._give(area.start)
+
+    # --- releasing ------------------------------------------------------------------
+    def holds(self, address: int) -> bool:
+        return address in self._owner
+
+    def size_of(self, address: int) -> int:
+        return self._areas[self._owner[address]].placed[address]
+
+    def release(self, address: int) -> None:
+        """``address`` is no longer used; its area goes back with its last user."""
+        start = self._owner.pop(address, None)
+        if start is None:
+            raise UnknownHandle(f"{self.name}: {address:#x} is not a block this client placed")
+        area = self._areas[start]
+        del area.placed[address]
+        area.users -= 1
+        if not area.users:
+            self._drop(area)
+
+    def release_all(self) -> None:
+        """Give every area back (detach)."""
+        for area in list(self._areas.values()):
+            self._drop(area)
+        self._owner.clear()
+
+    # --- the bytes of patch areas ---------------------------------------------------
+    def old(self, address: int, size: int) -> bytes:
+        """The bytes at address..+size as this client last left them (one read of the
+        area the first time)."""
+        area = self._areas[self._owner_area(address)]
+        if area.shadow is None:
+            assert self._read is not None, f"{self.name} keeps no bytes"
+            area.shadow = bytearray(self._read(area.start, area.size))
+        offset = address - area.start
+        return bytes(area.shadow[offset:offset + size])
+
+    def wrote(self, writes: Iterable[Write]) -> None:
+        """Writes a target made into these areas (kept in the areas' bytes)."""
+        for w in writes:
+            area = self._areas.get(self._owner_area(w.address, strict=False))
+            if area is not None and area.shadow is not None:
+                offset = w.address - area.start
+                area.shadow[offset:offset + len(w.new)] = w.new
+
+    def _owner_area(self, address: int, *, strict: bool = True) -> int:
+        for start, area in self._areas.items():
+            if start <= address < area.end:
+                return start
+        if strict:
+            raise UnknownHandle(f"{self.name}: {address:#x} is in none of this client's areas")
+        return -1
