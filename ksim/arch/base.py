@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ksim.machine.boards import Board
     from ksim.snippets.ast import Snippet
     from ksim.targets.base import KernelABI
 
@@ -298,6 +299,101 @@ class ComponentToolchain:
     relocations: dict[int, Relocation]
 
 
+@dataclass(frozen=True)
+class ModuleLoader:
+    """How the kernel loads a relocatable module (``ET_REL``) of an architecture, as
+    far as ``ksim.image.elf`` follows it: where the module area lies (the sections
+    of a .ko are laid out from ``base``) and the relocation types
+    ``apply_relocate_add`` applies to the tables the image loader reads."""
+
+    base: int
+    relocations: dict[int, Relocation]
+
+
+@dataclass(frozen=True)
+class DifferentialRules:
+    """What a faithful run of kernel code in unicorn (``ksim.differential``) must stop
+    at, or treat apart, on an architecture."""
+
+    #: mnemonics that are no business of the function, or not deterministic (time
+    #: stamps, random numbers, port I/O, system registers, ...): they end a run
+    forbidden: frozenset[str]
+    #: operands that make any instruction the machine's (control registers, ...)
+    forbidden_operands: re.Pattern[str]
+    #: mnemonics that write below the stack pointer and then move it over what they
+    #: wrote (any other write below the stack pointer is to dead stack)
+    pushing: frozenset[str]
+    #: mnemonics that load the status register from memory, and the trace bit such
+    #: a load may set (kernel code never single-steps itself)
+    status_loads: frozenset[str]
+    trace_bit: int
+    #: the mnemonic prefix of instructions unicorn's code hook sees once per
+    #: iteration (x86-64: rep)
+    repeat_prefix: str
+    #: first bytes that mark a prefixed instruction (prefixes a relocator must keep:
+    #: points a splice gets wrong most easily)
+    prefix_bytes: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Emulation:
+    """The CPU as unicorn emulates it and capstone reads it, as plain data: what the
+    toy kernel's machines (``ksim.machine``) and the differential runner
+    (``ksim.differential``) need so that neither names a register or an opcode.
+
+    Register names are the lower-case names capstone, gdb and the reader use;
+    ``regs`` maps every one unicorn knows to unicorn's id.
+    """
+
+    uc_arch: int
+    uc_mode: int
+    cs_arch: int
+    cs_mode: int
+    #: register name -> unicorn's id
+    regs: Mapping[str, int]
+    #: the general-purpose registers, the stack pointer among them, in the order a
+    #: run seeds and compares them
+    gprs: tuple[str, ...]
+    #: the program counter and the stack pointer
+    pc: str
+    sp: str
+    #: the register holding the status flags, its bits by name, its value at reset,
+    #: and the bits the kernel's ABI keeps clear in C code (x86-64: DF)
+    status_reg: str
+    status_bits: Mapping[str, int]
+    status_reset: int
+    status_clear: frozenset[str]
+    #: the register that holds this CPU's per-cpu base (what snippets call "gs")
+    percpu_reg: str
+    #: unicorn's interrupt number for the trap instruction, and how far past the
+    #: trap the program counter is when it is reported (x86-64: int3 is vector 3,
+    #: RIP past it; AArch64: BRK is EXCP_BKPT, PC on it)
+    breakpoint_vector: int
+    breakpoint_pc_offset: int
+    #: the interrupts that are the CPU's answer to a failed TLB fill (page faults)
+    fault_vectors: frozenset[int]
+    #: the longest instruction; unicorn reports a size beyond it for an instruction
+    #: it does not emulate
+    max_insn_size: int
+    #: the instruction Linux's BUG() and WARN() compile to (handle_bug finds its
+    #: site in __bug_table)
+    bug_insn: bytes
+    #: the toy kernel's machine around this CPU in unicorn (its devices)
+    board: type[Board]
+    #: what a differential run needs besides (None: ksim.differential does not run
+    #: this architecture's code)
+    differential: DifferentialRules | None = None
+
+    @property
+    def status_mask(self) -> int:
+        """The status flags' bits in ``status_reg``."""
+        return sum(1 << bit for bit in self.status_bits.values())
+
+    @property
+    def status_clear_mask(self) -> int:
+        return sum(1 << self.status_bits[name] for name in self.status_clear)
+
+
 class Arch(Protocol):
     """What generic code may ask of an architecture (see ksim.arch.x86_64)."""
 
@@ -321,9 +417,20 @@ class Arch(Protocol):
     all_regs: frozenset[str]
     #: the program counter's register name (x86-64: rip)
     pc_reg: str
+    #: the name instructions' register effects give the status flags (x86-64:
+    #: flags; AArch64: nzcv)
+    flags_reg: str
     #: how C components are compiled and linked for this architecture (None: they
     #: are not available on it)
     component_toolchain: ComponentToolchain | None
+    #: how the kernel loads this architecture's modules (None: ksim does not load
+    #: relocatable modules of it)
+    module_loader: ModuleLoader | None
+
+    @property
+    def emulation(self) -> Emulation:
+        """The CPU as unicorn and capstone see it (see Emulation)."""
+        ...
 
     @property
     def jump_tables(self) -> JumpTableIdioms:

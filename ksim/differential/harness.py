@@ -8,6 +8,13 @@ once on the original text and once on the spliced text with the patch in place,
 and the two runs are compared.  A refusal of the planner is an answer too (its
 error class and message are kept).
 
+What differs between architectures is theirs (``Arch.emulation``, with its
+``DifferentialRules``): unicorn's registers, the status flags and the bits the
+ABI keeps clear, the per-cpu base, the breakpoint's interrupt, the BUG
+instruction, and which instructions end a run.  x86-64 declares them, and the
+examples below are its; AArch64 declares no rules yet (its calls leave the
+return address in the link register, not on the stack), and a Harness refuses it.
+
 The machine
 -----------
 * Kernel addresses need unicorn's virtual TLB (``UC_TLB_VIRTUAL`` and a
@@ -25,8 +32,8 @@ The machine
   sections are not writable.  A fetch anywhere reaches the per-instruction hook,
   which decides what leaving the function means.
 * The run starts at the point with seeded general-purpose registers and status
-  flags (DF clear, as the kernel's ABI keeps it), RSP inside a mapped stack, and
-  a GS base for per-cpu data.  The patch area lies just past the image's last
+  flags (DF clear, as the kernel's ABI keeps it), the stack pointer inside a
+  mapped stack, and a per-cpu base (GS base).  The patch area lies just past the image's last
   section (within rel32 reach of its text), with the counter variable on its own
   page after the code.
 * Calls are stepped over: when control reaches an address outside the function
@@ -37,19 +44,20 @@ The machine
   callee, number of calls so far).  Any other departure ends the run: a return
   past the starting frame, a jump out of the function, a fault, an instruction
   whose effect is not deterministic or not the function's own business (rdtsc,
-  rdrand, port I/O, MSRs, control registers, hlt, ...), an int3 that is not the
-  splice's own trap, and control reaching the alignment filler after the
+  rdrand, port I/O, MSRs, control registers, hlt, ...), a breakpoint that is not
+  the splice's own trap (``trap``), and control reaching the alignment filler after the
   function's code or the middle of a splice's window (the planner relies on
   neither happening; a springboard slot counts as the splice's only when the
   point's own short jump goes there).
-* ``ud2`` is handled as Linux's ``handle_bug`` does: at an address the image's
-  ``__bug_table`` lists as a WARN the run goes on after it (the warning is
-  recorded), elsewhere it ends the run (``bug`` or ``ud2``).  A fault at an
+* The BUG instruction (``ud2``) is handled as Linux's ``handle_bug`` does: at an
+  address the image's ``__bug_table`` lists as a WARN the run goes on after it
+  (the warning is recorded), elsewhere it ends the run (``bug``, or ``bug-insn``
+  where the table lists no BUG).  A fault at an
   address ``__ex_table`` lists ends the run as ``fault-fixup``: the kernel would
   recover there, and only there.  These are looked up by the address the CPU
   reports, so an instruction moved into a patch loses its entry, as it would in
   the kernel.
-* The trap tactic's int3 is dispatched as the kernel's int3 handler does: the
+* The trap tactic's trap is dispatched as the kernel's int3 handler does: the
   interrupted code continues at the patch with its registers and stack.
 
 Budgets
@@ -86,7 +94,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 import random
-import re
 import struct
 import time
 from collections import Counter
@@ -96,10 +103,9 @@ from typing import Any
 
 import capstone
 import unicorn
-from unicorn import x86_const as X
 
 from ksim.analysis.points import Point, PointKind, is_padding
-from ksim.arch.base import Arch, Flow, Insn
+from ksim.arch.base import Arch, DifferentialRules, Emulation, Flow, Insn
 from ksim.errors import EmulationError, KsimError, NoSafeTactic
 from ksim.image.image import Image
 from ksim.image.model import Function
@@ -136,7 +142,8 @@ STACK = 0xFFFF_C900_0040_0000
 STACK_PAGES = 8
 #: how far below the stack pointer a write may be the snippets' own
 FRAME_LIMIT = PAGE
-GS_BASE = 0xFFFF_8881_3FC0_0000
+#: this CPU's per-cpu base (inside the heap window)
+PERCPU_BASE = 0xFFFF_8881_3FC0_0000
 #: emu_start's end address: non-canonical, never reached by the code (a page of
 #: it is asked for by unicorn itself when it stops, and refused quietly)
 _UNTIL = 0x5A5A_5A5A_5A5A_5000
@@ -147,50 +154,13 @@ AREA_SIZE = 0x10000
 AREA_DATA = 0xC000
 TIMEOUT_S = 60.0
 
-GPRS = ("rax", "rbx", "rcx", "rdx", "rsi", "rdi", "rbp", "rsp",
-        "r8", "r9", "r10", "r11", "r12", "r13", "r14", "r15")
-ARG_REGS = ("rdi", "rsi", "rdx", "rcx", "r8", "r9")
-#: what a stepped-over callee leaves behind (System V: everything but the callee-saved)
-CLOBBERED = ("rax", "rcx", "rdx", "rsi", "rdi", "r8", "r9", "r10", "r11")
-_UC_REG = {name: getattr(X, f"UC_X86_REG_{name.upper()}") for name in GPRS}
-FLAG_BITS = {"CF": 0, "PF": 2, "AF": 4, "ZF": 6, "SF": 7, "DF": 10, "OF": 11}
-STATUS_MASK = sum(1 << bit for bit in FLAG_BITS.values())
-_DF = 1 << FLAG_BITS["DF"]
-
 _R, _W, _X = unicorn.UC_PROT_READ, unicorn.UC_PROT_WRITE, unicorn.UC_PROT_EXEC
 _NEED = {unicorn.UC_MEM_READ: _R, unicorn.UC_MEM_WRITE: _W, unicorn.UC_MEM_FETCH: _X}
 _ACCESS = {unicorn.UC_MEM_READ: "read", unicorn.UC_MEM_WRITE: "write",
            unicorn.UC_MEM_FETCH: "fetch"}
 
-#: instructions that end a run: not deterministic (time stamps, random numbers,
-#: performance counters), the machine's rather than the function's (port I/O,
-#: MSRs, descriptor tables, TLB and cache control, segment bases, hypercalls,
-#: far transfers, monitor/mwait), or that unicorn does not emulate faithfully
-#: (transactional memory).  ud2 and int3 are handled on their own.
-_FORBIDDEN = frozenset({
-    "hlt",
-    "rdtsc", "rdtscp", "rdrand", "rdseed", "rdpid", "rdpmc", "cpuid",
-    "in", "out", "insb", "insw", "insd", "outsb", "outsw", "outsd",
-    "rdmsr", "wrmsr", "xgetbv", "xsetbv", "rdpkru", "wrpkru",
-    "lgdt", "lidt", "lldt", "ltr", "lmsw", "smsw", "clts", "invlpg", "invlpga", "invpcid",
-    "wbinvd", "wbnoinvd", "invd", "swapgs", "rdfsbase", "rdgsbase", "wrfsbase", "wrgsbase",
-    "syscall", "sysenter", "sysret", "sysretq", "sysexit", "sysexitq", "iret", "iretd", "iretq",
-    "int", "int1", "into", "ud0", "ud1", "retf", "retfq", "ljmp", "lcall",
-    "monitor", "mwait", "monitorx", "mwaitx", "umonitor", "umwait", "tpause",
-    "vmcall", "vmmcall", "vmlaunch", "vmresume", "vmxon", "vmxoff", "vmread", "vmwrite",
-    "vmptrld", "vmptrst", "vmclear", "invept", "invvpid", "vmrun", "vmload", "vmsave",
-    "getsec", "rsm", "encls", "enclu", "enclv", "pconfig",
-    "xbegin", "xend", "xabort", "xtest",
-})
-_CONTROL_REG = re.compile(r"\b(cr\d+|dr\d+)\b")
-#: instructions that write below the stack pointer and then move it over what they wrote
-_PUSHING = frozenset({"push", "pushf", "pushfq", "call", "enter"})
-_POPF = frozenset({"popf", "popfq", "popfw"})
-_TF = 1 << 8
 #: exits raised inside an instruction
 _FAULTS = frozenset({"fault", "fault-fixup", "exception", "error"})
-
-_cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
 
 
 # --- plain data ---------------------------------------------------------------------
@@ -363,15 +333,23 @@ def _mask(size: int) -> int:
     return (1 << (8 * min(size, 8))) - 1
 
 
+def _random_status(cpu: Emulation, rng: random.Random) -> int:
+    """Seeded status flags, less those the kernel's ABI keeps clear."""
+    bits = rng.getrandbits(max(16, cpu.status_mask.bit_length()))
+    return bits & cpu.status_mask & ~cpu.status_clear_mask
+
+
 def _base(mnemonic: str) -> str:
     """The operation without its prefixes ("notrack call" -> "call")."""
     return mnemonic.rsplit(" ", 1)[-1]
 
 
-def _decode(raw: bytes, address: int) -> tuple[str, str]:
-    for _addr, _size, mnemonic, op_str in _cs.disasm_lite(raw, address, 1):
-        return mnemonic, op_str
-    return "(bad)", ""
+def _decode(cs: capstone.Cs, raw: bytes, address: int) -> Insn:
+    """The first instruction of ``raw``, as text and bytes only (the hooks need
+    no more, and capstone's lite mode is the cheapest way to it)."""
+    for _addr, size, mnemonic, op_str in cs.disasm_lite(raw, address, 1):
+        return Insn(address, size, raw[:size], mnemonic, op_str)
+    return Insn(address, 0, b"", "(bad)", "")
 
 
 # --- the harness -----------------------------------------------------------------------
@@ -385,8 +363,21 @@ class Harness:
             from ksim.arch import get_arch
 
             arch = get_arch(image.arch)
+        cpu = arch.emulation
+        if cpu.differential is None:
+            raise KsimError(f"{arch.name}: the architecture declares no rules for differential "
+                            "runs (Emulation.differential)")
         self.image = image
         self.arch = arch
+        #: the CPU as unicorn runs it, and what a faithful run treats apart
+        self.cpu: Emulation = cpu
+        self.rules: DifferentialRules = cpu.differential
+        #: the registers a run seeds and compares, and those a stepped-over callee
+        #: leaves behind (the convention's caller-saved ones)
+        self.gprs = cpu.gprs
+        self.clobbered = tuple(r for r in cpu.gprs if r in arch.convention.caller_saved)
+        #: the status flags' name in instructions' register effects and liveness
+        self.flags = arch.flags_reg
         self.facts = facts if facts is not None else SiteFacts(image, arch)
         self.budget = budget
         kernel = sorted((s for s in image.sections if s.address >= _KERNEL_HALF and s.size),
@@ -408,6 +399,10 @@ class Harness:
         #: every address the kernel finds or rewrites by itself
         self.table_sites = frozenset(a for ref in TextRef for a in tables.addresses(ref))
         self.abi = _abi(image, self.counter)
+        self.cs = capstone.Cs(cpu.cs_arch, cpu.cs_mode)
+        #: what fills the patch area around the code, and pages code may only jump
+        #: to: the architecture's padding, which traps if it is ever executed
+        self.filler_page = bytes([arch.pad_byte]) * PAGE
         self._pages: dict[int, tuple[int, tuple[tuple[int, bytes], ...]]] = {}
 
     # --- names ---------------------------------------------------------------------
@@ -588,17 +583,15 @@ def random_cases(harness: Harness, count: int, seed: int = 0, *,
         made += 1
 
 
-_ODD_PREFIXES = frozenset({0x66, 0x67, 0xF0, 0xF2, 0xF3, 0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65})
-
-
 def _tricky(harness: Harness, insns: Sequence[Insn]) -> list[int]:
     """The tricky points among ``insns`` (see random_cases)."""
     reach = harness.arch.jmp_size
     sites = harness.table_sites
+    prefixes = harness.rules.prefix_bytes
     out = set()
     for insn in insns:
         if (insn.pc_ref is not None or insn.flow in (Flow.CALL, Flow.CALL_INDIRECT)
-                or (insn.raw and insn.raw[0] in _ODD_PREFIXES)):
+                or (insn.raw and insn.raw[0] in prefixes)):
             out.add(insn.address)
         if (insn.flow is Flow.JCC and insn.target is not None
                 and 0 <= insn.address - insn.target < reach):
@@ -685,7 +678,7 @@ class _Context:
         self.insns = {i.address: i for i in insns}
         self.returns = frozenset(i.end for i in insns if i.flow in (Flow.CALL, Flow.CALL_INDIRECT))
         #: what the snippets may clobber: registers (and flags) dead at the point
-        self.dead = (frozenset(GPRS) | {"flags"}) - self.live
+        self.dead = (frozenset(harness.gprs) | {harness.flags}) - self.live
         self.budget = harness.budget
         self.step_limit = STEP_FACTOR * harness.budget
 
@@ -751,7 +744,9 @@ class _Machine:
         self.seed = ctx.case.seed
         self.spliced = spliced
         self.snapshot = tuple(snapshot)
-        self.uc = unicorn.Uc(unicorn.UC_ARCH_X86, unicorn.UC_MODE_64)
+        self.cpu = cpu = ctx.h.cpu
+        self.rules = ctx.h.rules
+        self.uc = unicorn.Uc(cpu.uc_arch, cpu.uc_mode)
         self.uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
         self.phys: dict[int, int] = {}  # virtual page -> physical page
         self.virt: dict[int, int] = {}  # physical page -> virtual page
@@ -770,7 +765,7 @@ class _Machine:
         self.popped_flags = False
         self.entry_rsp = 0
         self.start_rsp = 0
-        self.decoded: dict[int, tuple[str, str]] = {}
+        self.decoded: dict[int, Insn] = {}
         #: original run: registers dead at the point not written since it was last
         #: reached (their values are the snippet's business), and what the
         #: instruction about to run will write
@@ -822,13 +817,13 @@ class _Machine:
             return
         if self.popped_flags:
             self.popped_flags = False
-            flags = self.uc.reg_read(X.UC_X86_REG_EFLAGS)
-            if flags & _TF:
+            status = self._reg(self.cpu.status_reg)
+            if status & self.rules.trace_bit:
                 # a seeded word popped into the flags set the trap flag: kernel code
                 # never single-steps itself, so clear it and translate this
                 # instruction again without single-stepping (the hook comes back)
-                self.uc.reg_write(X.UC_X86_REG_EFLAGS, flags & ~_TF)
-                self.uc.reg_write(X.UC_X86_REG_RIP, address)
+                self._set(self.cpu.status_reg, status & ~self.rules.trace_bit)
+                self._set(self.cpu.pc, address)
                 return
         self.denied = None
         previous, self.pc = self.pc, address
@@ -846,14 +841,15 @@ class _Machine:
             return
         # unicorn calls the hook again for each iteration of a rep-prefixed string
         # instruction: the point is reached once per execution, not per iteration
-        again = address == previous and self._insn(address, size)[0].startswith("rep")
+        again = (address == previous
+                 and self._insn(address, size).mnemonic.startswith(self.rules.repeat_prefix))
         if address == (ctx.patch.code_address if self.spliced else ctx.point) and not again:
             if self.hits >= ctx.budget:
                 self._stop("budget", address, "point")
                 return
             self.hits += 1
             if self.spliced:
-                self.entry_rsp = self._reg("rsp")
+                self.entry_rsp = self._reg(self.cpu.sp)
             else:
                 self.unsettled = set(ctx.dead)
         if not self.spliced:
@@ -870,31 +866,35 @@ class _Machine:
                 self._stop("budget", address)
                 return
             self.executed += 1
-        # unicorn marks an instruction it does not emulate (ud2 among them) by a
-        # size over 15: decode it here
-        mnemonic, op_str = self._insn(address, size if size <= 15 else 15)
-        if mnemonic == "int3":
+        # unicorn marks an instruction it does not emulate (the BUG instruction
+        # among them) by a size beyond the longest: decode it here
+        longest = self.cpu.max_insn_size
+        insn = self._insn(address, min(size, longest))
+        text = f"{insn.mnemonic} {insn.op_str}".strip()
+        operation = _base(insn.mnemonic)
+        if self.h.arch.is_breakpoint(insn):
             if not (self.spliced and address == ctx.patch.trap_site):
-                self._stop("int3", address)
-        elif mnemonic == "ud2":
+                self._stop("trap", address)
+        elif insn.raw == self.cpu.bug_insn:
             if address in self.h.warn_sites:
                 # handle_bug -> report_bug: a WARN is reported and skipped
                 self.warnings.append(address)
-                self.uc.reg_write(X.UC_X86_REG_RIP, address + 2)
+                self._set(self.cpu.pc, address + len(insn.raw))
             else:
-                self._stop("bug" if address in self.h.bug_sites else "ud2", address)
-        elif _base(mnemonic) in _POPF:
+                self._stop("bug" if address in self.h.bug_sites else "bug-insn", address)
+        elif operation in self.rules.status_loads:
             self.popped_flags = True
-        elif _base(mnemonic) in _FORBIDDEN or _CONTROL_REG.search(op_str):
-            self._stop("insn", address, f"{mnemonic} {op_str}".strip())
-        elif size > 15:
-            self._stop("invalid", address, f"{mnemonic} {op_str}".strip())
+        elif operation in self.rules.forbidden or self.rules.forbidden_operands.search(insn.op_str):
+            self._stop("insn", address, text)
+        elif size > longest:
+            self._stop("invalid", address, text)
 
     def _on_write(self, access: int, paddr: int, size: int, value: int) -> None:
         vaddr = self.virt[paddr & ~(PAGE - 1)] | (paddr & (PAGE - 1))
-        rsp = self._reg("rsp")
+        rsp = self._reg(self.cpu.sp)
         below = vaddr + size <= rsp
-        if below and _base(self.decoded.get(self.pc, ("", ""))[0]) not in _PUSHING:
+        writer = self.decoded.get(self.pc)
+        if below and (writer is None or _base(writer.mnemonic) not in self.rules.pushing):
             # below the stack pointer and not pushed there: dead (kernel code has no
             # red zone), e.g. mb()'s "lock add dword ptr [rsp - 4], 0", which writes
             # back whatever the snippets' own pushes left there
@@ -914,17 +914,19 @@ class _Machine:
             self.extra_ok.append(ok)
 
     def _on_interrupt(self, intno: int) -> None:
-        rip = self._reg("rip")
-        if intno == 3:
-            if self.spliced and self.ctx.patch.trap_site == rip - 1:
-                # the kernel's int3 handler: resume the interrupted code at its patch
-                self.uc.reg_write(X.UC_X86_REG_RIP, self.ctx.patch.code_address)
+        cpu = self.cpu
+        pc = self._reg(cpu.pc)
+        if intno == cpu.breakpoint_vector:
+            site = pc - cpu.breakpoint_pc_offset
+            if self.spliced and self.ctx.patch.trap_site == site:
+                # the kernel's trap handler: resume the interrupted code at its patch
+                self._set(cpu.pc, self.ctx.patch.code_address)
                 return
-            self._stop("int3", rip - 1)
-        elif intno == 14 and self.denied is not None:
-            self._fault(rip)
+            self._stop("trap", site)
+        elif intno in cpu.fault_vectors and self.denied is not None:
+            self._fault(pc)
         else:
-            self._stop("exception", rip, f"vector {intno}")
+            self._stop("exception", pc, f"vector {intno}")
 
     # --- decisions ---------------------------------------------------------------------
     def _stop(self, kind: str, address: int, detail: str = "") -> None:
@@ -938,7 +940,10 @@ class _Machine:
         self._stop(kind, rip, f"{_ACCESS.get(access, 'access')} {vaddr:#x}")
 
     def _leave(self, address: int) -> None:
-        rsp = self._reg("rsp")
+        # a call left its return address on top of the stack (as on x86-64; an
+        # architecture whose calls leave it in a link register declares no
+        # DifferentialRules yet)
+        rsp = self._reg(self.cpu.sp)
         top = self.read_u64(rsp)
         if top is not None and top in self.ctx.returns:
             self._step_over(address, rsp, top)
@@ -946,22 +951,23 @@ class _Machine:
         self._stop("return" if rsp > self.start_rsp else "jump-out", address)
 
     def _step_over(self, callee: int, rsp: int, ret: int) -> None:
-        self.calls.append(Call(callee, tuple(self._reg(r) for r in ARG_REGS)))
-        self.unsettled -= {*CLOBBERED, "flags"}
+        h, cpu = self.h, self.cpu
+        self.calls.append(Call(callee, tuple(self._reg(r) for r in h.arch.arg_regs)))
+        self.unsettled -= {*h.clobbered, h.flags}
         rng = random.Random(_key(self.seed, "call", callee, len(self.calls)))
-        for name in CLOBBERED:
-            self.uc.reg_write(_UC_REG[name], _value(rng))
-        flags = self.uc.reg_read(X.UC_X86_REG_EFLAGS)
-        self.uc.reg_write(X.UC_X86_REG_EFLAGS,
-                          (flags & ~STATUS_MASK) | (rng.getrandbits(16) & STATUS_MASK & ~_DF))
-        self.uc.reg_write(X.UC_X86_REG_RSP, rsp + 8)
-        self.uc.reg_write(X.UC_X86_REG_RIP, ret)
+        for name in h.clobbered:
+            self._set(name, _value(rng))
+        status = self._reg(cpu.status_reg)
+        self._set(cpu.status_reg, (status & ~cpu.status_mask) | _random_status(cpu, rng))
+        self._set(cpu.sp, rsp + 8)
+        self._set(cpu.pc, ret)
 
-    def _insn(self, address: int, size: int) -> tuple[str, str]:
+    def _insn(self, address: int, size: int) -> Insn:
         hit = self.decoded.get(address)
         if hit is None:
             raw = self.read(address, size)
-            hit = _decode(raw, address) if raw is not None else ("(unmapped)", "")
+            hit = (_decode(self.h.cs, raw, address) if raw is not None
+                   else Insn(address, 0, b"", "(unmapped)", ""))
             self.decoded[address] = hit
         return hit
 
@@ -970,7 +976,7 @@ class _Machine:
         """(bytes, permissions, counts against LAZY_PAGES) of a page, or None: no page."""
         h = self.h
         if h.area <= page < h.area + AREA_DATA:
-            data = bytearray(b"\xcc" * PAGE)
+            data = bytearray(self.h.filler_page)
             if self.spliced:
                 code, at = self.ctx.patch.code, self.ctx.patch.code_address
                 lo, hi = max(page, at), min(page + PAGE, at + len(code))
@@ -985,7 +991,7 @@ class _Machine:
             if access == unicorn.UC_MEM_FETCH:
                 # a jump to a user or non-canonical address: fetchable, so that the
                 # hook reports it as a departure; any data access there faults
-                return b"\xcc" * PAGE, _X, True
+                return self.h.filler_page, _X, True
             return None
         data = bytearray(_filler(self.seed, page))
         perms, segments = h.image_page(page)
@@ -1031,30 +1037,33 @@ class _Machine:
         return None if raw is None else int.from_bytes(raw, "little")
 
     def _reg(self, name: str) -> int:
-        return int(self.uc.reg_read(_UC_REG[name] if name in _UC_REG else X.UC_X86_REG_RIP))
+        return int(self.uc.reg_read(self.cpu.regs[name]))
+
+    def _set(self, name: str, value: int) -> None:
+        self.uc.reg_write(self.cpu.regs[name], value)
 
     # --- the run ---------------------------------------------------------------------------
     def run(self) -> Run:
-        uc = self.uc
+        uc, cpu = self.uc, self.cpu
         rng = random.Random(_key(self.seed, "registers"))
-        for name in GPRS:
-            if name != "rsp":
-                uc.reg_write(_UC_REG[name], _value(rng, pointers=0.6))
+        for name in self.h.gprs:
+            if name != cpu.sp:
+                self._set(name, _value(rng, pointers=0.6))
         self.start_rsp = STACK + STACK_PAGES * PAGE // 2 - 8 * rng.randrange(64)
-        uc.reg_write(X.UC_X86_REG_RSP, self.start_rsp)
-        uc.reg_write(X.UC_X86_REG_EFLAGS, 0x2 | (rng.getrandbits(16) & STATUS_MASK & ~_DF))
-        uc.reg_write(X.UC_X86_REG_GS_BASE, GS_BASE)
-        uc.reg_write(X.UC_X86_REG_FS_BASE, 0)
+        self._set(cpu.sp, self.start_rsp)
+        self._set(cpu.status_reg, cpu.status_reset | _random_status(cpu, rng))
+        # every other register starts at zero, as a new unicorn instance has them
+        self._set(cpu.percpu_reg, PERCPU_BASE)
         started = time.monotonic()
         try:
             uc.emu_start(self.ctx.point, _UNTIL, timeout=int(TIMEOUT_S * 1e6))
         except unicorn.UcError as exc:
             if self.exit is None and self.error is None:
-                self.exit = Exit("error", self._reg("rip"), str(exc))
+                self.exit = Exit("error", self._reg(cpu.pc), str(exc))
         if self.error is not None:
             raise self.error
         if self.exit is None:
-            rip = self._reg("rip")
+            rip = self._reg(cpu.pc)
             if self.denied is not None:
                 self._fault(rip)
             elif time.monotonic() - started >= TIMEOUT_S:
@@ -1071,8 +1080,8 @@ class _Machine:
             raw = self.read(a, 1)
             final[a] = raw[0] if raw is not None else -1
         counter = self.read_u64(self.h.counter) or 0
-        regs = {name: self._reg(name) for name in GPRS}
-        return Run(exit, regs, int(uc.reg_read(X.UC_X86_REG_EFLAGS)), self.writes, self.extra_ok,
+        regs = {name: self._reg(name) for name in self.h.gprs}
+        return Run(exit, regs, self._reg(cpu.status_reg), self.writes, self.extra_ok,
                    self.calls, self.hits, self.executed, self.steps, self.warnings, counter, final,
                    frozenset(self.unsettled))
 
@@ -1085,11 +1094,12 @@ def _both(ctx: _Context) -> tuple[Run, Run]:
 def _compare(ctx: _Context, o: Run, s: Run) -> list[str]:
     """What the spliced run did differently (empty: equivalent)."""
     h = ctx.h
+    mask = h.cpu.status_mask
     out: list[str] = []
     if o.exit != s.exit:
         out.append(f"exit: original {o.exit} ({h.where(o.exit.address)}), "
                    f"spliced {s.exit} ({h.where(s.exit.address)})")
-    regs = [f"{name} {o.regs[name]:#x}/{s.regs[name]:#x}" for name in GPRS
+    regs = [f"{name} {o.regs[name]:#x}/{s.regs[name]:#x}" for name in h.gprs
             if name not in o.unsettled and o.regs[name] != s.regs[name]]
     if regs:
         out.append(f"registers (original/spliced): {', '.join(regs)}")
@@ -1097,10 +1107,10 @@ def _compare(ctx: _Context, o: Run, s: Run) -> list[str]:
     # depends on where its translation blocks began (which a splice changes):
     # they are compared only when both runs stopped between instructions.
     faulted = {o.exit.kind, s.exit.kind} & _FAULTS
-    if not faulted and "flags" not in o.unsettled and (o.flags ^ s.flags) & STATUS_MASK:
-        bits = [n for n, b in FLAG_BITS.items() if (o.flags ^ s.flags) >> b & 1]
-        out.append(f"flags {'/'.join(bits)}: original {o.flags & STATUS_MASK:#x}, "
-                   f"spliced {s.flags & STATUS_MASK:#x}")
+    if not faulted and h.flags not in o.unsettled and (o.flags ^ s.flags) & mask:
+        bits = [n for n, b in h.cpu.status_bits.items() if (o.flags ^ s.flags) >> b & 1]
+        out.append(f"flags {'/'.join(bits)}: original {o.flags & mask:#x}, "
+                   f"spliced {s.flags & mask:#x}")
     out += _compare_writes(o, s)
     for k, (a, b) in enumerate(zip(o.calls, s.calls, strict=False)):
         if a != b:

@@ -43,7 +43,8 @@ _ELFCLASS = {1: "ELF32", 2: "ELF64"}
 _ELFDATA = {1: "little-endian", 2: "big-endian"}
 #: the machines ksim has an architecture for: e_machine -> ksim.arch name
 _MACHINES = {62: "x86_64", 183: "aarch64"}  # EM_X86_64, EM_AARCH64
-_ARCH_OF = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}  # as pyelftools names them
+#: the same by the names pyelftools gives e_machine
+ARCH_OF_MACHINE = {"EM_X86_64": "x86_64", "EM_AARCH64": "aarch64"}
 _ET_NAMES = {0: "ET_NONE", 1: "ET_REL", 2: "ET_EXEC", 3: "ET_DYN", 4: "ET_CORE"}
 _SHT_NULL, _SHT_SYMTAB, _SHT_NOBITS = 0, 2, 8
 _SHF_WRITE, _SHF_ALLOC, _SHF_EXECINSTR = 0x1, 0x2, 0x4
@@ -161,7 +162,7 @@ def _build(elf: ELFFile, path: str) -> Image:
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
         ))
     symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable)
-    return Image(path, _ARCH_OF[elf["e_machine"]], module, sections, symbols, bindings=bindings,
+    return Image(path, ARCH_OF_MACHINE[elf["e_machine"]], module, sections, symbols, bindings=bindings,
                  build_id=_build_id(raw_sections))
 
 

@@ -61,14 +61,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import capstone
 import unicorn
 from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
+from ksim.arch import get_arch
 from ksim.errors import BadRunValue, EmulationError, MalformedImage, TargetTimeout
+from ksim.image.elf import ARCH_OF_MACHINE
 from ksim.images import toy
-from ksim.machine.boards import BOARDS, EXIT_SUCCESS, Board
+from ksim.machine.boards import EXIT_SUCCESS, Board
 from ksim.targets.base import (
     HeldInterrupt,
     check_callback,
@@ -157,11 +158,13 @@ class UnicornMachine:
                 self._text.append((vaddr, vaddr + memsz))
         self._pristine = bytes(pristine)
 
-        try:
-            self._board: Board = BOARDS[e_machine](self)
-        except KeyError:
+        arch = ARCH_OF_MACHINE.get(e_machine)
+        if arch is None:
             raise MalformedImage(f"{self.path}: no unicorn machine for {e_machine} "
-                                 f"(known: {', '.join(BOARDS)})") from None
+                                 f"(known: {', '.join(ARCH_OF_MACHINE)})")
+        self._e_machine = e_machine
+        cpu = get_arch(arch).emulation
+        self._board: Board = cpu.board(self, cpu)
         self._uc = self._board.create()
         self._uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
         self._uc.mem_map(lo, hi - lo, unicorn.UC_PROT_ALL)
@@ -177,7 +180,7 @@ class UnicornMachine:
         self._icount = 0
         #: (address, size, instructions) of the block entered last (count_instructions)
         self._last_block: tuple[int, int, int] | None = None
-        self._md = capstone.Cs(self._board.cs_arch, self._board.cs_mode)
+        self._md = self._board.disassembler()
         self._hooks: list[int] = []
 
         self._add(unicorn.UC_HOOK_TLB_FILL, self._on_tlb_fill)
@@ -249,7 +252,7 @@ class UnicornMachine:
         try:
             return self._board.regs[name.lower()]
         except KeyError:
-            raise EmulationError(f"unknown {self._board.e_machine} register {name!r}") from None
+            raise EmulationError(f"unknown {self._e_machine} register {name!r}") from None
 
     @property
     def pc(self) -> int:

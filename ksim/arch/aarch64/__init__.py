@@ -36,9 +36,11 @@ from ksim.arch.base import (
     CallOperand,
     CodeScans,
     ComponentToolchain,
+    Emulation,
     FlowScan,
     Insn,
     JumpTableIdioms,
+    ModuleLoader,
     Relocation,
 )
 from ksim.errors import RelocationError
@@ -136,6 +138,15 @@ class AArch64:
     component_toolchain: ComponentToolchain | None = TOOLCHAIN
     #: the name register effects give the condition flags
     flags_reg = regs.FLAGS
+    #: relocatable arm64 modules are not loaded (ksim.image.elf refuses them)
+    module_loader: ModuleLoader | None = None
+
+    @property
+    def emulation(self) -> Emulation:
+        # imported when asked for: unicorn is loaded only by what emulates
+        from .emulation import EMULATION
+
+        return EMULATION
 
     def decode(self, code: bytes, address: int) -> Iterator[Insn]:
         from .reader import decode

@@ -15,9 +15,11 @@ from ksim.arch.base import (
     CallOperand,
     CodeScans,
     ComponentToolchain,
+    Emulation,
     FlowScan,
     Insn,
     JumpTableIdioms,
+    ModuleLoader,
     Relocation,
 )
 from ksim.errors import OutOfRange, RelocationError
@@ -63,6 +65,15 @@ TOOLCHAIN = ComponentToolchain(
     },
 )
 
+#: Modules: the module area (MODULES_VADDR, Documentation/arch/x86/x86_64/mm.rst)
+#: and the relocation types apply_relocate_add (arch/x86/kernel/module.c) applies
+#: to a .ko's tables: a component's, and "PC64" S+A-P, 64 bits (psABI Table 4.10).
+MODULE_LOADER = ModuleLoader(
+    base=0xFFFFFFFFC0000000,
+    relocations={**TOOLCHAIN.relocations,
+                 24: Relocation("R_X86_64_PC64", size=8, bits=64, pcrel=True)},
+)
+
 
 class X86_64:
     """x86-64 (System V / Linux kernel calling convention)."""
@@ -77,7 +88,16 @@ class X86_64:
     ret_reg = LINUX.ret_reg
     all_regs = LINUX.all_regs
     pc_reg = "rip"
+    flags_reg = "flags"
     component_toolchain: ComponentToolchain | None = TOOLCHAIN
+    module_loader: ModuleLoader | None = MODULE_LOADER
+
+    @property
+    def emulation(self) -> Emulation:
+        # imported when asked for: unicorn is loaded only by what emulates
+        from .emulation import EMULATION
+
+        return EMULATION
 
     def decode(self, code: bytes, address: int) -> Iterator[Insn]:
         from .reader import decode
