@@ -37,15 +37,15 @@ from elftools.elf.sections import SymbolTableSection
 
 from ksim import images
 from ksim.arch import DEFAULT_ARCH, Arch, get_arch
-from ksim.arch.base import ComponentToolchain, Relocation
+from ksim.arch.base import ComponentToolchain
 from ksim.errors import ComponentBuildError, ComponentUnsupported, LinkError, UnknownSymbol
+from ksim.image.reloc import apply_relocation
 from ksim.kapi import CodeBlock, Manager
 
 #: where bundled components' sources live
 SOURCE_DIR = Path(__file__).resolve().parent / "component_src"
 
 SHN_UNDEF = "SHN_UNDEF"
-_MASK64 = (1 << 64) - 1
 
 
 def toolchain(arch: Arch | str | None = None) -> ComponentToolchain:
@@ -271,31 +271,3 @@ def _relocations(elf: ELFFile, layout: dict[str, tuple[int, Any]]) -> Any:
 
 def _names(tc: ComponentToolchain) -> list[str]:
     return [f"{r.name} ({n})" for n, r in sorted(tc.relocations.items())]
-
-
-def apply_relocation(blob: bytearray, off: int, place: int, kind: Relocation, value: int,
-                     name: str) -> None:
-    """Apply one relocation of ``kind`` at ``blob[off:]`` (at address ``place``), whose
-    symbol plus addend is ``value`` (S + A); LinkError when it does not fit."""
-    if kind.page:
-        x = (value & ~0xFFF) - (place & ~0xFFF)
-    else:
-        x = value - place if kind.pcrel else value
-    x &= _MASK64
-    x = x - (1 << 64) if x >> 63 else x        # signed, as the address arithmetic wraps
-    if kind.range is not None and not kind.range[0] <= x < kind.range[1]:
-        raise LinkError(f"{kind.name} against {name!r} at {place:#x} is out of reach "
-                        f"({x:#x} not in [{kind.range[0]:#x}, {kind.range[1]:#x}))")
-    if x & ((1 << kind.shift) - 1):
-        raise LinkError(f"{kind.name} against {name!r} at {place:#x}: {x:#x} is not a "
-                        f"multiple of {1 << kind.shift}")
-    v = (x >> kind.shift) & ((1 << kind.bits) - 1)
-    if not kind.fields:
-        blob[off:off + kind.size] = v.to_bytes(kind.size, "little")
-        return
-    word = int.from_bytes(blob[off:off + kind.size], "little")
-    for lsb, width in kind.fields:
-        mask = (1 << width) - 1
-        word = (word & ~(mask << lsb)) | ((v & mask) << lsb)
-        v >>= width
-    blob[off:off + kind.size] = word.to_bytes(kind.size, "little")

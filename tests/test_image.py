@@ -12,9 +12,9 @@ from analysis_kernel import ABS_VALUE, fixture_kernel, fixture_module, toy_kerne
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ksim.arch import get_arch
 from ksim.errors import ImageError, KsimError, MalformedImage, UnknownSymbol, UnsupportedImage
 from ksim.image import (
-    MODULE_BASE,
     Image,
     load_image,
     load_image_bytes,
@@ -95,7 +95,9 @@ def test_module_layout() -> None:
     module = load_image(fixture_module())
     assert module.module == "module"
     addrs = [f.address for f in module.functions]
-    assert len(set(addrs)) == len(addrs) and min(addrs) >= MODULE_BASE
+    loader = get_arch(module.arch).module_loader
+    assert loader is not None
+    assert len(set(addrs)) == len(addrs) and min(addrs) >= loader.base
     spans = sorted((s.address, s.end) for s in module.sections)
     assert all(a_end <= b_start for (_a, a_end), (b_start, _b) in zip(spans, spans[1:], strict=False))
     note = module.function("note")

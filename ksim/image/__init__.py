@@ -1,12 +1,11 @@
 """Kernel images: loading ELF kernels, modules and kallsyms symbol lists."""
 
-from ksim.image.elf import MODULE_BASE, load_image, load_image_bytes
+from ksim.image.elf import load_image, load_image_bytes
 from ksim.image.image import Image, MemoryReader
 from ksim.image.kallsyms import load_kallsyms, parse_kallsyms, to_kallsyms
 from ksim.image.model import Function, Section, Symbol
 
 __all__ = [
-    "MODULE_BASE",
     "Function",
     "Image",
     "MemoryReader",

@@ -1,4 +1,4 @@
-"""Loading x86-64 ELF kernels (vmlinux) and kernel modules (.ko) into an :class:`Image`.
+"""Loading ELF kernels (vmlinux) and kernel modules (.ko) into an :class:`Image`.
 
 The file is checked for structural sanity (header, section table, section extents,
 symbol-table entry size) before pyelftools walks it, so that a corrupt file fails
@@ -8,18 +8,21 @@ is wrapped in :class:`MalformedImage` as well: nothing else escapes a loader.
 
 Relocatable modules (.ko, ``ET_REL``) have every section at address 0.  Their
 ``SHF_ALLOC`` sections are laid out one after another at synthetic addresses from
-:data:`MODULE_BASE` (honouring each section's alignment), so that every function
-has a unique address.  **Relocations are not applied**: a call to another
-function through an ``R_X86_64_PLT32`` relocation still reads ``e8 00 00 00 00``
-and so decodes as a call to the next instruction, and RIP-relative data references
-point at the wrong place.  Analysis of a module's functions is structural only.
+the architecture's module area (``Arch.module_loader``; honouring each section's
+alignment), so that every function has a unique address.  Modules are loaded for
+the architectures that declare a module loader (x86-64).  **Relocations are not
+applied** to code: a call to another function through an ``R_X86_64_PLT32``
+relocation still holds a zero displacement and so decodes as a call to the next
+instruction, and PC-relative data references point at the wrong place.  Analysis
+of a module's functions is structural only.
 
 The one exception is the address-keyed tables that :mod:`ksim.image.tables` reads
 (``__bug_table``, ``__ex_table``, ``__jump_table``, ``.static_call_sites``,
 ``__mcount_loc``, ``_kprobe_blacklist``): in a .ko they hold zeros until the module
 loader applies their ``.rela*`` sections, so their relocations against defined
-symbols are applied to those sections' bytes at the synthetic layout, as
-``apply_relocate_add`` (arch/x86/kernel/module.c) would at load time.
+symbols are applied to those sections' bytes at the synthetic layout, as the
+kernel's ``apply_relocate_add`` (arch/x86/kernel/module.c) would at load time,
+with the relocation types the architecture's module loader declares.
 """
 
 from __future__ import annotations
@@ -31,12 +34,12 @@ from typing import BinaryIO
 
 from elftools.elf.elffile import ELFFile
 
+from ksim.arch import get_arch
+from ksim.arch.base import ModuleLoader
 from ksim.errors import ImageError, KsimError, MalformedImage, UnsupportedImage
 from ksim.image.image import Image
 from ksim.image.model import Section, Symbol
-
-#: where the sections of a relocatable module are laid out (the x86-64 module area)
-MODULE_BASE = 0xFFFFFFFFC0000000
+from ksim.image.reloc import apply_relocation
 
 # ELF constants (System V gABI); tables, not logic.
 _ELFCLASS = {1: "ELF32", 2: "ELF64"}
@@ -63,14 +66,13 @@ TABLE_SECTIONS = frozenset({
     "__bug_table", "__ex_table", "__jump_table", ".static_call_sites", "__mcount_loc",
     "_kprobe_blacklist",
 })
-# the x86-64 relocation types the module loader applies (apply_relocate_add in
-# arch/x86/kernel/module.c): type -> (field width in bytes, PC-relative)
-_R_X86_64 = {1: (8, False), 2: (4, True), 4: (4, True), 10: (4, False), 11: (4, False),
-             24: (8, True)}  # 64, PC32, PLT32, 32, 32S, PC64; R_X86_64_NONE (0) is skipped
+#: relocation type 0 is every architecture's NONE (R_X86_64_NONE, R_AARCH64_NONE): no-op
+_R_NONE = 0
 
 
 def load_image(path: str | os.PathLike[str]) -> Image:
-    """Load an ELF kernel (x86-64 or AArch64) or an x86-64 module from ``path``."""
+    """Load an ELF kernel (x86-64 or AArch64) or a module (of an architecture with a
+    module loader: x86-64) from ``path``."""
     try:
         with open(path, "rb") as stream:
             return _load(stream, os.fstat(stream.fileno()).st_size, str(path))
@@ -113,9 +115,9 @@ def _check_header(header: bytes, file_size: int, path: str) -> None:
     if len(header) < _EHDR.size:
         raise MalformedImage(f"{path}: truncated ELF header ({file_size} bytes)")
     e_type = struct.unpack_from("<H", header, 16)[0]
-    if e_type == 1 and _MACHINES[machine] != "x86_64":
+    if e_type == 1 and get_arch(_MACHINES[machine]).module_loader is None:
         raise UnsupportedImage(f"{path}: relocatable {_MACHINES[machine]} modules are not "
-                               "supported (ksim applies x86-64 module relocations only)")
+                               "supported (ksim has no module loader for the architecture)")
 
 
 def _check_sections(stream: BinaryIO, header: bytes, file_size: int, path: str) -> None:
@@ -142,12 +144,16 @@ def _check_sections(stream: BinaryIO, header: bytes, file_size: int, path: str) 
 
 def _build(elf: ELFFile, path: str) -> Image:
     relocatable = elf["e_type"] == "ET_REL"
+    arch = ARCH_OF_MACHINE[elf["e_machine"]]
+    loader = get_arch(arch).module_loader
     raw_sections = list(elf.iter_sections())
-    bases = _layout(raw_sections) if relocatable else {
-        i: s["sh_addr"] for i, s in enumerate(raw_sections) if s["sh_flags"] & _SHF_ALLOC
-    }
+    if relocatable:
+        assert loader is not None  # _check_header refused the module otherwise
+        bases = _layout(raw_sections, loader.base)
+    else:
+        bases = {i: s["sh_addr"] for i, s in enumerate(raw_sections) if s["sh_flags"] & _SHF_ALLOC}
     module = _module_name(elf, path) if relocatable else "vmlinux"
-    relocated = _relocated_tables(raw_sections, bases) if relocatable else {}
+    relocated = _relocated_tables(raw_sections, bases, loader) if loader and relocatable else {}
     sections = []
     for i, sec in enumerate(raw_sections):
         flags = sec["sh_flags"]
@@ -162,7 +168,7 @@ def _build(elf: ELFFile, path: str) -> Image:
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
         ))
     symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable)
-    return Image(path, ARCH_OF_MACHINE[elf["e_machine"]], module, sections, symbols, bindings=bindings,
+    return Image(path, arch, module, sections, symbols, bindings=bindings,
                  build_id=_build_id(raw_sections))
 
 
@@ -188,10 +194,10 @@ def _build_id(raw_sections: list) -> bytes | None:
     return None
 
 
-def _layout(raw_sections: list) -> dict[int, int]:
-    """Synthetic addresses for a relocatable file's SHF_ALLOC sections, in file order."""
+def _layout(raw_sections: list, cursor: int) -> dict[int, int]:
+    """Synthetic addresses for a relocatable file's SHF_ALLOC sections, in file order
+    from ``cursor`` (the module area)."""
     bases: dict[int, int] = {}
-    cursor = MODULE_BASE
     for i, sec in enumerate(raw_sections):
         if not sec["sh_flags"] & _SHF_ALLOC:
             continue
@@ -205,10 +211,11 @@ def _layout(raw_sections: list) -> dict[int, int]:
     return bases
 
 
-def _relocated_tables(raw_sections: list, bases: dict[int, int]) -> dict[int, bytes]:
+def _relocated_tables(raw_sections: list, bases: dict[int, int],
+                      loader: ModuleLoader) -> dict[int, bytes]:
     """The bytes of each loaded :data:`TABLE_SECTIONS` section of a relocatable file,
     with its ``SHT_RELA`` relocations against defined symbols applied at the
-    synthetic layout.  Relocations against undefined symbols (a jump entry's static
+    synthetic layout by the architecture's ``loader``.  Relocations against undefined symbols (a jump entry's static
     key, say) stay unapplied: the fields they fill are not code addresses.
     """
     out: dict[int, bytearray] = {}
@@ -236,23 +243,22 @@ def _relocated_tables(raw_sections: list, bases: dict[int, int]) -> dict[int, by
         base = bases[target]
         for offset, info, addend in _RELA.iter_unpack(raw):
             sym, rtype = info >> 32, info & 0xFFFFFFFF
-            if rtype == 0:
+            if rtype == _R_NONE:
                 continue
-            if rtype not in _R_X86_64:
+            kind = loader.relocations.get(rtype)
+            if kind is None:
                 raise UnsupportedImage(f"{rela.name!r}: relocation type {rtype} at {offset:#x} "
-                                       "is not one the x86-64 module loader applies")
+                                       "is not one the kernel's module loader applies")
             if sym >= len(values):
                 raise MalformedImage(f"{rela.name!r}: relocation at {offset:#x} names symbol {sym} "
                                      f"of {len(values)}")
             value = values[sym]
             if value is None:
                 continue  # undefined (or in a section that is not loaded)
-            width, pc_relative = _R_X86_64[rtype]
-            if offset + width > len(data):
-                raise MalformedImage(f"{rela.name!r}: relocation at {offset:#x} runs past "
-                                     f"{table.name!r} ({len(data)} bytes)")
-            value += addend - (base + offset if pc_relative else 0)
-            data[offset:offset + width] = (value & ((1 << (8 * width)) - 1)).to_bytes(width, "little")
+            # out of reach is what apply_relocate_add refuses too ("overflow in
+            # relocation type"): a module the kernel would not load
+            apply_relocation(data, offset, base + offset, kind, value + addend,
+                             f"{table.name}+{offset:#x}", error=MalformedImage)
     return {i: bytes(data) for i, data in out.items()}
 
 
