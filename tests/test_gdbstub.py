@@ -170,17 +170,18 @@ VIRT_RAM = 0x40000000  # QEMU virt's RAM; the MMU is off at reset, so addresses 
 @needs_qemu_arm64
 def test_aarch64_register_file_breakpoint_and_step() -> None:
     """The AArch64 register file from the stub's target.xml (x0..x30, sp, pc,
-    cpsr: AARCH64_REGS), the program counter named as the Arch names it, and
+    cpsr: the Arch's gdb layout), the program counter named as the Arch names it, and
     breakpoints and steps on four-byte instructions."""
     from ksim.arch import get_arch
-    from ksim.machine.gdbstub import AARCH64_REGS
     from ksim.machine.qemu import QemuMachine
+
+    layout = get_arch("aarch64").gdb.layout
 
     with QemuMachine(accel="tcg", memory="64M", timeout=10.0, arch="aarch64") as m:
         gdb = m.gdb
         assert m.accel == "tcg"
-        assert [(name, size) for name, (_, _, size) in gdb.regs.items()][:len(AARCH64_REGS)] == \
-            list(AARCH64_REGS)
+        assert [(name, size) for name, (_, _, size) in gdb.regs.items()][:len(layout)] == \
+            list(layout)
         assert gdb.pc == get_arch("aarch64").pc_reg == "pc"
         # movz x0, #1; add x0, x0, #1; nop; b .-8 (back to the add)
         program = bytes.fromhex("200080d2" "00040091" "1f2003d5" "feffff17")

@@ -300,6 +300,16 @@ class ComponentToolchain:
 
 
 @dataclass(frozen=True)
+class GdbRegisters:
+    """The register file as a gdbstub (QEMU's) lays it out: the qSupported
+    ``xmlRegisters`` hint, and the 'g' packet's layout, (name, bytes) in order,
+    used when the stub serves no target.xml."""
+
+    xml_arch: str
+    layout: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
 class ModuleLoader:
     """How the kernel loads a relocatable module (``ET_REL``) of an architecture, as
     far as ``ksim.image.elf`` follows it: where the module area lies (the sections
@@ -426,6 +436,8 @@ class Arch(Protocol):
     #: how the kernel loads this architecture's modules (None: ksim does not load
     #: relocatable modules of it)
     module_loader: ModuleLoader | None
+    #: the register file as QEMU's gdbstub lays it out
+    gdb: GdbRegisters
 
     @property
     def emulation(self) -> Emulation:

@@ -27,23 +27,6 @@ from dataclasses import dataclass, field
 
 from ksim.errors import ProtocolError, TargetDied, TargetFault, TargetTimeout
 
-#: the x86-64 register file as QEMU's i386-64bit.xml lays out the 'g' packet
-#: (name, size in bytes).  Used when the stub does not offer target.xml.
-X86_64_REGS: tuple[tuple[str, int], ...] = (
-    ("rax", 8), ("rbx", 8), ("rcx", 8), ("rdx", 8), ("rsi", 8), ("rdi", 8),
-    ("rbp", 8), ("rsp", 8), ("r8", 8), ("r9", 8), ("r10", 8), ("r11", 8),
-    ("r12", 8), ("r13", 8), ("r14", 8), ("r15", 8), ("rip", 8), ("eflags", 4),
-    ("cs", 4), ("ss", 4), ("ds", 4), ("es", 4), ("fs", 4), ("gs", 4),
-    ("fs_base", 8), ("gs_base", 8), ("k_gs_base", 8),
-    ("cr0", 8), ("cr2", 8), ("cr3", 8), ("cr4", 8), ("cr8", 8), ("efer", 8),
-)
-
-#: the AArch64 register file as QEMU's aarch64-core.xml lays out the 'g'
-#: packet (x0..x30, sp, pc, cpsr; the FP/SIMD registers follow in their own feature)
-AARCH64_REGS: tuple[tuple[str, int], ...] = (
-    *((f"x{i}", 8) for i in range(31)), ("sp", 8), ("pc", 8), ("cpsr", 4),
-)
-
 #: signals a stop reply carries (POSIX numbering, as gdb uses on the wire)
 SIGINT, SIGTRAP = 2, 5
 
@@ -125,9 +108,7 @@ class GdbStub:
 
     def __init__(self, host: str, port: int, *, timeout: float = 10.0,
                  connect_timeout: float = 10.0, alive: object = None,
-                 xml_arch: str = "i386",
-                 registers: tuple[tuple[str, int], ...] = X86_64_REGS,
-                 pc: str = "rip") -> None:
+                 xml_arch: str, registers: tuple[tuple[str, int], ...], pc: str) -> None:
         """Connect (retrying until ``connect_timeout``: the stub may still be
         starting) and negotiate features.  ``alive`` is an optional callable
         returning False once the process behind the stub is gone, so that a
@@ -135,7 +116,7 @@ class GdbStub:
 
         ``xml_arch`` is the qSupported ``xmlRegisters`` hint, ``registers`` the
         'g' packet's layout when the stub serves no target.xml, ``pc`` the
-        program counter's name (the defaults are x86-64's)."""
+        program counter's name (the architecture's: ``Arch.gdb``, ``Arch.pc_reg``)."""
         self.host, self.port, self.timeout = host, port, timeout
         self.pc, self._xml_arch, self._fallback_regs = pc, xml_arch, registers
         self._alive = alive

@@ -45,7 +45,7 @@ from typing import Any
 
 from ksim.arch import get_arch
 from ksim.errors import TargetDied, TargetError, TargetTimeout
-from ksim.machine.gdbstub import AARCH64_REGS, X86_64_REGS, GdbStub, StopReply
+from ksim.machine.gdbstub import GdbStub, StopReply
 
 #: the isa-debug-exit port (the x86 toy kernel writes its exit status here)
 DEBUG_EXIT_IOBASE = 0xF4
@@ -64,11 +64,6 @@ class QemuProfile:
     machine_args: tuple[str, ...]
     #: -accel/-cpu per accelerator, in the order "auto" tries them
     accel_args: Mapping[str, tuple[str, ...]]
-    #: the qSupported xmlRegisters hint, and the 'g' packet's layout when the
-    #: stub offers no target.xml: (name, bytes).  The program counter is the
-    #: Arch's ``pc_reg`` (gdb and capstone name it alike).
-    gdb_xml_arch: str
-    gdb_registers: tuple[tuple[str, int], ...]
 
 
 PROFILES: dict[str, QemuProfile] = {
@@ -78,15 +73,13 @@ PROFILES: dict[str, QemuProfile] = {
         machine_args=("-device", f"isa-debug-exit,iobase={DEBUG_EXIT_IOBASE:#x},iosize=0x04"),
         # -cpu host only makes sense under KVM
         accel_args={"kvm": ("-accel", "kvm", "-cpu", "host"),
-                    "tcg": ("-accel", "tcg", "-cpu", "max")},
-        gdb_xml_arch="i386", gdb_registers=X86_64_REGS),
+                    "tcg": ("-accel", "tcg", "-cpu", "max")}),
     "aarch64": QemuProfile(
         arch="aarch64", binary="qemu-system-aarch64", env="KSIM_QEMU_AARCH64",
         install_hint="apt-get install qemu-system-arm",
         machine_args=("-M", "virt", "-semihosting-config", "enable=on,target=native"),
         # the CPU unicorn's arm64 target models (UC_CPU_ARM64_A57)
-        accel_args={"tcg": ("-accel", "tcg", "-cpu", "cortex-a57")},
-        gdb_xml_arch="aarch64", gdb_registers=AARCH64_REGS),
+        accel_args={"tcg": ("-accel", "tcg", "-cpu", "cortex-a57")}),
 }
 
 
@@ -270,11 +263,13 @@ class QemuMachine:
                 stdout=subprocess.DEVNULL, stderr=err, preexec_fn=_die_with_parent)
         self.accel = accel
         self._connect_qmp()
-        prof = self.profile
+        # the register file as the stub lays it out, and the program counter as
+        # the Arch names it (gdb and capstone name it alike)
+        arch = get_arch(self.profile.arch)
         self.gdb = GdbStub("127.0.0.1", port, timeout=self.timeout,
                            connect_timeout=self.timeout, alive=self.alive,
-                           xml_arch=prof.gdb_xml_arch, registers=prof.gdb_registers,
-                           pc=get_arch(prof.arch).pc_reg)
+                           xml_arch=arch.gdb.xml_arch, registers=arch.gdb.layout,
+                           pc=arch.pc_reg)
 
     def _connect_qmp(self) -> None:
         from qemu.qmp.legacy import QEMUMonitorProtocol

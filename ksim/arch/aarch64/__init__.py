@@ -38,6 +38,7 @@ from ksim.arch.base import (
     ComponentToolchain,
     Emulation,
     FlowScan,
+    GdbRegisters,
     Insn,
     JumpTableIdioms,
     ModuleLoader,
@@ -140,6 +141,7 @@ class AArch64:
     flags_reg = regs.FLAGS
     #: relocatable arm64 modules are not loaded (ksim.image.elf refuses them)
     module_loader: ModuleLoader | None = None
+    gdb = GdbRegisters("aarch64", regs.GDB_REGS)
 
     @property
     def emulation(self) -> Emulation:

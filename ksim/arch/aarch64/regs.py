@@ -50,6 +50,12 @@ def invert_cond(cond: int) -> int | None:
     return None if cond in (AL, NV) else cond ^ 1
 
 
+#: the register file as QEMU's aarch64-core.xml lays out gdb's 'g' packet (name,
+#: bytes): x0..x30, sp, pc, cpsr; the FP/SIMD registers follow in their own feature
+GDB_REGS: tuple[tuple[str, int], ...] = (
+    *((f"x{i}", 8) for i in range(31)), ("sp", 8), ("pc", 8), ("cpsr", 4),
+)
+
 # Names capstone (and assemblers) use -> canonical name; the zero register is None.
 _CANONICAL: dict[str, str | None] = {}
 for _n in range(31):

@@ -17,6 +17,7 @@ from ksim.arch.base import (
     ComponentToolchain,
     Emulation,
     FlowScan,
+    GdbRegisters,
     Insn,
     JumpTableIdioms,
     ModuleLoader,
@@ -91,6 +92,7 @@ class X86_64:
     flags_reg = "flags"
     component_toolchain: ComponentToolchain | None = TOOLCHAIN
     module_loader: ModuleLoader | None = MODULE_LOADER
+    gdb = GdbRegisters("i386", regs.GDB_REGS)
 
     @property
     def emulation(self) -> Emulation:

@@ -56,6 +56,17 @@ UNARY: dict[str, int] = {"not": 2, "neg": 3, "mul": 4, "imul": 5, "div": 6, "idi
 SEGMENT_PREFIX: dict[str, int] = {"es": 0x26, "cs": 0x2E, "ss": 0x36, "ds": 0x3E, "fs": 0x64, "gs": 0x65}
 
 
+#: the register file as QEMU's i386-64bit.xml lays out gdb's 'g' packet (name, bytes)
+GDB_REGS: tuple[tuple[str, int], ...] = (
+    ("rax", 8), ("rbx", 8), ("rcx", 8), ("rdx", 8), ("rsi", 8), ("rdi", 8),
+    ("rbp", 8), ("rsp", 8), ("r8", 8), ("r9", 8), ("r10", 8), ("r11", 8),
+    ("r12", 8), ("r13", 8), ("r14", 8), ("r15", 8), ("rip", 8), ("eflags", 4),
+    ("cs", 4), ("ss", 4), ("ds", 4), ("es", 4), ("fs", 4), ("gs", 4),
+    ("fs_base", 8), ("gs_base", 8), ("k_gs_base", 8),
+    ("cr0", 8), ("cr2", 8), ("cr3", 8), ("cr4", 8), ("cr8", 8), ("efer", 8),
+)
+
+
 def reg_num(name: str) -> int:
     try:
         return REG_NUM[name]
