@@ -54,7 +54,9 @@ class Census:
         self.facts = SiteFacts(image, self.arch)
         text_end = max(end for _s, end in image.text_regions)
         self.area = (text_end + 0x100000) & ~0xFFF
-        self.snippet = b"\x90"  # the planner's decisions do not depend on the snippet's bytes
+        # the planner's decisions do not depend on the snippet's bytes: any one
+        # instruction will do
+        self.snippet = self.arch.trap
 
     # --- the sites ------------------------------------------------------------------
     def sites(self, family: str) -> list[int]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from ksim.arch.x86_64.reader import insn_lengths
+from ksim.arch import DEFAULT_ARCH, Arch, get_arch
 from ksim.bench.common import Skip
 from ksim.image import Function, Image
 
@@ -73,23 +73,18 @@ class CodeSet:
     def code(self, func: Function) -> bytes:
         """The function's bytes without the padding after it (int3/nop fill that
         kallsyms-derived sizes include)."""
-        return trim_padding(self.image.code(func), func.address)
+        return trim_padding(self.image.code(func), func.address, get_arch(self.image.arch))
 
 
-def trim_padding(code: bytes, address: int) -> bytes:
-    """Cut the trailing run of int3 and nop instructions (alignment fill)."""
+def trim_padding(code: bytes, address: int, arch: Arch | None = None) -> bytes:
+    """Cut the trailing run of alignment fill (x86-64: int3 and nops; the
+    architecture's ``is_filler``); ``arch`` is the default one when not given."""
+    arch = arch if arch is not None else get_arch(DEFAULT_ARCH)
     end = 0
-    for addr, size in insn_lengths(code, address):
-        off = addr - address
-        if code[off] == 0xCC or _is_nop(code[off:off + size]):
-            continue
-        end = off + size
+    for insn in arch.decode(code, address):
+        if not arch.is_filler(insn):
+            end = insn.end - address
     return code[:end]
-
-
-def _is_nop(raw: bytes) -> bool:
-    stripped = raw.lstrip(b"\x66\x2e")
-    return stripped[:1] == b"\x90" or stripped[:2] == b"\x0f\x1f"
 
 
 def runs_by_anchor(image: Image, runs: list[tuple[str, str, str, str]], label: str) -> list[Function]:

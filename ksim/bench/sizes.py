@@ -11,18 +11,14 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-from ksim.arch.base import Flow
-from ksim.arch.x86_64.reader import decode
+from ksim.arch import get_arch
+from ksim.arch.base import Arch, Flow, Insn
 from ksim.bench.common import Context, Section, Table, pyplot, save
 from ksim.bench.corpus import PAPER_NAMES, CodeSet, all_sets
 
 NAME = "sizes"
 TITLE = "Instruction lengths in kernel code (paper Fig. 4)"
 MAX_LEN = 15
-#: the 5-byte instructions modern kernels start functions with: call __fentry__
-#: (e8 rel32, turned into the nop below at boot) and the 5-byte nop itself
-FENTRY_CALL = 0xE8
-NOP5 = bytes.fromhex("0f1f440000")
 
 
 #: what makes an instruction 5 bytes or longer: a rel32 branch or call, a REX prefix
@@ -35,11 +31,12 @@ def measure(cs: CodeSet, limit: int | None = None) -> dict[str, Any]:
     fentry = 0
     long_kinds: Counter[str] = Counter()
     funcs = cs.functions[:limit] if limit else cs.functions
+    arch = get_arch(cs.image.arch)
     for func in funcs:
         code = cs.code(func)
         if not code:
             continue
-        insns = list(decode(code, func.address))
+        insns = list(arch.decode(code, func.address))
         sizes = [i.size for i in insns]
         if not sizes:
             continue
@@ -50,7 +47,7 @@ def measure(cs: CodeSet, limit: int | None = None) -> dict[str, Any]:
                 long_kinds["rex"] += _has_rex(i.raw)
         lengths.update(sizes)
         first[sizes[0]] += 1
-        if sizes[0] == 5 and (code[0] == FENTRY_CALL or code[:5] == NOP5):
+        if _fentry_site(arch, insns[0]):
             fentry += 1
     total = sum(lengths.values()) or 1
     nfuncs = sum(first.values()) or 1
@@ -72,6 +69,13 @@ def measure(cs: CodeSet, limit: int | None = None) -> dict[str, Any]:
         "ge5_rex_share": long_kinds["rex"] / (long_kinds["all"] or 1),
         "method": cs.method,
     }
+
+
+def _fentry_site(arch: Arch, insn: Insn) -> bool:
+    """Whether a function's first instruction is its ftrace site: a jump-sized
+    direct call (call __fentry__, x86-64's e8 rel32) or the nop of that size the
+    kernel turns it into at boot."""
+    return insn.size == arch.jmp_size and (insn.flow is Flow.CALL or arch.is_filler(insn))
 
 
 def _has_rex(raw: bytes) -> bool:
