@@ -135,6 +135,7 @@ ERRORS: dict[tuple[str, int], str] = {
     ("POKE", errno.EPERM): "blacklisted",
     ("POKE", errno.EBUSY): "already-spliced",
     ("POKE", errno.ENOSPC): "out-of-memory",
+    ("POKE", errno.ENOENT): "unknown-handle",          # a route to clear is none of its owner's
     ("SET_TRAP", errno.ERANGE): "outside-text",
     ("SET_TRAP", errno.EPERM): "blacklisted",
     ("SET_TRAP", errno.EBUSY): "already-spliced",

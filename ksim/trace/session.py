@@ -20,17 +20,40 @@ import fnmatch
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksim.analysis.points import PointKind
-from ksim.errors import KsimError, UnknownSymbol
+from ksim.errors import KsimError, OutOfMemory, UnknownSymbol
 from ksim.snippets import ast
 
 from . import syntax as t
-from .compiler import BINOPS, COMPARES, STATEMENTS, ProbeCompiler, Site, analyse
+from .compiler import (
+    BINOPS,
+    COMPARES,
+    STATEMENTS,
+    ProbeCompiler,
+    Site,
+    analyse,
+    constant_key,
+    map_refs,
+)
 from .errors import TraceError, TraceSemanticError, TraceUnsupported
 from .events import Drain, Ring, allocate_ring, render
-from .maps import MASK, MapLayout, Table, encode_extreme, layout_for, scalar, signed
+from .maps import (
+    MASK,
+    PROBES,
+    MapLayout,
+    MapUse,
+    Sizing,
+    Table,
+    encode_extreme,
+    layout_size,
+    place,
+    scalar,
+    shrink,
+    signed,
+    size_map,
+)
 from .output import MapPrinter
 
 
@@ -47,31 +70,54 @@ class Exited(Exception):
     """An action called exit(): the run stops (raised from the run's progress)."""
 
 
+class Output(NamedTuple):
+    """One piece of what a program prints: its kind ("printf", "time", "value", "map",
+    "hist", "lost_events", "lost_keys"), its text, and its data for JSON
+    (ksim.trace.output.record)."""
+
+    kind: str
+    text: str
+    data: Any
+
+
 class TraceSession:
     def __init__(self, manager: Any, program: t.Program, *, splice: str = "auto",
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, max_map_keys: int | None = None) -> None:
         self.m = manager
         #: only this process's hits run the probes' actions (None: every process's)
         self.pid = pid
         self.program = program
         self.splice = splice
+        #: the keys a map whose keys are computed holds: the caller's setting, else the
+        #: program's config, else bpftrace's default (None)
+        self.max_map_keys = max_map_keys if max_map_keys is not None else \
+            program.config.get("max_map_keys")
         try:
             self.analysis = analyse(program)
         except TraceError as exc:
             raise exc.located(program.source, program.filename) from None
         self.names: list[str] = []
+        self._name_at: dict[str, int] = {}
         self.layouts: dict[str, MapLayout] = {}
+        self.tables: dict[str, Table] = {}
+        #: per keyed map, the records constant keys got before the run, and the
+        #: numbers of those that have words of their own instead
+        self.placed: dict[str, dict[tuple[int, ...], int]] = {}
+        self.direct: dict[str, dict[tuple[int, ...], int]] = {}
+        #: seconds spent attaching (resolving, allocating, compiling, splicing) and
+        #: detaching (all probes out)
+        self.timings: dict[str, float] = {}
         self.stop: ast.Var | None = None
         self.attached: dict[int, Attached] = {}
         self.skipped: dict[str, str] = {}
         self.handles: list[Any] = []
-        #: what print() and the exit printed, in order: (kind, text, json data)
-        self.printed: list[tuple[str, str, Any]] = []
+        #: everything the program printed, in order
+        self.printed: list[Output] = []
         self.exited = False
         self.ring: Ring | None = None
         self.drain: Drain | None = None
-        #: called with each piece of text as soon as it is printed (printf while running)
-        self.out: Callable[[str], None] | None = None
+        #: called with each Output as soon as it is printed (printf while running)
+        self.out: Callable[[Output], None] | None = None
         #: (period in ns, probe) of every interval attach point; when each runs next
         self.intervals: list[tuple[int, t.Probe]] = [
             (ap.period_ns, p) for p in program.probes for ap in p.points
@@ -80,24 +126,98 @@ class TraceSession:
 
     # --- setting up -------------------------------------------------------------------------
     def name_index(self, name: str) -> int:
-        if name not in self.names:
+        """The index of ``name`` in the program's table of names (a dict: a kprobe on
+        every function of a kernel names tens of thousands)."""
+        at = self._name_at.get(name)
+        if at is None:
+            at = self._name_at[name] = len(self.names)
             self.names.append(name)
-        return self.names.index(name)
+        return at
 
     def table(self, name: str) -> Table:
-        return Table(self.layouts[name], self.m.copy_from_kernel, self.m.copy_to_kernel)
+        return self.tables[name]
 
-    def preclaim(self, lay: MapLayout, key: tuple[int, ...]) -> int | None:
-        return Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel).find(key, claim=True)
+    def placed_record(self, lay: MapLayout, key: tuple[int, ...]) -> tuple[str, int] | None:
+        """Where constant ``key`` is: ("record", r) or ("direct", n) (None: searched for)."""
+        name = lay.type.name
+        if key in self.placed[name]:
+            return "record", self.placed[name][key]
+        if key in self.direct[name]:
+            return "direct", self.direct[name][key]
+        return None
+
+    def uses(self) -> dict[str, MapUse]:
+        """What each keyed map's accesses key it by, over every point the probes were
+        resolved to: the constant keys (``func`` and ``probe`` of each point, integer
+        literals) and whether some key is computed."""
+        out = {name: MapUse() for name, mtype in self.analysis.maps.items() if mtype.keys}
+        sites: dict[int, list[Site]] = {}
+        for at in self.attached.values():
+            for probe in at.probes:
+                sites.setdefault(id(probe), []).append(at.site)
+        for probe in self.program.probes:
+            kernel = not any(ap.provider in t.CLIENT_PROVIDERS for ap in probe.points)
+            for ref in map_refs(probe):
+                use = out[ref.name]
+                for site in sites.get(id(probe), []) if kernel else [None]:
+                    key = tuple(constant_key(k, site, self.name_index) for k in ref.keys)
+                    if None in key:  # computed at every point alike
+                        use.computed = True
+                        use.kernel_computed |= kernel
+                        break
+                    use.consts[key] = None  # type: ignore[index]
+        return out
 
     def allocate(self) -> None:
-        for name, mtype in sorted(self.analysis.maps.items()):
-            self.layouts[name] = layout_for(mtype, self.m.alloc_data, self.names)
+        """The stop flag, the event ring and every map, each map sized by what keys it
+        (ksim.trace.maps.size_map); constant keys get their records."""
         if self.analysis.exits:
             self.stop = self.m.malloc(8)
         if self.analysis.formats:
             self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats)
             self.drain = Drain(self.ring, self.m.copy_from_kernel, self.m.copy_to_kernel, self.names)
+        uses = self.uses()
+        sizings = {name: size_map(use, self.max_map_keys) for name, use in uses.items()}
+        while True:
+            try:
+                self._allocate_maps(sizings)
+                break
+            except OutOfMemory as exc:
+                # the heap is short: a map sized by default (4,096 keys, as bpftrace)
+                # holds half as many, the largest first; a size the program set stays
+                smaller = {name: (layout_size(self.analysis.maps[name], s), s2)
+                           for name, s in sizings.items() if (s2 := shrink(uses[name], s))}
+                if not smaller:
+                    sizes = ", ".join(f"{name} {layout_size(mtype, sizings.get(name, Sizing(1, 0, 1)))} "
+                                      "bytes" for name, mtype in sorted(self.analysis.maps.items()))
+                    raise OutOfMemory(f"the data heap has no room for the maps ({sizes}): "
+                                      f"{exc}") from None
+                name = max(smaller, key=lambda n: smaller[n][0])
+                sizings[name] = smaller[name][1]
+        for name, lay in self.layouts.items():
+            if not lay.keyed:
+                continue
+            consts = uses[name].consts if lay.sizing.place else {}
+            placed, image = place(lay, consts)
+            self.placed[name] = placed
+            self.direct[name] = {key: n for n, key in enumerate(uses[name].consts)} \
+                if lay.direct else {}
+            if any(image):
+                self.m.copy_to_kernel(lay.base, image)
+            # a map the kernel never searches is indexed by the client alone
+            self.tables[name] = Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel,
+                                      placed if not lay.slots else None, self.direct[name])
+
+    def _allocate_maps(self, sizings: dict[str, Sizing]) -> None:
+        """One block per map, all or none."""
+        for lay in self.layouts.values():
+            self.m.free(lay.base)
+        self.layouts.clear()
+        for name, mtype in sorted(self.analysis.maps.items()):
+            lay = MapLayout(mtype, 0, sizings.get(name, Sizing(1, 0, 1)), self.names)
+            lay.base = self.m.alloc_data(lay.size)
+            self.layouts[name] = lay
+            self.tables[name] = Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel)
 
     def resolve(self) -> None:
         """The points every kprobe/kretprobe attach point names."""
@@ -183,7 +303,7 @@ class TraceSession:
         parts = []
         for probe in at.probes:
             compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
-                                     name_index=self.name_index, preclaim=self.preclaim,
+                                     name_index=self.name_index, placed=self.placed_record,
                                      ring=self.ring, clock=self.clock)
             try:
                 parts.append(compiler.compile(probe))
@@ -197,23 +317,27 @@ class TraceSession:
     @property
     def clock(self) -> int | None:
         """The kernel function ``nsecs`` calls (None: the cycle counter)."""
-        abi = getattr(self.m.target, "abi", None)
-        return getattr(abi, "clock_ns", None)
+        return self.m.target.abi.clock_ns
 
     def attach(self) -> None:
-        """Allocate the maps, resolve the probes and splice them in one batch."""
+        """Resolve the probes, allocate the maps (sized by the points found), compile
+        and splice them in one batch; ``timings["attach_s"]`` is how long it took."""
+        start = time.perf_counter()
         if self.clock is not None:
             self.m.allow_calls(self.clock)
-        self.allocate()
         self.resolve()
+        self.allocate()
         points = [a.point for a in self.attached.values()]
         snippets = {a.point.address: self.snippet(a.point) for a in self.attached.values()}
         self.handles = self.m.insert_many(points, lambda p: snippets[p.address], splice=self.splice)
+        self.timings["attach_s"] = time.perf_counter() - start
 
     def detach(self) -> None:
+        start = time.perf_counter()
         if self.handles:
             self.m.remove_many(self.handles)
             self.handles = []
+        self.timings["detach_s"] = time.perf_counter() - start
 
     def tactics(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -254,9 +378,10 @@ class TraceSession:
                     raise exc.located(self.program.source, self.program.filename) from None
 
     def emit(self, kind: str, text: str, data: Any) -> None:
-        self.printed.append((kind, text, data))
+        out = Output(kind, text, data)
+        self.printed.append(out)
         if self.out is not None:
-            self.out(text)
+            self.out(out)
 
     def events(self) -> None:
         """Print the events printf published since the last call."""
@@ -273,12 +398,14 @@ class TraceSession:
     def end(self) -> None:
         self.events()
         if self.lost_events():
-            self.emit("lost", f"Lost {self.lost_events()} events\n", self.lost_events())
+            self.emit("lost_events", f"Lost {self.lost_events()} events\n", self.lost_events())
         if self.stop is not None and self.m.read(self.stop):
             self.exited = True
         self._special("END")
         for name in sorted(self.layouts):
             self.print_map(name)
+        for lost in self.lost_keys():
+            self.emit("lost_keys", lost_text(lost), lost)
 
     def probe_count(self) -> int:
         """The probes, counted as bpftrace's "Attaching N probes..." counts them before
@@ -303,8 +430,8 @@ class TraceSession:
         entries = self.table(name).entries()
         printer = MapPrinter(lay)
         text = printer.text(entries)
-        if text:
-            self.emit("map", text + "\n", {name: printer.json(entries)})
+        if text:  # "hist" or "map", as bpftrace's JSON output names them
+            self.emit("hist" if printer.hist else "map", text + "\n", {name: printer.json(entries)})
 
     def maps_json(self) -> dict[str, Any]:
         out = {}
@@ -317,7 +444,19 @@ class TraceSession:
         return out
 
     def lost(self) -> dict[str, int]:
+        """Updates of each map that found no record for their key."""
         return {name: n for name in sorted(self.layouts) if (n := self.table(name).lost())}
+
+    def lost_keys(self) -> list[dict[str, Any]]:
+        """Each map that lost updates: how many, how many keys it holds, its
+        max_map_keys, and whether it is full (else no free index slot was near)."""
+        out = []
+        for name, n in self.lost().items():
+            lay = self.layouts[name]
+            used = self.table(name).records_used()
+            out.append({"map": name, "lost": n, "keys": used,
+                        "max_map_keys": lay.sizing.max_map_keys, "full": used >= lay.capacity})
+        return out
 
     def output(self) -> str:
         return "".join(text for _, text, _ in self.printed)
@@ -396,8 +535,9 @@ class Interpreter:
         lay = table.layout
         kind = lay.type.kind
         slot = table.find(self.keys(ref), claim=True)
-        if slot is None:
-            raise TraceSemanticError(f"{ref.name} is full", ref.loc)
+        if slot is None:       # no record left: lost, as the kernel's updates are
+            table.count_lost()
+            return
         arg = 0
         if isinstance(value, t.Call) and value.name in ("count", "sum", "min", "max", "avg",
                                                          "hist", "lhist") and op == "=":
@@ -481,6 +621,15 @@ class Interpreter:
                        "^": a ^ b}[op])
 
 
+def lost_text(lost: dict[str, Any]) -> str:
+    """The warning for a map that lost updates (one of ``lost_keys()``)."""
+    head = f"WARNING: {lost['map']}: {lost['lost']} update{'s' if lost['lost'] != 1 else ''} lost: "
+    if lost["full"]:
+        return head + f"the map is full (max_map_keys={lost['max_map_keys']})\n"
+    return head + (f"no free index slot within {PROBES} of their keys' hash (the map holds "
+                   f"{lost['keys']} of max_map_keys={lost['max_map_keys']})\n")
+
+
 def bucket(lay: MapLayout, v: int) -> int:
     """The histogram bucket of ``v`` (what the snippet computes)."""
     v = signed(v)
@@ -499,4 +648,4 @@ def bucket(lay: MapLayout, v: int) -> int:
     return 2 + v.bit_length() - 1
 
 
-__all__ = ["Exited", "Interpreter", "TraceSession", "bucket"]
+__all__ = ["Exited", "Interpreter", "Output", "TraceSession", "bucket", "lost_text"]

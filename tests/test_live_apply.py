@@ -1,0 +1,126 @@
+"""Target.apply on the live kernel: a change is one request and one module batch, all
+or nothing; planning and dry runs cost no request per point."""
+
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from ksim.errors import KsimError, UnknownHandle, UnsafeSite
+from ksim.kapi import Manager
+from ksim.live.client import LiveTarget
+from ksim.live.testing import dmesg_problems, plain_site, routes_of, target, testbed  # noqa: F401
+from ksim.splice.patch import Change, Write
+from ksim.targets.base import Capabilities
+
+pytestmark = [pytest.mark.live, pytest.mark.slow]
+
+FUNC = "__x64_sys_getppid"
+
+
+@contextmanager
+def requests(t: LiveTarget) -> Iterator[Counter[str]]:
+    """The requests ``t`` sends while inside, by op (its own connection's log)."""
+    seen: Counter[str] = Counter()
+    send = t.conn.request
+
+    def counted(op: str, *args, **kwargs):
+        seen[op] += 1
+        return send(op, *args, **kwargs)
+
+    t.conn.request = counted  # type: ignore[method-assign]
+    try:
+        yield seen
+    finally:
+        del t.conn.request
+
+
+def test_capabilities_are_declared(target: LiveTarget) -> None:
+    caps = target.capabilities
+    assert isinstance(caps, Capabilities)
+    assert caps.traps and caps.hazards and caps.keep and not caps.python_hooks
+    assert caps.exec == bool(target.info["allow_exec"])
+    assert caps.oracles == ("kprobe",) and caps.nr_cpus >= 1
+    assert caps.max_items and caps.max_bytes
+
+
+def test_an_insert_and_a_removal_are_one_request_each(testbed: dict) -> None:
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        counter = m.malloc(8)
+        bump = counter.atomic_assign(counter + 1)
+        first = m.insert_snippet(m.entry_point("__x64_sys_getpgrp"), bump)  # takes an area
+        point = m.entry_point(FUNC)
+        with requests(m.target) as seen:
+            h = m.insert_snippet(point, bump, splice="trap")
+        assert seen == Counter(poke=1)
+        site = m.patch_of(h).trap_site
+        assert routes_of(m.target)[site] == m.patch_of(h).routes[0][1]
+        # a second snippet at the trap: a new patch, the route re-pointed, one request
+        with requests(m.target) as seen:
+            h2 = m.insert_snippet(point, bump, splice="trap")
+        assert seen == Counter(poke=1)
+        assert routes_of(m.target)[site] == m.patch_of(h2).routes[0][1]
+        with requests(m.target) as seen:
+            m.remove_many([h, h2])
+        assert seen == Counter(poke=1)
+        assert site not in routes_of(m.target)
+        m.remove_snippet(first)
+        assert dmesg_problems(m.target) == []
+    finally:
+        m.detach()
+
+
+def test_a_refused_part_changes_nothing(testbed: dict) -> None:
+    """Patch code, a route and a text write the kernel refuses (the ftrace location at
+    the function's entry), in one change: the module refuses the whole batch."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    t = m.target
+    try:
+        fn = m.find_function(FUNC)
+        site = plain_site(t, FUNC)
+        code = t.alloc_code(64, near=site)
+        area, entry = t.read(code, 16), t.read(fn.address, 5)
+        change = Change(code=(Write(code, area, bytes(16)),), routes=((site, code),),
+                        text=(Write(fn.address, entry, t.arch.jmp(fn.address, code)),))
+        with requests(t) as seen, pytest.raises(UnsafeSite, match="ftrace"):
+            t.apply(change)
+        assert seen["poke"] == 1
+        assert t.read(code, 16) == area and t.read(fn.address, 5) == entry
+        assert routes_of(t) == {}
+        with pytest.raises(UnknownHandle):
+            t.apply(Change(routes=((site, 0),)))
+        t.free_code(code)
+    finally:
+        m.detach()
+
+
+def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        funcs = [f for f in m.target.image.functions if f.name.startswith("tcp_")]
+        m.spliceable_entries(funcs)  # analyses them (reads text once, kept)
+        with requests(m.target) as seen:
+            ok, refused = m.spliceable_entries(funcs)
+        assert len(ok) > 200, refused
+        # the kernel's hazards of every function, asked once; an area to plan in
+        assert set(seen) <= {"hazards", "alloc_code", "free_code"} and seen["hazards"] == 1, seen
+        counters = dict(zip((p.address for _, p in ok), m.malloc_array(len(ok)), strict=True))
+        with requests(m.target) as seen:
+            hs = m.insert_many([p for _, p in ok], lambda p: counters[p.address].atomic_assign(
+                counters[p.address] + 1))
+        # one change; an area for the batch's patch code and one read of its bytes; the
+        # kernel's word on the padding its springboards may use, asked at once
+        assert seen["hazards"] <= 1, seen
+        assert seen - Counter(hazards=1) == Counter(poke=1, alloc_code=1, read=1), seen
+        with requests(m.target) as seen:
+            m.remove_many(hs)
+        assert seen == Counter(poke=1, free_code=1), seen  # the area goes back with them
+    except KsimError:
+        raise
+    finally:
+        m.detach()
