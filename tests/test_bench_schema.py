@@ -162,3 +162,56 @@ def test_cli_prints_json_like_every_command(tmp_path, capsys):
     assert main(["bench", "offset", "--smoke", "--no-progress", "--json", "-o", str(path)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert validate(printed) == [] and printed == json.loads(path.read_text())
+
+
+# --- a row that cannot run is skipped with its reason; its section keeps the rest -------------
+def test_a_missing_bpftrace_is_a_skipped_row(tmp_path, monkeypatch):
+    """KSIM_BPFTRACE naming a file that does not exist: the bpftrace rows of per-hit are
+    recorded as skipped, with the path in the reason, and nothing is raised."""
+    from ksim.bench import bpftrace, perhit
+    from ksim.bench.common import Skip
+
+    absent = tmp_path / "no-such-bpftrace"
+    monkeypatch.setenv(bpftrace.BINARY_ENV, str(absent))
+    with pytest.raises(Skip, match="no-such-bpftrace"):
+        bpftrace.binary()
+    rows = [{"variant": "uninstrumented", "min_cycles_per_call": 30.0}]
+    for kind in ("kprobe", "kfunc"):
+        # the bpftrace rows need no target before they know there is no bpftrace
+        perhit._row(rows, f"bpftrace {kind} count()",
+                    lambda kind=kind: perhit._bpftrace_count(None, kind, "true"))
+    assert rows[0] == {"variant": "uninstrumented", "min_cycles_per_call": 30.0}
+    assert [r["variant"] for r in rows[1:]] == ["bpftrace kprobe count()", "bpftrace kfunc count()"]
+    for r in rows[1:]:
+        assert set(r) == {"variant", "skipped"} and str(absent) in r["skipped"]
+
+
+def test_a_bpftrace_the_guest_cannot_see_is_skipped(tmp_path, monkeypatch):
+    """An executable under /tmp exists on the host but not in the guest (its /tmp is a
+    tmpfs of its own): skipped, saying so."""
+    from ksim.bench import bpftrace
+    from ksim.bench.common import Skip
+
+    exe = tmp_path / "bpftrace"
+    exe.write_text("#!/bin/sh\nexit 0\n")
+    exe.chmod(0o755)
+    if not str(exe.resolve()).startswith("/tmp/"):
+        pytest.skip("pytest's temporary directory is not under /tmp here")
+    monkeypatch.setenv(bpftrace.BINARY_ENV, str(exe))
+    with pytest.raises(Skip, match="under /tmp"):
+        bpftrace.binary()
+
+
+def test_validate_wants_a_reason_for_every_skipped_or_failed_row():
+    def doc(rows):
+        return {"schema": SCHEMA, "machine": {}, "started": "t", "mode": "quick", "benchmarks": {
+            "per-hit": {"status": "ok", "seconds": 1.0, "tables": [], "notes": [],
+                        "results": {"live": {"rows": rows}, "qemu": {"skipped": "no qemu"}}}}}
+
+    good = [{"variant": "ksim jmp", "min_cycles_per_call": 60.0},
+            {"variant": "bpftrace kfunc count()", "skipped": "bpftrace is not installed"},
+            {"variant": "kprobe int3", "error": "TargetError: refused"}]
+    assert validate(doc(good)) == []
+    problems = validate(doc([{"variant": "a", "skipped": ""}, {"variant": "b", "error": None}]))
+    assert len(problems) == 2
+    assert "live.rows[0].skipped" in problems[0] and "live.rows[1].error" in problems[1]

@@ -10,13 +10,29 @@ maps); it reports one JSON line: ``status`` (ok, timeout, error), ``startup_s``,
 printed) and the workload's own output.  A run -- attaching, the workload,
 detaching -- longer than ``limit`` seconds is killed and reported as a timeout
 with the phase it was in.
+
+The bpftrace binary is the host's (the guest runs the host's root filesystem):
+``KSIM_BPFTRACE`` names one (a path the guest sees, so not under /tmp, which the
+guest has a tmpfs over), otherwise ``bpftrace`` on PATH, installed with apt when
+missing and run as root.  Where there is none, :func:`binary` raises
+:class:`~ksim.bench.common.Skip` with the reason: a benchmark records the rows
+bpftrace would have measured as skipped and keeps its other rows.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import shutil
 from pathlib import Path
 from typing import Any
+
+from ksim.bench.common import Skip
+from ksim.errors import KsimError
+
+#: names the bpftrace binary to run instead of the one on PATH
+BINARY_ENV = "KSIM_BPFTRACE"
 
 #: listed last in a program: its first output marks the end of attaching
 READY_PROBE = 'interval:ms:100 { printf("ksim-ready\\n"); }\n'
@@ -24,6 +40,7 @@ READY_PROBE = 'interval:ms:100 { printf("ksim-ready\\n"); }\n'
 DRIVER = r'''
 import json, os, re, resource, signal, subprocess, sys, threading, time
 prog, workload, limit = sys.argv[1], sys.argv[2], float(sys.argv[3])
+binary = sys.argv[4] if len(sys.argv) > 4 else "bpftrace"
 # bpftrace holds a file descriptor per attached probe: 1,024 are too few ("dup(fd):
 # Too many open files: please raise NOFILE"); root may raise both limits
 try:
@@ -35,7 +52,7 @@ start = time.monotonic()
 probes = open(prog).read().count(",") + 2
 # bpftrace refuses more than 512 probes unless told (BPFTRACE_MAX_PROBES)
 env = dict(os.environ, BPFTRACE_MAX_PROBES=str(probes + 16))
-p = subprocess.Popen(["bpftrace", prog], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+p = subprocess.Popen([binary, prog], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                      text=True, bufsize=1, env=env)
 out = {"attaching": None, "ready": None, "done": False}
 lines = []
@@ -86,14 +103,44 @@ print(json.dumps({"status": "ok", "startup_s": out["attaching"] - start,
 '''
 
 
-def run(t: Any, program: str, workload: str, limit: float, work: Path, name: str) -> dict[str, Any]:
-    """Run ``program`` under bpftrace in the live target ``t``'s guest while
-    ``workload`` (a shell command) runs; the driver's report (module doc)."""
+def binary(*, install: bool = True) -> str:
+    """The bpftrace to run in the guest, as an absolute host path; Skip with the
+    reason when there is none (module doc)."""
+    given = os.environ.get(BINARY_ENV)
+    if given:
+        path = os.path.abspath(given)
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise Skip(f"bpftrace: {path} ({BINARY_ENV}) is not an executable file")
+        if path == "/tmp" or path.startswith("/tmp/"):
+            raise Skip(f"bpftrace: {path} ({BINARY_ENV}) is under /tmp, which the guest "
+                       "does not see (it has a tmpfs of its own there)")
+        return path
+    found = shutil.which("bpftrace")
+    if found is None and install:
+        from ksim.live import testbed
+
+        try:
+            testbed.ensure_tools(("bpftrace",))
+        except KsimError as exc:
+            raise Skip(f"bpftrace is not installed, and installing it failed: {exc}") from None
+        found = shutil.which("bpftrace")
+    if found is None:
+        raise Skip("bpftrace is not installed (apt package bpftrace)")
+    return os.path.realpath(found)
+
+
+def run(t: Any, program: str, workload: str, limit: float, work: Path, name: str,
+        bpftrace: str | None = None) -> dict[str, Any]:
+    """Run ``program`` under bpftrace (``bpftrace``, or :func:`binary`'s) in the live
+    target ``t``'s guest while ``workload`` (a shell command) runs; the driver's
+    report (module doc)."""
     from ksim.live.testbed import guest_file, host_python
 
+    exe = bpftrace or binary()
     prog = guest_file(work, name, program)
     driver = guest_file(work, "bpftrace_driver.py", DRIVER)
-    out = t.exec(f"{host_python()} {driver} {prog} '{workload}' {limit:g}", timeout=3 * limit + 600)
+    out = t.exec(f"{host_python()} {driver} {prog} '{workload}' {limit:g} {shlex.quote(exe)}",
+                 timeout=3 * limit + 600)
     try:
         return dict(json.loads(out.strip().splitlines()[-1]))
     except (ValueError, IndexError):

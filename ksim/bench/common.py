@@ -5,7 +5,11 @@ A benchmark module exposes ``NAME``, ``TITLE``, ``run(ctx) -> Section`` and
 ``plot(section, path)``.  ``run`` returns plain data (JSON-ready); the runner
 (:mod:`ksim.bench.runner`) times it, prints its tables, collects the JSON and draws
 the plot.  A benchmark that needs something this machine does not have raises
-:class:`Skip` with the reason; the runner records a "skipped" entry.
+:class:`Skip` with the reason; the runner records a "skipped" entry.  Inside a
+benchmark's results the same convention holds at every level: a part (see
+:func:`attempt`) or a single row that cannot run is ``{"skipped": reason}`` (a row
+keeps its own keys, e.g. ``variant``, beside it), one that failed ``{"error":
+reason}``, and what was measured beside it stays.
 """
 
 from __future__ import annotations
@@ -264,7 +268,7 @@ def validate(doc: Any) -> list[str]:
             errs.append(f"{where}.status: {status!r} is not one of {STATUSES}")
         need(entry, "seconds", (int, float), where)
         if status == "ok":
-            need(entry, "results", dict, where)
+            _check_reasons(need(entry, "results", dict, where), f"{where}.results", errs)
             for i, t in enumerate(need(entry, "tables", list, where) or []):
                 tw = f"{where}.tables[{i}]"
                 cols = need(t, "columns", list, tw)
@@ -275,6 +279,21 @@ def validate(doc: Any) -> list[str]:
         else:
             need(entry, "reason", str, where)
     return errs
+
+
+def _check_reasons(value: Any, where: str, errs: list[str]) -> None:
+    """Every "skipped" or "error" in a benchmark's results (a part's, a row's) is a reason
+    someone can read: a non-empty string."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key in ("skipped", "error") and not (isinstance(item, str) and item.strip()):
+                errs.append(f"{where}.{key}: expected a reason (a non-empty string), "
+                            f"got {item!r}"[:200])
+            else:
+                _check_reasons(item, f"{where}.{key}", errs)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_reasons(item, f"{where}[{i}]", errs)
 
 
 def jsonable(value: Any) -> Any:

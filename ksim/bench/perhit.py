@@ -19,7 +19,9 @@ Manager (unicorn, QEMU) or by the same planner and codegen in a user-mode build
   counters, the kernel's own kprobes (int3, jump-optimized, ftrace-based at +0), and
   Debian's bpftrace counting it with ``kprobe:`` and with ``kfunc:`` (``@ =
   count()``, :mod:`ksim.bench.bpftrace`) -- one guest, one run.  Emulated cycles
-  under TCG, never hardware figures.
+  under TCG, never hardware figures.  A variant that cannot run here (no bpftrace,
+  or ``KSIM_BPFTRACE`` names none) is a row ``{"variant": ..., "skipped": reason}``
+  and one that fails a row with ``"error"``; the other rows stay.
 
 Emulated targets measure the seeded workload with the probe on its hottest
 function that the given tactic can splice (hits counted by the snippet itself),
@@ -30,10 +32,12 @@ that mode really calls the function.
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 from typing import Any
 
 from ksim.bench import native
 from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
+from ksim.errors import KsimError
 
 NAME = "per-hit"
 TITLE = "Cost per hit: uninstrumented, jmp, springboard, trap (paper Table 1)"
@@ -312,6 +316,10 @@ DISPATCH_FUNCTION = "__x64_sys_getpid"
 GUEST_PROGRAM = native.REPO / "benchmarks" / "native" / "guest_getpid.c"
 
 
+#: the static C library the guest program is linked with (libc6-dev)
+STATIC_LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.a")
+
+
 def _guest_program() -> str:
     """The guest's rdtsc getpid loop, built statically on the host (the guest runs the
     host's root filesystem, so the host path works inside it)."""
@@ -321,12 +329,33 @@ def _guest_program() -> str:
     src = GUEST_PROGRAM.read_bytes()
     out = native.BENCH_CACHE / "live" / hashlib.sha256(src).hexdigest()[:12] / "guest_getpid"
     if not out.exists():
+        lacking = [pkg for pkg, present in (("gcc", shutil.which("gcc")),
+                                            ("libc6-dev", STATIC_LIBC.exists())) if not present]
+        if lacking:
+            from ksim.live import testbed
+
+            try:
+                testbed.ensure_tools(tuple(lacking))
+            except KsimError as exc:
+                raise Skip(f"cannot build the guest program: {exc}") from None
         out.parent.mkdir(parents=True, exist_ok=True)
         proc = subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(GUEST_PROGRAM)],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise Skip(f"cannot build the guest program: {proc.stderr.strip()[-300:]}")
     return str(out)
+
+
+def _row(rows: list[dict[str, Any]], variant: str, measure: Any) -> None:
+    """One row of the live table: what ``measure`` returns, or -- when it cannot run
+    here (Skip) or fails (the kernel refused a probe, the testbed hung up) -- the
+    variant with the reason, so that the rows before and after it stay."""
+    try:
+        rows.append(measure())
+    except Skip as exc:
+        rows.append({"variant": variant, "skipped": str(exc)})
+    except (OSError, KsimError) as exc:
+        rows.append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
 
 
 def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
@@ -358,9 +387,7 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
 
         def measure(variant: str, **extra: Any) -> dict[str, Any]:
             r = t.run(while_cmd=cmd, timeout=1800)
-            rec = {"variant": variant, **json.loads(r.output.strip().splitlines()[-1]), **extra}
-            rows.append(rec)
-            return rec
+            return {"variant": variant, **json.loads(r.output.strip().splitlines()[-1]), **extra}
 
         def kprobe(offset: int, optimize: bool) -> tuple[str, str]:
             event = f"ksim_bench_{offset}_{int(optimize)}"
@@ -382,21 +409,21 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
             time.sleep(1.0)  # un-optimizing is asynchronous
             return hits
 
-        measure("uninstrumented")
+        # the baseline every overhead is taken from: without it no row means anything
+        rows.append(measure("uninstrumented"))
         counter = m.malloc(8)
-        for policy in ("jmp", "trap"):
+
+        def ksim_counter(policy: str) -> dict[str, Any]:
             m.write(counter, 0)
             h = m.insert_snippet(point, counter.atomic_assign(counter + 1), splice=policy)
             try:
-                tactic = m.splices()[point.address][0]
-                rec = measure(f"ksim {policy}", tactic=tactic)
+                rec = measure(f"ksim {policy}", tactic=m.splices()[point.address][0])
                 rec["hits"] = m.read(counter)
+                return rec
             finally:
                 m.remove_snippet(h)
-        past_nop = 5 if head == bytes.fromhex("0f1f440000") else 0
-        for label, offset, opt in (("kprobe int3", past_nop, False),
-                                   ("kprobe optimized (jump)", past_nop, True),
-                                   ("kprobe at +0 (ftrace)", 0, False)):
+
+        def kernel_kprobe(label: str, offset: int, opt: bool) -> dict[str, Any]:
             event, saved = kprobe(offset, opt)
             try:
                 listing = t.exec("mountpoint -q /sys/kernel/debug || mount -t debugfs none "
@@ -404,9 +431,20 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
                                  " /sys/kernel/debug/kprobes/list 2>/dev/null").strip()
                 rec = measure(label, probe=f"{LIVE_FUNCTION}+{offset}", kprobe_state=listing)
             finally:
-                rec["hits"] = unkprobe(event, saved)
+                hits = unkprobe(event, saved)
+            rec["hits"] = hits
+            return rec
+
+        for policy in ("jmp", "trap"):
+            _row(rows, f"ksim {policy}", lambda policy=policy: ksim_counter(policy))
+        past_nop = 5 if head == bytes.fromhex("0f1f440000") else 0
+        for label, offset, opt in (("kprobe int3", past_nop, False),
+                                   ("kprobe optimized (jump)", past_nop, True),
+                                   ("kprobe at +0 (ftrace)", 0, False)):
+            _row(rows, label, lambda label=label, offset=offset, opt=opt:
+                 kernel_kprobe(label, offset, opt))
         for kind in ("kprobe", "kfunc"):
-            rows.append(_bpftrace_count(t, kind, cmd))
+            _row(rows, f"bpftrace {kind} count()", lambda kind=kind: _bpftrace_count(t, kind, cmd))
     base = rows[0]["min_cycles_per_call"]
     for r in rows[1:]:
         if r.get("min_cycles_per_call") is not None:
@@ -414,12 +452,16 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
     table = Table(f"live ({state.get('kernel')}, {state.get('accel')}): emulated cycles per "
                   f"getpid ({LIVE_FUNCTION}, which getpid calls, probed), {calls} calls",
                   ["variant", "tactic/probe", "cycles/call (min)", "median", "overhead/hit", "hits"],
-                  [[r["variant"], r.get("tactic") or r.get("probe", "-"), r["min_cycles_per_call"],
-                    r["median_cycles_per_call"], _round(r.get("overhead")), r.get("hits")]
+                  [[r["variant"], r.get("tactic") or r.get("probe", "-"),
+                    r.get("min_cycles_per_call", "skipped" if "skipped" in r else "error"),
+                    r.get("median_cycles_per_call"), _round(r.get("overhead")), r.get("hits")]
                    for r in rows])
     notes = [f"live: the testbed kernel runs under {state.get('accel')}: cycles are the guest's "
              "rdtsc (emulated under TCG), never hardware figures; hits = the snippet's counter or "
              "kprobe_profile (>= calls x repeats: other processes call getpid too)"]
+    notes += [f"live: {r['variant']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
+                                           else f"failed: {str(r['error'])[-300:]}")
+              for r in rows if "skipped" in r or "error" in r]
     return {"rows": rows, "function": LIVE_FUNCTION, "entry_bytes": head.hex(),
             "accel": state.get("accel"), "kernel": state.get("kernel"),
             "entry_size": fn.size}, [table], notes
@@ -427,19 +469,20 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
 
 def _bpftrace_count(t: Any, kind: str, cmd: str) -> dict[str, Any]:
     """bpftrace's ``count()`` on LIVE_FUNCTION (a ``kprobe:`` -- ftrace-based at +0 --
-    or a ``kfunc:``, a BPF trampoline), timed by the same guest program while it runs."""
+    or a ``kfunc:``, a BPF trampoline), timed by the same guest program while it runs.
+    Skip when there is no bpftrace to run (:func:`ksim.bench.bpftrace.binary`)."""
     import json
 
     from ksim.bench import bpftrace
     from ksim.live import testbed
 
-    if shutil.which("bpftrace") is None:
-        testbed.ensure_tools(("bpftrace",))
+    exe = bpftrace.binary()
     program = f"{kind}:{LIVE_FUNCTION} {{ @ = count(); }}\n" + bpftrace.READY_PROBE
     work = testbed.cache_dir() / "bench-per-hit"
-    out = bpftrace.run(t, program, cmd, 1800.0, work, f"count-{kind}.bt")
+    out = bpftrace.run(t, program, cmd, 1800.0, work, f"count-{kind}.bt", exe)
     rec: dict[str, Any] = {"variant": f"bpftrace {kind} count()", "probe": f"{kind}:{LIVE_FUNCTION}",
-                           "min_cycles_per_call": None, "median_cycles_per_call": None}
+                           "bpftrace": exe, "min_cycles_per_call": None,
+                           "median_cycles_per_call": None}
     if out.get("status") != "ok":
         rec["error"] = out.get("output", out.get("status"))
         return rec
