@@ -1,8 +1,10 @@
 """A small unicorn x86-64 machine for running generated snippet code.
 
 Virtual pages at kernel-like (or low) addresses are backed by low physical
-memory through unicorn's virtual-TLB mode (see EMULATION_FACTS.md): a TLB-fill
-hook maps each virtual page of a region onto its physical backing.
+memory through unicorn's virtual-TLB mode (in its default mode unicorn treats
+addresses as physical and cannot fetch at a high canonical address, even one
+mem_map accepted): a TLB-fill hook maps each virtual page of a region onto its
+physical backing.
 """
 
 from __future__ import annotations

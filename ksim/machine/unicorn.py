@@ -3,8 +3,10 @@
 The machine maps the ELF's PT_LOAD segments at their physical addresses and
 translates the kernel's virtual addresses onto them with unicorn's virtual TLB
 (``UC_TLB_VIRTUAL`` plus a ``UC_HOOK_TLB_FILL`` hook): in unicorn's default mode
-a fetch at 0xffffffff81000000 fails even when the page is mapped (see
-EMULATION_FACTS.md).  The patch area and the data heap are part of the loaded
+addresses are physical, and a fetch at a high canonical address (0xffff800000000000
+and above, so 0xffffffff81000000 too) fails with UC_ERR_FETCH_UNMAPPED even after
+``mem_map`` succeeded (unicorn 2.1.4).  The hook runs on TLB misses only, so it
+costs nothing measurable.  The patch area and the data heap are part of the loaded
 segments, so they have the same addresses here as under QEMU.
 
 A run starts at ``ksim_entry64`` with the stack pointer at ``init_stack_top``
