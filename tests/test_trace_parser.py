@@ -114,6 +114,10 @@ def test_syntax_errors_name_line_and_columns(source, head):
     ("kprobe:f { unroll(2) { } }", "unroll"),
     ("kprobe:f { return; }", "return"),
     ("kprobe:f { @x = (uint8)arg0; }", "casts"),
+    ("kprobe:f { @x = (struct path *)arg0; }", "casts are not supported: (struct path *)"),
+    ("kprobe:f { @x = ((union u*)arg0); }", "casts are not supported: (union u*)"),
+    ("kprobe:f { @x = (unsigned long) arg0; }", "casts are not supported: (unsigned long)"),
+    ("config = { perf_rb_pages = 64 } kprobe:f { }", "config setting perf_rb_pages"),
     ("kprobe:f { @x = *arg0; }", "pointer dereference"),
     ("kprobe:f { @x = &arg0; }", "taking an address"),
     ("kprobe:f { @x = arg0->next; }", "field access (->)"),
@@ -168,6 +172,24 @@ def test_meaningless_programs_are_refused(source, message):
         assert message is not None and message in str(exc), str(exc)
     else:
         assert message is None      # refused later, when compiled for a point
+
+
+def test_a_cast_is_underlined_whole_and_never_taken_for_a_struct_definition():
+    err = error_of("kprobe:vfs_open { $p = (struct path *) arg0; }")
+    assert isinstance(err, TraceUnsupported) and "struct definitions" not in str(err)
+    assert str(err).splitlines()[2] == " " * 23 + "~" * len("(struct path *)")
+    inner = parse("kprobe:f { @x = (arg0) + (int8x); }")   # parentheses, not casts
+    assert inner.probes[0].body
+
+
+def test_a_config_block_sets_max_map_keys():
+    for text in ("config = { max_map_keys = 10000 }", "config={BPFTRACE_MAX_MAP_KEYS=10000;}",
+                 "config = {\n  max_map_keys = 10_000;\n}"):
+        program = parse(text + "\nkprobe:f { @[arg0] = count(); }")
+        assert program.config == {"max_map_keys": 10000} and len(program.probes) == 1
+    assert parse("kprobe:f { }").config == {}
+    err = error_of("config = { max_map_keys = 1 } kprobe:f { } config = { max_map_keys = 2 }")
+    assert isinstance(err, TraceSyntaxError) and "must come first" in str(err)
 
 
 def test_errors_have_their_own_wire_codes():

@@ -1,7 +1,8 @@
 """A recursive-descent parser for the subset of bpftrace's language ``ksim trace``
 runs.  The grammar (C's operator precedence, as bpftrace's)::
 
-    program    := probe*
+    program    := [config] probe*
+    config     := "config" "=" "{" [NAME "=" INT (";" NAME "=" INT)*] [";"] "}"
     probe      := attach ("," attach)* ["/" expr "/"] block
     attach     := "BEGIN" | "END" | provider ":" FUNC ["+" OFFSET]      (raw text)
     block      := "{" [stmt (";" stmt)*] [";"] "}"
@@ -19,6 +20,7 @@ runs.  The grammar (C's operator precedence, as bpftrace's)::
     unary      := ("!" | "~" | "-" | "+") unary | primary
     primary    := INT | STRING | "(" expr ")" | NAME "(" [expr ("," expr)*] ")" | NAME
                 | "$" NAME | "@" [NAME] ["[" expr ("," expr)* "]"]
+                | "(" TYPE ")" primary                                   (refused: a cast)
 
 Attach points are read as raw text (wildcards, offsets) by the lexer when the
 parser asks for one.  Constructs of the full language outside the subset are
@@ -33,6 +35,7 @@ from dataclasses import dataclass
 
 from . import syntax as t
 from .errors import Loc, TraceError, TraceSemanticError, TraceSyntaxError, TraceUnsupported
+from .maps import MAX_MAP_KEYS
 
 #: multi-character punctuation, longest first
 PUNCT = ("<<=", ">>=", "==", "!=", "<=", ">=", "<<", ">>", "&&", "||", "++", "--", "+=", "-=",
@@ -67,13 +70,29 @@ UNSUPPORTED_KEYWORDS = {
     "while": "while loops", "for": "for loops", "unroll": "unroll", "return": "return",
     "let": "variable declarations (let)", "break": "break", "continue": "continue",
     "struct": "struct definitions", "union": "union definitions", "enum": "enum definitions",
-    "fn": "function definitions", "macro": "macros", "import": "import", "config": "config blocks",
+    "fn": "function definitions", "macro": "macros", "import": "import",
     "sizeof": "sizeof", "offsetof": "offsetof",
 }
 #: names that start a cast in the full language: "(uint8)x"
 TYPE_NAMES = frozenset({
     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "char",
     "short", "int", "long", "unsigned", "signed", "void", "string", "inet", "buffer",
+})
+#: what follows the "(" of a cast: a struct, union or enum type, or type names, then
+#: pointer stars, then ")" -- ``(struct path *)``, ``(uint8)``, ``(unsigned long *)``
+_TYPE = "(?:" + "|".join(sorted(TYPE_NAMES)) + r")\b"
+CAST = re.compile(r"(?:(?:struct|union|enum)\s+[A-Za-z_]\w*|" + _TYPE + r"(?:\s+" + _TYPE + r")*)"
+                  r"\s*(?:\*\s*)*\)")
+#: settings of a config block: each of bpftrace's names for one ksim knows
+CONFIG_NAMES = {"max_map_keys": "max_map_keys", "BPFTRACE_MAX_MAP_KEYS": "max_map_keys"}
+#: settings bpftrace's config block has that ksim trace does not
+OTHER_CONFIG = frozenset({
+    "cache_user_symbols", "cpp_demangle", "lazy_symbolication", "license", "log_size",
+    "max_ast_nodes", "max_bpf_progs", "max_cat_bytes", "max_probes", "max_strlen",
+    "max_type_res_iterations", "missing_probes", "on_stack_limit", "perf_rb_pages",
+    "print_maps_on_exit", "show_debug_info", "stack_mode", "str_trunc_trailer",
+    "symbol_source", "use_blazesym", "unstable_import", "unstable_macro", "unstable_map_decl",
+    "unstable_tseries", "unstable_addr",
 })
 
 
@@ -237,15 +256,52 @@ class Parser:
 
     # --- program ------------------------------------------------------------------------
     def program(self) -> t.Program:
+        config: dict[str, int] = {}
+        if self.at("config") and self.peek().text == "=":
+            config = self.config()
         probes = []
         while self.tok.kind != "eof":
             probes.append(self.probe())
-        return t.Program(tuple(probes), self.source, self.filename)
+        return t.Program(tuple(probes), self.source, self.filename, config)
+
+    def config(self) -> dict[str, int]:
+        """``config = { max_map_keys = 10000; ... }`` (bpftrace's config block: first in
+        the program; a setting by its own name or its environment variable's)."""
+        self.advance()
+        self.expect("=")
+        self.expect("{", "'{' opening the config block")
+        out: dict[str, int] = {}
+        while not self.at("}"):
+            if self.at(";"):
+                self.advance()
+                continue
+            tok = self.tok
+            if tok.kind != "name":
+                self.fail("expecting a config setting (NAME = VALUE) or '}'")
+            self.advance()
+            self.expect("=", "'=' after the config setting's name")
+            value = self.advance()
+            short = tok.text.lower().removeprefix("bpftrace_")
+            if tok.text not in CONFIG_NAMES:
+                if short in OTHER_CONFIG or short in CONFIG_NAMES:
+                    raise TraceUnsupported(f"config setting {tok.text} is not supported (only "
+                                           "max_map_keys)", tok.loc)
+                raise TraceSemanticError(f"Unrecognized config variable: {tok.text}", tok.loc)
+            if value.kind != "int" or not 0 < int(value.value or 0) <= MAX_MAP_KEYS:
+                raise TraceSemanticError(f"{tok.text} must be an integer from 1 to {MAX_MAP_KEYS}",
+                                         value.loc)
+            out[CONFIG_NAMES[tok.text]] = int(value.value or 0)
+            if not self.at("}"):
+                self.expect(";", "';' or '}'")
+        self.advance()
+        return out
 
     def probe(self) -> t.Probe:
         if self.at("#"):
             raise TraceUnsupported("preprocessor directives (#include, #define) are not supported",
                                    self.tok.loc)
+        if self.at("config") and self.peek().text == "=":
+            raise TraceSyntaxError("a config block must come first, before every probe", self.tok.loc)
         if self.tok.kind == "name" and self.tok.text in UNSUPPORTED_KEYWORDS \
                 and not self.source.startswith(":", self.lex.pos):
             raise TraceUnsupported(f"{UNSUPPORTED_KEYWORDS[self.tok.text]} are not supported",
@@ -289,7 +345,7 @@ class Parser:
                                    "BEGIN or END", loc)
         if provider in OTHER_PROVIDERS:
             raise TraceUnsupported(f"{OTHER_PROVIDERS[provider]} probes are not supported "
-                                   "(only kprobe, kretprobe, BEGIN and END)", loc)
+                                   "(only kprobe, kretprobe, interval, BEGIN and END)", loc)
         if provider not in PROVIDERS:
             raise TraceSyntaxError(f"Invalid probe type: {provider}", loc)
         kind = PROVIDERS[provider]
@@ -481,9 +537,8 @@ class Parser:
             return self.map_ref()
         if self.at("("):
             self.advance()
-            if self.tok.kind == "name" and self.tok.text in TYPE_NAMES | {"struct"} \
-                    and self.peek().text in (")", "*"):
-                raise TraceUnsupported("casts are not supported", tok.loc)
+            if self.tok.kind == "name":
+                self.refuse_cast(tok)
             inner = self.expr()
             if self.at(","):
                 raise TraceUnsupported("tuples are not supported", self.tok.loc)
@@ -506,6 +561,19 @@ class Parser:
             return t.Builtin(tok.loc, tok.text)
         self.fail("expecting an expression")
         raise AssertionError
+
+
+    def refuse_cast(self, paren: Token) -> None:
+        """A cast, ``(struct path *)x``, is refused as one (not as the struct
+        definition its keyword would otherwise start), its span underlined."""
+        at = self._offset(self.tok.loc)
+        m = CAST.match(self.source, at)
+        if m is None:
+            return
+        start = self._offset(paren.loc)
+        text = " ".join(self.source[start:m.end()].split())
+        raise TraceUnsupported(f"casts are not supported: {text}",
+                               Loc(paren.loc.line, paren.loc.col, paren.loc.col + m.end() - start))
 
 
 def parse(source: str, filename: str = "stdin") -> t.Program:

@@ -138,6 +138,9 @@ class Program:
     probes: tuple[Probe, ...]
     source: str
     filename: str = "stdin"
+    #: the program's ``config = { ... }`` block, by ksim's name of each setting
+    #: ("max_map_keys")
+    config: dict[str, int] = field(default_factory=dict)
 
 
 __all__ = [
