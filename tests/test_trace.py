@@ -117,13 +117,17 @@ def test_many_keys_hash_into_the_table_without_loss(toy_path):
 
 
 def test_a_full_table_counts_its_lost_updates(toy_path):
-    """Every hit has its own key: what no record took is counted as lost."""
+    """Every hit has its own key: the first max_map_keys keys are kept, and every
+    update after the map is full is counted as lost."""
     hooks = Hooks(entry=lambda m, abi, site: 1)
-    report = run_trace("kprobe:kmem_cache_alloc { @[nsecs] = count(); }", hooks)
+    report = run_trace("config = { max_map_keys = 512 }\n"
+                       "kprobe:kmem_cache_alloc { @[nsecs] = count(); }", hooks)
     hits = len(hooks.seen["entry"])
-    kept = sum(report["maps"]["@"].values())
-    assert kept + report["lost"].get("@", 0) == hits
-    assert report["lost"]["@"] > 0 and kept >= 512
+    kept = report["maps"]["@"]
+    assert len(kept) == 512 and set(kept.values()) == {1}
+    assert report["lost"]["@"] == hits - 512 > 0
+    assert report["lost_keys"] == [{"map": "@", "lost": hits - 512, "keys": 512,
+                                    "max_map_keys": 512, "full": True}]
 
 
 def test_map_values_in_filters_time_a_function(toy_path):
@@ -157,13 +161,19 @@ def test_the_command_reads_files_and_prints_json(capsys, tmp_path, toy_path):
     prog = tmp_path / "prog.bt"
     prog.write_text("kprobe:vfs_read\n{\n  @[func] = count();\n}\n")
     assert main(["trace", str(prog), "--json", "--seed", "4", "--iterations", "500"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["type"] for r in records] == ["attached_probes", "map", "summary", "stats"]
+    report = records[2]["data"]
+    assert records[1]["data"] == {"@": report["maps"]["@"]}
     assert set(report["maps"]["@"]) == {"vfs_read"} and report["target"] == "unicorn:toy"
     assert sum(report["tactics"].values()) == report["probes"] == 1
     prog.write_text("kprobe:vfs_read\n{\n  @ = count()\n  @x = 1;\n}\n")
     assert main(["trace", str(prog)]) == 2
     err = capsys.readouterr().err
     assert f"{prog}:4:3-5: ERROR: syntax error, unexpected '@x', expecting ';' or '}}'" in err
+    assert main(["trace", str(prog), "--json"]) == 2
+    error = json.loads(capsys.readouterr().out)
+    assert error["type"] == "error" and error["error"] == "trace-syntax"
 
 
 @pytest.mark.parametrize("splice", ["jmp", "trap"])

@@ -12,7 +12,17 @@ from snippet_machine import Machine, random_regs
 
 from ksim.arch import get_arch
 from ksim.snippets.ast import Const, Var
-from ksim.trace.maps import MapLayout, MapType, Table, hash_keys, hash_tree, layout_for
+from ksim.trace.maps import (
+    PROBES,
+    MapLayout,
+    MapType,
+    MapUse,
+    Table,
+    hash_keys,
+    hash_tree,
+    layout_for,
+    size_map,
+)
 from ksim.trace.output import MapPrinter, hist_label, hist_text, lhist_rows
 from ksim.trace.session import bucket
 
@@ -38,7 +48,8 @@ def test_the_kernel_hashes_keys_as_the_client_does(keys):
     assert m.u64(DATA) == hash_keys(keys)
 
 
-def memory_table(mtype: MapType) -> tuple[Table, bytearray]:
+def memory_table(mtype: MapType, use: MapUse | None = None,
+                 max_map_keys: int | None = None) -> tuple[Table, bytearray]:
     heap = bytearray(1 << 20)
     top = [0x1000]
 
@@ -46,7 +57,8 @@ def memory_table(mtype: MapType) -> tuple[Table, bytearray]:
         top[0] += size
         return top[0] - size
 
-    lay = layout_for(mtype, alloc, [])
+    sizing = size_map(use or MapUse(computed=True, kernel_computed=True), max_map_keys)
+    lay = layout_for(mtype, alloc, [], sizing)
     table = Table(lay, lambda a, n: bytes(heap[a:a + n]),
                   lambda a, d: heap.__setitem__(slice(a, a + len(d)), d))
     return table, heap
@@ -55,26 +67,36 @@ def memory_table(mtype: MapType) -> tuple[Table, bytearray]:
 def test_the_client_finds_claims_and_merges_records():
     table, _ = memory_table(MapType("@m", ("int", "int"), "count"))
     lay = table.layout
-    assert lay.slots & (lay.slots - 1) == 0 and lay.probes == 8
-    slots = {k: table.find(k, claim=True) for k in [(1, 2), (2, 1), (0, 0), (1 << 63, 5)]}
-    assert len(set(slots.values())) == 4
-    assert table.find((1, 2), claim=False) == slots[(1, 2)]
+    assert lay.slots & (lay.slots - 1) == 0 and lay.slots >= 4 * lay.capacity
+    assert lay.probes == PROBES and lay.capacity == 4096
+    records = {k: table.find(k, claim=True) for k in [(1, 2), (2, 1), (0, 0), (1 << 63, 5)]}
+    assert list(records.values()) == [0, 1, 2, 3] and table.records_used() == 4
+    assert table.find((1, 2), claim=False) == records[(1, 2)]
     assert table.find((9, 9), claim=False) is None
-    for key, slot in slots.items():
-        table.put(slot, lay.present, 1)
-        table.put(slot, lay.value0, key[0] + 10)
+    for key, record in records.items():
+        table.put(record, lay.present, 1)
+        table.put(record, lay.value0, key[0] + 10)
     # a second record of one key (a claim race in the kernel) merges into the first
-    other = (slots[(2, 1)] + 1) % lay.slots
-    for i, word in enumerate([hash_keys((2, 1)) | 1, 2, 1, 1, 5]):
-        table.put(other, i, word)
+    table.find((7, 7), claim=True)
+    for i, word in enumerate([2, 1, 1, 5]):
+        table.put(4, i, word)
     entries = table.entries()
     assert entries[(2, 1)] == [12 + 5] and entries[(1, 2)] == [11] and len(entries) == 4
     table.delete((1, 2))
-    assert (1, 2) not in table.entries() and table.find((1, 2), claim=False) == slots[(1, 2)]
+    assert (1, 2) not in table.entries() and table.find((1, 2), claim=False) == records[(1, 2)]
+
+
+def test_a_full_map_hands_out_no_record_and_counts_what_it_lost():
+    table, _ = memory_table(MapType("@m", ("int",), "count"), MapUse(computed=True,
+                                                                         kernel_computed=True), 3)
+    assert [table.find((k,), claim=True) for k in (5, 6, 7, 8)] == [0, 1, 2, None]
+    assert table.find((6,), claim=True) == 1 and table.records_used() == 3
+    table.count_lost()
+    assert table.lost() == 1
 
 
 def test_a_histogram_prints_as_bpftraces_language_does():
-    lay = MapLayout(MapType("@usecs", (), "hist"), 0, 1, 1, None)
+    lay = MapLayout(MapType("@usecs", (), "hist"), 0)
     values = [0] * 65
     for v in [0, 1, 1, 3, 9, 9, 9, 1500, -4]:
         values[bucket(lay, v)] += 1
@@ -108,10 +130,10 @@ def test_a_linear_histogram_has_open_ends():
 
 
 def test_maps_print_sorted_by_value_with_names_for_symbols():
-    lay = MapLayout(MapType("@", ("ksym", "int"), "count"), 0, 64, 8, 0, ["vfs_read", "vfs_write"])
+    lay = MapLayout(MapType("@", ("ksym", "int"), "count"), 0, names=["vfs_read", "vfs_write"])
     text = MapPrinter(lay).text({(0, 3): [5], (1, (1 << 64) - 1): [2], (0, 1): [9]})
     assert text == "@[vfs_write, -1]: 2\n@[vfs_read, 3]: 5\n@[vfs_read, 1]: 9\n"
-    mins = MapLayout(MapType("@m", ("int",), "min"), 0, 64, 8, 0)
+    mins = MapLayout(MapType("@m", ("int",), "min"), 0)
     from ksim.trace.maps import encode_extreme
 
     text = MapPrinter(mins).text({(1,): [encode_extreme("min", 7)], (2,): [encode_extreme("min", -3)]})

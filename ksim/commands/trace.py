@@ -9,18 +9,26 @@ the default policy); maps live in the kernel's data heap.  On the emulators the
 kernel runs the same seeded workload as ``ksim count`` (same defaults, --seed,
 --iterations), so counts can be compared.  BEGIN runs before the run, END after
 it, then every map is printed as bpftrace's language prints it (--json: the same
-data as JSON).  Ctrl-C stops the run; the maps are printed all the same (exit
+data as JSON lines).  Ctrl-C stops the run; the maps are printed all the same (exit
 status 130) and the kernel's text is restored, as after every trace.
+
+--json writes one JSON record per line, in the order things happen, as bpftrace's
+``-f json`` does (attached_probes, printf, time, value, map, hist, lost_events),
+then ksim's own: lost_keys (a map that had no room for a key), summary (maps,
+lost updates, points spliced, tactics, skipped attach points, how the run ended)
+and last stats (probes, attach_s, detach_s, end_to_end_s: seconds measured in
+this process).  --stats prints the stats line on stderr without --json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from typing import Any
 
-from ksim.cli import add_json_flag, emit_json, help_text
+from ksim.cli import add_json_flag, help_text
 from ksim.commands.count import _run_options, add_pid_arg, add_target_args, target_spec
 from ksim.targets.base import HeldInterrupt, run_option_names
 
@@ -37,8 +45,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_pid_arg(p)
     p.add_argument("--splice", choices=("jmp", "trap", "auto"), default="auto",
                    help="splicing policy (default: auto, the cheapest safe tactic)")
+    p.add_argument("--max-map-keys", type=_max_map_keys, metavar="N",
+                   help="keys a map whose keys are computed holds (bpftrace's max_map_keys; "
+                        "over the program's config block; default 4096)")
+    p.add_argument("--stats", action="store_true",
+                   help="print how long attaching, detaching and the whole run took (stderr)")
     add_json_flag(p)
     p.set_defaults(func=run)
+
+
+def _max_map_keys(text: str) -> int:
+    from ksim.trace.maps import MAX_MAP_KEYS
+
+    try:
+        n = int(text, 0)
+    except ValueError:
+        n = 0
+    if not 0 < n <= MAX_MAP_KEYS:
+        raise argparse.ArgumentTypeError(f"expecting an integer from 1 to {MAX_MAP_KEYS}, "
+                                         f"not {text!r}")
+    return n
 
 
 def source_of(args: argparse.Namespace) -> tuple[str, str]:
@@ -59,25 +85,35 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
 def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "auto",
           seed: int | None = None, iterations: int | None = None,
           on_attach: Any = None, out: Any = None, while_cmd: str | None = None,
-          pid: int | None = None,
+          pid: int | None = None, max_map_keys: int | None = None,
           run_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
     """Run the program ``source`` on target ``spec``; (the report, the text output).
 
     The report holds the maps (as JSON data), the lost updates per map, the points
-    spliced, and whether exit() or Ctrl-C ended the run.  ``on_attach(session)`` is
+    spliced, whether exit() or Ctrl-C ended the run, and ``stats`` (seconds spent
+    attaching and detaching, and on the whole call).  ``on_attach(session)`` is
     called once the probes are spliced, before the run (tests use it to add
-    oracles); ``out(text)``, when given, is called with each piece of output as
-    soon as it is printed (printf's events while the kernel runs, maps at the end);
-    ``run_options`` go to the target's run as they are.  On a live kernel the
-    program runs while ``while_cmd`` runs in the guest, or without one until
-    Ctrl-C or exit().  With ``pid`` every kernel probe fires only in that process."""
+    oracles); ``out(output)``, when given, is called with each Output as soon as it
+    is printed (printf's events while the kernel runs, maps at the end);
+    ``run_options`` go to the target's run as they are.  The program runs over the
+    emulators' seeded workload; on a live kernel while ``while_cmd`` runs in the
+    guest, or without one until Ctrl-C or exit() -- a program of BEGIN and END
+    alone too, as in bpftrace.  With ``pid`` every kernel probe fires only in that
+    process; ``max_map_keys`` overrides the program's config."""
+    from ksim.errors import UnknownRunOption
     from ksim.kapi import Manager
     from ksim.trace.parser import parse
     from ksim.trace.session import Exited, TraceSession
 
+    start = time.perf_counter()
     program = parse(source, filename)
     with Manager.attach(spec) as m:
-        session = TraceSession(m, program, splice=splice, pid=pid)
+        live = "while_cmd" in run_option_names(m.target)
+        if while_cmd is not None and not live:
+            # refused before anything is spliced, not by the run once it is
+            raise UnknownRunOption(f"--while runs a command in a live kernel's guest; {spec} "
+                                   "runs its own seeded workload (--seed, --iterations)")
+        session = TraceSession(m, program, splice=splice, pid=pid, max_map_keys=max_map_keys)
         session.out = out
         session.attach()
         interrupted = False
@@ -85,8 +121,9 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             if on_attach is not None:
                 on_attach(session)
             session.begin()
-            live = "while_cmd" in run_option_names(m.target)
-            if not session.exited and (session.attached or session.intervals):
+            # a program of BEGIN and END alone runs too (the workload, the --while
+            # command, or until Ctrl-C), as bpftrace runs it until Ctrl-C
+            if not session.exited:
                 options = _run_options(m, seed, iterations, while_cmd) | (run_options or {})
                 progress = session.progress()
                 if progress is not None:
@@ -94,7 +131,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
                 try:
                     if live and "while_cmd" not in options:
                         _until_stopped(progress)
-                    elif session.attached:
+                    else:
                         m.run(**options)
                 except Exited:
                     pass
@@ -110,6 +147,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             "tactics": {},
             "maps": session.maps_json(),
             "lost": session.lost(),
+            "lost_keys": session.lost_keys(),
             "printed": [data for kind, _, data in session.printed if kind == "value"],
             "printf": [data for kind, _, data in session.printed if kind == "printf"],
             "lost_events": session.lost_events(),
@@ -117,6 +155,10 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             "exited": session.exited,
             "interrupted": interrupted,
         }
+    report["stats"] = {"probes": len(session.attached),
+                       "attach_s": session.timings.get("attach_s", 0.0),
+                       "detach_s": session.timings.get("detach_s", 0.0),
+                       "end_to_end_s": time.perf_counter() - start}
     return report, session.output()
 
 
@@ -131,30 +173,55 @@ def _until_stopped(progress: Any, period: float = 0.2) -> None:
             time.sleep(period)
 
 
+def _json_line(value: Any) -> None:
+    sys.stdout.write(json.dumps(value) + "\n")
+    sys.stdout.flush()
+
+
 def run(args: argparse.Namespace) -> int:
-    source, filename = source_of(args)
+    from ksim.errors import KsimError
+    from ksim.trace.output import record
+
     attached: dict[str, Any] = {}
 
     def announce(session: Any) -> None:
         attached["tactics"] = session.tactics()
-        if not args.json:
-            n = session.probe_count()
+        n = session.probe_count()
+        if args.json:
+            _json_line({"type": "attached_probes", "data": {"probes": n}})
+        else:
             print(f"Attaching {n} probe{'s' if n != 1 else ''}...", flush=True)
 
-    def write(text: str) -> None:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+    def write(out: Any) -> None:
+        if args.json:
+            _json_line(record(out.kind, out.data))
+            return
+        # warnings (a map without room for a key) go where bpftrace's warnings go
+        stream = sys.stderr if out.kind == "lost_keys" else sys.stdout
+        stream.write(out.text)
+        stream.flush()
 
-    report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
-                      seed=args.seed, iterations=args.iterations, on_attach=announce,
-                      while_cmd=args.while_cmd, pid=args.pid,
-                      out=None if args.json else write)
+    try:
+        source, filename = source_of(args)
+        report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
+                          seed=args.seed, iterations=args.iterations, on_attach=announce,
+                          while_cmd=args.while_cmd, pid=args.pid, max_map_keys=args.max_map_keys,
+                          out=write)
+    except KsimError as exc:
+        if not args.json:
+            raise
+        # one line, like every other record: a reader of JSON lines sees the error
+        _json_line({"type": "error", "error": exc.code, "message": str(exc)})
+        return 2
     report["tactics"] = attached.get("tactics", {})
+    stats = report.pop("stats")
     if args.json:
-        emit_json(report)
+        _json_line({"type": "summary", "data": report})
+        _json_line({"type": "stats", **stats})
     else:
-        for name, n in report["lost"].items():
-            print(f"WARNING: {n} updates of {name} were lost: its table was full", file=sys.stderr)
         for name, why in report["skipped"].items():
             print(f"skipped {name}: {why}", file=sys.stderr)
+        if args.stats:
+            print("stats: " + " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}"
+                                       for k, v in stats.items()), file=sys.stderr)
     return 130 if report["interrupted"] else 0

@@ -13,10 +13,10 @@ Scratch variables (``$x``) and the temporaries of map accesses are the Frame's
 Locals, on the snippet's stack.  ``func`` and ``probe`` are constants of the point
 (map keys of kind ksym/probe hold an index into the program's table of names).
 A map access whose keys are all constants is resolved before the run: the
-client claims the record (:meth:`Table.find`) and the snippet addresses it as a
-plain Var.  Other keyed accesses hash their keys and probe the table with
-CompareExchange claims (see ksim.trace.maps).  BEGIN and END run in the client
-(ksim.trace.interp).
+client placed the record (:func:`ksim.trace.maps.place`) and the snippet addresses
+it as a plain Var.  Other keyed accesses hash their keys and search the map's
+index, claiming records with CompareExchange (see ksim.trace.maps).  BEGIN, END
+and interval actions run in the client (ksim.trace.session.Interpreter).
 """
 
 from __future__ import annotations
@@ -31,7 +31,19 @@ from ksim.snippets.ast import COMM_WORDS
 from . import syntax as t
 from .errors import Loc, TraceSemanticError, TraceUnsupported
 from .events import MAX_ARGS
-from .maps import SIGN, MapLayout, MapType, hash_tree, key_words
+from .maps import (
+    HI,
+    LO,
+    MASK,
+    RESERVE_TRIES,
+    SIGN,
+    MapLayout,
+    MapType,
+    hash_keys,
+    hash_tree,
+    key_words,
+    start_slot,
+)
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm",
@@ -298,6 +310,49 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
     raise TraceSemanticError(f"Unknown function: {name}", loc)
 
 
+def constant_key(k: t.Expr, site: Site | None, name_index: Callable[[str], int]) -> int | None:
+    """The word a map key holds when it is the same at every hit of a point: ``func``
+    and ``probe`` (indexes into the program's names; only at a kernel point, ``site``)
+    and integer literals.  None: computed when the action runs."""
+    if isinstance(k, t.Builtin) and k.name in ("func", "probe") and site is not None:
+        return name_index(site.function if k.name == "func" else site.probe)
+    if isinstance(k, t.Int):
+        return k.value & MASK
+    return None
+
+
+def map_refs(probe: t.Probe) -> Iterator[t.MapRef]:
+    """Every map access of a probe (filter and action) that names keys."""
+    def expr(e: t.Expr) -> Iterator[t.MapRef]:
+        if isinstance(e, t.MapRef):
+            if e.keys:
+                yield e
+            for k in e.keys:
+                yield from expr(k)
+        elif isinstance(e, t.Binary):
+            yield from expr(e.left)
+            yield from expr(e.right)
+        elif isinstance(e, t.Unary):
+            yield from expr(e.operand)
+        elif isinstance(e, t.Ternary):
+            for x in (e.cond, e.then, e.orelse):
+                yield from expr(x)
+        elif isinstance(e, t.Call):
+            for x in e.args:
+                yield from expr(x)
+
+    if probe.pred is not None:
+        yield from expr(probe.pred)
+    for s in _stmts(probe.body):
+        if isinstance(s, t.Assign):
+            yield from expr(s.target)
+            yield from expr(s.value)
+        elif isinstance(s, t.If):
+            yield from expr(s.cond)
+        elif isinstance(s, t.ExprStmt):
+            yield from expr(s.expr)
+
+
 # --- lowering ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Site:
@@ -351,7 +406,7 @@ class ProbeCompiler:
 
     def __init__(self, layouts: dict[str, MapLayout], site: Site, *,
                  stop: ast.Var | None, name_index: Callable[[str], int],
-                 preclaim: Callable[[MapLayout, tuple[int, ...]], int | None],
+                 placed: Callable[[MapLayout, tuple[int, ...]], tuple[str, int] | None],
                  ring: Any = None, clock: int | None = None) -> None:
         self.layouts = layouts
         self.clock = clock
@@ -359,7 +414,9 @@ class ProbeCompiler:
         self.site = site
         self.stop = stop
         self.name_index = name_index
-        self.preclaim = preclaim
+        #: where a constant key is: ("record", r), placed before the run, ("direct", n),
+        #: its own word; None: searched for
+        self.placed = placed
         self.locals = Locals()
         #: scratch variables assigned so far, in the program's order
         self.defined: set[str] = set()
@@ -515,50 +572,114 @@ class ProbeCompiler:
         code: list[ast.Node] = [] if into is None else into
         if not lay.keyed:
             return Access(code, 0, None)
-        constant = [self.constant_key(k) for k in ref.keys]
+        constant = [constant_key(k, self.site, self.name_index) for k in ref.keys]
         if all(c is not None for c in constant):
             key = tuple(c for c in constant if c is not None)
-            slot = self.preclaim(lay, key)
-            if slot is None:
-                raise TraceSemanticError(f"{ref.name} has no free record for the key {key}", ref.loc)
-            return Access(code, slot, None)
+            where = self.placed(lay, key)
+            if where is not None and where[0] == "record":
+                return Access(code, where[1], None)
+            if where is not None:
+                return self.direct(lay, key, where[1], claim, code)
+            # no record before the run, and keys computed elsewhere: searched for
+            # like any key (so that both find the same record), its hash computed here
+            return self.search(lay, [ast.Const(c) for c in key], claim, code, hash_keys(key))
         keys = [self.leaf(w, code) for k in ref.keys for w in self.key_words(k)]
-        return self.probe_table(lay, keys, claim, code)
+        return self.search(lay, keys, claim, code)
 
-    def probe_table(self, lay: MapLayout, keys: list[ast.Node], claim: bool,
-                    code: list[ast.Node]) -> Access:
-        tag, i, s = self.locals.take(), self.locals.take(), self.locals.take()
-        n = ast.Const(lay.slots)
-        code += [tag.assign(hash_tree(keys) | 1),
-                 i.assign(ast.lshr(tag, 64 - lay.bits)),
-                 s.assign(n)]
-        match: ast.Node = lay.word(i, lay.tag) == tag
-        for j, k in enumerate(keys):
-            match = ast.land(match, lay.word(i, lay.key0 + j) == k)
-        if claim:
-            won = ast.seq(*(lay.word(i, lay.key0 + j).assign(k) for j, k in enumerate(keys)),
-                          s.assign(i))
-            empty: ast.Node = ast.If(
-                ast.CompareExchange(lay.word(i, lay.tag), ast.Const(0), tag) == 0, won,
-                ast.If(match, s.assign(i)))
+    def search(self, lay: MapLayout, keys: list[ast.Node], claim: bool, code: list[ast.Node],
+               h: int | None = None) -> Access:
+        """The record of ``keys`` found through the map's index, and when ``claim``
+        and absent, a new record (if one is left) claimed at the first empty slot.
+        ``r`` ends as the record, or ``capacity`` (absent; claimable at slot ``i``)
+        or ``capacity + 1`` (absent, nowhere to claim)."""
+        if not lay.slots:
+            # every key of this map has its record from before the run, and this
+            # one is none of them: it can never be stored
+            return Access(code, 0, ast.Const(0))
+        n, last = lay.capacity, lay.slots - 1
+        hi: ast.Node
+        i, r, v = self.locals.take(), self.locals.take(), self.locals.take()
+        if h is None:
+            hi = self.locals.take()
+            code += [hi.assign(hash_tree(keys) & ast.Const(HI)), i.assign(ast.lshr(hi, 64 - lay.bits))]
         else:
-            empty = s.assign(lay.slots + 1)       # an empty record ends the search
-        step = ast.seq(ast.If(match, s.assign(i), ast.If(lay.word(i, lay.tag) == 0, empty)),
-                       i.assign((i + 1) & ast.Const(lay.slots - 1)))
-        code += [ast.If(s == n, step) for _ in range(lay.probes)]
-        return Access(code, s, ast.ult(s, n))
+            hi = ast.Const(h & HI)
+            code.append(i.assign(start_slot(h, lay)))
+        code.append(r.assign(n + 1))
 
-    def constant_key(self, k: t.Expr) -> int | None:
-        if isinstance(k, t.Builtin) and k.name == "func":
-            return self.name_index(self.site.function)
-        if isinstance(k, t.Builtin) and k.name == "probe":
-            return self.name_index(self.site.probe)
-        if isinstance(k, t.Int):
-            return k.value
-        return None
+        def record(entry: ast.Node) -> ast.Node:
+            return (entry & ast.Const(LO)) - 1
+
+        def match(entry: ast.Node) -> ast.Node:
+            same: ast.Node = (entry & ast.Const(HI)) == hi
+            for j, k in enumerate(keys):
+                same = ast.land(same, lay.word(record(entry), lay.key0 + j) == k)
+            return same
+
+        # the search: each step nested in the one before (no flag to test per step);
+        # an empty slot ends it, since slots are never emptied
+        step: ast.Node | None = None
+        for _ in range(lay.probes):
+            go_on = None if step is None else ast.seq(i.assign((i + 1) & ast.Const(last)), step)
+            step = ast.seq(v.assign(lay.slot(i)),
+                           ast.If(v == 0, r.assign(n), ast.If(match(v), r.assign(record(v)), go_on)))
+        assert step is not None
+        code.append(step)
+        if claim:
+            code.append(ast.If(r == n, self.claim(lay, keys, hi, i, r, v, record)))
+        return Access(code, r, ast.ult(r, n))
+
+    def direct(self, lay: MapLayout, key: tuple[int, ...], n: int, claim: bool,
+               code: list[ast.Node]) -> Access:
+        """A constant key with a word of its own: its record + 1, or 0 until its first
+        update claims one (a compare-and-swap from 0; the loser of a race takes the
+        winner's record, which is this key's)."""
+        cap = lay.capacity
+        r, v = self.locals.take(), self.locals.take()
+        word = lay.direct_word(n)
+        code += [v.assign(word), r.assign(ast.If(v == 0, ast.Const(cap), v - 1))]
+        if claim:
+            res = self.locals.take()
+            won = ast.seq(*(lay.word(res - 1, lay.key0 + j).assign(k) for j, k in enumerate(key)),
+                          r.assign(res - 1))
+            code.append(ast.If(r == cap, ast.seq(
+                *self.reserve(lay, res),
+                ast.If(res == 0, r.assign(cap + 1),        # full: the key is not stored
+                       ast.If(ast.CompareExchange(word, ast.Const(0), res) == 0, won,
+                              ast.seq(v.assign(word), r.assign(v - 1)))))))
+        return Access(code, r, ast.ult(r, cap))
+
+    def reserve(self, lay: MapLayout, res: ast.Local) -> list[ast.Node]:
+        """``res`` = a new record + 1, or 0 when the map is full: a compare-and-swap of
+        ``used`` below the capacity (a failed swap means another cpu took a record
+        meanwhile: look again, a few times)."""
+        u = self.locals.take()
+        used = ast.Var(lay.used or 0)
+        return [res.assign(0), *(ast.If(res == 0, ast.seq(
+            u.assign(used),
+            ast.If(ast.ult(u, lay.capacity),
+                   ast.If(ast.CompareExchange(used, u, u + 1) == u, res.assign(u + 1)))))
+            for _ in range(RESERVE_TRIES))]
+
+    def claim(self, lay: MapLayout, keys: list[ast.Node], hi: ast.Node, i: ast.Local,
+              r: ast.Local, v: ast.Local, record: Callable[[ast.Node], ast.Node]) -> ast.Node:
+        """A new record for ``keys`` at empty slot ``i`` (:meth:`reserve`), the slot
+        claimed by a compare-and-swap from 0.  A cpu that loses the slot to another
+        adding the same key at the same moment (their hashes' upper halves equal)
+        uses the winner's record; to a different key, its update is lost (counted)."""
+        n = lay.capacity
+        res = self.locals.take()
+        won = ast.seq(*(lay.word(res - 1, lay.key0 + j).assign(k) for j, k in enumerate(keys)),
+                      r.assign(res - 1))
+        lost = ast.seq(v.assign(lay.slot(i)),
+                       ast.If((v & ast.Const(HI)) == hi, r.assign(record(v)), r.assign(n + 1)))
+        return ast.seq(*self.reserve(lay, res),
+                       ast.If(res == 0, r.assign(n + 1),        # full: the key is not stored
+                              ast.If(ast.CompareExchange(lay.slot(i), ast.Const(0), hi | res) == 0,
+                                     won, lost)))
 
     def key(self, k: t.Expr) -> ast.Node:
-        c = self.constant_key(k)
+        c = constant_key(k, self.site, self.name_index)
         return ast.Const(c) if c is not None else self.expr(k)
 
     def key_words(self, k: t.Expr) -> list[ast.Node]:
@@ -659,4 +780,4 @@ class ProbeCompiler:
         return ast.Seq((*acc.setup, value)) if acc.setup else value
 
 
-__all__ = ["Analysis", "ProbeCompiler", "Site", "analyse"]
+__all__ = ["Analysis", "ProbeCompiler", "Site", "analyse", "constant_key", "map_refs"]

@@ -1,24 +1,45 @@
-"""Maps in the kernel's data heap: layout, hashing, and the client's side of them.
+"""Maps in the kernel's data heap: layout, sizing, hashing, and the client's side.
 
-Each map is one heap block (``Manager.alloc_data``) of 8-byte words, a table of
-``slots`` records of ``stride`` words::
+Each map is one heap block (``Manager.alloc_data``) of 8-byte words::
 
-    unkeyed map (one record)     [present, value...]
-    keyed map   (slots records)  [tag, key_0 .. key_k-1, present, value...]
-    lost counter (keyed maps)    one word of its own block: updates that found no slot
+    map without keys   [present, value...]
+    keyed map          header   [used, lost]
+                       index    ``slots`` words: 0 (empty) or hi32(h) << 32 | record + 1
+                       direct   ``direct`` words, one per constant key: 0 or record + 1
+                       records  ``capacity`` records of [key_0 .. key_k-1, present, value...]
 
-A keyed map is a hash table with open addressing.  The keys hash to a 64-bit
-``h`` (:func:`hash_keys`, computed the same way by snippet code, :func:`hash_tree`);
-``tag = h | 1`` is never 0, and the probe sequence starts at the top ``log2(slots)``
-bits of ``h`` and goes on linearly for at most ``probes`` slots.  A record is
-claimed by a compare-and-swap of its tag from 0 (``lock cmpxchg``, the
-CompareExchange node); only the winner writes the keys.  A lookup stops at the
-first empty record (records are never emptied: ``delete`` clears ``present`` and
-the values, and the keys stay).  A racing updater of the same key that finds the
-tag set but the keys not written yet moves on and may claim a second record for
-the key: the client merges records with equal keys when it reads the map, so a
-race costs a record, never a count.  An update that finds no record among its
-``probes`` counts one lost update.
+A keyed map holds at most ``capacity`` keys: bpftrace's ``max_map_keys``.  Records
+are handed out in order by ``used`` (a bump counter); an update whose key has no
+record and gets none (the map is full) adds one to ``lost``, which the client
+reports at the end.  How many records a map gets (:func:`size_map`): exactly as
+many as the keys it can have when every key is a constant (``func``, ``probe``, an
+integer literal) -- a kprobe on 35,000 functions gets 35,000 records for
+``@[func]`` -- otherwise the program's ``max_map_keys``, or 4,096 as bpftrace's
+default (fewer when the heap cannot hold that many: :func:`shrink`).
+
+Constant keys are placed by the client before the run (:func:`place`): the snippet
+addresses the record directly (a plain Var).  When a map has more constant keys
+than it may hold (a program's max_map_keys below the functions its ``@[func]``
+probes), each constant key has a word of its own instead (``direct``), which the
+first update of the key claims a record for: the first keys to arrive get the
+records, as in bpftrace, with no search.  Keys computed at run time are found
+by the snippet through the index, a hash table with open addressing: the keys
+hash to a 64-bit ``h`` (:func:`hash_keys`, computed the same way by snippet code,
+:func:`hash_tree`); the search starts at slot ``h >> (64 - log2(slots))`` and goes
+on linearly for at most ``probes`` slots.  A slot is claimed by a compare-and-swap
+from 0 (``lock cmpxchg``, the CompareExchange node) after a record was reserved
+by a compare-and-swap of ``used`` below ``capacity``; only the winner writes the
+keys into its record.  Index slots are never emptied (``delete`` clears
+``present`` and the values), so a search stops at the first empty slot.  A racing
+updater of the same key that finds the slot taken but the record's keys not
+written yet moves on and may claim a second record for the key: the client merges
+records with equal keys when it reads the map, so a race costs a record, never a
+count.  The index has four slots per record and a search examines up to 12: a
+run that fills a 4,096-key map finds no free slot in its window about once in 20
+fills (lost updates the client reports, with the map not full).
+
+Maps whose every kernel access has a constant key have no index in the kernel
+at all: the client keeps it (a dict), so placing 35,000 keys costs no search.
 
 Values (``value...``) by kind: ``int``/``count``/``sum`` one word; ``min``/``max``
 one word holding the value biased so that an unsigned maximum is the answer (max:
@@ -29,7 +50,7 @@ linear buckets (both as bpftrace's language computes them).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,10 +62,26 @@ WORD = 8
 #: the hash: a multiply-xorshift over the keys (constants from splitmix64)
 SEED = 0x9E3779B97F4A7C15
 MULT = 0xBF58476D1CE4E5B9
-#: records a keyed update or lookup examines before it gives up
-PROBES = 8
-#: a keyed map's table is sized to at most this many bytes (and 64..4096 records)
-TABLE_BYTES = 64 * 1024
+#: an index entry: the hash's upper half beside the record's number (plus one)
+HI = MASK ^ 0xFFFFFFFF
+LO = 0xFFFFFFFF
+#: index slots a keyed update or lookup examines before it gives up (unrolled in
+#: the snippet: each is code)
+PROBES = 12
+#: index slots per record: at a load of a quarter, a window of 12 is full about
+#: once in 20 runs that fill 4,096 keys (a simulation of linear probing)
+INDEX_PER_RECORD = 4
+#: compare-and-swaps of ``used`` a snippet tries to reserve a record (each failed
+#: one means another cpu reserved one meanwhile)
+RESERVE_TRIES = 3
+#: bpftrace's default max_map_keys, for a map whose keys are computed
+DEFAULT_MAX_MAP_KEYS = 4096
+#: a map sized by default holds no fewer keys than this when the heap is short
+MIN_DEFAULT_KEYS = 64
+#: the largest max_map_keys: a record's number must fit the index entry's low half
+MAX_MAP_KEYS = 1 << 31
+#: words of a keyed map's header: used, lost
+HEADER = 2
 HIST_BUCKETS = 65
 
 
@@ -77,15 +114,87 @@ class MapType:
         return 1
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """How many keys a keyed map holds and how they are found."""
+
+    #: records: the most keys the map holds
+    capacity: int
+    #: index slots in the kernel (0: every kernel access has a constant key, placed
+    #: by the client, which keeps the index itself)
+    slots: int
+    #: the max_map_keys a full map reports (the capacity, or the setting it came from)
+    max_map_keys: int
+    #: the capacity came from the default and may be lowered to fit the heap
+    flexible: bool = False
+    #: the constant keys get their records before the run (False when they are more
+    #: than the capacity: then the first keys to arrive get the records, as in bpftrace)
+    place: bool = True
+    #: words of constant keys not placed, each the record its key got (when no kernel
+    #: access computes a key; otherwise they are searched for through the index)
+    direct: int = 0
+
+    @property
+    def probes(self) -> int:
+        return min(PROBES, self.slots)
+
+
+@dataclass
+class MapUse:
+    """What the program does with a keyed map, found before it is placed."""
+
+    #: constant key tuples, in the order they are first used (the kernel's and the client's)
+    consts: dict[tuple[int, ...], None] = field(default_factory=dict)
+    #: some access (anywhere) has a key computed when it runs
+    computed: bool = False
+    #: some kernel access has a key computed when it runs
+    kernel_computed: bool = False
+
+
+def index_slots(capacity: int) -> int:
+    """The index of a map that holds ``capacity`` keys: a power of two, four per key."""
+    return 1 << max(4, (INDEX_PER_RECORD * capacity - 1).bit_length())
+
+
+def size_map(use: MapUse, max_map_keys: int | None) -> Sizing:
+    """A keyed map's size: exactly its constant keys when every key is one (more than
+    the default if need be, fewer than the setting), else ``max_map_keys`` (the
+    program's or the default)."""
+    n = len(use.consts)
+    if not use.computed and (max_map_keys is None or n <= max_map_keys):
+        capacity, setting, flexible = max(n, 1), max(n, 1), False
+    elif max_map_keys is not None:
+        capacity, setting, flexible = max_map_keys, max_map_keys, False
+    else:
+        capacity, setting, flexible = DEFAULT_MAX_MAP_KEYS, DEFAULT_MAX_MAP_KEYS, True
+    return _sizing(use, capacity, setting, flexible)
+
+
+def _sizing(use: MapUse, capacity: int, setting: int, flexible: bool) -> Sizing:
+    place = len(use.consts) <= capacity
+    # the kernel searches the index when some kernel access computes its key
+    # (constant keys then too, when they are not placed: one key, one record)
+    kernel = use.kernel_computed
+    direct = len(use.consts) if not place and not kernel else 0
+    return Sizing(capacity, index_slots(capacity) if kernel else 0, setting, flexible, place,
+                  direct)
+
+
+def shrink(use: MapUse, sizing: Sizing) -> Sizing | None:
+    """A default-sized map at half its capacity (None: it is as small as it goes)."""
+    if not sizing.flexible or sizing.capacity <= MIN_DEFAULT_KEYS:
+        return None
+    half = max(sizing.capacity // 2, MIN_DEFAULT_KEYS)
+    return _sizing(use, half, half, True)
+
+
 @dataclass
 class MapLayout:
     """Where a map lives and how its records are laid out."""
 
     type: MapType
     base: int
-    slots: int
-    probes: int
-    lost: int | None
+    sizing: Sizing = field(default_factory=lambda: Sizing(1, 0, 1))
     #: strings keys of kind ksym/probe stand for (shared by every map of a program)
     names: list[str] = field(default_factory=list)
 
@@ -94,21 +203,37 @@ class MapLayout:
         return bool(self.type.keys)
 
     @property
+    def capacity(self) -> int:
+        return self.sizing.capacity if self.keyed else 1
+
+    @property
+    def slots(self) -> int:
+        return self.sizing.slots if self.keyed else 0
+
+    @property
+    def direct(self) -> int:
+        return self.sizing.direct if self.keyed else 0
+
+    @property
+    def probes(self) -> int:
+        return self.sizing.probes
+
+    @property
+    def bits(self) -> int:
+        return self.slots.bit_length() - 1
+
+    @property
     def nkeys(self) -> int:
         """Words of a record's key (a comm key takes two)."""
         return key_words(self.type.keys or ())
 
     @property
-    def tag(self) -> int:
+    def key0(self) -> int:
         return 0
 
     @property
-    def key0(self) -> int:
-        return 1
-
-    @property
     def present(self) -> int:
-        return 1 + self.nkeys if self.keyed else 0
+        return self.nkeys
 
     @property
     def value0(self) -> int:
@@ -119,25 +244,55 @@ class MapLayout:
         return self.value0 + self.type.value_words
 
     @property
+    def header(self) -> int:
+        return HEADER if self.keyed else 0
+
+    @property
+    def used(self) -> int | None:
+        """Address of the count of records handed out (None: a map without keys)."""
+        return self.base if self.keyed else None
+
+    @property
+    def lost(self) -> int | None:
+        """Address of the count of updates that found no record."""
+        return self.base + WORD if self.keyed else None
+
+    @property
+    def index(self) -> int:
+        return self.base + WORD * self.header
+
+    @property
+    def direct_base(self) -> int:
+        return self.index + WORD * self.slots
+
+    @property
+    def records(self) -> int:
+        return self.direct_base + WORD * self.direct
+
+    @property
     def words(self) -> int:
-        return self.slots * self.stride
+        return self.header + self.slots + self.direct + self.capacity * self.stride
 
     @property
     def size(self) -> int:
         return WORD * self.words
 
-    @property
-    def bits(self) -> int:
-        return self.slots.bit_length() - 1
-
     # --- snippet side ------------------------------------------------------------------
-    def word(self, slot: ast.Node | int, index: int | ast.Node) -> ast.Node:
-        """Word ``index`` of record ``slot`` (both may be computed): a Var when the
-        address is constant, else an Elem of the whole table."""
-        if isinstance(slot, int) and isinstance(index, int):
-            return ast.Var(self.base + WORD * (slot * self.stride + index))
-        at = ast.lift(slot * self.stride) + index
-        return ast.Elem(self.base, self.words, at)
+    def word(self, record: ast.Node | int, index: int | ast.Node) -> ast.Node:
+        """Word ``index`` of record ``record`` (both may be computed): a Var when the
+        address is constant, else an Elem of the whole table of records."""
+        if isinstance(record, int) and isinstance(index, int):
+            return ast.Var(self.records + WORD * (record * self.stride + index))
+        at = ast.lift(record * self.stride) + index
+        return ast.Elem(self.records, self.capacity * self.stride, at)
+
+    def slot(self, i: ast.Node) -> ast.Node:
+        """Index slot ``i`` (computed)."""
+        return ast.Elem(self.index, self.slots, i)
+
+    def direct_word(self, n: int) -> ast.Var:
+        """The word of constant key number ``n`` (0, or its record + 1)."""
+        return ast.Var(self.direct_base + WORD * n)
 
 
 def key_words(kinds: Sequence[str]) -> int:
@@ -145,17 +300,18 @@ def key_words(kinds: Sequence[str]) -> int:
     return sum(WIDTH.get(k, 1) for k in kinds)
 
 
-def layout_for(mtype: MapType, alloc: Callable[[int], int], names: list[str]) -> MapLayout:
-    """Allocate ``mtype``'s table (and lost counter) with ``alloc(size) -> address``."""
-    if not mtype.keys:
-        words = 1 + mtype.value_words
-        return MapLayout(mtype, alloc(WORD * words), 1, 1, None, names)
-    stride = 2 + key_words(mtype.keys) + mtype.value_words
-    slots = 64
-    while slots < 4096 and 2 * slots * stride * WORD <= TABLE_BYTES:
-        slots *= 2
-    base = alloc(WORD * slots * stride)
-    return MapLayout(mtype, base, slots, min(PROBES, slots), alloc(WORD), names)
+def layout_size(mtype: MapType, sizing: Sizing) -> int:
+    return MapLayout(mtype, 0, sizing).size
+
+
+def layout_for(mtype: MapType, alloc: Callable[[int], int], names: list[str],
+               sizing: Sizing | None = None) -> MapLayout:
+    """Allocate ``mtype``'s block with ``alloc(size) -> address``."""
+    sizing = sizing or size_map(MapUse(computed=bool(mtype.keys), kernel_computed=bool(mtype.keys)),
+                                None)
+    lay = MapLayout(mtype, 0, sizing, names)
+    lay.base = alloc(lay.size)
+    return lay
 
 
 # --- hashing ----------------------------------------------------------------------------------
@@ -180,33 +336,96 @@ def start_slot(h: int, layout: MapLayout) -> int:
     return h >> (64 - layout.bits) if layout.bits else 0
 
 
+def entry(h: int, record: int) -> int:
+    """The index entry of a key hashing to ``h`` held in ``record``."""
+    return (h & HI) | (record + 1)
+
+
+# --- before the run: constant keys placed --------------------------------------------------
+def place(lay: MapLayout, keys: Iterable[tuple[int, ...]]) -> tuple[dict[tuple[int, ...], int], bytes]:
+    """Records for constant ``keys`` (each masked to 64 bits), in order, and the bytes
+    of the block's start that hold them (header, index, records: one write).  A key
+    whose index window is full gets no record (the snippet searches for it when it
+    runs); so does every key once the capacity is reached, and every key of a map
+    with direct words (the first update of each claims one)."""
+    placed: dict[tuple[int, ...], int] = {}
+    index = [0] * lay.slots
+    for key in keys:
+        if len(placed) >= lay.capacity or lay.direct:
+            break
+        if lay.slots:
+            h = hash_keys(key)
+            at = start_slot(h, lay)
+            for _ in range(lay.probes):
+                if index[at] == 0:
+                    index[at] = entry(h, len(placed))
+                    break
+                at = (at + 1) & (lay.slots - 1)
+            else:
+                continue
+        placed[key] = len(placed)
+    words = [len(placed), 0, *index, *([0] * lay.direct)]
+    for key in placed:
+        rec = [0] * lay.stride
+        rec[lay.key0:lay.key0 + len(key)] = key
+        words += rec
+    return placed, b"".join((w & MASK).to_bytes(WORD, "little") for w in words)
+
+
 # --- the client's side: a map's records read back ---------------------------------------------
 class Table:
-    """A map's records as the client sees them: read, written back, merged."""
+    """A map's records as the client sees them: read, written back, merged.
+
+    ``placed`` is the client's index of a map the kernel never searches (key ->
+    record); ``direct`` numbers the constant keys that have words of their own;
+    other keys are searched through the index in the kernel, as a snippet
+    searches it.  The client's claims are plain writes, not atomic with
+    the kernel's: they happen in BEGIN and END, when the kernel's probes do not
+    run, and in interval actions (where a key added at the moment a probe adds
+    one may take the same record)."""
 
     def __init__(self, layout: MapLayout, read: Callable[[int, int], bytes],
-                 write: Callable[[int, bytes], None]) -> None:
+                 write: Callable[[int, bytes], None],
+                 placed: dict[tuple[int, ...], int] | None = None,
+                 direct: dict[tuple[int, ...], int] | None = None) -> None:
         self.layout = layout
         self._read, self._write = read, write
+        self.placed = {} if placed is None else placed
+        self.direct = direct or {}
 
-    def words(self) -> list[int]:
-        raw = self._read(self.layout.base, self.layout.size)
+    def _u64s(self, address: int, n: int) -> list[int]:
+        raw = self._read(address, WORD * n) if n else b""
         return [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
 
-    def record(self, words: list[int], slot: int) -> list[int]:
+    def _put_u64s(self, address: int, words: Sequence[int]) -> None:
+        self._write(address, b"".join((w & MASK).to_bytes(WORD, "little") for w in words))
+
+    def records_used(self) -> int:
+        """Records handed out so far (1 for a map without keys)."""
+        lay = self.layout
+        if lay.used is None:
+            return 1
+        return min(self._u64s(lay.used, 1)[0], lay.capacity)
+
+    def record_words(self) -> list[int]:
+        """The words of every record handed out, in one read."""
+        lay = self.layout
+        return self._u64s(lay.records, self.records_used() * lay.stride)
+
+    def record(self, words: list[int], record: int) -> list[int]:
         s = self.layout.stride
-        return words[slot * s:(slot + 1) * s]
+        return words[record * s:(record + 1) * s]
 
     def entries(self) -> dict[tuple[int, ...], list[int]]:
         """Key tuple -> value words of every present record, records of one key merged."""
         lay = self.layout
-        words = self.words()
+        words = self.record_words()
         out: dict[tuple[int, ...], list[int]] = {}
-        for slot in range(lay.slots):
-            rec = self.record(words, slot)
-            if lay.keyed and rec[lay.tag] == 0 or not rec[lay.present]:
+        for r in range(len(words) // lay.stride):
+            rec = self.record(words, r)
+            if not rec[lay.present]:
                 continue
-            key = tuple(rec[lay.key0:lay.key0 + lay.nkeys]) if lay.keyed else ()
+            key = tuple(rec[lay.key0:lay.key0 + lay.nkeys])
             values = rec[lay.value0:]
             out[key] = merge(lay.type.kind, out[key], values) if key in out else values
         return out
@@ -214,63 +433,99 @@ class Table:
     def lost(self) -> int:
         if self.layout.lost is None:
             return 0
-        return int.from_bytes(self._read(self.layout.lost, WORD), "little")
+        return self._u64s(self.layout.lost, 1)[0]
+
+    def count_lost(self) -> None:
+        """One more update that found no record (the client's own)."""
+        if self.layout.lost is not None:
+            self._put_u64s(self.layout.lost, [self.lost() + 1])
 
     def find(self, key: Sequence[int], claim: bool) -> int | None:
         """The record of ``key`` (claimed when ``claim`` and absent), as the kernel's
-        code would find it; None when absent (or, claiming, when no record is free)."""
+        code would find it; None when absent (or, claiming, when it gets no record)."""
         lay = self.layout
         if not lay.keyed:
             return 0
-        words = self.words()
+        key = tuple(k & MASK for k in key)
+        if key in self.direct:
+            word = lay.direct_base + WORD * self.direct[key]
+            held = self._u64s(word, 1)[0]
+            if held or not claim:
+                return held - 1 if held else None
+            record = self._reserve(key)
+            if record is not None:
+                self._put_u64s(word, [record + 1])
+            return record
+        if not lay.slots:
+            if key in self.placed or not claim:
+                return self.placed.get(key)
+            record = self._reserve(key)
+            if record is not None:
+                self.placed[key] = record
+            return record
         h = hash_keys(key)
-        tag, slot = h | 1, start_slot(h, lay)
+        at = start_slot(h, lay)
         for _ in range(lay.probes):
-            rec = self.record(words, slot)
-            if rec[lay.tag] == tag and tuple(rec[lay.key0:lay.key0 + lay.nkeys]) == tuple(
-                    k & MASK for k in key):
-                return slot
-            if rec[lay.tag] == 0:
+            slot = lay.index + WORD * at
+            e = self._u64s(slot, 1)[0]
+            if e == 0:
                 if not claim:
                     return None
-                self.put(slot, lay.tag, tag)
-                for i, k in enumerate(key):
-                    self.put(slot, lay.key0 + i, k)
-                return slot
-            slot = (slot + 1) % lay.slots
+                record = self._reserve(key)
+                if record is not None:
+                    self._put_u64s(slot, [entry(h, record)])
+                return record
+            if e & HI == h & HI:
+                record = (e & LO) - 1
+                base = lay.records + WORD * record * lay.stride
+                if tuple(self._u64s(base + WORD * lay.key0, lay.nkeys)) == key:
+                    return record
+            at = (at + 1) & (lay.slots - 1)
         return None
 
-    def put(self, slot: int, index: int, value: int) -> None:
-        address = self.layout.base + WORD * (slot * self.layout.stride + index)
-        self._write(address, (value & MASK).to_bytes(WORD, "little"))
+    def _reserve(self, key: tuple[int, ...]) -> int | None:
+        """A new record holding ``key`` (None: the map is full)."""
+        lay = self.layout
+        assert lay.used is not None
+        used = self._u64s(lay.used, 1)[0]
+        if used >= lay.capacity:
+            return None
+        self._put_u64s(lay.used, [used + 1])
+        self._put_u64s(lay.records + WORD * (used * lay.stride + lay.key0), key)
+        return used
 
-    def get(self, slot: int, index: int) -> int:
-        address = self.layout.base + WORD * (slot * self.layout.stride + index)
-        return int.from_bytes(self._read(address, WORD), "little")
+    def put(self, record: int, index: int, value: int) -> None:
+        address = self.layout.records + WORD * (record * self.layout.stride + index)
+        self._put_u64s(address, [value])
+
+    def get(self, record: int, index: int) -> int:
+        address = self.layout.records + WORD * (record * self.layout.stride + index)
+        return self._u64s(address, 1)[0]
 
     def clear(self) -> None:
-        """Every record no longer present, its values 0.  Tags and keys stay: records
-        claimed before the run for constant keys (which snippets address directly)
-        must stay theirs."""
+        """Every record no longer present, its values 0.  Keys and the index stay:
+        records placed before the run for constant keys (which snippets address
+        directly) must stay theirs."""
         lay = self.layout
-        words = self.words()
-        for slot in range(lay.slots):
+        words = self.record_words()
+        for r in range(len(words) // lay.stride):
             for i in range(lay.present, lay.stride):
-                words[slot * lay.stride + i] = 0
-        self._write(lay.base, b"".join(w.to_bytes(WORD, "little") for w in words))
+                words[r * lay.stride + i] = 0
+        if words:
+            self._put_u64s(lay.records, words)
 
     def delete(self, key: Sequence[int]) -> None:
         """The record(s) of ``key`` no longer present, their values 0 (the keys stay, so
-        that lookups that probe past them still do)."""
+        that searches that go past them still do)."""
         lay = self.layout
-        words = self.words()
-        for slot in range(lay.slots):
-            rec = self.record(words, slot)
-            if lay.keyed and (rec[lay.tag] == 0 or tuple(rec[lay.key0:lay.key0 + lay.nkeys])
-                              != tuple(k & MASK for k in key)):
+        key = tuple(k & MASK for k in key)
+        words = self.record_words()
+        for r in range(len(words) // lay.stride):
+            rec = self.record(words, r)
+            if lay.keyed and tuple(rec[lay.key0:lay.key0 + lay.nkeys]) != key:
                 continue
-            for i in range(lay.present, lay.stride):
-                self.put(slot, i, 0)
+            base = lay.records + WORD * (r * lay.stride + lay.present)
+            self._put_u64s(base, [0] * (lay.stride - lay.present))
 
 
 def merge(kind: str | None, a: list[int], b: list[int]) -> list[int]:
@@ -336,5 +591,6 @@ def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str])
     return out
 
 
-__all__ = ["HIST_BUCKETS", "MapLayout", "MapType", "Table", "WIDTH", "comm_text", "decode_key",
-           "hash_keys", "hash_tree", "key_words", "layout_for", "scalar"]
+__all__ = ["DEFAULT_MAX_MAP_KEYS", "HIST_BUCKETS", "MapLayout", "MapType", "MapUse", "Sizing",
+           "Table", "WIDTH", "comm_text", "decode_key", "hash_keys", "hash_tree", "key_words",
+           "layout_for", "place", "scalar", "shrink", "size_map"]

@@ -144,4 +144,15 @@ class MapPrinter:
         return {",".join(self.key_parts(k)): value(v) for k, v in items}
 
 
-__all__ = ["MapPrinter", "hist_label", "hist_rows", "hist_text", "lhist_label", "lhist_rows"]
+def record(kind: str, data: Any) -> dict[str, Any]:
+    """One piece of output as a JSON lines record, as bpftrace's ``-f json`` writes it:
+    ``{"type": "printf", "data": "..."}``, ``{"type": "map", "data": {"@m": ...}}``,
+    ``{"type": "hist", ...}``, ``{"type": "time", ...}``, ``{"type": "value", ...}``,
+    ``{"type": "lost_events", "data": {"events": N}}``; and ksim's own
+    ``{"type": "lost_keys", "data": {"map", "lost", "keys", "max_map_keys", "full"}}``."""
+    if kind == "lost_events":
+        return {"type": kind, "data": {"events": data}}
+    return {"type": kind, "data": data}
+
+
+__all__ = ["MapPrinter", "record", "hist_label", "hist_rows", "hist_text", "lhist_label", "lhist_rows"]
