@@ -24,7 +24,7 @@ from ksim.commands.demo import default_functions
 from ksim.errors import Blacklisted, EmulationError, TargetTimeout
 from ksim.images import toy
 from ksim.kapi import Manager
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 IMAGE = "toy-arm64"
 SPEC = f"unicorn:{IMAGE}"
@@ -103,12 +103,12 @@ def _poked(m, name: str, word: bytes):
     """Run with ``word`` over ``name``'s first instruction, put back afterwards."""
     at = m.find_function(name).address
     old = m.target.read(at, 4)
-    m.target.poke([Write(at, old, word)])
+    m.target.apply(Change(text=(Write(at, old, word),)))
     try:
         with pytest.raises(EmulationError) as info:
             m.run(seed=SEED, iterations=ITER)
     finally:
-        m.target.poke([Write(at, word, old)])
+        m.target.apply(Change(text=(Write(at, word, old),)))
     return at, info.value
 
 

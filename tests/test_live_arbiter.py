@@ -43,7 +43,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 FUNC = "__x64_sys_getppid"
 TRAP_FUNC = "__x64_sys_getpid"
@@ -68,7 +68,7 @@ def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
     patch = t.alloc_code(64, near=site)
     code = b"\xf0\x48\xff\x05" + rel32(patch + 8, counter) + insn
     code += b"\xe9" + rel32(patch + len(code) + 5, site + len(insn))
-    t.poke([Write(patch, t.read(patch, len(code)), code)])
+    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
     return patch
 
 
@@ -82,12 +82,13 @@ class Splice:
         self.orig = t.read(self.site, 16)
         self.counter = t.alloc_data(8)
         self.patch = install_patch(t, self.counter, self.site, self.insn)
+        routes: tuple[tuple[int, int], ...] = ()
         if how == "jmp":
             self.write = Write(self.site, self.orig[:5], jmp(self.site, self.patch))
         else:
-            t.set_trap(self.site, self.patch)
+            routes = ((self.site, self.patch),)
             self.write = Write(self.site, self.orig[:1], b"\xcc")
-        t.poke([self.write])
+        t.apply(Change(routes=routes, text=(self.write,)))
 
     @property
     def count(self) -> int:
@@ -183,28 +184,32 @@ def test_a_second_client_is_refused_at_the_first_ones_point(clients, how: str) -
     spare_orig = b.read(spare, 5)
     bcounter = b.alloc_data(8)
     bpatch = install_patch(b, bcounter, s.site, s.insn)
-    b.set_trap(spare, bpatch)
+    b.apply(Change(routes=((spare, bpatch),)))
     cur = s.write.new
     # Whatever b tries at a's point, or on a's blocks, the module refuses with the
     # one error, which names the holder; nothing changes.
     refusals = {
-        "its undo": lambda: b.poke([Write(s.site, cur, s.orig[:len(cur)])]),
-        "jmp over it": lambda: b.poke([Write(s.site, b.read(s.site, 5), jmp(s.site, bpatch))]),
-        "int3 over it": lambda: b.poke([Write(s.site, cur[:1], b"\xcc")]),
-        "a route there": lambda: b.set_trap(s.site, bpatch),
-        "a's patch code": lambda: b.poke([Write(s.patch, b.read(s.patch, 4), b"\xcc" * 4)]),
+        "its undo": lambda: b.apply(Change(text=(Write(s.site, cur, s.orig[:len(cur)]),))),
+        "jmp over it": lambda: b.apply(Change(text=(
+            Write(s.site, b.read(s.site, 5), jmp(s.site, bpatch)),))),
+        "int3 over it": lambda: b.apply(Change(text=(Write(s.site, cur[:1], b"\xcc"),))),
+        "a route there": lambda: b.apply(Change(routes=((s.site, bpatch),))),
+        "a's patch code": lambda: b.apply(Change(code=(
+            Write(s.patch, b.read(s.patch, 4), b"\xcc" * 4),))),
         "a's counter": lambda: b.write(s.counter, bytes(8)),
-        "a route into a's block": lambda: b.set_trap(spare, s.patch),
+        # b routes spare already: re-pointing its own route into a's block is refused
+        "a route into a's block": lambda: b.apply(Change(routes=((spare, s.patch),))),
         "freeing a's block": lambda: b.free_code(s.patch),
         "freeing a's counter": lambda: b.free_data(s.counter),
         # all or nothing: b's own int3 at its own routed site is not made either
-        "a batch": lambda: b.poke([Write(spare, spare_orig[:1], b"\xcc"),
-                                   Write(s.site, cur[:1], b"\xcc")]),
+        "a batch": lambda: b.apply(Change(text=(Write(spare, spare_orig[:1], b"\xcc"),
+                                                Write(s.site, cur[:1], b"\xcc")))),
     }
     if how == "jmp":
-        refusals["a byte inside"] = lambda: b.poke([Write(s.site + 2, cur[2:3], b"\x90")])
+        refusals["a byte inside"] = lambda: b.apply(Change(text=(
+            Write(s.site + 2, cur[2:3], b"\x90"),)))
     else:
-        refusals["clearing a's route"] = lambda: b.clear_trap(s.site)
+        refusals["clearing a's route"] = lambda: b.apply(Change(routes=((s.site, 0),)))
     for what, refused in refusals.items():
         err = owned(refused)
         assert "another client's session" in str(err), (what, err)
@@ -216,7 +221,7 @@ def test_a_second_client_is_refused_at_the_first_ones_point(clients, how: str) -
     # a leaves: the module undoes its splice; the point is b's to take now
     a.close()
     assert b.read(s.site, 16) == s.orig
-    b.poke([Write(s.site, s.orig[:5], jmp(s.site, bpatch))])
+    b.apply(Change(text=(Write(s.site, s.orig[:5], jmp(s.site, bpatch)),)))
     b.run(while_cmd=f"{getppid_loop()} 100")
     assert read_u64(b, bcounter) >= 100
     b.close()
@@ -241,23 +246,21 @@ def test_thousands_of_routes_and_batches_that_change_all_or_nothing(clients) -> 
     spatch = install_patch(a, counter, spare, sinsn)
     idle = a.alloc_code(64)   # the routes without an int3 lead here; never run
     # As many routes as the old module's whole table ...
-    for site in sites[:OLD_TRAP_TABLE - 1]:
-        a.set_trap(site, idle)
-    a.set_trap(tsite, tpatch)
+    a.apply(Change(routes=tuple((site, idle) for site in sites[:OLD_TRAP_TABLE - 1])
+                   + ((tsite, tpatch),)))
     # ... and a batch whose jmp needs one more (its int3 while it goes in), after
     # a byte it changes: the old module wrote the int3, then failed for lack of a route.
     batch = [Write(tsite, originals[tsite][:1], b"\xcc"),
              Write(jsite, originals[jsite][:5], jmp(jsite, jpatch))]
     try:
-        a.poke(batch)
+        a.apply(Change(text=tuple(batch)))
     except KsimError as exc:
         changed = [hex(w.address) for w in batch if a.read(w.address, len(w.old)) != w.old]
         pytest.fail(f"with {OLD_TRAP_TABLE} routes in use the batch was refused ({exc}); "
                     f"bytes it changed anyway: {changed}")
     assert [a.read(w.address, len(w.new)) for w in batch] == [w.new for w in batch]
     # ... and on to 2,000 routes: dispatch still finds the two live splices
-    for site in sites[OLD_TRAP_TABLE - 1:]:
-        a.set_trap(site, idle)
+    a.apply(Change(routes=tuple((site, idle) for site in sites[OLD_TRAP_TABLE - 1:])))
     out = a.run(while_cmd=f"{getppid_loop()} 1000").output
     assert out.strip() == "1000" and read_u64(a, counter) >= 1000
     # A batch refused for lack of a resource changes no byte: no room for a new
@@ -267,15 +270,17 @@ def test_thousands_of_routes_and_batches_that_change_all_or_nothing(clients) -> 
         param(a, "max_splices", 0)
         spare_jmp = Write(spare, originals[spare][:5], jmp(spare, spatch))
         with pytest.raises(OutOfMemory):
-            a.poke([Write(tsite, b"\xcc", originals[tsite][:1]), spare_jmp])
+            a.apply(Change(text=(Write(tsite, b"\xcc", originals[tsite][:1]), spare_jmp)))
         assert a.read(tsite, 1) == b"\xcc" and a.read(spare, 5) == originals[spare][:5]
         param(a, "max_splices", saved["max_splices"])
         param(a, "max_routes", 2001)   # the 2,001 routes in place
+        spare_trap = Change(routes=((spare, spatch),),
+                            text=(Write(spare, originals[spare][:1], b"\xcc"),))
         with pytest.raises(OutOfMemory):
-            a.set_trap(spare, spatch)
+            a.apply(spare_trap)
+        assert a.read(spare, 1) == originals[spare][:1]
         param(a, "max_routes", saved["max_routes"])
-        a.set_trap(spare, spatch)
-        a.poke([Write(spare, originals[spare][:1], b"\xcc")])
+        a.apply(spare_trap)
     finally:
         for n, v in saved.items():
             param(a, n, v)
@@ -286,8 +291,8 @@ def test_thousands_of_routes_and_batches_that_change_all_or_nothing(clients) -> 
     assert snapshot(t, sites) == before
     # the routes are gone: another client may take their sites
     for site in (sites[0], sites[-1]):
-        t.set_trap(site, t.alloc_code(16))
-        t.clear_trap(site)
+        t.apply(Change(routes=((site, t.alloc_code(16)),)))
+        t.apply(Change(routes=((site, 0),)))
     assert dmesg_problems(t) == []
 
 
@@ -331,7 +336,7 @@ def test_a_kept_splice_survives_a_kerninstd_restart(testbed, clients) -> None:
         for b in kept["blocks"]:
             assert all(not (x < b["address"] + b["size"] and b["address"] < x + n) for x, n in fresh)
         # nor may a new client change its bytes or its blocks
-        owned(lambda: t.poke([Write(s.site, s.write.new, s.orig[:5])]))
+        owned(lambda: t.apply(Change(text=(Write(s.site, s.write.new, s.orig[:5]),))))
         owned(lambda: t.write(s.counter, bytes(8)))
         # removed by name: the text is byte-identical again
         report = ksim_kept(testbed, "--remove", name)
@@ -361,8 +366,8 @@ def test_a_kept_splice_is_adopted_by_name_and_undone_with_its_new_session(client
     assert taken["name"] == name and [r["site"] for r in taken["routes"]] == [s.site]
     assert name not in {k["name"] for k in u.kept()}
     # u may now undo it itself, or leave it to its disconnect
-    u.poke([Write(s.site, b"\xcc", s.orig[:1])])
-    u.clear_trap(s.site)
+    u.apply(Change(routes=((s.site, 0),), text=(Write(s.site, b"\xcc", s.orig[:1]),)))
+    assert u.read(s.site, 16) == s.orig
     u.close()
     v = clients()
     assert v.read(s.site, 16) == s.orig
@@ -385,8 +390,7 @@ def test_unload_undoes_every_live_splice(testbed, clients) -> None:
     sites = route_sites(a, OLD_TRAP_TABLE - 2, avoid={js.site, ts.site, bs.site})
     before = snapshot(a, sites)
     idle = a.alloc_code(16)
-    for site in sites:
-        a.set_trap(site, idle)
+    a.apply(Change(routes=tuple((site, idle) for site in sites)))
     a.keep(name=f"unload-a-{os.getpid()}")
     b.keep(name=f"unload-b-{os.getpid()}")
     b.close()

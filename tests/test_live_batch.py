@@ -1,7 +1,7 @@
 """Batches on a live kernel: Manager.insert_many / remove_many over hundreds and
-thousands of function entries, as one poke of patch code and one batched poke of
-text (int3 -> sync -> tail -> sync -> head -> sync for all of it at once), with the
-routes of the trap policy in the same batch; the patch area and the data heap
+thousands of function entries, each as one Change that the module makes as one
+batch -- patch code, the routes of the trap policy, and text (int3 -> sync -> tail
+-> sync -> head -> sync for all of it at once); the patch area and the data heap
 growing by areas and shrinking back.
 
 Real module, real kernel: the kernel's own kprobe (tracefs kprobe_profile) is the
@@ -33,10 +33,11 @@ from ksim.live.testing import (  # noqa: F401
     program,
     read_u64,
     restart_kerninstd,
+    routes_of,
     testbed,
 )
 from ksim.snippets import ast
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -135,12 +136,10 @@ def test_a_batch_of_entries_counts_like_the_kernels_kprobe(testbed, policy: str)
     m = attach(testbed)
     t: LiveTarget = m.target
     try:
-        with t.batch():
-            points = around_the_sample(m, policy)
+        points = around_the_sample(m, policy)
         before = text_of(t, points)
         _base, var = counters(m, points)
-        with t.batch():
-            handles = m.insert_many(points, counting(var), splice=policy)
+        handles = m.insert_many(points, counting(var), splice=policy)
         assert len(m.splices()) == len(points) >= AROUND * 2 // 3
         tactics = {tactic for tactic, _n in m.splices().values()}
         assert tactics <= ({"trap"} if policy == "trap" else {"jmp", "jmp+displace", "springboard"})
@@ -155,8 +154,7 @@ def test_a_batch_of_entries_counts_like_the_kernels_kprobe(testbed, policy: str)
         for name in SAMPLE:
             assert c1[name] - c0[name] == k1[name] - k0[name], name
             assert N <= c1[name] - c0[name] <= N + 2, name
-        with t.batch():
-            m.remove_many(handles)
+        m.remove_many(handles)
         assert m.splices() == {}
         assert text_of(t, points) == before
         assert dmesg_problems(t) == []
@@ -169,8 +167,7 @@ def test_a_batch_over_another_clients_point_is_refused_whole(testbed) -> None:
     m, other = attach(testbed), attach(testbed)
     t: LiveTarget = m.target
     try:
-        with t.batch():
-            points = around_the_sample(m, "jmp")
+        points = around_the_sample(m, "jmp")
         taken = points[len(points) // 2]
         var = other.malloc(8)
         held = other.insert_snippet(other.entry_point(other.target.image.function_at(taken.address)),
@@ -178,15 +175,14 @@ def test_a_batch_over_another_clients_point_is_refused_whole(testbed) -> None:
         before = text_of(t, points)
         _base, mine = counters(m, points)
         for policy in ("jmp", "trap"):
-            with pytest.raises(TextOwned, match="another client's session"), t.batch():
+            with pytest.raises(TextOwned, match="another client's session"):
                 m.insert_many(points, counting(mine), splice=policy)
             assert text_of(t, points) == before, policy
             assert m.splices() == {}
         # nothing of the refused batches is left: the rest goes in, and out again
         rest = [p for p in points if p.address != taken.address]
-        with t.batch():
-            handles = m.insert_many(rest, counting(mine), splice="trap")
-            m.remove_many(handles)
+        handles = m.insert_many(rest, counting(mine), splice="trap")
+        m.remove_many(handles)
         assert text_of(t, points) == before
         other.remove_snippet(held)
     finally:
@@ -195,6 +191,9 @@ def test_a_batch_over_another_clients_point_is_refused_whole(testbed) -> None:
 
 
 def test_a_batch_with_one_stale_write_or_no_room_changes_nothing(testbed) -> None:
+    """One Change of routes and text writes, refused for one stale write and then for
+    lack of room, changes no byte and sets no route; the same Change goes in whole,
+    and its inverse (the int3s out and their routes cleared, in one batch) out."""
     t = connect(testbed)
     try:
         names = ("__x64_sys_getppid", "__x64_sys_getpgrp", "__x64_sys_getegid",
@@ -205,32 +204,33 @@ def test_a_batch_with_one_stale_write_or_no_room_changes_nothing(testbed) -> Non
         jmp_site, jmp_insn = sites[0]
         jmp = b"\xe9" + struct.pack("<i", idle - (jmp_site + 5))
         good = [Write(jmp_site, jmp_insn[:5], jmp)] + [Write(a, insn[:1], b"\xcc") for a, insn in sites[1:]]
+        routes = tuple((a, idle) for a, _ in sites[1:])
         last, last_insn = sites[-1]
         stale = Write(last, bytes([last_insn[0] ^ 0xFF]), b"\xcc")  # its old byte is wrong
-        with pytest.raises(StaleText), t.batch():
-            for a, _ in sites[1:]:
-                t.set_trap(a, idle)
-            t.poke(good[:-1] + [stale])
+        with pytest.raises(StaleText):
+            t.apply(Change(routes=routes, text=(*good[:-1], stale)))
         assert {a: t.read(a, 16) for a, _ in sites} == before
-        # its routes went with it: they can be set now (a route left would be refused)
-        for a, _ in sites[1:]:
-            t.set_trap(a, idle)
+        # its routes went with it
+        assert routes_of(t) == {}
+        insert = Change(routes=routes, text=tuple(good))
         saved = param(t, "max_splices")
         try:
             param(t, "max_splices", len(good) - 1)   # one text write short
             with pytest.raises(OutOfMemory):
-                t.poke(good)
+                t.apply(insert)
             assert {a: t.read(a, 16) for a, _ in sites} == before
+            assert routes_of(t) == {}
         finally:
             param(t, "max_splices", saved)
         # the batch itself is good: in, and out again
-        t.poke(good)
+        t.apply(insert)
         assert t.read(jmp_site, 5) == jmp
-        t.poke([Write(w.address, w.new, w.old) for w in good])
-        with t.batch():
-            for a, _ in sites[1:]:
-                t.clear_trap(a)
+        assert all(t.read(a, 1) == b"\xcc" for a, _ in sites[1:])
+        assert routes_of(t) == dict(routes)
+        t.apply(Change(routes=tuple((a, 0) for a, _ in routes),
+                       text=tuple(w.inverse() for w in good)))
         assert {a: t.read(a, 16) for a, _ in sites} == before
+        assert routes_of(t) == {}
         assert dmesg_problems(t) == []
     finally:
         t.close()
@@ -290,48 +290,39 @@ def test_every_spliceable_entry_attaches_under_load_and_detaches_byte_for_byte(t
     try:
         funcs = sorted((f for f in t.image.functions if t.text[0] <= f.address < t.text[1]),
                        key=lambda f: f.address)[::STRIDE]
-        pool: dict[str, list[Point]] = {"jmp": [], "trap": []}
-        # one batch scope for the analysis and both batches: planning 40,000 points
-        # works from the one look at the kernel the analysis took
-        with t.batch():
-            for f in funcs:
-                try:
-                    point = m.entry_point(f)
-                except KsimError:
-                    continue
-                for policy, points in pool.items():
-                    if m.can_insert(point, policy) is None:
-                        points.append(point)
-            assert len(pool["trap"]) > len(funcs) // 2 and len(pool["jmp"]) > len(funcs) // 2
-            load = Workload(testbed)
-            refused: dict[str, str] = {}
-            for policy in ("trap", "jmp"):
-                points = pool[policy]
-                before = text_of(t, points)
-                base, var = counters(m, points)
-                areas = len(code_areas(t))
-                try:
-                    handles: list[Handle] = m.insert_many(points, counting(var), splice=policy)
-                except KsimError as exc:  # refused whole: nothing may have changed
-                    refused[policy] = f"{type(exc).__name__}: {exc}"
-                    assert m.splices() == {} and text_of(t, points) == before, policy
-                    m.free(base)
-                    continue
-                # every patch in one allocation; for every function, larger than the
-                # first patch area: it grew
-                assert len(m.splices()) == len(points)
-                assert STRIDE > 1 or len(code_areas(t)) > areas
-                time.sleep(2)
-                hits = struct.unpack(f"<{len(points)}Q", t.read(base, 8 * len(points)))
-                m.remove_many(handles)
-                assert sum(hits) > 0 and sum(1 for h in hits if h) > 100, policy
-                assert m.splices() == {}
-                assert text_of(t, points) == before, policy
+        # the entries can_insert accepts, each policy's hazards asked of the kernel at
+        # once (Manager.spliceable_entries): planning 40,000 points works from one look
+        pool = {policy: entries(m, funcs, policy) for policy in ("jmp", "trap")}
+        assert len(pool["trap"]) > len(funcs) // 2 and len(pool["jmp"]) > len(funcs) // 2
+        load = Workload(testbed)
+        refused: dict[str, str] = {}
+        for policy in ("trap", "jmp"):
+            points = pool[policy]
+            before = text_of(t, points)
+            base, var = counters(m, points)
+            areas = len(code_areas(t))
+            try:
+                handles: list[Handle] = m.insert_many(points, counting(var), splice=policy)
+            except KsimError as exc:  # refused whole: nothing may have changed
+                refused[policy] = f"{type(exc).__name__}: {exc}"
+                assert m.splices() == {} and text_of(t, points) == before, policy
                 m.free(base)
-                # the areas the batch needed are given back
-                assert len(code_areas(t)) == areas
-            # every point can_insert accepted on its own must go in together
-            assert refused == {}, refused
+                continue
+            # every patch in one allocation; for every function, larger than the
+            # first patch area: it grew
+            assert len(m.splices()) == len(points)
+            assert STRIDE > 1 or len(code_areas(t)) > areas
+            time.sleep(2)
+            hits = struct.unpack(f"<{len(points)}Q", t.read(base, 8 * len(points)))
+            m.remove_many(handles)
+            assert sum(hits) > 0 and sum(1 for h in hits if h) > 100, policy
+            assert m.splices() == {}
+            assert text_of(t, points) == before, policy
+            m.free(base)
+            # the areas the batch needed are given back
+            assert len(code_areas(t)) == areas
+        # every point can_insert accepted on its own must go in together
+        assert refused == {}, refused
         assert load.stop() > 0
         load = None
         assert dmesg_problems(t) == []
@@ -349,7 +340,7 @@ def install_patch(t: LiveTarget, patch: int, counter: int, site: int, insn: byte
     """lock incq [rip+counter]; <insn, as is>; jmp site+len(insn) -- at ``patch``."""
     code = b"\xf0\x48\xff\x05" + struct.pack("<i", counter - (patch + 8)) + insn
     code += b"\xe9" + struct.pack("<i", site + len(insn) - (patch + len(code) + 5))
-    t.poke([Write(patch, t.read(patch, len(code)), code)])
+    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
 
 
 def code_areas(t: LiveTarget) -> list[dict[str, Any]]:
@@ -382,7 +373,7 @@ def test_the_patch_area_and_heap_grow_by_areas_and_shrink_back(testbed) -> None:
         install_patch(t, big[1], data[1], site, insn)
         t.write(data[1], bytes(8))
         jmp = Write(site, orig[:5], b"\xe9" + struct.pack("<i", big[1] - (site + 5)))
-        t.poke([jmp])
+        t.apply(Change(text=(jmp,)))
         t.run(while_cmd=f"{getppid_loop()} 1000")
         assert 1000 <= read_u64(t, data[1]) <= 1002
         # kept, across a kerninstd restart: the new kerninstd adopts the added areas

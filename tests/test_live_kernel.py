@@ -34,7 +34,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -56,7 +56,7 @@ def counting_patch(patch: int, counter: int, site: int, first: bytes) -> bytes:
 def install_patch(t: LiveTarget, counter: int, site: int, first: bytes) -> tuple[int, bytes]:
     code_at = t.alloc_code(64, near=site)
     code = counting_patch(code_at, counter, site, first)
-    t.poke([Write(code_at, t.read(code_at, len(code)), code)])
+    t.apply(Change(code=(Write(code_at, t.read(code_at, len(code)), code),)))
     return code_at, code
 
 
@@ -87,22 +87,23 @@ def test_poke_with_wrong_old_bytes_is_stale_and_changes_nothing(target: LiveTarg
     before = target.read(site, 5)
     wrong = bytes(b ^ 0xFF for b in before)
     with pytest.raises(StaleText) as info:
-        target.poke([Write(site, wrong, b"\xe9\x00\x00\x00\x00")])
+        target.apply(Change(text=(Write(site, wrong, b"\xe9\x00\x00\x00\x00"),)))
     assert info.value.code == "stale-text"
     # All or nothing: a good first write is not made when the second is stale.
     other = plain_site(target, "__x64_sys_getpid")
     other_before = target.read(other, 5)
     with pytest.raises(StaleText):
-        target.poke([Write(other, other_before[:1], b"\xcc"), Write(site, wrong[:1], b"\xcc")])
+        target.apply(Change(text=(Write(other, other_before[:1], b"\xcc"),
+                                  Write(site, wrong[:1], b"\xcc"))))
     assert target.read(site, 5) == before and target.read(other, 5) == other_before
 
 
 def test_writes_outside_their_regions_are_refused(target: LiveTarget) -> None:
     data_symbol = target.lookup("jiffies_64")
     with pytest.raises(OutsideText):
-        target.poke([Write(data_symbol, target.read(data_symbol, 1), b"\xcc")])
+        target.apply(Change(text=(Write(data_symbol, target.read(data_symbol, 1), b"\xcc"),)))
     with pytest.raises(OutsideText):
-        target.set_trap(data_symbol, target.code_region[0])
+        target.apply(Change(routes=((data_symbol, target.code_region[0]),)))
     # Text is never written through the data path.
     site = target.lookup(FUNC)
     with pytest.raises(TargetFault):
@@ -110,9 +111,10 @@ def test_writes_outside_their_regions_are_refused(target: LiveTarget) -> None:
     # The int3 path itself (noinstr) cannot be spliced.
     exc_int3 = target.lookup("exc_int3")
     with pytest.raises(Blacklisted):
-        target.poke([Write(exc_int3, target.read(exc_int3, 1), b"\xcc")])
+        target.apply(Change(text=(Write(exc_int3, target.read(exc_int3, 1), b"\xcc"),)))
+    # a route this client never set cannot be cleared
     with pytest.raises(UnknownHandle):
-        target.clear_trap(site)
+        target.apply(Change(routes=((site, 0),)))
     assert dmesg_problems(target) == []
 
 
@@ -168,10 +170,10 @@ def test_disconnect_without_cleanup_leaves_no_splice(testbed: dict, target: Live
     other = LiveTarget("127.0.0.1", int(testbed["port"]), token_file=testbed["token_file"])
     counter = other.alloc_data(8)
     patch, _ = install_patch(other, counter, site, originals[site])
-    other.poke([Write(site, originals[site], b"\xe9" + rel32(site + 5, patch))])
+    other.apply(Change(text=(Write(site, originals[site], b"\xe9" + rel32(site + 5, patch)),)))
     tpatch, _ = install_patch(other, counter, trap_site, originals[trap_site][:5])
-    other.set_trap(trap_site, tpatch)
-    other.poke([Write(trap_site, originals[trap_site][:1], b"\xcc")])
+    other.apply(Change(routes=((trap_site, tpatch),),
+                       text=(Write(trap_site, originals[trap_site][:1], b"\xcc"),)))
     target.exec(f"{getppid_loop()} 100")
     assert read_u64(other, counter) >= 100
     assert target.read(site, 1) == b"\xe9" and target.read(trap_site, 1) == b"\xcc"
@@ -206,8 +208,8 @@ def test_raw_jmp_splice_counts_exactly(target: LiveTarget) -> None:
     jmp = b"\xe9" + rel32(site + 5, patch)
     counted, oracle = _count_with_oracle(
         target, counter,
-        lambda: target.poke([Write(site, original, jmp)]),
-        lambda: target.poke([Write(site, jmp, original)]))
+        lambda: target.apply(Change(text=(Write(site, original, jmp),))),
+        lambda: target.apply(Change(text=(Write(site, jmp, original),))))
     # Background getppid calls (the guest shell reading kprobe_profile) are a handful.
     assert N <= counted <= N + 5
     assert abs(counted - oracle) <= 3
@@ -222,13 +224,11 @@ def test_raw_trap_splice_counts_exactly(target: LiveTarget) -> None:
     counter = target.alloc_data(8)
     patch, _ = install_patch(target, counter, site, original)
 
-    def insert() -> None:
-        target.set_trap(site, patch)
-        target.poke([Write(site, original[:1], b"\xcc")])
+    def insert() -> None:  # the route, then the int3: one batch
+        target.apply(Change(routes=((site, patch),), text=(Write(site, original[:1], b"\xcc"),)))
 
-    def remove() -> None:
-        target.poke([Write(site, b"\xcc", original[:1])])
-        target.clear_trap(site)
+    def remove() -> None:  # the int3 out, then its route: one batch
+        target.apply(Change(routes=((site, 0),), text=(Write(site, b"\xcc", original[:1]),)))
 
     counted, oracle = _count_with_oracle(target, counter, insert, remove)
     assert N <= counted <= N + 5

@@ -27,10 +27,11 @@ import pytest
 
 from ksim.errors import KsimError, OutsideText, ProtocolError, UnsafeSite
 from ksim.kapi import Manager
+from ksim.live import protocol as wire
 from ksim.live import testbed as tb
 from ksim.live.client import KprobeCounter, LiveTarget
 from ksim.live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -119,7 +120,7 @@ def counting_patch(patch: int, counter: int, site: int, first: bytes) -> bytes:
 def install_patch(t: LiveTarget, counter: int, site: int, first: bytes) -> int:
     code_at = t.alloc_code(64, near=site)
     code = counting_patch(code_at, counter, site, first)
-    t.poke([Write(code_at, t.read(code_at, len(code)), code)])
+    t.apply(Change(code=(Write(code_at, t.read(code_at, len(code)), code),)))
     return code_at
 
 
@@ -192,7 +193,7 @@ def test_outside_text_and_blacklisted_code(target: LiveTarget) -> None:
     own = target.lookup("ki_die_notify") + 5
     assert "blacklist" in target.text_hazards([(own, 1)])[0]
     with pytest.raises(OutsideText):
-        target.poke([Write(own, target.read(own, 1), target.read(own, 1))])
+        target.apply(Change(text=(Write(own, target.read(own, 1), target.read(own, 1)),)))
 
 
 #: called out of line by Linux's int3 path before any notifier sees the trap (kmod: ki_trap_path)
@@ -223,7 +224,7 @@ def test_die_notifiers_ahead_of_kerninsts_are_kept_from_pokes(target: LiveTarget
     for fn in ahead:
         before = target.read(fn, 1)
         with pytest.raises(UnsafeSite):
-            target.poke([Write(fn, before, b"\xcc")])
+            target.apply(Change(text=(Write(fn, before, b"\xcc"),)))
         assert target.read(fn, 1) == before
 
 
@@ -244,9 +245,9 @@ def test_the_int3_paths_own_calls_are_refused_by_module_and_client(target: LiveT
             write = (Write(site, before[:1], b"\xcc") if splice == "trap" else
                      Write(site, before[:5], b"\xe9" + rel32(site + 5, patch)))
             with pytest.raises(UnsafeSite):
-                target.poke([write])
+                target.apply(Change(text=(write,)))
             with pytest.raises(UnsafeSite):
-                target.set_trap(site, patch)
+                target.apply(Change(routes=((site, patch),)))
             assert target.read(site, 8) == before, name
     finally:
         target.free_code(patch)
@@ -296,7 +297,7 @@ def test_registered_kprobe_and_the_bytes_its_jump_would_cover(target: LiveTarget
         assert answers == [{"kprobe"}] * 4 + [set()] * 2
         # (a write of the same byte: refused all the same, and harmless if it were not)
         with pytest.raises(UnsafeSite, match="kprobe"):
-            target.poke([Write(site + 1, insn[1:2], insn[1:2])])
+            target.apply(Change(text=(Write(site + 1, insn[1:2], insn[1:2]),)))
     assert target.text_hazards([(site, 1)]) == [set()]
     assert target.read(site, len(insn)) == insn
     assert dmesg_problems(target) == []
@@ -315,11 +316,11 @@ def test_malformed_requests_are_protocol_errors(target: LiveTarget) -> None:
         with pytest.raises(ProtocolError, match="hazards"):
             target.conn.request("hazards", ranges=ranges)
     with pytest.raises(ProtocolError, match="limit"):
-        target.conn.request("hazards", ranges=[[entry, 1]] * 4097)
+        target.conn.request("hazards", ranges=[[entry, 1]] * (wire.MAX_RANGES + 1))
     with pytest.raises(ProtocolError, match="ranges"):
         target.conn.request("hazards", ranges="all of them")
     assert target.conn.request("hazards", ranges=[])["hazards"] == []
-    # many ranges are split into several requests
+    # many ranges, one answer each
     assert target.text_hazards([(entry, 1)] * 5000) == [{"ftrace"}] * 5000
 
 
@@ -336,7 +337,7 @@ def test_pokes_into_hazardous_text_are_refused_and_write_nothing(target: LiveTar
     counter = target.alloc_data(8)
     patch = install_patch(target, counter, ordinary, insn)
     # A route at the ordinary site: were its int3 wrongly written, a hit would still be served.
-    target.set_trap(ordinary, patch)
+    target.apply(Change(routes=((ordinary, patch),)))
     try:
         for name, site in sites.items():
             assert name in target.text_hazards([(site, 1)])[0], name
@@ -344,16 +345,17 @@ def test_pokes_into_hazardous_text_are_refused_and_write_nothing(target: LiveTar
             jmp = b"\xe9" + rel32(site + 5, patch)
             for write in (Write(site, before[:1], b"\xcc"), Write(site, before[:5], jmp)):
                 with pytest.raises(UnsafeSite, match=name):
-                    target.poke([write])
+                    target.apply(Change(text=(write,)))
             # all or nothing: the harmless write of the batch is not made either
             with pytest.raises(UnsafeSite):
-                target.poke([Write(ordinary, insn[:1], b"\xcc"), Write(site, before[:1], b"\xcc")])
+                target.apply(Change(text=(Write(ordinary, insn[:1], b"\xcc"),
+                                          Write(site, before[:1], b"\xcc"))))
             with pytest.raises(UnsafeSite, match=name):
-                target.set_trap(site, patch)
+                target.apply(Change(routes=((site, patch),)))
             assert target.read(site, 8) == before, name
             assert target.read(ordinary, len(insn)) == insn
     finally:
-        target.clear_trap(ordinary)
+        target.apply(Change(routes=((ordinary, 0),)))
         target.free_code(patch)
     assert dmesg_problems(target) == []
 
@@ -364,17 +366,15 @@ def test_ordinary_site_still_pokes_counts_and_restores(target: LiveTarget, splic
     counter = target.alloc_data(8)
     patch = install_patch(target, counter, site, insn)
     if splice == "jmp":
-        insert = [Write(site, insn, b"\xe9" + rel32(site + 5, patch))]
-    else:
-        target.set_trap(site, patch)
-        insert = [Write(site, insn[:1], b"\xcc")]
-    target.poke(insert)
+        insert = Change(text=(Write(site, insn, b"\xe9" + rel32(site + 5, patch)),))
+    else:  # the route and the int3 in one batch; out, the int3 and then its route
+        insert = Change(routes=((site, patch),), text=(Write(site, insn[:1], b"\xcc"),))
+    target.apply(insert)
     try:
         out = target.run(while_cmd=f"{getppid_loop()} 1000").output
     finally:
-        target.poke([Write(w.address, w.new, w.old) for w in insert])
-        if splice == "trap":
-            target.clear_trap(site)
+        target.apply(Change(routes=tuple((s, 0) for s, _ in insert.routes),
+                            text=tuple(w.inverse() for w in insert.text)))
     assert out.strip() == "1000"
     assert 1000 <= read_u64(target, counter) <= 1010
     assert target.read(site, len(insn)) == insn
@@ -392,19 +392,19 @@ def test_undo_works_where_a_hazard_appeared_since(target: LiveTarget) -> None:
     patch = install_patch(target, counter, site, insn)
     other = install_patch(target, counter, site, insn)
     jmp = b"\xe9" + rel32(site + 5, patch)
-    target.poke([Write(site, insn, jmp)])
+    target.apply(Change(text=(Write(site, insn, jmp),)))
     try:
         with KprobeCounter(target, before.address) as probe:
             assert "kprobe" in target.text_hazards([(site, 5)])[0]
             target.run(while_cmd=f"{getppid_loop()} 100")
             with pytest.raises(UnsafeSite, match="kprobe"):
-                target.poke([Write(site, jmp, b"\xe9" + rel32(site + 5, other))])
-            target.poke([Write(site, jmp, insn)])
+                target.apply(Change(text=(Write(site, jmp, b"\xe9" + rel32(site + 5, other)),)))
+            target.apply(Change(text=(Write(site, jmp, insn),)))
             assert target.read(site, 5) == insn
             assert probe.count >= 100
     finally:
         if target.read(site, 5) == jmp:
-            target.poke([Write(site, jmp, insn)])
+            target.apply(Change(text=(Write(site, jmp, insn),)))
     assert 100 <= read_u64(target, counter) <= 110
     target.free_code(patch)
     target.free_code(other)
@@ -461,14 +461,14 @@ def test_module_warn_site_is_found_and_fires_in_place(warn_module: str, target: 
     assert result == 44
     _assert_warned_at(lines, ud2 - address)
     with pytest.raises(UnsafeSite, match="warn"):
-        target.poke([Write(ud2, UD2[:1], b"\xcc")])
+        target.apply(Change(text=(Write(ud2, UD2[:1], b"\xcc"),)))
     # a jmp at the instruction before it would displace the ud2: refused
     block = next(i for i in code if i.address + i.size == ud2)
     assert ud2 - block.address < 5
     patch = target.alloc_code(64, near=block.address)
     with pytest.raises(UnsafeSite, match="warn"):
-        target.poke([Write(block.address, target.read(block.address, 5),
-                           b"\xe9" + rel32(block.address + 5, patch))])
+        target.apply(Change(text=(Write(block.address, target.read(block.address, 5),
+                                        b"\xe9" + rel32(block.address + 5, patch)),)))
     target.free_code(patch)
     assert target.read(ud2, 2) == UD2
 
@@ -520,8 +520,8 @@ def test_module_going_away_takes_its_splices_with_it(warn_module: str, testbed: 
     try:
         counter = other.alloc_data(8)
         patch = install_patch(other, counter, block.address, bytes(block.bytes))
-        other.set_trap(block.address, patch)
-        other.poke([Write(block.address, bytes(block.bytes[:1]), b"\xcc")])
+        other.apply(Change(routes=((block.address, patch),),
+                           text=(Write(block.address, bytes(block.bytes[:1]), b"\xcc"),)))
         assert _trigger(target, 7)[0] == 8 and read_u64(other, counter) == 0
         result, lines = _trigger(target, 42)
         assert result == 44 and read_u64(other, counter) == 1
@@ -532,7 +532,7 @@ def test_module_going_away_takes_its_splices_with_it(warn_module: str, testbed: 
                    for x in dmesg_after(target, marker))
         assert target.text_hazards([(block.address, 1)]) == [{"not_text"}]
         with pytest.raises(OutsideText):
-            other.poke([Write(block.address, b"\xcc", bytes(block.bytes[:1]))])
+            other.apply(Change(text=(Write(block.address, b"\xcc", bytes(block.bytes[:1])),)))
     finally:
         other.close()  # nothing left to undo: the module forgot the write and the route
         tb.load_test_module(WARN_MODULE, testbed)

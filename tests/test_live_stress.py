@@ -17,7 +17,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -32,7 +32,7 @@ def test_thousand_splice_cycles_under_load(target: LiveTarget) -> None:
     patch = target.alloc_code(64, near=site)
     code = b"\xf0\x48\xff\x05" + struct.pack("<i", counter - (patch + 8)) + original
     code += b"\xe9" + struct.pack("<i", site + 5 - (patch + len(code) + 5))
-    target.poke([Write(patch, target.read(patch, len(code)), code)])
+    target.apply(Change(code=(Write(patch, target.read(patch, len(code)), code),)))
     jmp = b"\xe9" + struct.pack("<i", patch - (site + 5))
     loop = getppid_loop()
     # Two endless callers, one per vCPU, for the whole run.
@@ -41,14 +41,14 @@ def test_thousand_splice_cycles_under_load(target: LiveTarget) -> None:
         time.sleep(0.5)
         t0 = time.monotonic()
         for i in range(CYCLES):
-            if i % 2:  # trap splice: route, int3 in, int3 out, unroute
-                target.set_trap(site, patch)
-                target.poke([Write(site, original[:1], b"\xcc")])
-                target.poke([Write(site, b"\xcc", original[:1])])
-                target.clear_trap(site)
+            if i % 2:  # trap splice: route then int3 in one batch; int3 out then unroute in one
+                target.apply(Change(routes=((site, patch),),
+                                    text=(Write(site, original[:1], b"\xcc"),)))
+                target.apply(Change(routes=((site, 0),),
+                                    text=(Write(site, b"\xcc", original[:1]),)))
             else:      # jmp splice, through the int3 -> sync -> tail -> sync -> head protocol
-                target.poke([Write(site, original, jmp)])
-                target.poke([Write(site, jmp, original)])
+                target.apply(Change(text=(Write(site, original, jmp),)))
+                target.apply(Change(text=(Write(site, jmp, original),)))
         seconds = time.monotonic() - t0
     finally:
         target.exec("kill $(cat /tmp/stress.pids); rm -f /tmp/stress.pids")

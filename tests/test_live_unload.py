@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from ksim.live.testing import connect, dmesg_problems, plain_site, restart_kerninstd, testbed  # noqa: F401
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -22,14 +22,14 @@ def test_unload_restores_kept_splices(testbed: dict) -> None:
     # A patch that only runs the displaced (position-independent) instruction and jumps back.
     for site in (jsite, tsite):
         code = originals[site][:5] + b"\xe9" + struct.pack("<i", site + 5 - (patch + 10))
-        t.poke([Write(patch, t.read(patch, 10), code)])
+        t.apply(Change(code=(Write(patch, t.read(patch, 10), code),)))
         if site == jsite:
-            t.poke([Write(jsite, originals[jsite][:5],
-                          b"\xe9" + struct.pack("<i", patch - (jsite + 5)))])
+            t.apply(Change(text=(Write(jsite, originals[jsite][:5],
+                                       b"\xe9" + struct.pack("<i", patch - (jsite + 5))),)))
             patch = t.alloc_code(16, near=tsite)
         else:
-            t.set_trap(tsite, patch)
-            t.poke([Write(tsite, originals[tsite][:1], b"\xcc")])
+            t.apply(Change(routes=((tsite, patch),),
+                           text=(Write(tsite, originals[tsite][:1], b"\xcc"),)))
     t.keep()  # neither kerninstd nor the device's close will undo them: only the unload
     assert t.read(jsite, 1) == b"\xe9" and t.read(tsite, 1) == b"\xcc"
     # kerninstd killed; the guest's init unloads the module (rmmod), loads it and

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from ksim.errors import StaleText, TargetDied, TargetError, TargetTimeout
-from ksim.splice.patch import Write
+from ksim.splice.patch import Change, Write
 
 pytestmark = pytest.mark.slow
 
@@ -164,7 +164,7 @@ def test_stale_poke_writes_nothing(target) -> None:
     good = Write(fn.address, before[:n], trap)
     stale = Write(fn.address + n, bytes(b ^ 0xFF for b in before[n:2 * n]), trap)
     with pytest.raises(StaleText):
-        target.poke([good, stale])
+        target.apply(Change(text=(good, stale)))
     assert target.read(fn.address, 8) == before
 
 
@@ -174,9 +174,9 @@ def test_poke_and_undo(target) -> None:
     before = target.read(fn.address, arch.jmp_size)
     # a jump to the next instruction (jmp rel32 0 on x86, b .+4 on arm64)
     w = Write(fn.address, before, arch.jmp(fn.address, fn.address + arch.jmp_size))
-    target.poke([w])
+    target.apply(Change(text=(w,)))
     assert target.read(fn.address, arch.jmp_size) == w.new
-    target.poke([w.inverse()])
+    target.apply(Change(text=(w.inverse(),)))
     assert target.read(fn.address, arch.jmp_size) == before
 
 
@@ -204,13 +204,12 @@ def test_alloc_data_zeroes_and_code_matches_allocator(target) -> None:
 def test_trap_table_is_dense_and_mirrored(target) -> None:
     text, patch = target.image.function("start_kernel").address, target._code.start
     sites = [(text + 4 * i, patch + 16 * i) for i in range(4)]
-    for site, patch in sites:
-        target.set_trap(site, patch)
+    target.apply(Change(routes=tuple(sites)))
     assert target.traps_in_guest() == sites
-    target.clear_trap(sites[1][0])  # the last entry moves into the hole
+    target.apply(Change(routes=((sites[1][0], 0),)))  # the last entry moves into the hole
     assert target.traps_in_guest() == [sites[0], sites[3], sites[2]]
-    for site, _ in sites:
-        target.clear_trap(site)
+    # clearing a site no longer routed (sites[1]) is no error and changes nothing else
+    target.apply(Change(routes=tuple((site, 0) for site, _ in sites)))
     assert target.traps_in_guest() == []
 
 
@@ -245,7 +244,7 @@ def test_unrouted_trap_kills_the_kernel_with_a_clear_error(image: str) -> None:
     try:
         fn = t.image.function("tcp_sync_mss")
         trap = t.arch.trap
-        t.poke([Write(fn.address, t.read(fn.address, len(trap)), trap)])
+        t.apply(Change(text=(Write(fn.address, t.read(fn.address, len(trap)), trap),)))
         pid = t.machine.pid
         with pytest.raises(TargetDied, match="panicked(.|\n)*not in ksim_trap_table"):
             t.run(seed=SEED, iterations=200, timeout=120)
@@ -338,15 +337,16 @@ def _functions(image: str = "toy") -> list[str]:
 
 
 def _record_pokes(manager) -> list[tuple[int, bytes, bytes]]:
-    """Wrap the target's poke so that every Write it applies is recorded."""
+    """Wrap the target's apply so that every Write it makes (patch code, then
+    text, as Change orders them) is recorded."""
     log: list[tuple[int, bytes, bytes]] = []
-    real = manager.target.poke
+    real = manager.target.apply
 
-    def poke(writes):
-        real(writes)
-        log.extend((w.address, w.old, w.new) for w in writes)
+    def apply(change):
+        real(change)
+        log.extend((w.address, w.old, w.new) for w in change.code + change.text)
 
-    manager.target.poke = poke
+    manager.target.apply = apply
     return log
 
 

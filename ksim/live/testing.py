@@ -7,6 +7,7 @@ finds it already up), and the session ends by stopping it only if it started it.
 
 from __future__ import annotations
 
+import os
 import re
 import struct
 import subprocess
@@ -85,6 +86,19 @@ def dmesg_problems(target: LiveTarget) -> list[str]:
 
 def read_u64(target: LiveTarget, address: int) -> int:
     return int(struct.unpack("<Q", target.read(address, 8))[0])
+
+
+def routes_of(target: LiveTarget) -> dict[int, int]:
+    """The trap routes the module holds for ``target``'s session (site -> patch), read
+    from the module's own log: the session is listed as kept, under a name of its own,
+    for the moment of the look (so ``target`` must not be kept already)."""
+    name = f"routes-of-{os.getpid()}-{id(target):x}"
+    target.keep(name=name)
+    try:
+        (mine,) = [k for k in target.kept() if k["name"] == name]
+    finally:
+        target.keep(False)
+    return {int(r["site"]): int(r["patch"]) for r in mine["routes"]}
 
 
 def connect(testbed: dict[str, Any], timeout: float = 90.0) -> LiveTarget:
