@@ -1792,14 +1792,6 @@ static int ki_check_int3_routes(struct ki_batch *b)
 	return 0;
 }
 
-/* Whether a clear of @b's must go before its text writes: a multi-byte write covers its site. */
-static bool ki_clear_first(struct ki_batch *b, const struct ki_rop *op)
-{
-	struct ki_write *w = ki_batch_write_at(b, op->site);
-
-	return w && w->text && w->len > 1;
-}
-
 static void ki_route_unhash(struct ki_rop *op, struct list_head *gone)
 {
 	hash_del_rcu(&op->route->hnode);
@@ -1810,11 +1802,12 @@ static void ki_route_unhash(struct ki_rop *op, struct list_head *gone)
 /*
  * Apply a checked batch; nothing here can fail.  The order: routes set (a
  * re-pointed route is replaced, the new one published first, so that a trap
- * finds one or the other), patch code, text, then the routes cleared -- an int3
- * the batch takes out keeps its route until it is gone from text; a cleared
- * route inside a multi-byte write goes first, as that write routes its own
- * temporary int3.  Retired routes are freed after a sync: no CPU is still in
- * the int3 handler with one.
+ * finds one or the other), patch code, text, then the routes cleared: an int3
+ * the batch takes out keeps its route until it is gone from text.  Where a
+ * multi-byte write covers a cleared route's site, the write's temporary route
+ * is published at the head of the same bucket while both exist, so a trap there
+ * takes the write's way.  Retired routes are freed after a sync: no CPU is
+ * still in the int3 handler with one.
  */
 static void ki_apply(struct ki_batch *b)
 {
@@ -1834,9 +1827,6 @@ static void ki_apply(struct ki_batch *b)
 			} else {
 				ki_nroutes++;
 			}
-		} else if (ki_clear_first(b, op)) {
-			ki_route_unhash(op, &gone);
-			op->route = NULL;
 		}
 	}
 	/* Patch code first: a CPU may be sent to it as soon as an int3 or a jump is in text. */

@@ -38,6 +38,7 @@ from typing import Any
 from ksim.bench import native
 from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
 from ksim.errors import KsimError
+from ksim.splice.patch import Change
 
 NAME = "per-hit"
 TITLE = "Cost per hit: uninstrumented, jmp, springboard, trap (paper Table 1)"
@@ -613,13 +614,9 @@ def trap_dispatch(m: Any, routes: int, ctx: Context) -> dict[str, Any]:
     try:
         for _ in range(rounds):
             one.append(cycles())
-            with t.batch():
-                for site in sites:
-                    t.set_trap(site, idle)
+            t.apply(Change(routes=tuple((site, idle) for site in sites)))
             many.append(cycles())
-            with t.batch():
-                for site in sites:
-                    t.clear_trap(site)
+            t.apply(Change(routes=tuple((site, 0) for site in sites)))
         base.append(cycles() if rounds > 1 else base[0])
     finally:
         m.remove_snippet(h)

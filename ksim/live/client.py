@@ -16,10 +16,13 @@ kernel's own kprobe on the same function, through tracefs.
 
 from __future__ import annotations
 
+import array
 import bisect
 import itertools
 import os
 import socket
+import struct
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from functools import cached_property
@@ -35,6 +38,7 @@ from ksim.errors import (
     TargetError,
     TargetTimeout,
 )
+from ksim.live import abi
 from ksim.live import protocol as wire
 from ksim.splice.patch import Change, Write
 from ksim.targets.base import (
@@ -57,6 +61,7 @@ REL32 = 1 << 31
 #: bytes of kernel text the image reads at a time (and keeps): analysing a function
 #: reads a few hundred bytes, and neighbours are analysed next
 TEXT_CHUNK = 256 << 10
+PAGE = 4096
 
 
 def default_token_file() -> str:
@@ -272,8 +277,10 @@ class LiveTarget:
         kernel is then some 50 reads, not one or two per function); anything else
         read as it is now."""
         lo, hi = self.text
-        if not (lo <= address and address + size <= hi) or size <= 0:
+        if size <= 0:
             return self.read(address, size)
+        if not (lo <= address and address + size <= hi):
+            return self._module_text(address, size)
         out = bytearray()
         at = address
         while at < address + size:
@@ -285,6 +292,28 @@ class LiveTarget:
             take = min(address + size, base + len(chunk)) - at
             out += chunk[at - base:at - base + take]
             at += take
+        for i in range(size) if self._original else ():
+            b = self._original.get(address + i)
+            if b is not None:
+                out[i] = b
+        return bytes(out)
+
+    def _module_text(self, address: int, size: int) -> bytes:
+        """A loaded module's text (or anything outside core text) for the image:
+        read a page at a time and kept, as core text is read TEXT_CHUNK at a time (a
+        module's functions lie on a few pages; analysing each read them one by one).
+        What is not readable a page at a time is read as asked."""
+        first, last = address & ~(PAGE - 1), (address + size - 1) & ~(PAGE - 1)
+        pages = []
+        for page in range(first, last + PAGE, PAGE):
+            data = self._text_chunks.get(page)
+            if data is None:
+                try:
+                    data = self._text_chunks[page] = self.read(page, PAGE)
+                except TargetError:
+                    return self.read(address, size)
+            pages.append(data)
+        out = bytearray(b"".join(pages)[address - first:address - first + size])
         for i in range(size) if self._original else ():
             b = self._original.get(address + i)
             if b is not None:
@@ -374,7 +403,8 @@ class LiveTarget:
         if not change:
             return
         step = wire.MAX_POKE_BYTES
-        code = [[w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
+        code: list[list[Any]] = [
+                [w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
                 for w in self._coalesced(change.code, step) for off in range(0, len(w.new), step)]
         text = [[w.address, w.old.hex(), w.new.hex()] for w in change.text]
         routes = [[site, patch] for site, patch in change.routes]
@@ -450,11 +480,24 @@ class LiveTarget:
         wanted = [(int(a), int(n)) for a, n in ranges]
         ask = list(dict.fromkeys(wanted))
         memo: dict[tuple[int, int], frozenset[str]] = {}
+        names: dict[int, frozenset[str]] = {0: frozenset()}
         for start in range(0, len(ask), wire.MAX_RANGES):
             chunk = ask[start:start + wire.MAX_RANGES]
-            reply = self._request("hazards", ranges=[list(r) for r in chunk],
+            # packed rows, as the module takes them: the daemon passes them through
+            table = struct.pack(f"<{len(chunk) * 2}Q",
+                                *(x for a, n in chunk for x in (a, n)))
+            reply = self._request("hazard_table", table=table.hex(),
                                   reply_timeout=self._batch_timeout(len(chunk) // 16))
-            memo.update(zip(chunk, (frozenset(n) for n in reply["hazards"]), strict=True))
+            flags = array.array("I", bytes.fromhex(reply["flags"]))
+            if sys.byteorder != "little":
+                flags.byteswap()
+            if len(flags) != len(chunk):
+                raise ProtocolError(f"hazard_table: {len(flags)} answers to {len(chunk)} ranges")
+            for r, f in zip(chunk, flags, strict=True):
+                found = names.get(f)
+                if found is None:
+                    found = names[f] = frozenset(abi.hazard_names(f))
+                memo[r] = found
         return [memo[r] for r in wanted]
 
     def alloc_code(self, size: int, near: int | None = None) -> int:

@@ -297,6 +297,22 @@ class Device:
     def quiesce(self) -> None:
         self._ioctl("QUIESCE")
 
+    def hazard_table(self, table: bytes) -> bytes:
+        """KERNINST_HAZARD_* flags of each row of ``table``, a packed array of struct
+        kerninst_range as the module takes it: the table with every row's hazards
+        filled in, asked MAX_RANGES rows at a time (no Python work per row: a batch
+        asks about hundreds of thousands of instructions)."""
+        hs = abi.structure("kerninst_hazards")
+        size = struct.calcsize(abi.structure("kerninst_range").format)
+        limit = abi.LIMITS["MAX_RANGES"] * size
+        out = bytearray()
+        for start in range(0, len(table), limit):
+            chunk = _buffer(table[start:start + limit])
+            self._ioctl("HAZARDS", hs.pack(ranges=ctypes.addressof(chunk), count=len(chunk) // size),
+                        what=f"{len(chunk) // size} ranges")
+            out += chunk.raw
+        return bytes(out)
+
     def hazards(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """KERNINST_HAZARD_* flags of each (address, length) range, asked of the module."""
         hs = abi.structure("kerninst_hazards")

@@ -43,6 +43,7 @@ KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
 MAX_RANGES = 1 << 18         # text ranges per hazards op: a batch of thousands of functions in one
 MAX_RANGE = LIMITS["MAX_TEXT_WRITE"]   # bytes per hazards range
+RANGE_ROW = 16               # bytes of a struct kerninst_range (u64 address, u32 len, u32 hazards)
 MAX_WRITES = LIMITS["MAX_WRITES"]      # writes per poke, and route changes (the module's batch limits)
 MAX_POKE_TOTAL = LIMITS["MAX_POKE_BYTES"]  # new bytes per poke, its writes together
 MAX_POKE_BYTES = LIMITS["MAX_CODE_WRITE"]  # bytes per poke write (text writes are 16 at most)
@@ -126,6 +127,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("clear_trap", {"site": U64}),
     Op("hazards", {"ranges": items(MAX_RANGES, address=U64, length=integer(1, MAX_RANGE))},
        doc="[[address, length], ...] -> why the kernel relies on each text range staying as it is"),
+    Op("hazard_table", {"table": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW)},
+       doc="packed struct kerninst_range rows (address, len, 0) -> flags: each row's "
+           "KERNINST_HAZARD_* as a little-endian u32, packed (a whole batch at once)"),
     Op("keep", {"keep": BOOL, "name": text(0, MAX_KEEP_NAME)},
        doc="leave this client's splices in place when it disconnects, kept under a name "
            "(given, or kept-OWNER) that a later client lists, adopts or removes; false: no more"),

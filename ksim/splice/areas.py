@@ -26,12 +26,13 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 from ksim.errors import UnknownHandle
 from ksim.splice.patch import Write
 
 #: take(size, near) -> address of a new area; give(address) returns it
-Take = Callable[[int, "int | None"], int]
+Take = Callable[[int, Any], int]
 Give = Callable[[int], None]
 #: reaches(near, start, end): code at start..end may be jumped to from near and back
 Reaches = Callable[[int, int, int], bool]
