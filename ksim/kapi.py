@@ -29,6 +29,7 @@ from typing import Any, cast
 from ksim.analysis.points import Point, PointKind
 from ksim.analysis.store import for_batch
 from ksim.arch.base import Arch, CallOperand
+from ksim.core import Write
 from ksim.errors import (
     AlreadySpliced,
     HandlerUnsupported,
@@ -45,7 +46,7 @@ from ksim.snippets.codegen import gprs, position_independent
 from ksim.snippets.verify import Guard, Rules, verify
 from ksim.splice import planner
 from ksim.splice.areas import Areas
-from ksim.splice.patch import Change, Patch, Write
+from ksim.splice.patch import Change, Patch
 from ksim.splice.sites import SiteFacts
 from ksim.targets import open_target
 from ksim.targets.base import RunResult, Target

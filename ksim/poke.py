@@ -23,8 +23,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from ksim.core import Write
 from ksim.errors import OverlappingWrites, StaleText
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 Read = Callable[[int, int], bytes]
 #: a target's route table: route(site, patch) sets or re-points (patch) or clears

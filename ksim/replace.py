@@ -25,9 +25,9 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ksim.core import Write
 from ksim.errors import NoSafeTactic, ReplacementError
 from ksim.kapi import Handle, Manager
-from ksim.splice.patch import Write
 
 
 @dataclass(frozen=True)

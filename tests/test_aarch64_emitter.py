@@ -17,6 +17,7 @@ from ksim.arch.aarch64 import ARCH
 from ksim.arch.aarch64.emitter import BASE_CLOBBERS, AArch64Emitter
 from ksim.arch.aarch64.reader import decode
 from ksim.arch.base import CallOperand
+from ksim.core import KernelABI, MemRef, Region
 from ksim.errors import CodegenError
 from ksim.snippets import ast
 from ksim.snippets.ast import (
@@ -47,7 +48,6 @@ from ksim.snippets.ast import (
     tsc,
 )
 from ksim.snippets.codegen import compile_snippets
-from ksim.targets.base import KernelABI, MemRef, Region
 
 MASK = (1 << 64) - 1
 ALL_LIVE = frozenset(ARCH.all_regs)

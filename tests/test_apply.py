@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import OverlappingWrites, StaleText, TrapTableFull
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 from ksim.targets import open_target
 from ksim.targets.base import Capabilities
 

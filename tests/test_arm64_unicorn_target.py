@@ -21,10 +21,11 @@ from ksim import images
 from ksim.cli import main
 from ksim.commands.count import count
 from ksim.commands.demo import default_functions
+from ksim.core import Write
 from ksim.errors import Blacklisted, EmulationError, TargetTimeout
 from ksim.images import toy
 from ksim.kapi import Manager
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 IMAGE = "toy-arm64"
 SPEC = f"unicorn:{IMAGE}"

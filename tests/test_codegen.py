@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from snippet_machine import GPRS, Machine, random_regs
 
 from ksim.arch import get_arch
+from ksim.core import KernelABI, MemRef
 from ksim.errors import CodegenError, SnippetError
 from ksim.snippets import ast, check
 from ksim.snippets.ast import (
@@ -33,7 +34,6 @@ from ksim.snippets.ast import (
     uge,
     ult,
 )
-from ksim.targets.base import KernelABI, MemRef
 
 ARCH = get_arch("x86_64")
 MASK = (1 << 64) - 1

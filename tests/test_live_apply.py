@@ -10,11 +10,12 @@ from contextlib import contextmanager
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import KsimError, UnknownHandle, UnsafeSite
 from ksim.kapi import Manager
 from ksim.live.client import LiveTarget
 from ksim.live.testing import dmesg_problems, plain_site, routes_of, target, testbed  # noqa: F401
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 from ksim.targets.base import Capabilities
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]

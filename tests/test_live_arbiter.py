@@ -29,6 +29,7 @@ from typing import Any
 import capstone
 import pytest
 
+from ksim.core import Write
 from ksim.errors import KsimError, OutOfMemory, TextOwned
 from ksim.live import abi
 from ksim.live.client import KprobeCounter, LiveTarget
@@ -43,7 +44,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 FUNC = "__x64_sys_getppid"
 TRAP_FUNC = "__x64_sys_getpid"

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 from ksim.analysis.points import Point
+from ksim.core import Write
 from ksim.errors import KsimError, OutOfMemory, StaleText, TextOwned
 from ksim.kapi import Handle, Manager
 from ksim.live.client import KprobeCounter, LiveTarget
@@ -37,7 +38,7 @@ from ksim.live.testing import (  # noqa: F401
     testbed,
 )
 from ksim.snippets import ast
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -14,6 +14,7 @@ import time
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import (
     AuthError,
     Blacklisted,
@@ -34,7 +35,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -25,13 +25,14 @@ from typing import Any
 import capstone
 import pytest
 
+from ksim.core import Write
 from ksim.errors import KsimError, OutsideText, ProtocolError, UnsafeSite
 from ksim.kapi import Manager
 from ksim.live import protocol as wire
 from ksim.live import testbed as tb
 from ksim.live.client import KprobeCounter, LiveTarget
 from ksim.live.testing import dmesg_problems, getppid_loop, read_u64, target, testbed  # noqa: F401
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from ksim.core import Write
 from ksim.live.client import LiveTarget
 from ksim.live.testing import (  # noqa: F401
     dmesg_problems,
@@ -17,7 +18,7 @@ from ksim.live.testing import (  # noqa: F401
     target,
     testbed,
 )
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

@@ -8,8 +8,9 @@ import struct
 
 import pytest
 
+from ksim.core import Write
 from ksim.live.testing import connect, dmesg_problems, plain_site, restart_kerninstd, testbed  # noqa: F401
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 

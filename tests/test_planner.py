@@ -6,6 +6,7 @@ import pytest
 
 from ksim.arch import get_arch
 from ksim.arch.base import Flow
+from ksim.core import Write
 from ksim.errors import (
     AlreadySpliced,
     Blacklisted,
@@ -21,7 +22,7 @@ from ksim.errors import (
     StaticCallSite,
 )
 from ksim.splice import planner
-from ksim.splice.patch import Patch, Write
+from ksim.splice.patch import Patch
 
 ARCH = get_arch("x86_64")
 F = 0xFFFFFFFF81000000        # the function under test

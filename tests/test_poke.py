@@ -2,9 +2,9 @@
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import StaleText
 from ksim.poke import apply, protocol_steps
-from ksim.splice.patch import Write
 
 NOP5 = bytes([0x0F, 0x1F, 0x44, 0x00, 0x00])      # nop dword [rax+rax]
 JMP = bytes([0xE9, 0x10, 0x20, 0x30, 0x40])       # jmp rel32

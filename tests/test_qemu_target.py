@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import StaleText, TargetDied, TargetError, TargetTimeout
-from ksim.splice.patch import Change, Write
+from ksim.splice.patch import Change
 
 pytestmark = pytest.mark.slow
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from ksim.arch import get_arch
+from ksim.core import KernelABI, MemRef
 from ksim.errors import (
     ArgIndexError,
     BadOperand,
@@ -43,7 +44,6 @@ from ksim.snippets.ast import (
     same,
     seq,
 )
-from ksim.targets.base import KernelABI, MemRef
 
 ARCH = get_arch("x86_64")
 ABI = KernelABI(current_task=MemRef(0x1000), task_pid_offset=8)

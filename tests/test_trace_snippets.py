@@ -11,6 +11,7 @@ import pytest
 from snippet_machine import Machine, random_regs
 
 from ksim.arch import get_arch
+from ksim.core import KernelABI, MemRef, Region
 from ksim.errors import (
     BadOperand,
     NotAssignable,
@@ -30,7 +31,6 @@ from ksim.snippets.ast import (
     local,
     seq,
 )
-from ksim.targets.base import KernelABI, MemRef, Region
 
 ARCH = get_arch("x86_64")
 ALL_LIVE = frozenset(ARCH.all_regs)

@@ -13,6 +13,7 @@ from snippet_machine import Machine, random_regs
 
 from ksim.arch import get_arch
 from ksim.arch.x86_64.writer import Mem, Writer
+from ksim.core import KernelABI, MemRef, Region
 from ksim.errors import (
     CallNotAllowed,
     NoRecursionGuard,
@@ -26,7 +27,6 @@ from ksim.errors import (
 )
 from ksim.snippets import Guard, Guarded, Rules, check, verify
 from ksim.snippets.ast import Const, Load, Var, arg, call, cpu, load, same, seq
-from ksim.targets.base import KernelABI, MemRef, Region
 
 ARCH = get_arch("x86_64")
 ALL_LIVE = frozenset(ARCH.all_regs)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from ksim.core import KernelABI
     from ksim.machine.boards import Board
     from ksim.snippets.ast import Snippet
-    from ksim.targets.base import KernelABI
 
 
 class Flow(enum.Enum):

@@ -43,9 +43,9 @@ def normalize(reason: str) -> str:
 class Coverage:
     def __init__(self, cs: CodeSet) -> None:
         from ksim.arch import get_arch
+        from ksim.core import KernelABI, MemRef
         from ksim.snippets import ast
         from ksim.splice.sites import SiteFacts
-        from ksim.targets.base import KernelABI, MemRef
 
         self.cs = cs
         self.arch = get_arch(cs.image.arch)

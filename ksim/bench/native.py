@@ -150,9 +150,9 @@ class NativePlanner:
         """The harness commands for one variant, and what was planned."""
         if not v.name or any(c.isspace() for c in v.name):
             raise ValueError(f"a variant name is one word: {v.name!r}")
+        from ksim.core import KernelABI, MemRef
         from ksim.snippets import ast
         from ksim.splice import planner
-        from ksim.targets.base import KernelABI, MemRef
 
         lines = [f"variant {v.name} {v.calls} {v.repeats}"]
         info: dict[str, Any] = {"variant": v.name, "tactic": v.tactic}

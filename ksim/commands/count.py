@@ -23,8 +23,9 @@ import time
 from typing import Any
 
 from ksim.cli import add_json_flag, count_arg, emit_json, help_text
+from ksim.core import HeldInterrupt
 from ksim.errors import UnknownOracle
-from ksim.targets.base import HeldInterrupt, run_option_names
+from ksim.targets.base import run_option_names
 
 #: the oracles targets have (unicorn, QEMU, live), by the name their counters report
 ORACLE_KINDS = ("unicorn-address-hook", "gdbstub-breakpoint", "kprobe")

@@ -30,7 +30,8 @@ from typing import Any
 
 from ksim.cli import add_json_flag, help_text
 from ksim.commands.count import _run_options, add_pid_arg, add_target_args, target_spec
-from ksim.targets.base import HeldInterrupt, run_option_names
+from ksim.core import HeldInterrupt
+from ksim.targets.base import run_option_names
 
 
 def register(sub: argparse._SubParsersAction) -> None:

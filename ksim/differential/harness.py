@@ -106,6 +106,7 @@ import unicorn
 
 from ksim.analysis.points import Point, PointKind, is_padding
 from ksim.arch.base import Arch, DifferentialRules, Emulation, Flow, Insn
+from ksim.core import KernelABI, MemRef
 from ksim.errors import EmulationError, KsimError, NoSafeTactic
 from ksim.image.image import Image
 from ksim.image.model import Function
@@ -114,7 +115,6 @@ from ksim.snippets import ast
 from ksim.splice import planner
 from ksim.splice.patch import Patch
 from ksim.splice.sites import SiteFacts
-from ksim.targets.base import KernelABI, MemRef
 
 #: what a case may ask for
 TACTICS = ("jmp", "jmp+displace", "springboard", "trap")

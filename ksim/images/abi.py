@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ksim.core import KernelABI, MemRef, Region
 from ksim.errors import KsimError
 from ksim.image import Image
 from ksim.image.image import merge_ranges
-from ksim.targets.base import KernelABI, MemRef, Region
 
 PAGE = 0x1000
 

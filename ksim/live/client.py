@@ -29,6 +29,15 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ksim.core import (
+    HeldInterrupt,
+    KernelABI,
+    MemRef,
+    Write,
+    check_callback,
+    check_seconds,
+    check_text,
+)
 from ksim.errors import (
     HandlerUnsupported,
     KsimError,
@@ -40,18 +49,8 @@ from ksim.errors import (
 )
 from ksim.live import abi
 from ksim.live import protocol as wire
-from ksim.splice.patch import Change, Write
-from ksim.targets.base import (
-    Capabilities,
-    HeldInterrupt,
-    KernelABI,
-    MemRef,
-    RunResult,
-    check_callback,
-    check_seconds,
-    check_text,
-    run_options,
-)
+from ksim.splice.patch import Change
+from ksim.targets.base import Capabilities, RunResult, run_options
 
 if TYPE_CHECKING:
     from ksim.arch.base import Arch
@@ -648,3 +647,9 @@ def open(rest: str, token_file: str | None = None, **options: Any) -> LiveTarget
     timeout = float(options.pop("timeout", 60.0))
     return LiveTarget(host, port, token_file=token_file, timeout=timeout)
 
+
+if TYPE_CHECKING:
+    from ksim.targets.base import Target
+
+    #: mypy checks the class against the target contract
+    _CONTRACT: type[Target] = LiveTarget

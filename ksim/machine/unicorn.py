@@ -68,17 +68,11 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import SymbolTableSection
 
 from ksim.arch import get_arch
+from ksim.core import HeldInterrupt, check_callback, check_count, check_flag, check_seconds
 from ksim.errors import BadRunValue, EmulationError, MalformedImage, TargetTimeout
 from ksim.image.elf import ARCH_OF_MACHINE
 from ksim.images import toy
 from ksim.machine.boards import EXIT_SUCCESS, Board
-from ksim.targets.base import (
-    HeldInterrupt,
-    check_callback,
-    check_count,
-    check_flag,
-    check_seconds,
-)
 
 PAGE = 0x1000
 

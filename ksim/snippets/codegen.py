@@ -33,7 +33,7 @@ from .check import check
 
 if TYPE_CHECKING:
     from ksim.arch.base import Arch, CallOperand
-    from ksim.targets.base import MemRef
+    from ksim.core import MemRef
 
 
 class Emitter(ABC):

@@ -57,7 +57,8 @@ from .ast import Guard
 from .codegen import read_mode, uses_calls
 
 if TYPE_CHECKING:
-    from ksim.targets.base import KernelABI, Target
+    from ksim.core import KernelABI
+    from ksim.targets.base import Target
 
 _MASK64 = (1 << 64) - 1
 

@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ksim.core import Write
 from ksim.errors import UnknownHandle
-from ksim.splice.patch import Write
 
 #: take(size, near) -> address of a new area; give(address) returns it
 Take = Callable[[int, Any], int]

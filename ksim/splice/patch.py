@@ -4,27 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ksim.core import Write
 from ksim.errors import OverlappingWrites
-
-
-@dataclass(frozen=True, slots=True)
-class Write:
-    """Replace ``old`` by ``new`` at ``address`` (same length)."""
-
-    address: int
-    old: bytes
-    new: bytes
-
-    def __post_init__(self) -> None:
-        if len(self.old) != len(self.new):
-            raise ValueError("a Write must keep the length of the bytes it replaces")
-
-    def inverse(self) -> Write:
-        return Write(self.address, self.new, self.old)
-
-    @property
-    def end(self) -> int:
-        return self.address + len(self.new)
 
 
 @dataclass(frozen=True, slots=True)

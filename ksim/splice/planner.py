@@ -41,6 +41,7 @@ from itertools import accumulate
 from typing import Any
 
 from ksim.arch.base import Arch, Flow, Insn
+from ksim.core import Write
 from ksim.errors import (
     AlreadySpliced,
     HandlerUnsupported,
@@ -51,7 +52,7 @@ from ksim.errors import (
     RelocationError,
 )
 from ksim.splice import hazards as hz
-from ksim.splice.patch import Patch, Write
+from ksim.splice.patch import Patch
 
 #: the tactics, cheapest first (cost per hit: a jump, two jumps, a trap)
 JMP_TACTICS = ("jmp", "jmp+displace", "springboard")

@@ -12,8 +12,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from ksim.core import KernelABI, MemRef, Region
 from ksim.errors import TargetError
-from ksim.targets.base import KernelABI, MemRef, Region, RunResult, Target
+from ksim.targets.base import RunResult, Target
 
 # scheme -> module implementing it (data, not code: new targets add a row)
 SCHEMES: dict[str, str] = {

@@ -66,10 +66,11 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ksim import poke
 from ksim.arch import get_arch
+from ksim.core import HeldInterrupt, check_callback, check_count, check_flag, check_seconds
 from ksim.errors import (
     BadRunValue,
     HandlerUnsupported,
@@ -87,16 +88,7 @@ from ksim.machine.gdbstub import SIGTRAP, GdbStub
 from ksim.machine.qemu import QemuMachine
 from ksim.splice.alloc import RegionAllocator
 from ksim.splice.patch import Change
-from ksim.targets.base import (
-    Capabilities,
-    HeldInterrupt,
-    RunResult,
-    check_callback,
-    check_count,
-    check_flag,
-    check_seconds,
-    run_options,
-)
+from ksim.targets.base import Capabilities, RunResult, run_options
 
 #: what QEMU's exit status says the toy kernel did (the same on both
 #: architectures: include/asm-arm64.h makes semihosting's codes isa-debug-exit's)
@@ -545,3 +537,10 @@ def _safe_pc(gdb: GdbStub) -> str:
 
 def open(rest: str, **options: Any) -> QemuTarget:  # noqa: A001 - the registry's entry point
     return QemuTarget(rest, **options)
+
+
+if TYPE_CHECKING:
+    from ksim.targets.base import Target
+
+    #: mypy checks the class against the target contract
+    _CONTRACT: type[Target] = QemuTarget

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ksim import images, poke
 from ksim.arch import get_arch
@@ -207,3 +207,10 @@ class UnicornTarget:
 
 def open(rest: str, **options: Any) -> UnicornTarget:  # noqa: A001 - the registry's entry point
     return UnicornTarget(rest, **options)
+
+
+if TYPE_CHECKING:
+    from ksim.targets.base import Target
+
+    #: mypy checks the class against the target contract
+    _CONTRACT: type[Target] = UnicornTarget

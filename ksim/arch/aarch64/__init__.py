@@ -50,8 +50,8 @@ from . import pcrel, regs
 from .convention import LINUX
 
 if TYPE_CHECKING:
+    from ksim.core import KernelABI
     from ksim.snippets.ast import Snippet
-    from ksim.targets.base import KernelABI
 
 #: ``KPROBES_BRK_IMM`` (arch/arm64/include/asm/brk-imm.h)
 KPROBES_BRK_IMM = 0x004

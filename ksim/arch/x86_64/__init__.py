@@ -30,8 +30,8 @@ from .convention import LINUX
 from .writer import INT8, INT32, fits
 
 if TYPE_CHECKING:
+    from ksim.core import KernelABI
     from ksim.snippets.ast import Snippet
-    from ksim.targets.base import KernelABI
 
 _MASK64 = (1 << 64) - 1
 
