@@ -66,6 +66,28 @@ def test_func_keys_over_every_function_fit_exactly(toy_path):
     assert seen["slots"] == 0            # no kernel access computes a key: no index
 
 
+def test_probe_keys_name_each_probe_a_wildcard_expands_to(toy_path):
+    """``probe`` is bpftrace's name of each probe (kprobe:vfs_read, kprobe:vfs_read+17,
+    kretprobe:vfs_read), not the attach point's text: one key, and one record, each."""
+    hooks = Hooks(entry=lambda m, abi, site: site.function, insn=lambda m, abi, site: 1,
+                  exit=lambda m, abi, site: 1)
+    seen = {}
+
+    def attach(session):
+        hooks(session)
+        seen["capacity"] = session.layouts["@"].capacity
+        seen["probes"] = {a.site.probe for a in session.attached.values()}
+
+    report, _ = trace("kprobe:vfs_*, k:vfs_read+17, kr:vfs_read { @[probe] = count(); }",
+                      "unicorn:toy", on_attach=attach, seed=3)
+    expected = {f"kprobe:{f}": n for f, n in Counter(hooks.seen["entry"]).items()}
+    expected |= {"kprobe:vfs_read+17": len(hooks.seen["insn"]),
+                 "kretprobe:vfs_read": len(hooks.seen["exit"])}
+    assert report["maps"]["@"] == expected and expected["kretprobe:vfs_read"] > 0
+    assert seen["capacity"] == len(seen["probes"]) >= len(expected)
+    assert {"kprobe:vfs_read", "kprobe:vfs_read+17", "kretprobe:vfs_read"} <= seen["probes"]
+
+
 def test_a_full_func_map_keeps_the_first_functions_to_arrive(toy_path):
     """max_map_keys below the functions probed: each function has a word the first
     hit claims a record through; the first 16 functions hit are kept with every

@@ -54,6 +54,21 @@ def test_an_interval_program_alone_runs_its_intervals(toy_path):
     assert report["maps"]["@ticks"] >= 10
 
 
+def test_exit_in_an_interval_ends_the_run(toy_path):
+    """The second interval (the first only sets the clock) prints its name as
+    bpftrace's probe builtin does, and the count so far, and exits: the run stops
+    there, the count is the oracle's hits, and no probe counts after it."""
+    hooks = Hooks(entry=lambda m, abi, site: 1)
+    report, text = trace('kprobe:vfs_read { @n = count(); } '
+                         'i:us:1 { printf("%s %d\\n", probe, @n); exit(); }', "unicorn:toy",
+                         on_attach=hooks, run_options={"slices": [300_000] * 20})
+    hits = len(hooks.seen["entry"])
+    assert report["exited"] and text.startswith(f"interval:us:1 {hits}\n") and hits > 0
+    assert report["maps"]["@n"] == hits
+    _, full = trace("kprobe:vfs_read { @n = count(); }", "unicorn:toy")
+    assert int(full.split()[-1]) > hits        # the whole run would have gone on
+
+
 def test_while_is_refused_on_an_emulator_before_anything_is_spliced(capsys, toy_path):
     assert main(["trace", "-e", "kprobe:vfs_read { @ = count(); }", "--while", "true"]) == 2
     out, err = capsys.readouterr()

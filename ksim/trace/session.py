@@ -118,9 +118,11 @@ class TraceSession:
         self.drain: Drain | None = None
         #: called with each Output as soon as it is printed (printf while running)
         self.out: Callable[[Output], None] | None = None
-        #: (period in ns, probe) of every interval attach point; when each runs next
-        self.intervals: list[tuple[int, t.Probe]] = [
-            (ap.period_ns, p) for p in program.probes for ap in p.points
+        #: (period in ns, probe, its name as ``probe`` gives it: interval:s:1 for i:s:1)
+        #: of every interval attach point; when each runs next
+        self.intervals: list[tuple[int, t.Probe, str]] = [
+            (ap.period_ns, p, "interval:" + ap.text.partition(":")[2])
+            for p in program.probes for ap in p.points
             if ap.provider == "interval" and ap.period_ns]
         self._next_interval: list[int | None] = [None] * len(self.intervals)
 
@@ -269,7 +271,11 @@ class TraceSession:
             for point, _ in points:
                 func = image.function_at(point.address)
                 kind = "entry" if point.kind is PointKind.ENTRY else "insn"
-                out.append((point, Site(kind, func.name if func else hex(point.address), ap.text)))
+                name = func.name if func else hex(point.address)
+                # ``probe`` names the probe a wildcard expanded to, as bpftrace's does:
+                # kprobe:vfs_read, kprobe:vfs_read+5 (whatever the attach point said)
+                at = "" if ap.offset is None else f"+{ap.offset}"
+                out.append((point, Site(kind, name, f"kprobe:{name}{at}")))
             return out
         # kretprobe: every return of every matching function
         funcs = sorted({f.name: f for f in image.functions
@@ -293,7 +299,7 @@ class TraceSession:
             if not exits or why is not None:
                 self.skipped[f.name] = why or "no return instruction"
                 continue
-            out += [(p, Site("exit", f.name, ap.text)) for p in exits]
+            out += [(p, Site("exit", f.name, f"kretprobe:{f.name}")) for p in exits]
         if not out and not ap.wildcard:
             raise KsimError(f"kretprobe:{ap.func} cannot be spliced: {self.skipped.get(ap.func)}")
         return out
@@ -359,6 +365,8 @@ class TraceSession:
             if stop is not None and self.m.read(stop):
                 raise Exited()
             self.run_intervals()
+            if self.exited:         # an interval action called exit()
+                raise Exited()
 
         return check
 
@@ -366,14 +374,14 @@ class TraceSession:
         """Run each interval probe whose period has passed since it last ran (once
         per call, however many periods went by), by the host's monotonic clock."""
         now = time.monotonic_ns() if now is None else now
-        for i, (period, probe) in enumerate(self.intervals):
+        for i, (period, probe, name) in enumerate(self.intervals):
             due = self._next_interval[i]
             if due is None:
                 self._next_interval[i] = now + period
             elif now >= due:
                 self._next_interval[i] = now + period
                 try:
-                    Interpreter(self, "interval").run(probe)
+                    Interpreter(self, name).run(probe)
                 except TraceError as exc:
                     raise exc.located(self.program.source, self.program.filename) from None
 
@@ -508,6 +516,8 @@ class Interpreter:
             return
         if e.name == "exit":
             self.s.exited = True
+            if self.s.stop is not None:     # the kernel's probes stop updating at once
+                self.s.m.write(self.s.stop, 1)
             return
         if e.name == "time":
             fmt = e.args[0].value if e.args and isinstance(e.args[0], t.Str) else "%H:%M:%S\n"
