@@ -52,6 +52,19 @@ TargetClassifier = Callable[[int], Target]
 IndirectCallClassifier = Callable[[Insn], bool]
 
 
+def _memo(classify: TargetClassifier) -> TargetClassifier:
+    """``classify`` asked once per target: the fixed point walks a block many times."""
+    known: dict[int, Target] = {}
+
+    def once(target: int) -> Target:
+        found = known.get(target)
+        if found is None:
+            found = known[target] = classify(target)
+        return found
+
+    return once
+
+
 class Liveness:
     """Live registers before and after every instruction of one function."""
 
@@ -64,7 +77,7 @@ class Liveness:
         self.preserved = preserved if preserved is not None else convention.caller_saved
         self._at_return = convention.at_return | self.preserved
         self._at_tail_call = convention.at_tail_call | self.preserved
-        self._classify = classify
+        self._classify = _memo(classify)
         self._standard_indirect = standard_indirect
         self._all = convention.all_regs
         self.live_in: dict[int, frozenset[str]] = {}
@@ -74,10 +87,22 @@ class Liveness:
 
     def live_at(self, address: int) -> frozenset[str]:
         """Registers live just before the instruction at ``address``."""
+        self._record(address)
         return self.before[address]
 
     def live_after(self, address: int) -> frozenset[str]:
+        self._record(address)
         return self.after[address]
+
+    def _record(self, address: int) -> None:
+        """Fill before/after for the block holding ``address`` (a point asks about one
+        or two instructions of a function: the rest are never walked again)."""
+        if address in self.before:
+            return
+        block = self.cfg.block_at(address)
+        blocks = [block] if block is not None else self.cfg.blocks.values()
+        for b in blocks:
+            self._through(b, self.live_in, record=True)
 
     # --- the dataflow -----------------------------------------------------------------
     def _solve(self) -> None:
@@ -96,8 +121,6 @@ class Liveness:
                         queued.add(pred)
                         work.append(pred)
         self.live_in = live_in
-        for block in blocks.values():
-            self._through(block, live_in, record=True)
 
     def _through(self, block: Block, live_in: dict[int, frozenset[str]], *, record: bool
                  ) -> frozenset[str]:

@@ -201,6 +201,7 @@ class LiveTarget:
         self.name = f"live://{host}:{port}"
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
         self._text_chunks: dict[int, bytes] = {}  # the image's reads of kernel text
+        self._module_pages: dict[int, bytes] = {}  # ... and of other text, by page
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
@@ -278,8 +279,10 @@ class LiveTarget:
         lo, hi = self.text
         if size <= 0:
             return self.read(address, size)
-        if not (lo <= address and address + size <= hi):
+        if address + size <= lo or hi <= address:
             return self._module_text(address, size)
+        if not (lo <= address and address + size <= hi):  # across an end of core text
+            return self.read(address, size)
         out = bytearray()
         at = address
         while at < address + size:
@@ -289,6 +292,8 @@ class LiveTarget:
                 chunk = self.read(base, min(TEXT_CHUNK, hi - base))
                 self._text_chunks[base] = chunk
             take = min(address + size, base + len(chunk)) - at
+            if take <= 0:
+                raise TargetError(f"kernel text at {at:#x}: the read of its chunk came back short")
             out += chunk[at - base:at - base + take]
             at += take
         for i in range(size) if self._original else ():
@@ -305,10 +310,10 @@ class LiveTarget:
         first, last = address & ~(PAGE - 1), (address + size - 1) & ~(PAGE - 1)
         pages = []
         for page in range(first, last + PAGE, PAGE):
-            data = self._text_chunks.get(page)
+            data = self._module_pages.get(page)
             if data is None:
                 try:
-                    data = self._text_chunks[page] = self.read(page, PAGE)
+                    data = self._module_pages[page] = self.read(page, PAGE)
                 except TargetError:
                     return self.read(address, size)
             pages.append(data)

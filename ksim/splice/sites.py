@@ -17,7 +17,7 @@ and the command line all plan through here, so they all give the same verdict.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Container, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cached_property, lru_cache
 
@@ -64,6 +64,11 @@ BLACKLIST_FUNCTIONS = (
 
 #: asks a running kernel about text ranges (address, length): the hazard names of each
 HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
+
+#: bytes of a function's start a batch asks the kernel about ahead (asking_ahead):
+#: where an entry point's window lies -- past a 5-byte ftrace location, a jump's
+#: bytes, and the whole instructions it displaces (up to 15 bytes each)
+HEAD = 48
 
 
 class SiteFacts:
@@ -190,8 +195,18 @@ class SiteFacts:
         inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
         return code_end, inner + self._gap_after(func)
 
-    def hazards(self, insns: Sequence[Insn]) -> dict[int, frozenset[str]]:
-        """Why the kernel needs each of ``insns`` left alone (only those with a reason)."""
+    def hazards(self, insns: Sequence[Insn]) -> Mapping[int, frozenset[str]]:
+        """Why the kernel needs each of ``insns`` left alone (only those with a reason).
+        A running kernel's answer is asked when an instruction is first looked up
+        (_KernelHazards): a batch of entries asks about its functions' first bytes
+        only, in one question (asking_ahead)."""
+        static = self._static_hazards(insns)
+        if self._ask is None or not insns:
+            return static
+        return _KernelHazards(self, tuple(insns), static)
+
+    def _static_hazards(self, insns: Sequence[Insn]) -> dict[int, frozenset[str]]:
+        """The image's tables' and ksim's own reasons (no question to the kernel)."""
         tables = self.image.tables
         out: dict[int, frozenset[str]] = {}
         for insn in insns:
@@ -202,24 +217,24 @@ class SiteFacts:
                 names.add("static_call")
             if names:
                 out[insn.address] = frozenset(names)
-        if self._ask is not None and insns:
-            ahead = self._ahead
-            ranges = [(i.address, i.size) for i in insns]
-            if ahead is not None and all(r in ahead for r in ranges):
-                answers = [ahead[r] for r in ranges]
-            else:
-                answers = self._ask(ranges)
-            for insn, asked in zip(insns, answers, strict=True):
-                if asked:
-                    out[insn.address] = out.get(insn.address, frozenset()) | asked
         return out
+
+    def asked_ahead(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]] | None:
+        """The batch's answers for ``ranges`` when asking_ahead covered all of them."""
+        ahead = self._ahead
+        if ahead is None or not all(r in ahead for r in ranges):
+            return None
+        return [ahead[r] for r in ranges]
 
     @contextmanager
     def asking_ahead(self, funcs: Sequence[Function]) -> Iterator[None]:
-        """Within the block, the target's hazards (a live kernel's answer) of every
-        instruction of ``funcs`` come from one question asked first: a batch over
-        N functions asks once, not N times.  Instructions are known ahead from the
-        image's analysis store; functions it has no record of are asked about when
+        """Within the block, the target's hazards (a live kernel's answer) of the
+        first HEAD bytes of every function of ``funcs`` -- where an entry point's
+        window lies -- come from one question asked first: a batch over N functions
+        asks once, not N times, and about a few instructions of each, not all (an
+        instruction further in is asked about, with the rest of its function, when
+        a point there needs it).  Instructions are known ahead from the image's
+        analysis store; functions it has no record of are asked about when
         analysed.  The answers are dropped at the end of the block (a running
         kernel's hazards change; the kernel checks every write again anyway)."""
         kept = store_for(self.image, build_missing=False) if self._ask is not None else None
@@ -233,9 +248,10 @@ class SiteFacts:
                 continue
             at = func.address
             for size in comp.sizes:
+                if at >= func.address + HEAD:
+                    break
                 ranges.append((at, size))
                 at += size
-            ranges += [(at + k, 1) for k in range(comp.tail)]
         assert self._ask is not None
         self._ahead = dict(zip(ranges, self._ask(ranges), strict=True)) if ranges else {}
         try:
@@ -381,3 +397,58 @@ def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
             return False
         covered += insn.size
     return covered == len(data)
+
+
+class _KernelHazards(Mapping[int, frozenset[str]]):
+    """One function's hazards: the image's and ksim's own (``static``) at once, the
+    running kernel's asked when an instruction is first looked up -- from the
+    batch's question if it covered it (SiteFacts.asking_ahead), else for every
+    instruction of the function not known yet, in one question."""
+
+    __slots__ = ("_facts", "_insns", "_static", "_kernel", "_complete")
+
+    def __init__(self, facts: SiteFacts, insns: tuple[Insn, ...],
+                 static: dict[int, frozenset[str]]) -> None:
+        self._facts, self._insns, self._static = facts, insns, static
+        self._kernel: dict[int, frozenset[str]] = {}
+        self._complete = False
+
+    def _learn(self, address: int | None) -> None:
+        """The kernel's answer for the instruction at ``address`` (None: for all)."""
+        if self._complete or (address is not None and address in self._kernel):
+            return
+        facts = self._facts
+        if address is not None:
+            insn = next((i for i in self._insns if i.address == address), None)
+            if insn is None:
+                return  # not an instruction of this function: nothing to ask
+            found = facts.asked_ahead([(insn.address, insn.size)])
+            if found is not None:
+                self._kernel[address] = found[0]
+                return
+        todo = [i for i in self._insns if i.address not in self._kernel]
+        assert facts._ask is not None
+        ranges = [(i.address, i.size) for i in todo]
+        answers = facts.asked_ahead(ranges) or facts._ask(ranges)
+        self._kernel.update(zip((i.address for i in todo), answers, strict=True))
+        self._complete = True
+
+    def __getitem__(self, address: int) -> frozenset[str]:
+        self._learn(address)
+        found = self._static.get(address, frozenset()) | self._kernel.get(address, frozenset())
+        if not found:
+            raise KeyError(address)
+        return found
+
+    def __iter__(self) -> Iterator[int]:
+        self._learn(None)
+        return iter([a for a in dict.fromkeys([*self._static, *self._kernel]) if a in self])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __contains__(self, address: object) -> bool:
+        if not isinstance(address, int):
+            return False
+        self._learn(address)
+        return bool(self._static.get(address) or self._kernel.get(address))
