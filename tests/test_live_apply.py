@@ -127,3 +127,19 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
         raise
     finally:
         m.detach()
+
+
+def test_ftraces_own_trampolines_are_never_spliced(testbed: dict) -> None:
+    """The kernel rewrites the calls inside ftrace_caller and ftrace_regs_caller
+    whenever a tracer or an ftrace-based kprobe comes or goes: a wildcard over every
+    function must leave them out (a splice there went stale under a batch)."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        names = ("ftrace_caller", "ftrace_call", "ftrace_regs_caller", "ftrace_regs_call")
+        funcs = [f for f in m.target.image.functions if f.name in names]
+        assert funcs, "the testbed kernel has ftrace's trampolines"
+        ok, refused = m.spliceable_entries(funcs)
+        assert ok == [] and set(refused) == {f.name for f in funcs}, (ok, refused)
+        assert all("blacklist" in why or "kprobes" in why for why in refused.values()), refused
+    finally:
+        m.detach()

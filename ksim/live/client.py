@@ -104,7 +104,10 @@ class Connection:
         self.sock.close()
 
     def send_raw(self, data: bytes) -> None:
-        self.sock.sendall(data)
+        try:
+            self.sock.sendall(data)
+        except OSError as exc:  # reset, broken pipe: the daemon or the guest went away
+            raise TargetDied(f"kerninstd at {self.host}:{self.port}: {exc.strerror or exc}") from None
 
     def recv_reply(self, timeout: float | None = None) -> dict[str, Any]:
         self.sock.settimeout(timeout or self.timeout)
@@ -117,7 +120,13 @@ class Connection:
     def _recv_exact(self, n: int) -> bytes:
         chunks, got = [], 0
         while got < n:
-            chunk = self.sock.recv(min(n - got, 1 << 20))
+            try:
+                chunk = self.sock.recv(min(n - got, 1 << 20))
+            except TimeoutError:
+                raise
+            except OSError as exc:
+                raise TargetDied(f"kerninstd at {self.host}:{self.port}: "
+                                 f"{exc.strerror or exc}") from None
             if not chunk:
                 raise TargetDied(f"kerninstd at {self.host}:{self.port} closed the connection")
             chunks.append(chunk)

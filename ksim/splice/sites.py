@@ -40,6 +40,11 @@ BLACKLIST_RANGES = (
     ("__entry_text_start", "__entry_text_end"),
     ("__irqentry_text_start", "__irqentry_text_end"),
     ("__ksim_noinstr_start", "__ksim_noinstr_end"),
+    # ftrace's own trampolines (arch/x86/kernel/ftrace_64.S): the kernel rewrites the
+    # calls inside them (ftrace_call, ftrace_regs_call, ftrace_graph_call) whenever a
+    # tracer or an ftrace-based kprobe comes or goes, so a splice there goes stale
+    ("ftrace_caller", "ftrace_caller_end"),
+    ("ftrace_regs_caller", "ftrace_regs_caller_end"),
 )
 #: single functions on the trap path (an int3 there would recurse)
 BLACKLIST_FUNCTIONS = (
@@ -54,6 +59,11 @@ BLACKLIST_FUNCTIONS = (
     # a die notifier with kerninst's priority, registered before it, so called first
     # on every int3 (a live kernel's module finds every such notifier: ki_die_ahead)
     "hw_breakpoint_exceptions_notify",
+    # the rest of ftrace's trampoline code, which the kernel patches or copies into
+    # the trampolines it makes (the labels of ftrace_64.S that kallsyms lists apart)
+    "ftrace_call", "ftrace_regs_call", "ftrace_graph_call", "ftrace_caller_op_ptr",
+    "ftrace_regs_caller_op_ptr", "ftrace_regs_caller_jmp", "ftrace_epilogue", "ftrace_stub",
+    "ftrace_stub_graph", "return_to_handler",
     # the toy kernel's entry, trap and interrupt paths (images/toy/arch/x86/entry.S):
     # an int3 in its own int3 handler recurses, and a jump there runs on an
     # interrupt frame the patch knows nothing of
