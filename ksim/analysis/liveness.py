@@ -80,6 +80,10 @@ class Liveness:
         self._classify = _memo(classify)
         self._standard_indirect = standard_indirect
         self._all = convention.all_regs
+        # the convention's sets, made once (its properties build them on each use)
+        self._caller_saved = convention.caller_saved
+        self._at_call = convention.at_call()
+        self._stack = frozenset({convention.stack_reg})
         self.live_in: dict[int, frozenset[str]] = {}
         self.before: dict[int, frozenset[str]] = {}
         self.after: dict[int, frozenset[str]] = {}
@@ -127,7 +131,7 @@ class Liveness:
         if not block.insns:
             return self._all  # bytes that do not decode: nothing is known
         live = self._block_out(block, live_in)
-        sp = frozenset({self.cc.stack_reg})
+        sp = self._stack
         for insn in reversed(block.insns):
             if record:
                 self.after[insn.address] = live
@@ -191,8 +195,8 @@ class Liveness:
             if what.kind is TargetKind.FUNCTION:
                 extra: frozenset[str] = frozenset()
                 if what.clobbers is not None:
-                    killed = self.cc.caller_saved & what.clobbers
-                    return (after - killed) | self.cc.at_call() | insn.reads
+                    killed = self._caller_saved & what.clobbers
+                    return (after - killed) | self._at_call | insn.reads
             elif what.kind is TargetKind.THUNK and what.reg:
                 extra = frozenset({what.reg})
             else:
@@ -201,4 +205,4 @@ class Liveness:
             if not self._standard_indirect(insn):
                 return self._all
             extra = frozenset()
-        return (after - self.cc.caller_saved) | self.cc.at_call() | insn.reads | extra
+        return (after - self._caller_saved) | self._at_call | insn.reads | extra

@@ -196,14 +196,14 @@ def _check_frames(node: Any, frame: ast.Frame | None) -> None:
 
 
 def _seq(node: ast.Seq, kind: str) -> None:
-    if not isinstance(node.body, tuple | list):
+    if not isinstance(node.body, (tuple, list)):
         raise SlotError(f"Seq body must be a sequence of nodes, got {node.body!r}")
 
 
 def _call(node: ast.Call, kind: str) -> None:
     if not isinstance(node.address, int) or not 0 <= node.address < (1 << 64):
         raise BadOperand(f"call address {node.address!r} is not a 64-bit address")
-    if not isinstance(node.args, tuple | list):
+    if not isinstance(node.args, (tuple, list)):
         raise SlotError(f"Call args must be a sequence of nodes, got {node.args!r}")
     if len(node.args) > MAX_ARGS:
         raise TooManyCallArgs(f"call to {node.address:#x} with {len(node.args)} arguments; at most {MAX_ARGS}")

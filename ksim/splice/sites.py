@@ -219,6 +219,14 @@ class SiteFacts:
         """The image's tables' and ksim's own reasons (no question to the kernel)."""
         tables = self.image.tables
         out: dict[int, frozenset[str]] = {}
+        if not insns:
+            return out
+        # most functions touch no table entry, blacklist or static-call range at all:
+        # asked once for the function's span, not once per instruction
+        lo, hi = insns[0].address, insns[-1].end
+        if not tables.refs_in(lo, hi) and not self._blacklist_meets(lo, hi) \
+                and not any(a < hi and lo < b for a, b in self.static_call_text):
+            return out
         for insn in insns:
             names = {ref.value for ref in tables.refs_in(insn.address, insn.end)}
             if self.blacklisted(insn.address):
@@ -229,12 +237,29 @@ class SiteFacts:
                 out[insn.address] = frozenset(names)
         return out
 
+    def _blacklist_meets(self, lo: int, hi: int) -> bool:
+        """Whether a blacklisted range overlaps [lo, hi)."""
+        starts, ends = self._blacklist_index  # disjoint and sorted
+        i = bisect.bisect_left(starts, hi) - 1  # the last range starting below hi
+        return i >= 0 and ends[i] > lo
+
     def asked_ahead(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]] | None:
         """The batch's answers for ``ranges`` when asking_ahead covered all of them."""
         ahead = self._ahead
-        if ahead is None or not all(r in ahead for r in ranges):
+        if ahead is None:
             return None
-        return [ahead[r] for r in ranges]
+        out = []
+        for r in ranges:
+            found = ahead.get(r)
+            if found is None:  # asked byte by byte (a function the store had no record of)
+                found = frozenset()
+                for k in range(r[1]):
+                    byte = ahead.get((r[0] + k, 1))
+                    if byte is None:
+                        return None
+                    found |= byte
+            out.append(found)
+        return out
 
     @contextmanager
     def asking_ahead(self, funcs: Sequence[Function]) -> Iterator[None]:
@@ -255,6 +280,11 @@ class SiteFacts:
         for func in funcs:
             comp = kept.get(func)
             if comp is None:
+                # no record of its instructions (it changed since the store was made):
+                # each byte of its head, and an instruction's answer is its bytes' (a
+                # byte's hazards are those of any range holding it, so the union is
+                # never less than the range's own answer)
+                ranges += [(func.address + k, 1) for k in range(min(HEAD, func.size))]
                 continue
             at = func.address
             for size in comp.sizes:
