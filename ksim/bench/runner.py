@@ -31,6 +31,7 @@ BENCHMARKS = {
     "per-hit": "ksim.bench.perhit",
     "batch": "ksim.bench.batch",
     "analysis": "ksim.bench.analysis",
+    "cli": "ksim.bench.cli",
 }
 
 

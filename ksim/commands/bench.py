@@ -7,7 +7,7 @@ import sys
 
 from ksim.cli import emit_json
 
-NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "all")
+NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "cli", "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
