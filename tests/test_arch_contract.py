@@ -309,11 +309,6 @@ def opcode_literals(source: str) -> Iterator[tuple[int, str]]:
 #: it; an allowance that is no longer needed fails test_allowances_are_still_needed,
 #: so that it goes.
 ALLOWED_LITERALS = frozenset({
-    # the per-hit benchmark (being changed elsewhere at the time of writing) looks
-    # past the kernel's ftrace nop (0f 1f 44 00 00) at a function's entry; fix: ask
-    # the Arch whether the first instruction is filler of jmp_size (as
-    # ksim.bench.sizes._fentry_site does)
-    ("ksim/bench/perhit.py", repr(bytes.fromhex("0f1f440000"))),
     # the native benchmark runs on x86-64 hosts only (rdtscp) and hand-builds an
     # absolute jump (jmp qword [rip+0]) to a patch beyond rel32 reach, which the
     # contract has no name for; fix: an Arch.far_jmp(src, dst) once the planner

@@ -37,6 +37,7 @@ from typing import Any
 
 from ksim.bench import native
 from ksim.bench.common import Context, Section, Skip, Table, attempt, pyplot, save
+from ksim.bench.sizes import _fentry_site
 from ksim.errors import KsimError
 from ksim.splice.patch import Change
 
@@ -384,7 +385,7 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
         t: Any = m.target  # the live target: exec() runs commands in the guest
         point = m.entry_point(LIVE_FUNCTION)
         fn = m.find_function(LIVE_FUNCTION)
-        head = t.read(fn.address, 5)  # the function's first bytes: ftrace's nop or not
+        head = t.read(fn.address, 16)  # the function's first instruction: ftrace's site or not
 
         def measure(variant: str, **extra: Any) -> dict[str, Any]:
             r = t.run(while_cmd=cmd, timeout=1800)
@@ -438,7 +439,10 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
 
         for policy in ("jmp", "trap"):
             _row(rows, f"ksim {policy}", lambda policy=policy: ksim_counter(policy))
-        past_nop = 5 if head == bytes.fromhex("0f1f440000") else 0
+        # past the function's ftrace site (the kernel's jump-sized nop, or its call
+        # while a tracer is on: ksim.bench.sizes._fentry_site's answer)
+        first = next(iter(t.arch.decode(head, fn.address)), None)
+        past_nop = first.size if first is not None and _fentry_site(t.arch, first) else 0
         for label, offset, opt in (("kprobe int3", past_nop, False),
                                    ("kprobe optimized (jump)", past_nop, True),
                                    ("kprobe at +0 (ftrace)", 0, False)):
