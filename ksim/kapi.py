@@ -290,6 +290,10 @@ class Manager:
         refused: dict[str, str] = {}
         with self.facts.asking_ahead(funcs), self._code.holding():
             for f in funcs:
+                gone = self.facts.gone(f)
+                if gone is not None:
+                    refused[f.name] = str(gone)
+                    continue
                 try:
                     point = self.entry_point(f)
                     why = self.can_insert(point, splice)

@@ -61,6 +61,9 @@ REL32 = 1 << 31
 #: reads a few hundred bytes, and neighbours are analysed next
 TEXT_CHUNK = 256 << 10
 PAGE = 4096
+#: the largest module text read in one go (a module's symbols far apart -- its init
+#: text freed, its text in two allocations -- would span unmapped memory)
+MODULE_SPAN = 1 << 20
 
 
 def default_token_file() -> str:
@@ -317,6 +320,8 @@ class LiveTarget:
         module's functions lie on a few pages; analysing each read them one by one).
         What is not readable a page at a time is read as asked."""
         first, last = address & ~(PAGE - 1), (address + size - 1) & ~(PAGE - 1)
+        if first not in self._module_pages:
+            self._read_module_span(first)
         pages = []
         for page in range(first, last + PAGE, PAGE):
             data = self._module_pages.get(page)
@@ -332,6 +337,39 @@ class LiveTarget:
             if b is not None:
                 out[i] = b
         return bytes(out)
+
+    def _read_module_span(self, page: int) -> None:
+        """Every page of the loaded module's text that holds ``page``, in one read
+        (its text symbols' pages; analysing a module's functions, or checking what its
+        callers call, touches most of them): a request per module, not per page.
+        A span that cannot be read whole (a hole in it) is left to page reads."""
+        spans = self._module_spans
+        i = bisect.bisect_right(spans, (page, 1 << 64)) - 1
+        if i < 0 or not spans[i][0] <= page < spans[i][1]:
+            return
+        start, end = spans[i]
+        try:
+            data = self.read(start, end - start)
+        except TargetError:
+            return
+        for at in range(start, end, PAGE):
+            self._module_pages.setdefault(at, data[at - start:at - start + PAGE])
+
+    @cached_property
+    def _module_spans(self) -> list[tuple[int, int]]:
+        """Each loaded module's text, as the pages its text symbols lie on (at most
+        MODULE_SPAN bytes: a larger module is read a page at a time)."""
+        by_module: dict[str, list[int]] = {}
+        for address, name in self._symbols:
+            module, sep, _ = name.partition(":")
+            if sep:
+                by_module.setdefault(module, []).append(address)
+        spans = []
+        for addresses in by_module.values():
+            lo, hi = min(addresses) & ~(PAGE - 1), (max(addresses) & ~(PAGE - 1)) + PAGE
+            if hi - lo <= MODULE_SPAN:
+                spans.append((lo, hi))
+        return sorted(spans)
 
     @cached_property
     def _symbols(self) -> list[tuple[int, str]]:

@@ -29,6 +29,7 @@ from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
 from ksim.image.model import Function
+from ksim.splice import hazards as hz
 from ksim.splice.planner import FunctionCode, SpliceRequest
 
 #: code ksim must never splice, as (start symbol, end symbol) pairs: the Linux
@@ -243,6 +244,15 @@ class SiteFacts:
         i = bisect.bisect_left(starts, hi) - 1  # the last range starting below hi
         return i >= 0 and ends[i] > lo
 
+    def gone(self, func: Function) -> KsimError | None:
+        """The refusal of a function the batch's question found is no text at all (its
+        first byte "not_text": init code the kernel freed, or no module's), as the
+        planner would give it for its entry; None when it was not asked or is text."""
+        found = (self._ahead or {}).get((func.address, 1))
+        if found is None or "not_text" not in found:
+            return None
+        return hz.error_for(func.address, {"not_text"}, what=f"{func.name}+0x0")
+
     def asked_ahead(self, ranges: Sequence[tuple[int, int]]) -> list[frozenset[str]] | None:
         """The batch's answers for ``ranges`` when asking_ahead covered all of them."""
         ahead = self._ahead
@@ -272,13 +282,16 @@ class SiteFacts:
         analysis store; functions it has no record of are asked about when
         analysed.  The answers are dropped at the end of the block (a running
         kernel's hazards change; the kernel checks every write again anyway)."""
-        kept = store_for(self.image, build_missing=False) if self._ask is not None else None
-        if kept is None or self._ahead is not None:
+        if self._ask is None or self._ahead is not None:
             yield
             return
-        ranges: list[tuple[int, int]] = []
+        # without a store (a batch too small to build one), every head byte by byte
+        kept = store_for(self.image, build_missing=False)
+        # each function's first byte too: one that is not text any more (init code the
+        # kernel freed) is refused before anything of it is read or analysed
+        ranges: list[tuple[int, int]] = [(func.address, 1) for func in funcs]
         for func in funcs:
-            comp = kept.get(func)
+            comp = kept.get(func) if kept is not None else None
             if comp is None:
                 # no record of its instructions (it changed since the store was made):
                 # each byte of its head, and an instruction's answer is its bytes' (a
