@@ -374,7 +374,7 @@ class Manager:
             raise UnknownHandle(f"handle {handle.id} is not inserted")
         rest = [h for h in current.handles if h is not handle]
         if not rest:
-            self._unsplice(current)
+            self._unsplice([current])
             return
         self._commit(handle.point, current, self._plan(handle.point, rest, current.tactic), rest)
 
@@ -444,13 +444,8 @@ class Manager:
             if current is None or not any(x is h for x in current.handles):
                 raise UnknownHandle(f"handle {h.id} is not inserted")
             gone.setdefault(h.point.address, []).append(h)
-        emptied = [self._splices[a] for a, hs in gone.items()
-                   if len(hs) == len(self._splices[a].handles)]
-        self.target.apply(Change(routes=tuple((site, 0) for s in emptied for site, _ in s.patch.routes),
-                                 text=tuple(w for s in emptied for w in s.patch.undo)))
-        for splice in emptied:
-            self._retire(splice)
-            del self._splices[splice.point.address]
+        self._unsplice([self._splices[a] for a, hs in gone.items()
+                        if len(hs) == len(self._splices[a].handles)])
         for address, hs in gone.items():
             if address in self._splices:
                 for h in hs:
@@ -675,8 +670,7 @@ class Manager:
         keep = {site for site, _ in new.routes}
         gone = tuple((site, 0) for site, _ in (current.patch.routes if current else ())
                      if site not in keep)
-        code = (Write(new.code_address, self._code.old(new.code_address, len(new.code)),
-                      new.code),) if new.code else ()
+        code = self._code_writes([new])
         change = Change(code=code, routes=tuple(new.routes) + gone,
                         text=tuple(_transition(current.patch if current else None, new)))
         unhook: list[Callable[[], None]] = []
@@ -697,8 +691,7 @@ class Manager:
 
     def _commit_many(self, block: int, patches: Sequence[Patch], handles: Sequence[Handle]) -> None:
         """Put fresh patches in (no splice at their points yet) as one Change."""
-        code = tuple(Write(p.code_address, self._code.old(p.code_address, len(p.code)), p.code)
-                     for p in patches if p.code)
+        code = self._code_writes(patches)
         self.target.apply(Change(code=code, routes=tuple(r for p in patches for r in p.routes),
                                  text=tuple(w for p in patches for w in p.writes)))
         self._code.wrote(code)
@@ -710,6 +703,12 @@ class Manager:
             self._splices[p.point] = _Splice(h.point, p.tactic, p, [h])
         self._release_code(block)  # the batch's own hold: the block lives as long as a patch
 
+    def _code_writes(self, patches: Sequence[Patch]) -> tuple[Write, ...]:
+        """The patch-area writes that put ``patches``' code in place (the old bytes
+        as this Manager last left its areas: no read)."""
+        return tuple(Write(p.code_address, self._code.old(p.code_address, len(p.code)), p.code)
+                     for p in patches if p.code)
+
     def _retire(self, splice: _Splice) -> None:
         """Forget an old patch whose text and routes are already gone: its hooks and
         memory."""
@@ -719,11 +718,14 @@ class Manager:
             self._release_code(splice.patch.code_address)
         self._own(splice.patch, None)
 
-    def _unsplice(self, current: _Splice) -> None:
-        self.target.apply(Change(routes=tuple((site, 0) for site, _ in current.patch.routes),
-                                 text=current.patch.undo))
-        self._retire(current)
-        del self._splices[current.point.address]
+    def _unsplice(self, splices: Sequence[_Splice]) -> None:
+        """Take ``splices`` out whole, as one Change: their text restored, then their
+        routes cleared; then forget them."""
+        self.target.apply(Change(routes=tuple((site, 0) for s in splices for site, _ in s.patch.routes),
+                                 text=tuple(w for s in splices for w in s.patch.undo)))
+        for splice in splices:
+            self._retire(splice)
+            del self._splices[splice.point.address]
 
 
 @contextmanager

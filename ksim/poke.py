@@ -65,6 +65,12 @@ def apply(writes: Sequence[Write], *, read: Read, write: WriteBytes, trap: bytes
           sync: Callable[[], None] = lambda: None) -> None:
     """Check old bytes, then apply ``writes`` step by step (see the module doc)."""
     check_old(read, writes)
+    _write_steps(writes, write, trap, sync)
+
+
+def _write_steps(writes: Sequence[Write], write: WriteBytes, trap: bytes,
+                 sync: Callable[[], None]) -> None:
+    """The protocol's steps, each followed by a sync (old bytes checked already)."""
     for step in protocol_steps(writes, trap):
         for address, data in step:
             write(address, data)
@@ -104,10 +110,7 @@ def apply_change(change: Change, *, read: Read, write: WriteBytes, trap: bytes, 
             routed.append((site, route(site, patch)))
         if change.text:
             written.extend(change.text)
-            for step in protocol_steps(change.text, trap):
-                for address, data in step:
-                    write(address, data)
-                sync()
+            _write_steps(change.text, write, trap, sync)
         for site in change.clears:
             routed.append((site, route(site, None)))
     except BaseException:

@@ -308,17 +308,23 @@ class LiveTarget:
                 raise TargetError(f"kernel text at {at:#x}: the read of its chunk came back short")
             out += chunk[at - base:at - base + take]
             at += take
-        for i in range(size) if self._original else ():
+        return self._as_before(address, out)
+
+    def _as_before(self, address: int, out: bytearray) -> bytes:
+        """``out``, read at ``address``, with the bytes this client's pokes changed
+        back to what they were before them."""
+        for i in range(len(out)) if self._original else ():
             b = self._original.get(address + i)
             if b is not None:
                 out[i] = b
         return bytes(out)
 
     def _module_text(self, address: int, size: int) -> bytes:
-        """A loaded module's text (or anything outside core text) for the image:
-        read a page at a time and kept, as core text is read TEXT_CHUNK at a time (a
-        module's functions lie on a few pages; analysing each read them one by one).
-        What is not readable a page at a time is read as asked."""
+        """A loaded module's text (or anything outside core text) for the image: the
+        module's text read whole the first time (_read_module_span), else a page at a
+        time, and kept, as core text is read TEXT_CHUNK at a time (analysing each of
+        a module's functions read them one by one).  What is not readable a page at a
+        time is read as asked."""
         first, last = address & ~(PAGE - 1), (address + size - 1) & ~(PAGE - 1)
         if first not in self._module_pages:
             self._read_module_span(first)
@@ -332,11 +338,7 @@ class LiveTarget:
                     return self.read(address, size)
             pages.append(data)
         out = bytearray(b"".join(pages)[address - first:address - first + size])
-        for i in range(size) if self._original else ():
-            b = self._original.get(address + i)
-            if b is not None:
-                out[i] = b
-        return bytes(out)
+        return self._as_before(address, out)
 
     def _read_module_span(self, page: int) -> None:
         """Every page of the loaded module's text that holds ``page``, in one read
@@ -400,8 +402,7 @@ class LiveTarget:
 
     def original(self, address: int, size: int) -> bytes:
         """Text as it was before this client's pokes changed it."""
-        current = self.read(address, size)
-        return bytes(self._original.get(address + i, b) for i, b in enumerate(current))
+        return self._as_before(address, bytearray(self.read(address, size)))
 
     # -- memory ---------------------------------------------------------------------
     def read(self, address: int, size: int) -> bytes:
@@ -485,14 +486,11 @@ class LiveTarget:
             part = ahead[i:i + per]
             self.conn.request("poke", reply_timeout=self._batch_timeout(len(part)), writes=part)
         writes = with_text + text
-        args: dict[str, Any] = {"routes": routes} if routes else {}
+        timeout = self._batch_timeout(len(writes) + len(routes))
         if writes:
-            args["writes"] = writes
-        if writes:
-            self.conn.request("poke", reply_timeout=self._batch_timeout(len(writes) + len(routes)),
-                              **args)
-        else:
-            self.conn.request("routes", reply_timeout=self._batch_timeout(len(routes)), **args)
+            self.conn.request("poke", reply_timeout=timeout, writes=writes, routes=routes)
+        else:  # routes alone (the poke op takes one write at least)
+            self.conn.request("routes", reply_timeout=timeout, routes=routes)
         for w in change.text:  # kernel or module text, as it was before this client
             for i, b in enumerate(w.old):
                 self._original.setdefault(w.address + i, b)

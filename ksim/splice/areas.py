@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ksim.core import Write
@@ -47,7 +47,6 @@ class Area:
     users: int = 0
     #: its bytes as last written (patch areas only; None until first asked)
     shadow: bytearray | None = None
-    placed: dict[int, int] = field(default_factory=dict)
 
     @property
     def end(self) -> int:
@@ -81,7 +80,6 @@ class Areas:
         area, address = self._find(size, near, align)
         area.cursor = address + size
         area.users += 1
-        area.placed[address] = size
         self._owner[address] = area.start
         return address
 
@@ -136,19 +134,12 @@ class Areas:
         self._give(area.start)
 
     # --- releasing ------------------------------------------------------------------
-    def holds(self, address: int) -> bool:
-        return address in self._owner
-
-    def size_of(self, address: int) -> int:
-        return self._areas[self._owner[address]].placed[address]
-
     def release(self, address: int) -> None:
         """``address`` is no longer used; its area goes back with its last user."""
         start = self._owner.pop(address, None)
         if start is None:
             raise UnknownHandle(f"{self.name}: {address:#x} is not a block this client placed")
         area = self._areas[start]
-        del area.placed[address]
         area.users -= 1
         if not area.users:
             self._drop(area)
