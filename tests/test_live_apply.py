@@ -143,3 +143,23 @@ def test_ftraces_own_trampolines_are_never_spliced(testbed: dict) -> None:
         assert all("blacklist" in why or "kprobes" in why for why in refused.values()), refused
     finally:
         m.detach()
+
+
+def test_freed_init_code_is_refused_before_it_is_read(testbed: dict) -> None:
+    """Functions whose text the kernel freed after boot (init code, still in kallsyms)
+    are refused by the batch's one question, with the planner's own words, and
+    nothing of them is read or analysed."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        funcs = [f for f in m.target.image.functions
+                 if f.name in ("tcp_init", "tcp_v4_init", "tcp_metrics_init")]
+        assert funcs, "the testbed kernel lists tcp's init functions"
+        with requests(m.target) as seen:
+            ok, refused = m.spliceable_entries(funcs)
+        assert ok == [] and set(refused) == {f.name for f in funcs}, refused
+        for f in funcs:
+            assert refused[f.name] == (f"{f.address:#x} ({f.name}+0x0) is not kernel or module "
+                                       "text: ksim never overwrites or moves it")
+        assert seen == Counter(hazard_table=1), seen
+    finally:
+        m.detach()
