@@ -53,6 +53,9 @@ class KernelABI:
     #: -> 0, or -EFAULT without faulting`` (mm/maccess.c): snippet code reads memory at
     #: computed addresses through it (None: the kernel has none ksim knows)
     read_nofault: int | None = None
+    #: the same contract for user-space addresses (Linux's copy_from_user_nofault):
+    #: a Load marked ``user`` reads through it (None: as any Load)
+    read_user_nofault: int | None = None
     #: when the kernel's memory map is fixed and known (the toy kernel's): every region
     #: a read may touch.  A computed address outside them reads as 0 instead of
     #: faulting, checked inline; preferred over ``read_nofault`` (no call)

@@ -57,10 +57,20 @@ def linux_clock_ns(lookup: Callable[[str], int]) -> int | None:
         return None
 
 
-def linux_read_nofault(lookup: Callable[[str], int]) -> int | None:
+#: Linux's copy_from_user_nofault (mm/maccess.c, v5.8+; probe_user_read before)
+USER_NOFAULT_READERS = ("copy_from_user_nofault", "probe_user_read")
+
+
+def linux_read_user_nofault(lookup: Callable[[str], int]) -> int | None:
+    """The address of the running kernel's copy_from_user_nofault, or None."""
+    return linux_read_nofault(lookup, USER_NOFAULT_READERS)
+
+
+def linux_read_nofault(lookup: Callable[[str], int],
+                       names: tuple[str, ...] = NOFAULT_READERS) -> int | None:
     """The address of the running kernel's copy_from_kernel_nofault (or its older
     name), asked of ``lookup``; None when the kernel has neither."""
-    for name in NOFAULT_READERS:
+    for name in names:
         try:
             address = lookup(name)
         except KsimError:

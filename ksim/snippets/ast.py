@@ -264,6 +264,12 @@ class Comm(Node):
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class CurrentTask(Node):
+    """The address of the current task's structure (bpftrace's ``curtask``), via
+    the KernelABI."""
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class Cpu(Node):
     """The number of the cpu running the snippet, via the KernelABI."""
 
@@ -297,11 +303,14 @@ class CallTarget(Node):
 
 @dataclass(frozen=True, eq=False, slots=True)
 class Load(Node):
-    """``size`` bytes read through the pointer ``ptr`` (zero- or sign-extended)."""
+    """``size`` bytes read through the pointer ``ptr`` (zero- or sign-extended);
+    ``user``: ``ptr`` is a user-space address (read with the kernel's user-memory
+    reader where it has one)."""
 
     ptr: Any
     size: int = 8
     signed: bool = False
+    user: bool = False
 
     def children(self) -> tuple[Any, ...]:
         return (self.ptr,)
@@ -503,8 +512,8 @@ def call_target() -> CallTarget:
     return CallTarget()
 
 
-def load(ptr: Expr, size: int = 8, signed: bool = False) -> Load:
-    return Load(lift(ptr), size, signed)
+def load(ptr: Expr, size: int = 8, signed: bool = False, user: bool = False) -> Load:
+    return Load(lift(ptr), size, signed, user)
 
 
 def frame(slots: int, *body: Expr) -> Frame:

@@ -286,6 +286,6 @@ _SITE_RULES: dict[type, Callable[[Any, str, _Site], None]] = {
 _KNOWN: frozenset[type] = frozenset({
     ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
     ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
-    ast.Tgid, ast.Comm, ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget, ast.Guarded,
+    ast.Tgid, ast.CurrentTask, ast.Comm, ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget, ast.Guarded,
     ast.Elem, ast.CompareExchange, ast.Frame, ast.Local,
 })

@@ -513,6 +513,9 @@ class Codegen:
         memref_load(self.e, self.abi.current_task)
         self.e.load_indirect(self.abi.task_pid_offset, self.abi.task_pid_size, False)
 
+    def _current_task(self, n: ast.CurrentTask) -> None:
+        memref_load(self.e, self.abi.current_task)
+
     def _tgid(self, n: ast.Tgid) -> None:
         offset = self.abi.task_tgid_offset
         memref_load(self.e, self.abi.current_task)
@@ -533,7 +536,9 @@ class Codegen:
 
     def _load(self, n: ast.Load) -> None:
         self.gen(n.ptr)
-        if self.read_mode == "checked":
+        if n.user and self.abi is not None and self.abi.read_user_nofault is not None:
+            self.e.load_nofault(self.abi.read_user_nofault, n.size, n.signed)
+        elif self.read_mode == "checked":
             self.e.load_checked(n.size, n.signed, [(r.start, r.end) for r in self.abi.readable])
         elif self.read_mode == "nofault":
             self.e.load_nofault(self.abi.read_nofault, n.size, n.signed)
@@ -612,6 +617,7 @@ _GEN: dict[type, Callable[[Codegen, Any], None]] = {
     ast.Tsc: Codegen._tsc,
     ast.Pid: Codegen._pid,
     ast.Tgid: Codegen._tgid,
+    ast.CurrentTask: Codegen._current_task,
     ast.Comm: Codegen._comm,
     ast.Cpu: Codegen._cpu,
     ast.Arg: Codegen._arg,
@@ -680,7 +686,9 @@ def uses_calls(node: Any, abi: Any = None) -> bool:
     """Whether the code for ``node`` calls out: a Call, or a Load read through the
     ABI's read_nofault function."""
     nofault = read_mode(abi) == "nofault"
-    return any(isinstance(x, ast.Call) or (nofault and type(x) is ast.Load) for x in ast.walk(node))
+    user = abi is not None and abi.read_user_nofault is not None
+    return any(isinstance(x, ast.Call) or (type(x) is ast.Load and (nofault or (user and x.user)))
+               for x in ast.walk(node))
 
 
 def position_independent(snippets: Sequence[ast.Node], abi: Any = None) -> bool:
@@ -761,7 +769,7 @@ def compile_snippets(
         check(s, point_kind, registers=gprs(arch), call_operand=call_operand)
     snippets = [expand_call_target(s, call_operand) for s in snippets]
     body = ast.Seq(tuple(snippets))
-    if abi is None and any(isinstance(x, ast.Pid | ast.Tgid | ast.Comm | ast.Cpu)
+    if abi is None and any(isinstance(x, ast.Pid | ast.Tgid | ast.Comm | ast.Cpu | ast.CurrentTask)
                            for x in ast.walk(body)):
         raise CodegenError("Pid, Tgid, Comm and Cpu need the kernel's ABI (abi=KernelABI(...))")
     calls = uses_calls(body, abi)

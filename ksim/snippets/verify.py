@@ -216,7 +216,7 @@ class _Verifier:
 
     def _load(self, load: ast.Load) -> ast.Node:
         ptr = self.rewrite(load.ptr)
-        if isinstance(ptr, ast.Const):
+        if isinstance(ptr, ast.Const) and not load.user:
             # a constant pointer: as known as a Var's address
             address = ptr.value & _MASK64
             if self._known(address, address + load.size):
@@ -225,7 +225,7 @@ class _Verifier:
         if self.mode == "plain":
             raise UnsafeLoad("a load through a computed pointer could fault, and the kernel's ABI "
                              "offers no fault-safe read (KernelABI.readable or read_nofault)")
-        return ast.Load(ptr, load.size, load.signed)
+        return ast.Load(ptr, load.size, load.signed, load.user)
 
     def _unknown_read(self, address: int, size: int, signed: bool) -> ast.Node:
         """A read at a constant address not known to be mapped: a fault-safe Load,

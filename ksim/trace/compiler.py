@@ -43,23 +43,30 @@ from .maps import (
     hash_tree,
     key_words,
     start_slot,
+    width,
 )
+from .types import INT64, UINT64, CType, TypeSystem, integer, pointer, string
 
 #: builtins, and where they mean something
-BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm",
+BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
+            "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"kstack", "ustack", "curtask", "rand", "uid", "gid", "elapsed",
-                  "username", "cgroup", "ctx", "args", "cpid", "numaid", "jiffies", "ncpus",
+OTHER_BUILTINS = {"kstack", "ustack", "username", "ctx", "cpid", "numaid",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
-AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4}
-STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time"}
-OTHER_FUNCTIONS = {"stats", "join", "str", "buf", "ksym", "usym", "kaddr", "uaddr",
-                   "reg", "system", "cat", "signal", "strncmp", "override", "ntop", "cgroupid",
-                   "macaddr", "zero", "strftime", "path", "kstack", "ustack", "cgroup_path",
-                   "bswap", "skboutput", "pton", "strcontains", "has_key", "len", "unwatch",
-                   "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats"}
+AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
+                "stats": 1}
+STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero"}
+#: functions with a value, in the subset
+FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "cgroupid"}
+OTHER_FUNCTIONS = {"join", "buf", "usym", "uaddr",
+                   "reg", "system", "cat", "signal", "override", "cgroupid",
+                   "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
+                   "skboutput", "pton", "strcontains", "len", "unwatch",
+                   "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats"} - FUNCTIONS
+#: bpftrace's default max_strlen: the bytes str() reads
+DEFAULT_STRLEN = 64
 BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "&": "and", "|": "or",
           "^": "xor", "<<": "shl", ">>": "sar"}
 COMPARES = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
@@ -73,19 +80,32 @@ class Analysis:
     #: whether some action calls exit()
     exits: bool = False
     #: printf formats with the kind of each argument ("int", "name" for func and
-    #: probe, "comm"), numbered in program order
+    #: probe, "comm", "str:N", "kaddr", "inet"), numbered in program order
     formats: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    #: the bytes str() reads by default (the program's max_strlen)
+    strlen: int = DEFAULT_STRLEN
+    #: the program's types (base types, its struct definitions, the kernel's BTF)
+    types: TypeSystem = field(default_factory=TypeSystem)
 
 
-def analyse(program: t.Program) -> Analysis:
+def analyse(program: t.Program, types: TypeSystem | None = None,
+            site_of: Callable[[t.Probe], Site | None] | None = None) -> Analysis:
     """Every map's type, checked across the whole program; builtins and functions
-    checked against the subset."""
-    a = Analysis()
+    checked against the subset.  ``site_of(probe)``: a point the probe attaches to,
+    whose arguments type its expressions (kfunc's, a tracepoint's)."""
+    strlen = program.config.get("max_strlen", DEFAULT_STRLEN)
+    a = Analysis(strlen=-(-int(strlen) // 8) * 8, types=types or TypeSystem())
+    for kind, name, fields, loc in program.records:
+        a.types.define(kind, name, list(fields), loc)
     for probe in program.probes:
+        site = site_of(probe) if site_of is not None else None
+        typer = ProbeCompiler({}, site or CLIENT_SITE, stop=None, name_index=lambda n: 0,
+                              placed=lambda lay, key: None, analysis=a, typing=True)
         if probe.pred is not None:
             _check_expr(a, probe.pred)
+            typer.value(probe.pred)
         for stmt in _stmts(probe.body):
-            _analyse_stmt(a, stmt)
+            _analyse_stmt(a, stmt, typer)
     for m in a.maps.values():
         if m.kind is None:
             raise TraceSemanticError(f"Undefined map: {m.name} (it is never assigned)")
@@ -98,29 +118,38 @@ def _stmts(body: tuple[t.Stmt, ...]) -> Iterator[t.Stmt]:
         if isinstance(s, t.If):
             yield from _stmts(s.then)
             yield from _stmts(s.orelse)
+        elif isinstance(s, t.While):
+            yield from _stmts(s.body)
 
 
-def _analyse_stmt(a: Analysis, s: t.Stmt) -> None:
+def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
     if isinstance(s, t.Assign):
         _check_expr(a, s.value, allow_aggregation=isinstance(s.target, t.MapRef) and s.op == "=")
         if isinstance(s.target, t.MapRef):
-            _use_map(a, s.target)
-            _assign_kind(a, s.target, s.op, s.value)
-    elif isinstance(s, t.If):
+            _use_map(a, s.target, typer)
+            _assign_kind(a, s.target, s.op, s.value, typer)
+        else:
+            typer.declare(s.target.name, typer.value(s.value).type, s.value.loc)
+    elif isinstance(s, t.Declare):
+        if s.type is not None:
+            typer.declare(s.name, a.types.named(s.type, s.loc), s.loc)
+    elif isinstance(s, t.If | t.While):
         _check_expr(a, s.cond)
+        typer.value(s.cond)
     elif isinstance(s, t.ExprStmt):
         e = s.expr
         if isinstance(e, t.Call) and e.name in STATEMENTS:
-            _check_statement_call(a, e)
+            _check_statement_call(a, e, typer)
         else:
             _check_expr(a, e)
+            typer.value(e)
 
 
-def _check_printf(a: Analysis, call: t.Call) -> None:
+def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
     from .events import conversions, unknown_conversion
 
     if not call.args or not isinstance(call.args[0], t.Str):
-        raise TraceSemanticError("printf() expects a format string first", call.loc)
+        raise TraceSemanticError(f"{call.name}() expects a format string first", call.loc)
     fmt, args = call.args[0].value, call.args[1:]
     bad = unknown_conversion(fmt)
     if bad is not None:
@@ -129,44 +158,41 @@ def _check_printf(a: Analysis, call: t.Call) -> None:
     if len(args) != len(convs):
         which = "Too many" if len(args) > len(convs) else "Not enough"
         raise TraceSemanticError(f"printf: {which} arguments for format string", call.loc)
-    if len(args) > MAX_ARGS:
-        raise TraceUnsupported(f"printf() with more than {MAX_ARGS} arguments is not supported",
-                               call.loc)
-    for conv, arg in zip(convs, args, strict=True):
-        name = arg.name if isinstance(arg, t.Builtin) and arg.name in NAMED_KEYS else None
-        if conv == "s" and name is None:
-            raise TraceUnsupported("printf %s of anything but comm, func or probe is not "
-                                   "supported", arg.loc)
-        if conv != "s" and name is not None:
+    for arg in args:
+        _check_expr(a, arg, key=True)
+    kinds = typer.printf_kinds(args)
+    for conv, arg, kind in zip(convs, args, kinds, strict=True):
+        if conv == "s" and kind == "int":
+            raise TraceSemanticError("printf: %s specifier expects a value of type string "
+                                     "(integer supplied)", arg.loc)
+        if conv != "s" and kind not in ("int",):
             raise TraceSemanticError(f"printf: %{conv} specifier expects a value of type integer "
-                                     f"({name} supplied)", arg.loc)
-        _check_expr(a, arg, key=name is not None)
-    kinds = printf_kinds(args)
+                                     f"({_kind_text(kind)} supplied)", arg.loc)
     if key_words(kinds) > MAX_ARGS:
-        raise TraceUnsupported(f"printf() with more than {MAX_ARGS} argument words (comm takes "
-                               "two) is not supported", call.loc)
+        raise TraceUnsupported(f"printf() with more than {MAX_ARGS} argument words (a string "
+                               "takes one per 8 bytes) is not supported", call.loc)
     if (fmt, kinds) not in a.formats:
         a.formats.append((fmt, kinds))
 
 
-def printf_kinds(args: tuple[t.Expr, ...]) -> tuple[str, ...]:
-    """The kind of each printf argument, as the event ring holds it: "comm", "name"
-    (func, probe: an index into the names) or "int"."""
-    return tuple("int" if not (isinstance(x, t.Builtin) and x.name in NAMED_KEYS)
-                 else "comm" if x.name == "comm" else "name" for x in args)
+def _kind_text(kind: str) -> str:
+    return {"name": "string", "comm": "string", "kaddr": "ksym", "inet": "inet"}.get(
+        kind, "string" if kind.startswith("str:") else kind)
 
 
-def _check_statement_call(a: Analysis, call: t.Call) -> None:
+def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
     if call.name == "printf":
-        _check_printf(a, call)
+        _check_printf(a, call, typer)
         return
     if call.name == "time":
         if len(call.args) > 1 or (call.args and not isinstance(call.args[0], t.Str)):
             raise TraceSemanticError("time() takes one format string, or none", call.loc)
         return
     if call.name == "exit":
-        if call.args:
-            raise TraceUnsupported("exit() with an exit code is not supported", call.loc)
+        if len(call.args) > 1:
+            raise TraceSemanticError("exit() takes one exit code, or none", call.loc)
+        for x in call.args:
+            _check_expr(a, x)
         a.exits = True
         return
     if call.name == "print" and call.args and not isinstance(call.args[0], t.MapRef):
@@ -174,44 +200,71 @@ def _check_statement_call(a: Analysis, call: t.Call) -> None:
             raise TraceSemanticError("print() of a value takes one argument", call.loc)
         _check_expr(a, call.args[0])
         return
+    if call.name == "delete" and len(call.args) == 2 and isinstance(call.args[0], t.MapRef) \
+            and not call.args[0].keys:
+        # delete(@m, key): bpftrace's newer spelling of delete(@m[key])
+        keys = call.args[1].items if isinstance(call.args[1], t.Tuple) else (call.args[1],)
+        ref = t.MapRef(call.args[0].loc, call.args[0].name, tuple(keys))
+        _check_statement_call(a, t.Call(call.loc, "delete", (ref,), call.name_loc), typer)
+        return
     if len(call.args) != 1 or not isinstance(call.args[0], t.MapRef):
         if call.name == "print" and len(call.args) > 1:
             raise TraceUnsupported("print() with top or div arguments is not supported", call.loc)
         raise TraceSemanticError(f"{call.name}() expects a map argument", call.loc)
     ref = call.args[0]
-    if call.name in ("print", "clear") and ref.keys:
+    if call.name in ("print", "clear", "zero") and ref.keys:
         raise TraceSemanticError(f"{call.name}() expects a map with no keys, e.g. {ref.name}",
                                  ref.loc)
     if call.name == "delete" and not ref.keys and a.maps.get(ref.name) and a.maps[ref.name].keys:
         raise TraceSemanticError(f"delete() of {ref.name} needs its keys", ref.loc)
     if call.name == "delete":
-        _use_map(a, ref)
+        _use_map(a, ref, typer)
     else:
         a.maps.setdefault(ref.name, MapType(ref.name))
     for k in ref.keys:
         _check_expr(a, k, key=True)
 
 
-def _use_map(a: Analysis, ref: t.MapRef) -> MapType:
-    kinds = tuple(NAMED_KEYS.get(k.name, "int") if isinstance(k, t.Builtin) else "int"
-                  for k in ref.keys)
+def _use_map(a: Analysis, ref: t.MapRef, typer: ProbeCompiler) -> MapType:
     for k in ref.keys:
         _check_expr(a, k, key=True)
+    kinds = tuple(kind for k in ref.keys for kind in typer.key_kinds(k))
     m = a.maps.setdefault(ref.name, MapType(ref.name))
     if m.keys is None:
         m.keys = kinds
     elif m.keys != kinds:
-        raise TraceSemanticError(
-            f"Argument mismatch for {ref.name}: trying to access with arguments: "
-            f"[{', '.join(kinds)}] when map expects arguments: [{', '.join(m.keys)}]", ref.loc)
+        m.keys = _widen(m.keys, kinds, ref)
     return m
 
 
-def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr) -> None:
+def _widen(have: tuple[str, ...], new: tuple[str, ...], ref: t.MapRef) -> tuple[str, ...]:
+    """Two uses' key kinds made one: strings of different lengths take the longer."""
+    if len(have) == len(new) and all(x == y or (_is_str(x) and _is_str(y))
+                                     for x, y in zip(have, new, strict=True)):
+        return tuple(x if x == y else f"str:{max(_str_len(x), _str_len(y))}"
+                     for x, y in zip(have, new, strict=True))
+    raise TraceSemanticError(
+        f"Argument mismatch for {ref.name}: trying to access with arguments: "
+        f"[{', '.join(map(_kind_text, new))}] when map expects arguments: "
+        f"[{', '.join(map(_kind_text, have))}]", ref.loc)
+
+
+def _is_str(kind: str | None) -> bool:
+    return kind is not None and (kind == "comm" or kind.startswith("str:"))
+
+
+def _str_len(kind: str) -> int:
+    return 16 if kind == "comm" else int(kind[4:])
+
+
+def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr, typer: ProbeCompiler) -> None:
     m = a.maps[ref.name]
     kind, lhist = "int", None
     if op == "=" and isinstance(value, t.Call) and value.name in AGGREGATIONS:
         kind = value.name
+        if kind == "stats":
+            kind = "avg"        # count, average and total: avg's two words hold them
+            m.stats = True
         if kind == "lhist":
             lhist = tuple(_constant(x) for x in value.args[1:])
             lo, hi, step = lhist
@@ -219,10 +272,18 @@ def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr) -> None:
                 raise TraceSemanticError("lhist() needs max > min and step > 0", value.loc)
             if (hi - lo) // step > 1000:
                 raise TraceSemanticError("lhist() has more than 1000 buckets", value.loc)
-    if m.kind is not None and (m.kind != kind or (lhist is not None and m.lhist != lhist)):
+        if value.args:
+            typer.value(value.args[0]).scalar(value.args[0].loc)
+    elif op == "=":
+        kind = typer.value_kind(value)
+    else:
+        typer.value(value).scalar(value.loc)
+    if m.kind is not None and _is_str(m.kind) and _is_str(kind):
+        kind = f"str:{max(_str_len(m.kind), _str_len(kind))}"
+    elif m.kind is not None and (m.kind != kind or (lhist is not None and m.lhist != lhist)):
         raise TraceSemanticError(f"Type mismatch for {ref.name}: trying to assign value of type "
-                                 f"'{kind}' when map already contains a value of type '{m.kind}'",
-                                 value.loc)
+                                 f"'{_kind_text(kind)}' when map already contains a value of "
+                                 f"type '{_kind_text(m.kind)}'", value.loc)
     m.kind = kind
     if lhist is not None:
         m.lhist = lhist  # type: ignore[assignment]
@@ -240,47 +301,30 @@ def _check_expr(a: Analysis, e: t.Expr, *, allow_aggregation: bool = False, key:
     if isinstance(e, t.Int):
         if e.value >= 1 << 64:
             raise TraceSemanticError("integer literal does not fit 64 bits", e.loc)
-    elif isinstance(e, t.Str):
-        raise TraceUnsupported("strings are not supported here (only as a printf format, or "
-                               "compared with comm)", e.loc)
     elif isinstance(e, t.Builtin):
         _check_builtin(e, key)
     elif isinstance(e, t.MapRef):
-        _use_map(a, e)
+        for k in e.keys:
+            _check_expr(a, k, key=True)
     elif isinstance(e, t.Binary):
-        if _comm_compare(e) is not None:
-            return
-        if any(isinstance(x, t.Builtin) and x.name == "comm" for x in (e.left, e.right)):
-            raise TraceUnsupported("comm can only be compared (== or !=) with a string literal",
-                                   e.loc)
         _check_expr(a, e.left)
         _check_expr(a, e.right)
-    elif isinstance(e, t.Unary):
+    elif isinstance(e, t.Unary | t.Cast | t.Field | t.Deref):
         _check_expr(a, e.operand)
+    elif isinstance(e, t.Index):
+        _check_expr(a, e.operand)
+        _check_expr(a, e.index)
     elif isinstance(e, t.Ternary):
         for x in (e.cond, e.then, e.orelse):
             _check_expr(a, x)
+    elif isinstance(e, t.Tuple):
+        for x in e.items:
+            _check_expr(a, x, key=key)
     elif isinstance(e, t.Call):
         _check_call(a, e, allow_aggregation)
 
 
-def _comm_compare(e: t.Binary) -> tuple[str, int] | None:
-    """(the operator, the string's words as one integer) when ``e`` is ``comm == "..."``
-    or ``comm != "..."`` (either way round)."""
-    if e.op not in ("==", "!="):
-        return None
-    for x, y in ((e.left, e.right), (e.right, e.left)):
-        if isinstance(x, t.Builtin) and x.name == "comm" and isinstance(y, t.Str):
-            raw = y.value.encode()[:8 * COMM_WORDS - 1]   # what a task's name can hold
-            return e.op, int.from_bytes(raw.ljust(8 * COMM_WORDS, b"\0"), "little")
-    return None
-
-
 def _check_builtin(e: t.Builtin, key: bool) -> None:
-    if e.name in NAMED_KEYS and not key:
-        raise TraceUnsupported(f"{e.name} is not supported outside a map key or a printf %s"
-                               + (" (or compared with a string)" if e.name == "comm" else ""),
-                               e.loc)
     if e.name in BUILTINS:
         return
     if e.name in OTHER_BUILTINS:
@@ -305,6 +349,11 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
         return
     if name in STATEMENTS:
         raise TraceSemanticError(f"{name}() should not be used in an expression", loc)
+    if name in FUNCTIONS:
+        for x in e.args:
+            if not (name == "has_key" and isinstance(x, t.MapRef)):
+                _check_expr(a, x, key=True)
+        return
     if name in OTHER_FUNCTIONS:
         raise TraceUnsupported(f"function {name}() is not supported", loc)
     raise TraceSemanticError(f"Unknown function: {name}", loc)
@@ -332,12 +381,24 @@ def map_refs(probe: t.Probe) -> Iterator[t.MapRef]:
         elif isinstance(e, t.Binary):
             yield from expr(e.left)
             yield from expr(e.right)
-        elif isinstance(e, t.Unary):
+        elif isinstance(e, t.Unary | t.Cast | t.Field | t.Deref):
             yield from expr(e.operand)
+        elif isinstance(e, t.Index):
+            yield from expr(e.operand)
+            yield from expr(e.index)
         elif isinstance(e, t.Ternary):
             for x in (e.cond, e.then, e.orelse):
                 yield from expr(x)
+        elif isinstance(e, t.Tuple):
+            for x in e.items:
+                yield from expr(x)
         elif isinstance(e, t.Call):
+            if e.name == "delete" and len(e.args) == 2 and isinstance(e.args[0], t.MapRef):
+                keys = e.args[1].items if isinstance(e.args[1], t.Tuple) else (e.args[1],)
+                yield t.MapRef(e.args[0].loc, e.args[0].name, tuple(keys))
+                for k in keys:
+                    yield from expr(k)
+                return
             for x in e.args:
                 yield from expr(x)
 
@@ -347,7 +408,7 @@ def map_refs(probe: t.Probe) -> Iterator[t.MapRef]:
         if isinstance(s, t.Assign):
             yield from expr(s.target)
             yield from expr(s.value)
-        elif isinstance(s, t.If):
+        elif isinstance(s, t.If | t.While):
             yield from expr(s.cond)
         elif isinstance(s, t.ExprStmt):
             yield from expr(s.expr)
@@ -358,9 +419,45 @@ def map_refs(probe: t.Probe) -> Iterator[t.MapRef]:
 class Site:
     """The point a probe's snippet is compiled for."""
 
-    kind: str                  # "entry", "exit", "insn"
+    kind: str                  # "entry", "exit", "insn", "event", "sample", "client"
     function: str              # the probed function's name
     probe: str                 # the attach point's text, as ``probe`` names it
+    #: what ``args.NAME`` reads here (kfunc's parameters, a tracepoint's fields):
+    #: (name, type, node): the node is the value, or the address for a record or
+    #: an array; ``data_loc``: a string at the record's offset the u32 holds
+    args: tuple[tuple[str, CType, Any], ...] | None = None
+    #: retval's type (kretfunc)
+    ret: CType | None = None
+    #: a condition this point's hits must meet to be the probe's (a tracepoint's
+    #: event among the class's)
+    guard: Any = None
+
+
+#: where BEGIN, END and interval actions are typed
+CLIENT_SITE = Site("client", "", "")
+
+
+@dataclass
+class Val:
+    """A typed value in a snippet: a scalar's ``node``, a record's or an array's
+    address (``node``), or a string's words."""
+
+    type: CType
+    node: Any = None
+    words: list[Any] | None = None
+
+    def scalar(self, loc: Loc | None = None) -> Any:
+        if self.type.kind in ("int", "ptr", "name", "kaddr"):
+            return self.node
+        raise TraceSemanticError(f"a value of type {self.type.name or self.type.kind} is not an "
+                                 "integer here", loc)
+
+
+#: types of values that are not C's
+NAME = CType("name", 8, name="name")
+KADDR = CType("kaddr", 8, name="ksym")
+INET = CType("inet", 24, name="inet")
+COMM = CType("str", 16, name="comm")
 
 
 class Locals:
@@ -379,16 +476,22 @@ class Locals:
             raise TraceUnsupported("the action needs more than 64 scratch slots")
         return ast.Local(slot)
 
-    def var(self, name: str) -> ast.Local:
+    def var(self, name: str, n: int = 1) -> ast.Local:
+        """A variable's first slot (``n`` consecutive slots: a string's words)."""
         if name not in self.scratch:
             self.scratch[name] = self.take().slot
+            for _ in range(n - 1):
+                self.take()
+            self.end = self.used
         return ast.Local(self.scratch[name])
+
+    end = 0
 
     def mark(self) -> int:
         return self.used
 
     def release(self, mark: int) -> None:
-        self.used = max(mark, len(self.scratch) and max(self.scratch.values()) + 1)
+        self.used = max(mark, self.end)
 
 
 @dataclass
@@ -407,7 +510,21 @@ class ProbeCompiler:
     def __init__(self, layouts: dict[str, MapLayout], site: Site, *,
                  stop: ast.Var | None, name_index: Callable[[str], int],
                  placed: Callable[[MapLayout, tuple[int, ...]], tuple[str, int] | None],
-                 ring: Any = None, clock: int | None = None) -> None:
+                 ring: Any = None, clock: int | None = None, analysis: Analysis | None = None,
+                 typing: bool = False, lookup: Callable[[str], int] | None = None,
+                 start: ast.Var | None = None) -> None:
+        self.analysis = analysis if analysis is not None else Analysis()
+        self.types = self.analysis.types
+        #: only typing (the analysis's pass): no map is read or written
+        self.typing = typing
+        #: a kernel symbol's address (kaddr)
+        self.lookup = lookup
+        #: where the run's start time is (elapsed)
+        self.start = start
+        #: the type of each scratch variable
+        self.var_types: dict[str, CType] = {}
+        #: the Local that says the action returned (when it has a return)
+        self.returned: ast.Local | None = None
         self.layouts = layouts
         self.clock = clock
         self.ring = ring
@@ -422,23 +539,50 @@ class ProbeCompiler:
         self.defined: set[str] = set()
 
     def compile(self, probe: t.Probe) -> ast.Node:
-        # every scratch variable has its slot from the start: a temporary never
-        # shares one with a variable (which then reads 0 until assigned)
+        # every scratch variable has its slots from the start: a temporary never
+        # shares one with a variable (which then reads 0 until assigned); a
+        # variable's type is its first assignment's (typed in program order first)
+        typer = ProbeCompiler({}, self.site, stop=None, name_index=self.name_index,
+                              placed=lambda lay, key: None, analysis=self.analysis, typing=True)
         for s in _stmts(probe.body):
             if isinstance(s, t.Assign) and isinstance(s.target, t.Scratch):
-                self.locals.var(s.target.name)
+                typer.declare(s.target.name, typer.value(s.value).type, s.loc)
+            elif isinstance(s, t.Declare) and s.type is not None:
+                typer.declare(s.name, self.types.named(s.type, s.loc), s.loc)
+        self.var_types = typer.var_types
+        for name, ct in self.var_types.items():
+            self.locals.var(name, width(kind_of(ct)) if ct.kind == "str" else 1)
+        if any(isinstance(s, t.Return) for s in _stmts(probe.body)):
+            self.returned = self.locals.take()
         body = self.block(probe.body)
         if probe.pred is not None:
             body = ast.If(self.expr(probe.pred), body)
+        if self.site.guard is not None:
+            body = ast.If(self.site.guard, body)
         if self.stop is not None:
             body = ast.If(ast.lnot(self.stop), body)
         return ast.Frame(self.locals.high, body)
 
     # --- statements ------------------------------------------------------------------------
     def block(self, stmts: tuple[t.Stmt, ...]) -> ast.Node:
-        return ast.Seq(tuple(self.stmt(s) for s in stmts))
+        out: list[ast.Node] = []
+        for i, s in enumerate(stmts):
+            out.append(self.stmt(s))
+            if self.returned is not None and i + 1 < len(stmts) and _may_return(s):
+                # what follows runs only if the action did not return
+                out.append(ast.If(self.returned == 0, self.block(stmts[i + 1:])))
+                break
+        return ast.Seq(tuple(out))
 
     def stmt(self, s: t.Stmt) -> ast.Node:
+        if isinstance(s, t.Return):
+            assert self.returned is not None
+            return self.returned.assign(1)
+        if isinstance(s, t.Declare):
+            return ast.Seq(())
+        if isinstance(s, t.While):
+            raise TraceUnsupported("while loops are not supported in a kernel probe's action "
+                                   "(unroll is)", s.loc)
         if isinstance(s, t.If):
             return ast.If(self.expr(s.cond), self.block(s.then),
                           self.block(s.orelse) if s.orelse else None)
@@ -454,9 +598,18 @@ class ProbeCompiler:
 
     def assign_scratch(self, s: t.Assign) -> ast.Node:
         assert isinstance(s.target, t.Scratch)
-        value = self.expr(s.value)
-        var = self.locals.var(s.target.name)
-        self.defined.add(s.target.name)
+        name = s.target.name
+        ct = self.var_types.get(name, INT64)
+        v = self.value(s.value)
+        self.defined.add(name)
+        if ct.kind == "str":
+            if s.op != "=":
+                raise TraceSemanticError("a string can only be assigned", s.loc)
+            words = self.text_words(v, ct.size, s.value.loc)
+            base = self.locals.var(name).slot
+            return ast.Seq(tuple(ast.Local(base + i).assign(w) for i, w in enumerate(words)))
+        value = v.scalar(s.value.loc)
+        var = self.locals.var(name)
         if s.op != "=":
             value = self.binop(s.op[:-1], var, value)
         return var.assign(value)
@@ -465,8 +618,19 @@ class ProbeCompiler:
         if call.name == "printf":
             return self.printf(call)
         if call.name == "exit":
+            if self.typing:
+                return ast.Seq(())
             assert self.stop is not None
             return self.stop.assign(1)
+        if call.name == "delete" and len(call.args) == 2:
+            ref0, key = call.args
+            assert isinstance(ref0, t.MapRef)
+            keys = key.items if isinstance(key, t.Tuple) else (key,)
+            return self.statement_call(t.Call(call.loc, "delete",
+                                              (t.MapRef(ref0.loc, ref0.name, tuple(keys)),),
+                                              call.name_loc))
+        if self.typing:
+            return ast.Seq(())
         if call.name == "time":
             raise TraceUnsupported("time() in a kprobe action is not supported (use it in "
                                    "BEGIN, END or interval)", call.loc)
@@ -486,30 +650,52 @@ class ProbeCompiler:
         return ast.Seq((*acc.setup, zero if acc.found is None else ast.If(acc.found, zero)))
 
     def printf(self, call: t.Call) -> ast.Node:
-        assert self.ring is not None and isinstance(call.args[0], t.Str)
+        assert isinstance(call.args[0], t.Str)
+        if self.typing:
+            return ast.Seq(())
+        assert self.ring is not None
         mark = self.locals.mark()
         code: list[ast.Node] = []
         args = [self.leaf(w, code) for a in call.args[1:] for w in self.key_words(a)]
-        fmt = (call.args[0].value, printf_kinds(call.args[1:]))
+        fmt = (call.args[0].value, self.printf_kinds(call.args[1:]))
+        if fmt not in self.ring.formats:
+            raise TraceSemanticError("printf's arguments have other types at this point than "
+                                     "where the program was typed", call.loc)
         code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), args))
         self.locals.release(mark)
         return ast.Seq(tuple(code))
 
+    def printf_kinds(self, args: tuple[t.Expr, ...]) -> tuple[str, ...]:
+        """The kind of each printf argument, as the event ring holds it."""
+        return tuple(k for a in args for k in self.key_kinds(a))
+
     # --- map updates -------------------------------------------------------------------------
     def assign_map(self, ref: t.MapRef, op: str, value: t.Expr) -> ast.Node:
+        if self.typing:
+            for k in ref.keys:
+                self.value(k)
+            return ast.Seq(())
         lay = self.layouts[ref.name]
         kind = lay.type.kind
         mark = self.locals.mark()
         code: list[ast.Node] = []
         arg: ast.Node | None = None
+        words: list[ast.Node] | None = None
         if isinstance(value, t.Call) and value.name in AGGREGATIONS and op == "=":
             if value.args:
                 arg = self.leaf(self.expr(value.args[0]), code)
+        elif kind is not None and width(kind) > 1:
+            words = [self.leaf(w, code) for w in self.kind_words(value, kind)]
         else:
-            arg = self.leaf(self.expr(value), code)
+            arg = self.leaf(self.kind_words(value, kind or "int")[0], code)
         acc = self.access(ref, claim=True, into=code)
-        update = ast.Seq((lay.word(acc.slot, lay.present).assign(1),
-                          *self.update(lay, acc.slot, kind, op, arg)))
+        if words is not None:
+            update = ast.Seq((lay.word(acc.slot, lay.present).assign(1),
+                              *(lay.word(acc.slot, lay.value0 + i).assign(w)
+                                for i, w in enumerate(words))))
+        else:
+            update = ast.Seq((lay.word(acc.slot, lay.present).assign(1),
+                              *self.update(lay, acc.slot, kind, op, arg)))
         if acc.found is None:
             code.append(update)
         else:
@@ -683,10 +869,44 @@ class ProbeCompiler:
         return ast.Const(c) if c is not None else self.expr(k)
 
     def key_words(self, k: t.Expr) -> list[ast.Node]:
-        """The words a key (or a printf argument) is held in: comm's name takes two."""
-        if isinstance(k, t.Builtin) and k.name == "comm":
-            return [ast.Comm(i) for i in range(COMM_WORDS)]
-        return [self.key(k)]
+        """The words a key (or a printf argument) is held in: comm's name takes two,
+        a string one per 8 bytes; a tuple its items' words."""
+        if isinstance(k, t.Tuple):
+            return [w for x in k.items for w in self.key_words(x)]
+        c = constant_key(k, self.site, self.name_index)
+        if c is not None:
+            return [ast.Const(c)]
+        kinds = self.key_kinds(k)
+        return self.kind_words(k, kinds[0])
+
+    def key_kinds(self, k: t.Expr) -> tuple[str, ...]:
+        """The kinds of a key's (or printf argument's) parts."""
+        if isinstance(k, t.Tuple):
+            return tuple(x for item in k.items for x in self.key_kinds(item))
+        if isinstance(k, t.Builtin) and k.name in NAMED_KEYS:
+            return (NAMED_KEYS[k.name],)
+        return (kind_of(self.value(k).type, self.analysis.strlen),)
+
+    def value_kind(self, e: t.Expr) -> str:
+        """The kind a map assigned ``e`` holds."""
+        if isinstance(e, t.Builtin) and e.name in ("func", "probe"):
+            return NAMED_KEYS[e.name]
+        return kind_of(self.value(e).type, self.analysis.strlen)
+
+    def kind_words(self, e: t.Expr, kind: str) -> list[ast.Node]:
+        """The words of ``e`` held as ``kind`` (a string padded or cut to its size)."""
+        if isinstance(e, t.Builtin) and e.name in ("func", "probe"):
+            c = constant_key(e, self.site, self.name_index)
+            if c is None:
+                raise TraceSemanticError(f"{e.name} has no value here", e.loc)
+            return [ast.Const(c)]
+        v = self.value(e)
+        if kind == "comm" or kind.startswith("str:"):
+            return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
+        if kind == "inet":
+            assert v.words is not None
+            return v.words
+        return [v.scalar(e.loc)]
 
     def leaf(self, node: ast.Node, code: list[ast.Node]) -> ast.Node:
         """``node`` itself when reading it again is free and harmless, else a Local
@@ -699,35 +919,410 @@ class ProbeCompiler:
 
     # --- expressions ------------------------------------------------------------------------
     def expr(self, e: t.Expr) -> ast.Node:
+        """``e``'s integer value."""
+        return self.value(e).scalar(e.loc)
+
+    def value(self, e: t.Expr) -> Val:
+        """``e`` lowered with its type."""
         if isinstance(e, t.Int):
-            return ast.Const(e.value)
+            return Val(INT64 if e.value < 1 << 63 else UINT64, ast.Const(e.value & MASK))
+        if isinstance(e, t.Str):
+            raw = e.value.encode()
+            size = max(8, -(-(len(raw) + 1) // 8) * 8)
+            return Val(string(size), words=_const_words(raw, size))
         if isinstance(e, t.Builtin):
             return self.builtin(e)
         if isinstance(e, t.Scratch):
-            if e.name not in self.defined:
+            if e.name not in self.var_types:
                 raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
-            return self.locals.var(e.name)
+            if not self.typing and e.name not in self.defined:
+                raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
+            ct = self.var_types[e.name]
+            var = self.locals.var(e.name)
+            if ct.kind == "str":
+                return Val(ct, words=[ast.Local(var.slot + i) for i in range(width(kind_of(ct)))])
+            return Val(ct, var)
         if isinstance(e, t.MapRef):
             return self.read_map(e)
-        if isinstance(e, t.Binary) and (cmp := _comm_compare(e)) is not None:
-            op, value = cmp
-            low, high = value & ((1 << 64) - 1), value >> 64
-            same = ast.land(ast.Comm(0) == ast.Const(low), ast.Comm(1) == ast.Const(high))
-            return same if op == "==" else ast.lnot(same)
         if isinstance(e, t.Binary):
-            left, right = self.expr(e.left), self.expr(e.right)
-            if e.op == "&&":
-                return ast.land(left, right)
-            if e.op == "||":
-                return ast.lor(left, right)
-            return self.binop(e.op, left, right, e.loc)
+            return self.binary(e)
         if isinstance(e, t.Unary):
-            operand = self.expr(e.operand)
-            return {"!": ast.lnot, "~": lambda x: ~x, "-": lambda x: -x,
-                    "+": lambda x: x}[e.op](operand)
+            operand = self.value(e.operand)
+            x = operand.scalar(e.operand.loc)
+            node = {"!": ast.lnot, "~": lambda x: ~x, "-": lambda x: -x,
+                    "+": lambda x: x}[e.op](x)
+            return Val(INT64 if e.op != "+" else operand.type, node)
         if isinstance(e, t.Ternary):
-            return ast.If(self.expr(e.cond), self.expr(e.then), self.expr(e.orelse))
-        raise TraceSemanticError("this expression has no integer value", e.loc)
+            then, orelse = self.value(e.then), self.value(e.orelse)
+            cond = self.expr(e.cond)
+            if then.words is not None or orelse.words is not None:
+                size = max(then.type.size, orelse.type.size)
+                a, b = self.text_words(then, size, e.loc), self.text_words(orelse, size, e.loc)
+                c = self.locals.take() if not self.typing else ast.Local(0)
+                return Val(string(size), words=[ast.Seq((c.assign(cond), ast.If(c, x, y)))
+                                                if i == 0 else ast.If(c, x, y)
+                                                for i, (x, y) in enumerate(zip(a, b, strict=True))])
+            return Val(then.type, ast.If(cond, then.scalar(e.then.loc), orelse.scalar(e.orelse.loc)))
+        if isinstance(e, t.Cast):
+            return self.cast(e)
+        if isinstance(e, t.Field):
+            return self.field(self.value(e.operand), e.name, e.loc, e.operand)
+        if isinstance(e, t.Index):
+            return self.index(e)
+        if isinstance(e, t.Deref):
+            base = self.value(e.operand)
+            if base.type.kind != "ptr":
+                raise TraceSemanticError(f"cannot dereference a value of type "
+                                         f"{base.type.name or base.type.kind}", e.loc)
+            return self.at(base.type.ref, base.node, e.loc)
+        if isinstance(e, t.SizeOf):
+            ct = self.types.named(e.type, e.loc) if e.type is not None else \
+                self.value(e.operand).type  # type: ignore[arg-type]
+            return Val(UINT64, ast.Const(ct.size))
+        if isinstance(e, t.OffsetOf):
+            ct = self.types.named(e.type, e.loc)
+            bits = 0
+            for name in e.path:
+                m = ct.member(name) if ct.kind == "record" else None
+                if m is None:
+                    raise TraceSemanticError(f"{ct.name} has no field named {name}", e.loc)
+                bits += m[0]
+                ct = m[2]
+            return Val(UINT64, ast.Const(bits // 8))
+        if isinstance(e, t.Tuple):
+            raise TraceUnsupported("a tuple is only supported as a map key or value", e.loc)
+        if isinstance(e, t.Call):
+            return self.function(e)
+        raise TraceSemanticError("this expression has no value", e.loc)
+
+    def binary(self, e: t.Binary) -> Val:
+        left, right = self.value(e.left), self.value(e.right)
+        if e.op in ("==", "!=") and (left.words is not None or right.words is not None):
+            if left.words is None or right.words is None or left.type.kind != right.type.kind:
+                raise TraceSemanticError("a string can only be compared with a string", e.loc)
+            size = max(left.type.size, right.type.size)
+            a, b = self.text_words(left, size, e.loc), self.text_words(right, size, e.loc)
+            same: ast.Node = ast.Const(1)
+            for x, y in zip(a, b, strict=True):
+                same = ast.land(same, x == y)
+            return Val(INT64, same if e.op == "==" else ast.lnot(same))
+        x, y = left.scalar(e.left.loc), right.scalar(e.right.loc)
+        if e.op == "&&":
+            return Val(INT64, ast.land(x, y))
+        if e.op == "||":
+            return Val(INT64, ast.lor(x, y))
+        if e.op in ("+", "-") and left.type.kind == "ptr" and right.type.kind == "int":
+            scale = max(1, left.type.ref.size) if left.type.ref.kind != "void" else 1
+            return Val(left.type, self.binop(e.op, x, y * scale if scale > 1 else y, e.loc))
+        unsigned = (left.type.kind == "ptr" or right.type.kind == "ptr"
+                    or (left.type.kind == "int" and not left.type.signed and left.type.size == 8)
+                    or (right.type.kind == "int" and not right.type.signed and right.type.size == 8))
+        if unsigned and e.op in ("<", "<=", ">", ">=") and not (isinstance(x, ast.Const)
+                                                                 or isinstance(y, ast.Const)):
+            op = {"<": ast.ult, "<=": ast.ule, ">": ast.ugt, ">=": ast.uge}[e.op]
+            return Val(INT64, op(x, y))
+        if unsigned and e.op == ">>":
+            return Val(UINT64, ast.lshr(x, y))
+        if unsigned and e.op in ("/", "%") and not isinstance(y, ast.Const):
+            pass    # the snippets' division is signed; kernel values above 2**63 are rare
+        node = self.binop(e.op, x, y, e.loc)
+        return Val(INT64 if e.op in COMPARES else (UINT64 if unsigned else INT64), node)
+
+    def cast(self, e: t.Cast) -> Val:
+        ct = self.types.named(e.type, e.loc)
+        v = self.value(e.operand)
+        if ct.kind == "record":
+            # (struct x)ptr is bpftrace's spelling of the record a pointer points to
+            if v.type.kind in ("ptr", "int"):
+                return Val(ct, v.scalar(e.operand.loc))
+            raise TraceSemanticError(f"cannot cast to {ct.name}", e.loc)
+        if ct.kind == "ptr":
+            return Val(ct, v.scalar(e.operand.loc))
+        if ct.kind == "int":
+            return Val(ct, _fit(v.scalar(e.operand.loc), ct))
+        if ct.kind == "str":
+            return Val(ct, words=self.text_words(v, ct.size, e.loc))
+        raise TraceSemanticError(f"cannot cast to {ct.name}", e.loc)
+
+    def field(self, base: Val, name: str, loc: Loc, operand: t.Expr | None = None) -> Val:
+        if base.type.kind == "args":
+            for arg_name, ct, node in base.type.extra["args"]:
+                if arg_name == name:
+                    return Val(ct, node)
+            fields = ", ".join(n for n, _, _ in base.type.extra["args"])
+            raise TraceSemanticError(f"{self.site.probe or 'this probe'} has no argument named "
+                                     f"{name} (it has: {fields})", loc)
+        ct = base.type
+        address = base.node
+        if ct.kind == "ptr":
+            ct = ct.ref
+        if ct.kind != "record":
+            raise TraceSemanticError(f"cannot access field {name!r} of a value of type "
+                                     f"{base.type.name or base.type.kind}", loc)
+        m = ct.member(name)
+        if m is None:
+            have = ct.member_names() if ct.member_names is not None else []
+            hint = f" (it has: {', '.join(have[:12])}{', ...' if len(have) > 12 else ''})" \
+                if have else ""
+            raise TraceSemanticError(f"{ct.name} has no field named {name}{hint}", loc)
+        bits, bitfield, mt = m
+        at = address + ast.Const(bits // 8) if bits >= 8 else address
+        if bitfield:
+            first = (bits // 8)
+            shift = bits - first * 8
+            size = 8 if shift + bitfield > 32 else 4 if shift + bitfield > 16 else \
+                2 if shift + bitfield > 8 else 1
+            raw = ast.load(address + ast.Const(first) if first else address, size, False)
+            value = ast.lshr(raw, shift) & ast.Const((1 << bitfield) - 1) if shift else \
+                raw & ast.Const((1 << bitfield) - 1)
+            return Val(mt, value)
+        return self.at(mt, at, loc)
+
+    def at(self, ct: CType, address: Any, loc: Loc) -> Val:
+        """The value of type ``ct`` at ``address``: read for an integer or a pointer,
+        the address itself for a record or an array."""
+        if ct.kind in ("record", "array"):
+            return Val(ct, address)
+        if ct.kind == "int":
+            return Val(ct, ast.load(address, ct.size if ct.size in (1, 2, 4, 8) else 8,
+                                    ct.signed))
+        if ct.kind == "ptr":
+            return Val(ct, ast.load(address, 8))
+        raise TraceSemanticError(f"cannot read a value of type {ct.name or ct.kind}", loc)
+
+    def index(self, e: t.Index) -> Val:
+        base = self.value(e.operand)
+        ct = base.type
+        if ct.kind == "array":
+            elem = ct.ref
+        elif ct.kind == "ptr":
+            elem = ct.ref
+        else:
+            raise TraceSemanticError(f"cannot index a value of type {ct.name or ct.kind}", e.loc)
+        i = self.expr(e.index)
+        if ct.kind == "array" and isinstance(i, ast.Const) and not 0 <= i.value < max(ct.count, 1):
+            raise TraceSemanticError(f"index {i.value} is outside {ct.name}", e.index.loc)
+        offset = i * elem.size if not isinstance(i, ast.Const) else ast.Const(i.value * elem.size)
+        return self.at(elem, base.node + offset, e.loc)
+
+    def text_words(self, v: Val, size: int, loc: Loc) -> list[ast.Node]:
+        """``v`` as a string of ``size`` bytes (a multiple of 8): its words, cut or
+        padded with zeros; a char array is read up to its first NUL."""
+        n = -(-size // 8)
+        if v.words is not None:
+            words = list(v.words[:n])
+            return words + [ast.Const(0)] * (n - len(words))
+        if v.type.kind == "array" and v.type.is_string_like:
+            return self.read_string(v.node, min(v.type.size, size), n, user=False)
+        raise TraceSemanticError(f"a value of type {v.type.name or v.type.kind} is not a string",
+                                 loc)
+
+    def read_string(self, address: Any, limit: int, n: int, user: bool | None) -> list[ast.Node]:
+        """The words of the NUL-terminated string at ``address``, at most ``limit``
+        bytes, in ``n`` words (zeros past its end).  ``user``: a user-space address
+        (None: decided by the address's half of the address space)."""
+        if self.typing:
+            return [ast.Const(0)] * n
+        p, done = self.locals.take(), self.locals.take()
+        out: list[ast.Node] = []
+        code: list[ast.Node] = [p.assign(address), done.assign(0)]
+        ones, highs = ast.Const(0x0101010101010101), ast.Const(0x8080808080808080)
+        for i in range(n):
+            w, z = self.locals.take(), self.locals.take()
+            keep = min(8, limit - 8 * i)
+            if keep <= 0:
+                out.append(ast.Const(0))
+                continue
+            load: ast.Node
+            if user is None:
+                load = ast.If(ast.ult(p, ast.Const(1 << 63)), ast.load(p + 8 * i, 8, user=True),
+                              ast.load(p + 8 * i, 8))
+            else:
+                load = ast.load(p + 8 * i, 8, user=user)
+            code.append(w.assign(ast.If(done, ast.Const(0), load)))
+            if keep < 8:
+                code.append(w.assign(w & ast.Const((1 << (8 * keep)) - 1)))
+            # the first zero byte: the lowest set bit of (w - 0x01..) & ~w & 0x80..
+            code.append(z.assign((w - ones) & ~w & highs))
+            code.append(ast.If(z != 0, ast.seq(
+                w.assign(w & (ast.lshr(z & -z, 7) - 1)), done.assign(1))))
+            out.append(w)
+        out[0] = ast.Seq((*code, out[0]))
+        return out
+
+    def builtin(self, e: t.Builtin) -> Val:
+        name, kind = e.name, self.site.kind
+        if name == "comm":
+            return Val(COMM, words=[ast.Comm(i) for i in range(COMM_WORDS)])
+        if name in ("func", "probe"):
+            c = constant_key(e, self.site if kind != "client" else None, self.name_index)
+            return Val(NAME, ast.Const(0 if c is None else c))
+        if name == "curtask":
+            task = self.types.named("struct task_struct *", e.loc) if self.types.btf is not None \
+                else pointer(CType("record", 0, name="struct task_struct"))
+            return Val(task, ast.CurrentTask())
+        if name == "args":
+            if self.site.args is None:
+                if kind == "client":
+                    return Val(CType("args", 0, name="args", extra={"args": ()}), ast.Const(0))
+                raise TraceSemanticError("args is only available in kfunc, kretfunc and "
+                                         "tracepoint probes", e.loc)
+            return Val(CType("args", 0, name="args", extra={"args": self.site.args}), ast.Const(0))
+        if name in ("uid", "gid"):
+            cred = self.field(self.builtin(t.Builtin(e.loc, "curtask")), "cred", e.loc)
+            ids = self.field(cred, name, e.loc)
+            return Val(integer(4, False), self.field(ids, "val", e.loc).node) \
+                if ids.type.kind == "record" else ids
+        if name == "cgroup":
+            v = self.builtin(t.Builtin(e.loc, "curtask"))
+            for f in ("cgroups", "dfl_cgrp", "kn", "id"):
+                v = self.field(v, f, e.loc)
+            return Val(UINT64, v.scalar(e.loc))
+        if name == "elapsed":
+            # from the first hit of any probe: it stores the clock as the start
+            now = self.builtin(t.Builtin(e.loc, "nsecs")).node
+            if self.start is None:
+                return Val(UINT64, ast.Const(0) if self.typing else now)
+            first = ast.If(self.start == 0, ast.CompareExchange(self.start, ast.Const(0), now))
+            return Val(UINT64, ast.Seq((first, now - self.start)))
+        if name == "jiffies":
+            if self.lookup is None:
+                if self.typing:
+                    return Val(UINT64, ast.Const(0))
+                raise TraceUnsupported("jiffies needs the kernel's symbols", e.loc)
+            return Val(UINT64, ast.load(ast.Const(self.lookup("jiffies_64")), 8))
+        if name == "ncpus":
+            return Val(UINT64, ast.Const(getattr(self, "ncpus", 1)))
+        if name == "rand":
+            raise TraceUnsupported("builtin rand is not supported", e.loc)
+        if name == "pid":           # the process's: its thread group's id
+            return Val(integer(4, False), ast.Tgid())
+        if name == "tid":
+            return Val(integer(4, False), ast.Pid())
+        if name == "cpu":
+            return Val(integer(4, False), ast.Cpu())
+        if name == "nsecs":         # the kernel's clock where it has one, else cycles
+            return Val(UINT64, ast.Tsc() if self.clock is None else ast.Call(self.clock, ()))
+        if name.startswith("arg"):
+            if kind == "client" and self.typing:
+                return Val(UINT64, ast.Const(0))
+            if kind != "entry":
+                raise TraceSemanticError(f"The {name} builtin can only be used at a function's "
+                                         "entry (kprobe:FUNCTION)", e.loc)
+            return Val(UINT64, ast.Arg(int(name[3:])))
+        if name == "retval":
+            if kind == "client" and self.typing:
+                return Val(INT64, ast.Const(0))
+            if kind != "exit":
+                raise TraceSemanticError("The retval builtin can only be used with kretprobe "
+                                         "or kretfunc", e.loc)
+            return Val(self.site.ret or INT64, ast.RetVal() if self.site.ret is None
+                       or self.site.ret.kind != "int" else _fit(ast.RetVal(), self.site.ret))
+        raise TraceUnsupported(f"builtin {name} is not supported", e.loc)
+
+    def function(self, e: t.Call) -> Val:
+        name = e.name
+        if name == "str":
+            if not 1 <= len(e.args) <= 2:
+                raise TraceSemanticError("str() takes a pointer and an optional length", e.loc)
+            v = self.value(e.args[0])
+            size = self.analysis.strlen
+            limit = size
+            if len(e.args) == 2:
+                n = self.expr(e.args[1])
+                if not isinstance(n, ast.Const):
+                    raise TraceUnsupported("str() with a length computed at run time is not "
+                                           "supported", e.args[1].loc)
+                limit = max(1, min(n.value, size))
+                size = -(-limit // 8) * 8 if limit < size else size
+            if v.words is not None:
+                return Val(string(size), words=self.text_words(v, size, e.loc))
+            if v.type.kind == "array":
+                return Val(string(size), words=self.read_string(v.node, min(limit, v.type.size),
+                                                                 -(-size // 8), user=False))
+            p = v.scalar(e.args[0].loc)
+            return Val(string(size), words=self.read_string(p, limit, -(-size // 8), user=None))
+        if name == "ksym":
+            if len(e.args) != 1:
+                raise TraceSemanticError("ksym() takes one address", e.loc)
+            return Val(KADDR, self.expr(e.args[0]))
+        if name == "kaddr":
+            if len(e.args) != 1 or not isinstance(e.args[0], t.Str):
+                raise TraceSemanticError("kaddr() takes a symbol's name as a string literal", e.loc)
+            if self.lookup is None:
+                if self.typing:
+                    return Val(UINT64, ast.Const(0))
+                raise TraceUnsupported("kaddr() needs the kernel's symbols", e.loc)
+            return Val(UINT64, ast.Const(self.lookup(e.args[0].value)))
+        if name == "ntop":
+            return self.ntop(e)
+        if name == "has_key":
+            if len(e.args) < 1 or not isinstance(e.args[0], t.MapRef) or e.args[0].keys:
+                raise TraceSemanticError("has_key() takes a map and a key: has_key(@m, k)", e.loc)
+            keys = e.args[1:]
+            if len(keys) == 1 and isinstance(keys[0], t.Tuple):
+                keys = keys[0].items
+            ref = t.MapRef(e.args[0].loc, e.args[0].name, tuple(keys))
+            if self.typing:
+                for k in keys:
+                    self.value(k)
+                return Val(INT64, ast.Const(0))
+            mark = self.locals.mark()
+            acc = self.access(ref, claim=False)
+            lay = self.layouts[ref.name]
+            present = lay.word(acc.slot, lay.present) != 0
+            found = present if acc.found is None else ast.land(acc.found, present)
+            self.locals.release(mark)
+            return Val(INT64, ast.Seq((*acc.setup, found)) if acc.setup else found)
+        if name == "strncmp":
+            if len(e.args) != 3:
+                raise TraceSemanticError("strncmp() takes two strings and a length", e.loc)
+            n = self.expr(e.args[2])
+            if not isinstance(n, ast.Const):
+                raise TraceUnsupported("strncmp() with a length computed at run time is not "
+                                       "supported", e.args[2].loc)
+            a, b = self.value(e.args[0]), self.value(e.args[1])
+            size = -(-max(1, n.value) // 8) * 8
+            x, y = self.text_words(a, size, e.loc), self.text_words(b, size, e.loc)
+            same: ast.Node = ast.Const(1)
+            for i, (p, q) in enumerate(zip(x, y, strict=True)):
+                keep = min(8, n.value - 8 * i)
+                mask = ast.Const((1 << (8 * keep)) - 1 if keep < 8 else MASK)
+                same = ast.land(same, (p & mask) == (q & mask))
+            return Val(INT64, ast.lnot(same))
+        if name == "bswap":
+            v = self.value(e.args[0])
+            x = v.scalar(e.loc)
+            size = v.type.size if v.type.kind == "int" else 8
+            out: ast.Node = ast.Const(0)
+            for i in range(size):
+                byte = ast.lshr(x, 8 * i) & ast.Const(0xFF)
+                out = out | (byte << ast.Const(8 * (size - 1 - i)))
+            return Val(integer(size, False), out)
+        raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
+
+    def ntop(self, e: t.Call) -> Val:
+        """ntop([family,] address): an IPv4 address (an integer, or 4 bytes) or an
+        IPv6 one (16 bytes), kept as the family and 16 bytes for the client to print."""
+        if not 1 <= len(e.args) <= 2:
+            raise TraceSemanticError("ntop() takes an address, or a family and an address", e.loc)
+        v = self.value(e.args[-1])
+        family: ast.Node
+        lo: ast.Node
+        hi: ast.Node
+        if v.type.kind == "array" and v.type.size == 16:
+            family = ast.Const(10)
+            lo, hi = ast.load(v.node, 8), ast.load(v.node + 8, 8)
+        elif v.type.kind == "array" and v.type.size == 4:
+            family, lo, hi = ast.Const(2), ast.load(v.node, 4), ast.Const(0)
+        elif v.type.kind == "record" and v.type.size == 16:
+            family, lo, hi = ast.Const(10), ast.load(v.node, 8), ast.load(v.node + 8, 8)
+        else:
+            family, lo, hi = ast.Const(2), v.scalar(e.args[-1].loc) & ast.Const(0xFFFFFFFF), \
+                ast.Const(0)
+        if len(e.args) == 2:
+            family = self.expr(e.args[0])
+        return Val(INET, words=[family, lo, hi])
 
     def binop(self, op: str, left: ast.Node, right: ast.Node, loc: Loc | None = None) -> ast.Node:
         if op in BINOPS:
@@ -736,35 +1331,35 @@ class ProbeCompiler:
             return ast.BinOp(BINOPS[op], left, right)
         return ast.Compare(COMPARES[op], left, right)
 
-    def builtin(self, e: t.Builtin) -> ast.Node:
-        name, kind = e.name, self.site.kind
-        if name == "pid":           # the process's: its thread group's id
-            return ast.Tgid()
-        if name == "tid":
-            return ast.Pid()
-        if name == "cpu":
-            return ast.Cpu()
-        if name == "nsecs":         # the kernel's clock where it has one, else cycles
-            return ast.Tsc() if self.clock is None else ast.Call(self.clock, ())
-        if name.startswith("arg"):
-            if kind != "entry":
-                raise TraceSemanticError(f"The {name} builtin can only be used at a function's "
-                                         "entry (kprobe:FUNCTION)", e.loc)
-            return ast.Arg(int(name[3:]))
-        if name == "retval":
-            if kind != "exit":
-                raise TraceSemanticError("The retval builtin can only be used with kretprobe", e.loc)
-            return ast.RetVal()
-        raise TraceUnsupported(f"{name} is not supported outside a map key", e.loc)
-
-    def read_map(self, ref: t.MapRef) -> ast.Node:
-        lay = self.layouts[ref.name]
-        kind = lay.type.kind
+    def read_map(self, ref: t.MapRef) -> Val:
+        m = self.analysis.maps.get(ref.name)
+        if m is None and self.typing:
+            # read before any assignment was seen: typed as an integer until then (a
+            # map never assigned at all is refused at the end of the analysis)
+            m = self.analysis.maps.setdefault(ref.name, MapType(ref.name))
+        kind = (m.kind if m is not None else None) or "int"
         if kind in ("hist", "lhist"):
-            raise TraceSemanticError(f"{ref.name} holds a {kind}, which has no integer value", ref.loc)
+            raise TraceSemanticError(f"{ref.name} holds a {kind}, which has no integer value",
+                                     ref.loc)
+        ct = kind_type(kind)
+        if self.typing:
+            _use_map(self.analysis, ref, self)
+            if ct.kind in ("str", "inet"):
+                return Val(ct, words=[ast.Const(0)] * width(kind or "int"))
+            return Val(ct, ast.Const(0))
+        lay = self.layouts[ref.name]
         mark = self.locals.mark()
         acc = self.access(ref, claim=False)
         w = lay.word(acc.slot, lay.value0)
+        if ct.kind in ("str", "inet"):
+            words = []
+            for i in range(width(kind or "int")):
+                word = lay.word(acc.slot, lay.value0 + i)
+                words.append(word if acc.found is None else ast.If(acc.found, word, ast.Const(0)))
+            self.locals.release(mark)
+            if acc.setup:
+                words[0] = ast.Seq((*acc.setup, words[0]))
+            return Val(ct, words=words)
         value: ast.Node
         if kind in ("min", "max"):
             value = ast.If(w == 0, ast.Const(0),
@@ -777,7 +1372,90 @@ class ProbeCompiler:
         self.locals.release(mark)
         if acc.found is not None:
             value = ast.If(acc.found, value, ast.Const(0))
-        return ast.Seq((*acc.setup, value)) if acc.setup else value
+        return Val(ct, ast.Seq((*acc.setup, value)) if acc.setup else value)
+
+    def declare(self, name: str, ct: CType, loc: Loc) -> None:
+        """A scratch variable's type: its first assignment's (or its declaration's)."""
+        if ct.kind in ("record", "array") and not ct.is_string_like:
+            # a record is held by its address, as bpftrace holds a struct value
+            ct = pointer(ct) if ct.kind == "record" else ct
+        if ct.kind == "array":
+            ct = string(-(-ct.size // 8) * 8)
+        have = self.var_types.get(name)
+        if have is None:
+            self.var_types[name] = ct
+        elif have.kind == "str" and ct.kind == "str":
+            if ct.size > have.size:
+                self.var_types[name] = ct
+        elif (have.kind == "str") != (ct.kind == "str"):
+            raise TraceSemanticError(f"Type mismatch for ${name}: trying to assign value of type "
+                                     f"'{ct.name}' when variable already contains a value of type "
+                                     f"'{have.name}'", loc)
+
+
+def _may_return(s: t.Stmt) -> bool:
+    if isinstance(s, t.Return):
+        return True
+    if isinstance(s, t.If):
+        return any(_may_return(x) for x in (*s.then, *s.orelse))
+    return False
+
+
+def _const_words(raw: bytes, size: int) -> list[ast.Node]:
+    raw = raw[:size - 1].ljust(size, b"\0")
+    return [ast.Const(int.from_bytes(raw[i:i + 8], "little")) for i in range(0, size, 8)]
+
+
+def _fit(node: Any, ct: CType) -> Any:
+    """``node`` cut to ``ct``'s size, sign-extended when it is signed."""
+    if ct.size >= 8:
+        return node
+    bits = 8 * ct.size
+    if isinstance(node, ast.Const):
+        v = node.value & ((1 << bits) - 1)
+        if ct.signed and v >> (bits - 1):
+            v -= 1 << bits
+        return ast.Const(v & MASK)
+    low = node & ast.Const((1 << bits) - 1)
+    if not ct.signed:
+        return low
+    sign = ast.Const(1 << (bits - 1))
+    return (low ^ sign) - sign
+
+
+def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
+    """The kind a map key, map value or printf argument of type ``ct`` is held as."""
+    if ct is COMM:
+        return "comm"
+    if ct.kind == "str":
+        return f"str:{-(-ct.size // 8) * 8}"
+    if ct.kind == "array" and ct.is_string_like:
+        return f"str:{-(-min(ct.size, strlen) // 8) * 8}"
+    if ct.kind == "name":
+        return "name"
+    if ct.kind == "kaddr":
+        return "kaddr"
+    if ct.kind == "inet":
+        return "inet"
+    if ct.kind in ("int", "ptr"):
+        return "int"
+    raise TraceSemanticError(f"a value of type {ct.name or ct.kind} cannot be stored or printed "
+                             "(read one of its fields)")
+
+
+def kind_type(kind: str | None) -> CType:
+    """The type a map's value of ``kind`` reads as."""
+    if kind == "comm":
+        return COMM
+    if kind is not None and kind.startswith("str:"):
+        return string(int(kind[4:]))
+    if kind in ("ksym", "probe", "name"):
+        return NAME
+    if kind == "kaddr":
+        return KADDR
+    if kind == "inet":
+        return INET
+    return INT64
 
 
 __all__ = ["Analysis", "ProbeCompiler", "Site", "analyse", "constant_key", "map_refs"]

@@ -4,10 +4,10 @@ the kernel runs.
 Layout (8-byte words)::
 
     header   [head, tail, lost]
-    ring     RECORDS records of [seq, format, arg_0 .. arg_6]
+    ring     records of [seq, format, arg_0 .. arg_n] (n: the widest format's words)
 
 A snippet reserves record ``h = head`` by a compare-and-swap of ``head`` from ``h``
-to ``h + 1`` (CompareExchange), only while ``h - tail < RECORDS`` (the ring is not
+to ``h + 1`` (CompareExchange), only while ``h - tail < records`` (the ring is not
 full); it writes the format's number and the arguments, then ``seq = h + 1`` last,
 which publishes the record (x86-64 keeps stores in order, SDM Vol. 3A 9.2.2).  An
 event that finds the ring full, or loses the race for ``head``, is counted in
@@ -23,13 +23,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from ksim.snippets import ast
-from ksim.snippets.ast import COMM_WORDS
 
-from .maps import MASK, WORD, comm_text, key_words, signed
+from .maps import MASK, WORD, decode, key_words, signed, width
 
 RECORDS = 1024
-MAX_ARGS = 7
-STRIDE = 2 + MAX_ARGS
+#: argument words of a record when the program's formats need no more
+MIN_ARGS = 7
+#: the most argument words one printf may have (strings take a word per 8 bytes)
+MAX_ARGS = 64
+#: the most bytes the ring takes
+RING_BYTES = 256 * 1024
 #: one conversion of a printf format: flags, width, precision, length, conversion
 SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
                   r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocs%])")
@@ -54,11 +57,10 @@ def render(fmt: str, args: Sequence[int], names: Sequence[str],
     words = list(args)
     values: list[Any] = []
     for kind in kinds if kinds is not None else ["int"] * len(words):
-        if kind == "comm":
-            values.append(comm_text(words[:COMM_WORDS]))
-            del words[:COMM_WORDS]
-        else:
-            values.append(words.pop(0) if words else 0)
+        n = width(kind)
+        part, words = words[:n], words[n:]
+        values.append(part[0] if kind in ("int", "name") and part else
+                      decode(kind, part or [0] * n, names))
     it = iter(values)
 
     def one(m: re.Match[str]) -> str:
@@ -91,6 +93,9 @@ class Ring:
     base: int
     #: (format, kind of each argument), as compiler.Analysis.formats
     formats: list[tuple[str, tuple[str, ...]]]
+    #: records, a power of two; words per record
+    records: int = RECORDS
+    stride: int = 2 + MIN_ARGS
 
     @property
     def head(self) -> ast.Var:
@@ -105,7 +110,8 @@ class Ring:
         return ast.Var(self.header + 2 * WORD)
 
     def word(self, h: ast.Node, index: int) -> ast.Elem:
-        return ast.Elem(self.base, RECORDS * STRIDE, (h & ast.Const(RECORDS - 1)) * STRIDE + index)
+        return ast.Elem(self.base, self.records * self.stride,
+                        (h & ast.Const(self.records - 1)) * self.stride + index)
 
     def emit(self, h: ast.Local, fmt: int, args: Sequence[ast.Node]) -> ast.Node:
         """Reserve a record (``h`` a free Local), fill it, publish it; or count it lost."""
@@ -115,13 +121,20 @@ class Ring:
                        self.word(h, 0).assign(h + 1))
         reserve = ast.CompareExchange(self.head, h, h + 1) == h
         return ast.seq(h.assign(self.head),
-                       ast.If(ast.ult(h - self.tail, ast.Const(RECORDS)),
+                       ast.If(ast.ult(h - self.tail, ast.Const(self.records)),
                               ast.If(reserve, fill, lost), lost))
 
 
 def allocate_ring(alloc: Callable[[int], int],
                   formats: list[tuple[str, tuple[str, ...]]]) -> Ring:
-    return Ring(alloc(3 * WORD), alloc(RECORDS * STRIDE * WORD), formats)
+    """The ring for ``formats``: as many argument words per record as the widest
+    format needs, and as many records (a power of two, at most RECORDS) as fit
+    RING_BYTES."""
+    stride = 2 + max([MIN_ARGS, *(key_words(kinds) for _, kinds in formats)])
+    records = RECORDS
+    while records > 64 and records * stride * WORD > RING_BYTES:
+        records //= 2
+    return Ring(alloc(3 * WORD), alloc(records * stride * WORD), formats, records, stride)
 
 
 class Drain:
@@ -140,8 +153,8 @@ class Drain:
         head = self._word(ring.header)
         out = []
         while self.tail < head:
-            at = ring.base + WORD * STRIDE * (self.tail % RECORDS)
-            raw = self._read(at, WORD * STRIDE)
+            at = ring.base + WORD * ring.stride * (self.tail % ring.records)
+            raw = self._read(at, WORD * ring.stride)
             rec = [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published

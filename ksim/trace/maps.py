@@ -86,7 +86,60 @@ HIST_BUCKETS = 65
 
 
 #: words a key (or a printf argument) of each kind takes; one unless named here
-WIDTH = {"comm": 2}
+#: (and ``str:N``, a string of N bytes: N / 8)
+WIDTH = {"comm": 2, "inet": 3}
+#: kinds whose words hold text (a string's bytes, NUL padded)
+TEXT_KINDS = ("comm",)
+
+
+def width(kind: str) -> int:
+    """Words a value of ``kind`` is held in."""
+    if kind.startswith("str:"):
+        return -(-int(kind[4:]) // WORD)
+    return WIDTH.get(kind, 1)
+
+
+def is_text(kind: str | None) -> bool:
+    return kind is not None and (kind in TEXT_KINDS or kind.startswith("str:"))
+
+
+#: value kinds a map holds as a plain value (assigned, not aggregated) that are not
+#: integers: strings, names, addresses printed as symbols, addresses of the network
+VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet")
+
+
+#: how a kernel address is named (set by the client: the kernel's symbols)
+SYMBOLIZE: list[Callable[[int], str]] = []
+
+
+def symbol_text(address: int) -> str:
+    for f in SYMBOLIZE[-1:]:
+        return f(address)
+    return f"0x{address & MASK:x}"
+
+
+def inet_text(words: Sequence[int]) -> str:
+    """ntop()'s text from its words: the family, then the address's 16 bytes."""
+    import socket
+
+    family = words[0] if words else 0
+    raw = b"".join((w & MASK).to_bytes(WORD, "little") for w in words[1:3])
+    if family == socket.AF_INET6:
+        return socket.inet_ntop(socket.AF_INET6, raw[:16])
+    return socket.inet_ntop(socket.AF_INET, raw[:4])
+
+
+def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
+    """The value a key part or a map value of ``kind`` stands for."""
+    if is_text(kind):
+        return comm_text(part)
+    if kind in ("ksym", "probe", "name"):
+        return names[part[0]] if 0 <= part[0] < len(names) else ""
+    if kind == "kaddr":
+        return symbol_text(part[0])
+    if kind == "inet":
+        return inet_text(part)
+    return signed(part[0])
 
 
 @dataclass
@@ -100,6 +153,8 @@ class MapType:
     #: int, count, sum, min, max, avg, hist, lhist (None: only read or deleted so far)
     kind: str | None = None
     lhist: tuple[int, int, int] | None = None
+    #: an avg kept for stats() (printed as count, average and total)
+    stats: bool = False
 
     @property
     def value_words(self) -> int:
@@ -111,7 +166,7 @@ class MapType:
             assert self.lhist is not None
             lo, hi, step = self.lhist
             return (hi - lo) // step + 2
-        return 1
+        return width(self.kind or "int")
 
 
 @dataclass(frozen=True)
@@ -297,7 +352,7 @@ class MapLayout:
 
 def key_words(kinds: Sequence[str]) -> int:
     """Words a key of these kinds is held in."""
-    return sum(WIDTH.get(k, 1) for k in kinds)
+    return sum(width(k) for k in kinds)
 
 
 def layout_size(mtype: MapType, sizing: Sizing) -> int:
@@ -579,18 +634,12 @@ def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str])
     out: list[Any] = []
     at = 0
     for kind in kinds:
-        n = WIDTH.get(kind, 1)
-        part = words[at:at + n]
+        n = width(kind)
+        out.append(decode(kind, words[at:at + n], names))
         at += n
-        if kind == "comm":
-            out.append(comm_text(part))
-        elif kind in ("ksym", "probe", "name"):
-            out.append(names[part[0]] if 0 <= part[0] < len(names) else "")
-        else:
-            out.append(signed(part[0]))
     return out
 
 
 __all__ = ["DEFAULT_MAX_MAP_KEYS", "HIST_BUCKETS", "MapLayout", "MapType", "MapUse", "Sizing",
-           "Table", "WIDTH", "comm_text", "decode_key", "hash_keys", "hash_tree", "key_words",
+           "Table", "WIDTH", "comm_text", "decode", "decode_key", "is_text", "width", "hash_keys", "hash_tree", "key_words",
            "layout_for", "place", "scalar", "shrink", "size_map"]

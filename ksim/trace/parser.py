@@ -30,12 +30,15 @@ missing rather than meeting a bare syntax error.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 from . import syntax as t
 from .errors import Loc, TraceError, TraceSemanticError, TraceSyntaxError, TraceUnsupported
 from .maps import MAX_MAP_KEYS
+from .preprocess import Macros, preprocess
 
 #: multi-character punctuation, longest first
 PUNCT = ("<<=", ">>=", "==", "!=", "<=", ">=", "<<", ">>", "&&", "||", "++", "--", "+=", "-=",
@@ -44,7 +47,7 @@ PUNCT = ("<<=", ">>=", "==", "!=", "<=", ">=", "<<", ">>", "&&", "||", "++", "--
          "^", "!", "~", "<", ">", "=", ".", "#")
 ASSIGN_OPS = ("=", "+=", "-=", "*=", "/=", "%=", "&=", "|=", "^=", "<<=", ">>=")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-NUMBER = re.compile(r"0[xX][0-9a-fA-F_]+|[0-9][0-9_]*")
+NUMBER = re.compile(r"0[xX][0-9a-fA-F_]+|[0-9][0-9_]*(?:e[0-9]+)?")
 #: binary operators by precedence level, loosest first
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", "<=", ">", ">="), ("<<", ">>"),
@@ -52,48 +55,58 @@ LEVELS: tuple[tuple[str, ...], ...] = (
 )
 #: probe types of bpftrace's language ksim trace does not attach
 OTHER_PROVIDERS = {
-    "tracepoint": "tracepoint", "t": "tracepoint", "rawtracepoint": "rawtracepoint",
-    "rt": "rawtracepoint", "uprobe": "uprobe", "u": "uprobe", "uretprobe": "uretprobe",
-    "ur": "uretprobe", "usdt": "usdt", "U": "usdt", "profile": "profile", "p": "profile",
     "software": "software", "s": "software",
-    "hardware": "hardware", "h": "hardware", "kfunc": "kfunc", "f": "kfunc", "fentry": "fentry",
-    "kretfunc": "kretfunc", "fr": "kretfunc", "fexit": "fexit", "watchpoint": "watchpoint",
+    "hardware": "hardware", "h": "hardware", "watchpoint": "watchpoint",
     "w": "watchpoint", "asyncwatchpoint": "asyncwatchpoint", "aw": "asyncwatchpoint",
     "iter": "iter", "it": "iter", "self": "self",
 }
+#: user-space probes: outside what ksim instruments
+USER_PROVIDERS = {"uprobe": "uprobe", "u": "uprobe", "uretprobe": "uretprobe",
+                  "ur": "uretprobe", "usdt": "usdt", "U": "usdt"}
 PROVIDERS = {"kprobe": "kprobe", "k": "kprobe", "kretprobe": "kretprobe", "kr": "kretprobe",
-             "interval": "interval", "i": "interval"}
-#: units of an interval probe's period, in nanoseconds
-INTERVAL_UNITS = {"s": 10**9, "ms": 10**6, "us": 10**3}
+             "interval": "interval", "i": "interval", "tracepoint": "tracepoint",
+             "t": "tracepoint", "rawtracepoint": "rawtracepoint", "rt": "rawtracepoint",
+             "kfunc": "kfunc", "f": "kfunc", "fentry": "kfunc", "kretfunc": "kretfunc",
+             "fr": "kretfunc", "fexit": "kretfunc", "profile": "profile", "p": "profile"}
+#: units of an interval or profile probe's period, in nanoseconds (hz: a rate)
+INTERVAL_UNITS = {"s": 10**9, "ms": 10**6, "us": 10**3, "hz": 0}
 #: statement keywords of the full language that the subset lacks
 UNSUPPORTED_KEYWORDS = {
-    "while": "while loops", "for": "for loops", "unroll": "unroll", "return": "return",
-    "let": "variable declarations (let)", "break": "break", "continue": "continue",
-    "struct": "struct definitions", "union": "union definitions", "enum": "enum definitions",
+    "for": "for loops", "break": "break", "continue": "continue",
+    "enum": "enum definitions",
     "fn": "function definitions", "macro": "macros", "import": "import",
-    "sizeof": "sizeof", "offsetof": "offsetof",
 }
+#: an unrolled or while loop runs its body at most this many times
+MAX_LOOP = 100
 #: names that start a cast in the full language: "(uint8)x"
 TYPE_NAMES = frozenset({
     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64", "bool", "char",
     "short", "int", "long", "unsigned", "signed", "void", "string", "inet", "buffer",
+    "u8", "u16", "u32", "u64", "s8", "s16", "s32", "s64", "size_t", "pid_t", "const",
 })
 #: what follows the "(" of a cast: a struct, union or enum type, or type names, then
 #: pointer stars, then ")" -- ``(struct path *)``, ``(uint8)``, ``(unsigned long *)``
 _TYPE = "(?:" + "|".join(sorted(TYPE_NAMES)) + r")\b"
-CAST = re.compile(r"(?:(?:struct|union|enum)\s+[A-Za-z_]\w*|" + _TYPE + r"(?:\s+" + _TYPE + r")*)"
-                  r"\s*(?:\*\s*)*\)")
+CAST = re.compile(r"(?:const\s+)?(?:(?:struct|union|enum)\s+[A-Za-z_]\w*|" + _TYPE
+                  + r"(?:\s+" + _TYPE + r")*)\s*(?:\*\s*)*\)")
+#: a type as the first argument of offsetof or sizeof, up to "," or ")"
+TYPE_ARG = re.compile(r"(?:(?:struct|union)\s+[A-Za-z_]\w*|[A-Za-z_]\w*)\s*(?:\*\s*)*[,)]")
 #: settings of a config block: each of bpftrace's names for one ksim knows
-CONFIG_NAMES = {"max_map_keys": "max_map_keys", "BPFTRACE_MAX_MAP_KEYS": "max_map_keys"}
-#: settings bpftrace's config block has that ksim trace does not
-OTHER_CONFIG = frozenset({
+CONFIG_NAMES = {"max_map_keys": "max_map_keys", "BPFTRACE_MAX_MAP_KEYS": "max_map_keys",
+                "max_strlen": "max_strlen", "BPFTRACE_MAX_STRLEN": "max_strlen",
+                "BPFTRACE_STRLEN": "max_strlen"}
+#: settings that change nothing ksim does (they tune BPF, user symbols, or output
+#: ksim makes the same way): accepted and kept for what they say
+IGNORED_CONFIG = frozenset({
     "cache_user_symbols", "cpp_demangle", "lazy_symbolication", "license", "log_size",
-    "max_ast_nodes", "max_bpf_progs", "max_cat_bytes", "max_probes", "max_strlen",
+    "max_ast_nodes", "max_bpf_progs", "max_cat_bytes", "max_probes",
     "max_type_res_iterations", "missing_probes", "on_stack_limit", "perf_rb_pages",
     "print_maps_on_exit", "show_debug_info", "stack_mode", "str_trunc_trailer",
     "symbol_source", "use_blazesym", "unstable_import", "unstable_macro", "unstable_map_decl",
     "unstable_tseries", "unstable_addr",
 })
+#: the longest string a program may ask for (bpftrace's max_strlen), bytes
+MAX_STRLEN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +183,8 @@ class Lexer:
             if self.pos < len(self.src) and (self.src[self.pos].isalnum() or self.src[self.pos] == "_"):
                 raise TraceSyntaxError(f"invalid integer literal {text + self.src[self.pos]!r}",
                                        self.loc(start, self.pos + 1, line, line_start))
-            kind, value = "int", int(text.replace("_", ""), 0)
+            digits, _, exp = text.replace("_", "").partition("e")
+            kind, value = "int", int(digits, 0) * 10 ** int(exp or 0)
         elif c == '"':
             kind, value = "str", self._string(start, line, line_start)
         elif c in "$@":
@@ -220,17 +234,24 @@ class Lexer:
 
 
 class Parser:
-    def __init__(self, source: str, filename: str = "stdin") -> None:
+    def __init__(self, source: str, filename: str = "stdin", macros: Macros | None = None,
+                 params: tuple[str, ...] = ()) -> None:
         self.source = source
         self.filename = filename
         self.lex = Lexer(source)
         self.tok = self.lex.next()
         self.peeked: Token | None = None
+        self.prev = self.tok
         self.in_filter = False
+        self.macros = macros if macros is not None else Macros()
+        #: the values of positional parameters $1, $2, ...
+        self.params = params
+        #: macros being expanded (a macro naming itself is not expanded again)
+        self.expanding: set[str] = set()
 
     # --- tokens -------------------------------------------------------------------------
     def advance(self) -> Token:
-        tok = self.tok
+        tok = self.prev = self.tok
         if self.peeked is not None:
             self.tok, self.peeked = self.peeked, None
         else:
@@ -256,21 +277,29 @@ class Parser:
 
     # --- program ------------------------------------------------------------------------
     def program(self) -> t.Program:
-        config: dict[str, int] = {}
+        config: dict[str, int | str] = {}
         if self.at("config") and self.peek().text == "=":
             config = self.config()
         probes = []
+        records = []
         while self.tok.kind != "eof":
+            if self.at("struct", "union") and self.peek().kind == "name":
+                records.append(self.record())
+                continue
+            if self.at("let") and self.peek().kind == "map":
+                self.map_declaration(config)
+                continue
             probes.append(self.probe())
-        return t.Program(tuple(probes), self.source, self.filename, config)
+        return t.Program(tuple(probes), self.source, self.filename, config,  # type: ignore[arg-type]
+                         tuple(records), tuple(self.macros.includes))
 
-    def config(self) -> dict[str, int]:
+    def config(self) -> dict[str, int | str]:
         """``config = { max_map_keys = 10000; ... }`` (bpftrace's config block: first in
         the program; a setting by its own name or its environment variable's)."""
         self.advance()
         self.expect("=")
         self.expect("{", "'{' opening the config block")
-        out: dict[str, int] = {}
+        out: dict[str, int | str] = {}
         while not self.at("}"):
             if self.at(";"):
                 self.advance()
@@ -281,25 +310,80 @@ class Parser:
             self.advance()
             self.expect("=", "'=' after the config setting's name")
             value = self.advance()
+            if value.kind not in ("int", "str", "name"):
+                raise TraceSyntaxError(f"invalid value {value.text!r} for {tok.text}", value.loc)
             short = tok.text.lower().removeprefix("bpftrace_")
-            if tok.text not in CONFIG_NAMES:
-                if short in OTHER_CONFIG or short in CONFIG_NAMES:
-                    raise TraceUnsupported(f"config setting {tok.text} is not supported (only "
-                                           "max_map_keys)", tok.loc)
+            if tok.text in CONFIG_NAMES:
+                key = CONFIG_NAMES[tok.text]
+                limit = MAX_MAP_KEYS if key == "max_map_keys" else MAX_STRLEN
+                if value.kind != "int" or not 0 < int(value.value or 0) <= limit:
+                    raise TraceSemanticError(f"{tok.text} must be an integer from 1 to {limit}",
+                                             value.loc)
+                out[key] = int(value.value or 0)
+            elif short in IGNORED_CONFIG:
+                out[short] = value.value if value.kind != "name" else value.text  # type: ignore[assignment]
+            else:
                 raise TraceSemanticError(f"Unrecognized config variable: {tok.text}", tok.loc)
-            if value.kind != "int" or not 0 < int(value.value or 0) <= MAX_MAP_KEYS:
-                raise TraceSemanticError(f"{tok.text} must be an integer from 1 to {MAX_MAP_KEYS}",
-                                         value.loc)
-            out[CONFIG_NAMES[tok.text]] = int(value.value or 0)
             if not self.at("}"):
                 self.expect(";", "';' or '}'")
         self.advance()
         return out
 
+    def map_declaration(self, config: dict[str, int | str]) -> None:
+        """``let @name = hash(N);`` / ``lruhash(N)`` / ``percpuhash(N)``...: the map
+        holds N keys (ksim's maps are hashes; the LRU and per-cpu kinds are held as
+        plain ones)."""
+        self.advance()
+        name = self.advance()
+        self.expect("=", "'=' in a map declaration")
+        kind = self.advance()
+        self.expect("(", "'(' after the map's kind")
+        n = self.advance()
+        self.expect(")", "')' closing the map's size")
+        if self.at(";"):
+            self.advance()
+        if kind.text not in ("hash", "lruhash", "percpuhash", "percpulruhash", "percpuarray"):
+            raise TraceSemanticError(f"unknown map kind {kind.text!r}", kind.loc)
+        if n.kind != "int" or not 0 < int(n.value or 0) <= MAX_MAP_KEYS:
+            raise TraceSemanticError(f"a map's size must be an integer from 1 to {MAX_MAP_KEYS}",
+                                     n.loc)
+        config[f"keys:@{name.value}"] = int(n.value or 0)
+
+    def record(self) -> tuple[str, str, tuple[tuple[str, str, int | None], ...], Loc]:
+        """``struct NAME { TYPE FIELD; TYPE FIELD[N]; ... };``"""
+        kind_tok = self.advance()
+        name = self.advance()
+        if name.kind != "name":
+            raise TraceSyntaxError(f"expecting the {kind_tok.text}'s name", name.loc)
+        self.expect("{")
+        fields: list[tuple[str, str, int | None]] = []
+        while not self.at("}"):
+            words: list[str] = []
+            while not self.at(";", "}", "["):
+                tok = self.advance()
+                if tok.kind == "eof":
+                    self.fail("expecting '}' closing the struct")
+                if tok.kind not in ("name", "punct") or (tok.kind == "punct" and tok.text != "*"):
+                    raise TraceSyntaxError(f"unexpected {tok.text!r} in a struct member", tok.loc)
+                words.append(tok.text)
+            count = None
+            if self.at("["):
+                self.advance()
+                n = self.advance()
+                if n.kind != "int":
+                    raise TraceSyntaxError("an array member needs a constant size", n.loc)
+                count = int(n.value or 0)
+                self.expect("]")
+            if len(words) < 2 or words[-1] == "*":
+                raise TraceSyntaxError("a struct member needs a type and a name", self.tok.loc)
+            fields.append((" ".join(words[:-1]), words[-1], count))
+            self.expect(";", "';' after a struct member")
+        self.advance()
+        if self.at(";"):
+            self.advance()
+        return kind_tok.text, name.text, tuple(fields), kind_tok.loc.to(name.loc)
+
     def probe(self) -> t.Probe:
-        if self.at("#"):
-            raise TraceUnsupported("preprocessor directives (#include, #define) are not supported",
-                                   self.tok.loc)
         if self.at("config") and self.peek().text == "=":
             raise TraceSyntaxError("a config block must come first, before every probe", self.tok.loc)
         if self.tok.kind == "name" and self.tok.text in UNSUPPORTED_KEYWORDS \
@@ -337,41 +421,70 @@ class Parser:
         text, loc = tok.text, tok.loc
         if not text:
             raise TraceSyntaxError("syntax error, expecting an attach point", loc)
-        if text in ("BEGIN", "END"):
-            return t.AttachPoint(text, text=text, loc=loc)
+        if text in ("BEGIN", "END", "begin", "end"):
+            return t.AttachPoint(text.upper(), text=text, loc=loc)
         provider, colon, rest = text.partition(":")
         if not colon:
             raise TraceSyntaxError(f"invalid attach point {text!r}: expecting PROVIDER:FUNCTION, "
                                    "BEGIN or END", loc)
+        if provider in USER_PROVIDERS:
+            raise TraceUnsupported(f"{USER_PROVIDERS[provider]} probes instrument user space, "
+                                   "which ksim does not: it splices the kernel's code", loc)
         if provider in OTHER_PROVIDERS:
             raise TraceUnsupported(f"{OTHER_PROVIDERS[provider]} probes are not supported "
-                                   "(only kprobe, kretprobe, interval, BEGIN and END)", loc)
+                                   "(kprobe, kretprobe, kfunc, kretfunc, tracepoint, "
+                                   "rawtracepoint, profile, interval, BEGIN and END are)", loc)
         if provider not in PROVIDERS:
             raise TraceSyntaxError(f"Invalid probe type: {provider}", loc)
         kind = PROVIDERS[provider]
-        if kind == "interval":
-            unit, colon, count = rest.partition(":")
-            if not colon or unit not in INTERVAL_UNITS or not count.isdigit() or int(count) == 0:
-                raise TraceSyntaxError(f"invalid interval probe {text!r}: expecting interval:s:N, "
-                                       "interval:ms:N or interval:us:N (N > 0)", loc)
-            return t.AttachPoint(kind, text=text, loc=loc,
-                                 period_ns=int(count) * INTERVAL_UNITS[unit])
+        if kind in ("interval", "profile"):
+            return t.AttachPoint(kind, text=text, loc=loc, period_ns=self._period(kind, rest, loc))
+        if kind == "tracepoint":
+            category, colon, name = rest.partition(":")
+            if not colon or not category or not name or not all(
+                    re.fullmatch(r"[A-Za-z0-9_*?\[\]!-]+", x) for x in (category, name)):
+                raise TraceSyntaxError(f"invalid tracepoint {text!r}: expecting "
+                                       "tracepoint:CATEGORY:NAME", loc)
+            return t.AttachPoint(kind, name, None, text, loc, category=category)
+        module = ""
         if ":" in rest:
-            raise TraceUnsupported(f"{kind} with a module (MODULE:FUNCTION) is not supported", loc)
+            module, _, rest = rest.partition(":")
+            if kind in ("kprobe", "kretprobe") and module:
+                raise TraceUnsupported(f"{kind} with a module (MODULE:FUNCTION) is not supported",
+                                       loc)
         func, plus, offset_text = rest.partition("+")
         if not func or not re.fullmatch(r"[A-Za-z0-9_.*?\[\]!-]+", func):
             raise TraceSyntaxError(f"invalid function name {func!r} in {text!r}", loc)
         offset = None
         if plus:
-            if kind == "kretprobe":
-                raise TraceSemanticError("Offset not allowed for kretprobe", loc)
+            if kind != "kprobe":
+                raise TraceSemanticError(f"Offset not allowed for {kind}", loc)
             if any(c in func for c in "*?["):
                 raise TraceSemanticError("Offset not allowed with a wildcard", loc)
             try:
                 offset = int(offset_text, 0)
             except ValueError:
                 raise TraceSyntaxError(f"invalid offset {offset_text!r}", loc) from None
-        return t.AttachPoint(kind, func, offset, text, loc)
+        return t.AttachPoint(kind, func, offset, text, loc, category=module)
+
+    @staticmethod
+    def _period(kind: str, rest: str, loc: Loc) -> int:
+        """An interval's or a profile's period in ns: ``s:1``, ``ms:100``, ``hz:99``,
+        ``1s``, ``100ms``, ``99hz``."""
+        unit, colon, count = rest.partition(":")
+        if not colon:
+            m = re.fullmatch(r"([0-9]+)([a-z]+)", rest)
+            unit, count = (m.group(2), m.group(1)) if m else ("", "")
+        if unit not in INTERVAL_UNITS or not count.isdigit() or int(count) == 0:
+            raise TraceSyntaxError(f"invalid {kind} probe '{kind}:{rest}': expecting {kind}:s:N, "
+                                   f"{kind}:ms:N, {kind}:us:N, {kind}:hz:N or {kind}:Ns "
+                                   "(N > 0)", loc)
+        n = int(count)
+        if unit == "hz":
+            if n > 10**9:
+                raise TraceSyntaxError(f"{kind}:hz:{n} is faster than one per nanosecond", loc)
+            return 10**9 // n
+        return n * INTERVAL_UNITS[unit]
 
     # --- statements ------------------------------------------------------------------------
     def block(self) -> tuple[t.Stmt, ...]:
@@ -383,13 +496,62 @@ class Parser:
             if self.at(";"):
                 self.advance()
                 continue
-            stmt = self.statement()
-            stmts.append(stmt)
-            if isinstance(stmt, t.If) or self.at("}"):
+            several = self.statements()
+            stmts.extend(several)
+            if self.prev.text == "}" or self.at("}"):   # a statement ending in a block
                 continue
             self.expect(";", "';' or '}'")
         self.advance()
         return tuple(stmts)
+
+    def statements(self) -> list[t.Stmt]:
+        """One statement, or the several one source statement stands for (``let $x =
+        e`` declares and assigns; ``unroll (N) { ... }`` is its body N times)."""
+        tok = self.tok
+        if tok.kind == "name" and tok.text == "let":
+            self.advance()
+            var = self.tok
+            if var.kind != "var":
+                self.fail("expecting a variable ($name) after let")
+            self.advance()
+            self.scratch_name(var)
+            type_text = None
+            if self.at(":"):
+                self.advance()
+                type_text = self.type_text(("=", ";", "}"))
+            out: list[t.Stmt] = [t.Declare(var.loc, str(var.value), type_text)]
+            if self.at("="):
+                self.advance()
+                value = self.expr()
+                out.append(t.Assign(var.loc.to(value.loc), t.Scratch(var.loc, str(var.value)),
+                                    "=", value))
+            return out
+        if tok.kind == "name" and tok.text == "unroll":
+            self.advance()
+            self.expect("(", "'(' after unroll")
+            n = self.expr()
+            self.expect(")", "')' closing the count")
+            if not isinstance(n, t.Int) or not 1 <= n.value <= MAX_LOOP:
+                raise TraceSemanticError(f"unroll needs a constant count from 1 to {MAX_LOOP}",
+                                         n.loc)
+            body = self.block()
+            return [s for _ in range(n.value) for s in body]
+        if self.at("{"):
+            # a nested block: its statements, in the same scope (as if (1) { ... })
+            return [t.If(tok.loc, t.Int(tok.loc, 1), self.block())]
+        return [self.statement()]
+
+    def type_text(self, stop: tuple[str, ...]) -> str:
+        """A type's C spelling, up to one of ``stop``."""
+        words = []
+        while not self.at(*stop) and self.tok.kind != "eof":
+            tok = self.advance()
+            if tok.kind not in ("name", "punct") or (tok.kind == "punct" and tok.text not in "*[]"):
+                raise TraceSyntaxError(f"unexpected {tok.text!r} in a type", tok.loc)
+            words.append(tok.text)
+        if not words:
+            self.fail("expecting a type")
+        return " ".join(words)
 
     def statement(self) -> t.Stmt:
         tok = self.tok
@@ -397,8 +559,15 @@ class Parser:
             raise TraceUnsupported(f"{UNSUPPORTED_KEYWORDS[tok.text]} are not supported", tok.loc)
         if tok.kind == "name" and tok.text == "if":
             return self.if_statement()
-        if self.at("{"):
-            raise TraceUnsupported("nested blocks are not supported (use if)", tok.loc)
+        if tok.kind == "name" and tok.text == "while":
+            self.advance()
+            self.expect("(", "'(' after while")
+            cond = self.expr()
+            self.expect(")", "')' closing the condition")
+            return t.While(tok.loc, cond, self.block())
+        if tok.kind == "name" and tok.text == "return" and self.peek().text in (";", "}"):
+            self.advance()
+            return t.Return(tok.loc)
         if self.at("++", "--"):
             op = self.advance()
             target = self.lvalue()
@@ -424,9 +593,7 @@ class Parser:
 
     def if_statement(self) -> t.If:
         start = self.advance().loc
-        self.expect("(", "'(' after if")
-        cond = self.expr()
-        self.expect(")", "')' closing the condition")
+        cond = self.expr()      # "if (c)" or, as newer bpftrace, "if c"
         then = self.block()
         orelse: tuple[t.Stmt, ...] = ()
         if self.at("else"):
@@ -502,7 +669,9 @@ class Parser:
             operand = self.unary()
             return t.Unary(tok.loc.to(operand.loc), tok.text, operand)
         if self.at("*"):
-            raise TraceUnsupported("pointer dereference (*expr) is not supported", tok.loc)
+            self.advance()
+            operand = self.unary()
+            return t.Deref(tok.loc.to(operand.loc), operand)
         if self.at("&"):
             raise TraceUnsupported("taking an address (&expr) is not supported", tok.loc)
         if self.at("++", "--"):
@@ -511,10 +680,21 @@ class Parser:
         return self.postfix(self.primary())
 
     def postfix(self, expr: t.Expr) -> t.Expr:
-        if self.at(".", "->"):
-            raise TraceUnsupported(f"field access ({self.tok.text}) is not supported", self.tok.loc)
-        if self.at("["):
-            raise TraceUnsupported("indexing anything but a map is not supported", self.tok.loc)
+        while True:
+            if self.at(".", "->"):
+                arrow = self.advance().text == "->"
+                name = self.tok
+                if name.kind not in ("name", "int"):
+                    self.fail("expecting a field name")
+                self.advance()
+                expr = t.Field(expr.loc.to(name.loc), expr, name.text, arrow)
+            elif self.at("["):
+                self.advance()
+                index = self.expr()
+                end = self.expect("]", "']' closing the index").loc
+                expr = t.Index(expr.loc.to(end), expr, index)
+            else:
+                break
         if self.at("++", "--"):
             raise TraceUnsupported(f"{self.tok.text} inside an expression is not supported "
                                    "(use it as a statement)", self.tok.loc)
@@ -531,22 +711,36 @@ class Parser:
             return t.Str(tok.loc, str(tok.value))
         if tok.kind == "var":
             self.advance()
-            self.scratch_name(tok)
+            if str(tok.value).isdigit() or tok.value == "#":
+                return self.positional(tok)
             return t.Scratch(tok.loc, str(tok.value))
         if tok.kind == "map":
             return self.map_ref()
         if self.at("("):
             self.advance()
             if self.tok.kind == "name":
-                self.refuse_cast(tok)
+                cast = self.cast(tok)
+                if cast is not None:
+                    return cast
             inner = self.expr()
             if self.at(","):
-                raise TraceUnsupported("tuples are not supported", self.tok.loc)
+                items = [inner]
+                while self.at(","):
+                    self.advance()
+                    items.append(self.expr())
+                end = self.expect(")", "')' closing the tuple").loc
+                return t.Tuple(tok.loc.to(end), tuple(items))
             self.expect(")", "')'")
             return inner
         if tok.kind == "name":
             if tok.text in UNSUPPORTED_KEYWORDS:
                 raise TraceUnsupported(f"{UNSUPPORTED_KEYWORDS[tok.text]} are not supported", tok.loc)
+            if tok.text in ("sizeof", "offsetof") and self.peek().text == "(":
+                return self.size_or_offset()
+            macro = self.macros.get(tok.text)
+            if macro is not None and tok.text not in self.expanding and self.peek().text != "(":
+                self.advance()
+                return self.expand(tok, macro)
             self.advance()
             if self.at("("):
                 self.advance()
@@ -563,25 +757,117 @@ class Parser:
         raise AssertionError
 
 
-    def refuse_cast(self, paren: Token) -> None:
-        """A cast, ``(struct path *)x``, is refused as one (not as the struct
-        definition its keyword would otherwise start), its span underlined."""
+    def cast(self, paren: Token) -> t.Expr | None:
+        """``(TYPE)operand`` when what follows the "(" is a type, else None (a
+        parenthesised expression)."""
         at = self._offset(self.tok.loc)
         m = CAST.match(self.source, at)
         if m is None:
-            return
-        start = self._offset(paren.loc)
-        text = " ".join(self.source[start:m.end()].split())
-        raise TraceUnsupported(f"casts are not supported: {text}",
-                               Loc(paren.loc.line, paren.loc.col, paren.loc.col + m.end() - start))
+            return None
+        text = " ".join(self.source[at:m.end() - 1].split())
+        # jump the lexer past the ")" and read the operand
+        self.lex.pos = m.end()
+        self.lex.line = self.tok.loc.line + self.source[at:m.end()].count("\n")
+        self.lex.line_start = self.source.rfind("\n", 0, m.end()) + 1
+        self.peeked = None
+        self.tok = self.lex.next()
+        operand = self.unary()
+        return t.Cast(paren.loc.to(operand.loc), text, operand)
+
+    def size_or_offset(self) -> t.Expr:
+        """``sizeof(TYPE)``, ``sizeof(expr)``, ``offsetof(TYPE, a.b)``."""
+        word = self.advance()
+        self.expect("(")
+        at = self._offset(self.tok.loc)
+        m = CAST.match(self.source, at) or TYPE_ARG.match(self.source, at)
+        if word.text == "offsetof":
+            if m is None or not self.source[at:m.end()].rstrip(")").rstrip():
+                m = TYPE_ARG.match(self.source, at)
+            if m is None:
+                self.fail("expecting a struct type")
+            assert m is not None
+            type_text = " ".join(self.source[at:m.end() - 1].split()).rstrip(",").strip()
+            self._skip_to(m.end() - 1)
+            self.expect(",", "',' after the type")
+            path = [self.advance().text]
+            while self.at("."):
+                self.advance()
+                path.append(self.advance().text)
+            end = self.expect(")", "')' closing offsetof").loc
+            return t.OffsetOf(word.loc.to(end), type_text, tuple(path))
+        if m is not None and self.source[m.end() - 1] == ")":
+            type_text = " ".join(self.source[at:m.end() - 1].split())
+            self._skip_to(m.end())
+            return t.SizeOf(word.loc.to(self.prev.loc), type_text, None)
+        operand = self.expr()
+        end = self.expect(")", "')' closing sizeof").loc
+        return t.SizeOf(word.loc.to(end), None, operand)
+
+    def _skip_to(self, offset: int) -> None:
+        """Go on lexing from source ``offset`` (past text read by a pattern)."""
+        self.lex.pos = offset
+        self.lex.line = self.source.count("\n", 0, offset) + 1
+        self.lex.line_start = self.source.rfind("\n", 0, offset) + 1
+        self.peeked = None
+        self.prev = self.tok
+        self.tok = self.lex.next()
+
+    def positional(self, tok: Token) -> t.Expr:
+        """``$1``.. (the program's arguments: an integer when it reads as one, else a
+        string; missing, 0 or "", as bpftrace) and ``$#`` (how many)."""
+        if tok.value == "#":
+            return t.Int(tok.loc, len(self.params))
+        n = int(str(tok.value))
+        if n == 0:
+            raise TraceSemanticError("$0 is not a positional parameter (they start at $1)", tok.loc)
+        value = self.params[n - 1] if n <= len(self.params) else ""
+        try:
+            return t.Int(tok.loc, int(value, 0))
+        except ValueError:
+            return t.Str(tok.loc, value) if value else t.Int(tok.loc, 0)
+
+    def expand(self, name: Token, text: str) -> t.Expr:
+        """An object-like macro's replacement, parsed as an expression located at its
+        name."""
+        if not text.strip():
+            raise TraceSemanticError(f"macro {name.text} expands to nothing", name.loc)
+        inner = Parser(text, self.filename, self.macros, self.params)
+        inner.expanding = self.expanding | {name.text}
+        try:
+            value = inner.expr()
+            if inner.tok.kind != "eof":
+                inner.fail("expecting the end of the macro")
+        except TraceError as exc:
+            raise TraceSemanticError(f"in macro {name.text} ({text.strip()}): {exc.message}",
+                                     name.loc) from None
+        return _relocate(value, name.loc)
 
 
-def parse(source: str, filename: str = "stdin") -> t.Program:
-    """The program in ``source``, or a TraceError located in it."""
+def _relocate(e: t.Expr, loc: Loc) -> t.Expr:
+    """``e`` with every span replaced by ``loc`` (a macro's expansion is located at
+    its name)."""
+    import dataclasses
+
+    changes: dict[str, object] = {"loc": loc}
+    for f in dataclasses.fields(e):
+        v = getattr(e, f.name)
+        if isinstance(v, t.Expr):
+            changes[f.name] = _relocate(v, loc)
+        elif isinstance(v, tuple) and v and all(isinstance(x, t.Expr) for x in v):
+            changes[f.name] = tuple(_relocate(x, loc) for x in v)
+    return dataclasses.replace(e, **changes)  # type: ignore[arg-type]
+
+
+def parse(source: str, filename: str = "stdin", params: tuple[str, ...] = (),
+          include_dirs: tuple[Path, ...] = ()) -> t.Program:
+    """The program in ``source`` (preprocessed: :mod:`ksim.trace.preprocess`), or a
+    TraceError located in it.  ``params``: the values of $1, $2, ..."""
     try:
-        return Parser(source, filename).program()
+        text, macros = preprocess(source, include_dirs)
+        program = Parser(text, filename, macros, params).program()
     except TraceError as exc:
         raise exc.located(source, filename) from None
+    return dataclasses.replace(program, source=source)
 
 
 __all__ = ["Lexer", "Parser", "parse"]

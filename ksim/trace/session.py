@@ -55,6 +55,7 @@ from .maps import (
     size_map,
 )
 from .output import MapPrinter
+from .types import CType, TypeSystem
 
 
 @dataclass
@@ -92,8 +93,17 @@ class TraceSession:
         #: program's config, else bpftrace's default (None)
         self.max_map_keys = max_map_keys if max_map_keys is not None else \
             program.config.get("max_map_keys")
+        self.skipped: dict[str, str] = {}
+        self.tracepoints: Any = None
+        #: the tracepoint events the probes attach to (enabled while attached)
+        self._events: list[Any] = []
+        #: the profile probes' samplers
+        self._samplers: list[Any] = []
+        self.types = TypeSystem(load=self._btf)
+        #: a representative point of each probe, typing its expressions
+        self._typing_sites: dict[int, Site | None] = {}
         try:
-            self.analysis = analyse(program)
+            self.analysis = analyse(program, self.types, self.typing_site)
         except TraceError as exc:
             raise exc.located(program.source, program.filename) from None
         self.names: list[str] = []
@@ -108,8 +118,9 @@ class TraceSession:
         #: detaching (all probes out)
         self.timings: dict[str, float] = {}
         self.stop: ast.Var | None = None
+        #: the kernel's clock at the first hit (elapsed)
+        self.start: ast.Var | None = None
         self.attached: dict[int, Attached] = {}
-        self.skipped: dict[str, str] = {}
         self.handles: list[Any] = []
         #: everything the program printed, in order
         self.printed: list[Output] = []
@@ -127,6 +138,195 @@ class TraceSession:
         self._next_interval: list[int | None] = [None] * len(self.intervals)
 
     # --- setting up -------------------------------------------------------------------------
+    def _btf(self) -> Any:
+        """The kernel's BTF, or None when it has none (types are then only the C base
+        types and the program's own struct definitions)."""
+        from ksim.btf import kernel_btf
+
+        try:
+            return kernel_btf(self.m)
+        except KsimError:
+            return None
+
+    def typing_site(self, probe: t.Probe) -> Site | None:
+        """The site a probe's expressions are typed at: its first kernel attach point's
+        first point (a kfunc's prototype, a tracepoint's fields)."""
+        if id(probe) in self._typing_sites:
+            return self._typing_sites[id(probe)]
+        site: Site | None = None
+        for ap in probe.points:
+            if ap.provider in t.CLIENT_PROVIDERS:
+                site = Site("client", "", ap.text)
+                break
+            if ap.provider == "kprobe":
+                site = Site("entry" if ap.offset is None else "insn", ap.func, ap.text)
+                break
+            if ap.provider == "kretprobe":
+                site = Site("exit", ap.func, ap.text)
+                break
+            if ap.provider == "profile":
+                site = Site("sample", "", ap.text)
+                break
+            found = self._typed_sites(ap, first=True)
+            if found:
+                site = found[0][1]
+                break
+        self._typing_sites[id(probe)] = site
+        return site
+
+    def _typed_sites(self, ap: t.AttachPoint, first: bool = False) -> list[tuple[Any, Site]]:
+        """kfunc, kretfunc and tracepoint attach points: their points, each with the
+        arguments its probe reads (``first``: only a representative one, typed but not
+        resolved to points)."""
+        if ap.provider in t.FUNC_PROVIDERS:
+            return self._func_sites(ap, first)
+        if ap.provider == "tracepoint":
+            return self._tracepoint_sites(ap, first)
+        raise TraceUnsupported(f"{ap.provider} probes are not supported yet", ap.loc)
+
+    def _func_site(self, ap: t.AttachPoint, name: str) -> Site | None:
+        """A kfunc's or kretfunc's site at function ``name``: its parameters from BTF
+        (None: no prototype; recorded as skipped)."""
+        proto = self.types.func(name)
+        probe_name = f"{ap.provider}:{name}"
+        if proto is None:
+            why = ("the kernel has no BTF" if self.types.btf is None
+                   else "the kernel's BTF has no prototype for it")
+            self.skipped[probe_name] = why
+            if not ap.wildcard:
+                raise TraceSemanticError(f"{probe_name}: {why}", ap.loc)
+            return None
+        params, ret = proto
+        if ap.provider == "kfunc":
+            args = tuple((pname, ct, ast.Arg(i)) for i, (pname, ct) in enumerate(params[:6]))
+            return Site("entry", name, probe_name, args=args)
+        # kretfunc: the arguments' registers are gone at a return; retval is typed
+        return Site("exit", name, probe_name, args=(), ret=ret)
+
+    def _func_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
+        from ksim.commands.count import resolve_points
+
+        image = self.m.target.image
+        if first:
+            names = sorted({f.name for f in image.functions
+                            if fnmatch.fnmatchcase(f.name, ap.func)}) if ap.wildcard else [ap.func]
+            for name in names:
+                site = self._func_site(ap, name)
+                if site is not None:
+                    return [(None, site)]
+            return []
+        out: list[tuple[Any, Site]] = []
+        if ap.provider == "kfunc":
+            points, skipped = resolve_points(self.m, ap.func, self.splice)
+            self.skipped.update(skipped)
+            for point, _ in points:
+                func = image.function_at(point.address)
+                site = self._func_site(ap, func.name if func else ap.func)
+                if site is not None:
+                    out.append((point, site))
+            return out
+        funcs = sorted({f.name: f for f in image.functions
+                        if fnmatch.fnmatchcase(f.name, ap.func)}.values(), key=lambda f: f.address)
+        if not funcs and not ap.wildcard:
+            funcs = [self.m.find_function(ap.func)]
+        for f in funcs:
+            site = self._func_site(ap, f.name)
+            if site is None:
+                continue
+            try:
+                exits = self.m.exit_points(f)
+            except KsimError as exc:
+                self.skipped[site.probe] = str(exc)
+                continue
+            why = next((w for w in (self.m.can_insert(p, self.splice) for p in exits) if w), None)
+            if not exits or why is not None:
+                self.skipped[site.probe] = why or "no return instruction"
+                continue
+            out += [(p, site) for p in exits]
+        return out
+
+    def _tracepoint_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
+        from .tracepoints import Tracepoints
+
+        if self.tracepoints is None:
+            self.tracepoints = Tracepoints(self.m)
+        events = self.tracepoints.events(ap.category, ap.func)
+        if not events:
+            raise TraceSemanticError(f"{ap.text}: no tracepoint matches", ap.loc)
+        out: list[tuple[Any, Site]] = []
+        for ev in events[:1] if first else events:
+            probe_name = f"tracepoint:{ev.category}:{ev.name}"
+            try:
+                tp = self.tracepoints.site(ev)
+            except KsimError as exc:
+                if not ap.wildcard and len(events) == 1:
+                    raise
+                self.skipped[probe_name] = str(exc)
+                continue
+            site = Site("event", ev.name, probe_name, args=self._event_args(tp), guard=tp.guard)
+            if first:
+                return [(None, site)]
+            self._events.append(ev)
+            out += [(p, site) for p in tp.points]
+        return out
+
+    def _profile_sites(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
+        from .profile import sampler
+
+        assert ap.period_ns is not None
+        unit, value = ("hz", 10**9 // ap.period_ns) if ap.text.split(":")[1] == "hz" \
+            else ("us", max(1, ap.period_ns // 1000))
+        smp = sampler(self.m, unit, value)
+        self._samplers.append(smp)
+        site = Site("sample", "", ap.text, guard=smp.guard)
+        return [(p, site) for p in smp.points]
+
+    def _event_args(self, tp: Any) -> tuple[tuple[str, Any, Any], ...]:
+        """A tracepoint's fields as ``args``: each read at the record (or computed at
+        the syscall's wrapper)."""
+        from .types import integer, pointer
+
+        args = []
+        for f in tp.event.fields:
+            if f.name.startswith("common_"):
+                continue
+            ctype = " ".join(f.ctype.replace("__data_loc", "").split())
+            if f.data_loc:
+                # the u32 at the field holds the string's length << 16 | its offset
+                n = self.analysis_strlen()
+                ct = CType("array", n, False, "char[]", integer(1, True, "char"), n)
+                node: Any = tp.record + (ast.load(tp.record + f.offset, 4) & ast.Const(0xFFFF))
+            elif f.array_len is not None:
+                elem = integer(max(1, f.size // max(1, f.array_len)), f.signed,
+                               ctype.split("[")[0].strip())
+                ct = CType("array", f.size, False, ctype, elem, f.array_len)
+                node = tp.record + f.offset if tp.record is not None else tp.values[f.name]
+            else:
+                if "*" in ctype:
+                    try:
+                        ct = self.types.named(ctype)
+                    except TraceError:
+                        ct = pointer(integer(1, True, "char"))
+                else:
+                    ct = integer(f.size if f.size in (1, 2, 4, 8) else 8, f.signed, ctype)
+                if f.name in tp.values:
+                    node = tp.values[f.name]
+                else:
+                    node = ast.load(tp.record + f.offset, f.size if f.size in (1, 2, 4, 8) else 8,
+                                    f.signed)
+            args.append((f.name, ct, node))
+        return tuple(args)
+
+    def lookup(self, name: str) -> int:
+        """A kernel symbol's address (kaddr, jiffies)."""
+        try:
+            return int(self.m.target.image.address_of(name))
+        except KsimError as exc:
+            raise TraceSemanticError(f"the kernel has no symbol {name!r}: {exc}") from None
+
+    def analysis_strlen(self) -> int:
+        return int(self.program.config.get("max_strlen", 64))
+
     def name_index(self, name: str) -> int:
         """The index of ``name`` in the program's table of names (a dict: a kprobe on
         every function of a kernel names tens of thousands)."""
@@ -175,6 +375,8 @@ class TraceSession:
         (ksim.trace.maps.size_map); constant keys get their records."""
         if self.analysis.exits:
             self.stop = self.m.malloc(8)
+        if "elapsed" in self.program.source:
+            self.start = self.m.malloc(8)
         if self.analysis.formats:
             self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats)
             self.drain = Drain(self.ring, self.m.copy_from_kernel, self.m.copy_to_kernel, self.names)
@@ -263,6 +465,12 @@ class TraceSession:
         from ksim.commands.count import resolve_points
 
         image = self.m.target.image
+        if ap.provider in (*t.FUNC_PROVIDERS, "tracepoint"):
+            return self._typed_sites(ap)
+        if ap.provider == "profile":
+            return self._profile_sites(ap)
+        if ap.provider == "rawtracepoint":
+            raise TraceUnsupported("rawtracepoint probes are not supported yet", ap.loc)
         if ap.provider == "kprobe":
             what = ap.func if ap.offset is None else f"{ap.func}+{ap.offset:#x}"
             points, skipped = resolve_points(self.m, what, self.splice)
@@ -310,7 +518,8 @@ class TraceSession:
         for probe in at.probes:
             compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
                                      name_index=self.name_index, placed=self.placed_record,
-                                     ring=self.ring, clock=self.clock)
+                                     ring=self.ring, clock=self.clock, analysis=self.analysis,
+                                     lookup=self.lookup, start=self.start)
             try:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
@@ -331,18 +540,42 @@ class TraceSession:
         start = time.perf_counter()
         if self.clock is not None:
             self.m.allow_calls(self.clock)
-        self.resolve()
-        self.allocate()
-        points = [a.point for a in self.attached.values()]
-        snippets = {a.point.address: self.snippet(a.point) for a in self.attached.values()}
-        self.handles = self.m.insert_many(points, lambda p: snippets[p.address], splice=self.splice)
+        user_reader = self.m.target.abi.read_user_nofault
+        if user_reader is not None:
+            self.m.allow_calls(user_reader)
+        try:
+            self.resolve()
+            self.allocate()
+            points = [a.point for a in self.attached.values()]
+            snippets = {a.point.address: self.snippet(a.point) for a in self.attached.values()}
+            if self._events:
+                self.tracepoints.enable(self._events)
+            self.handles = self.m.insert_many(points, lambda p: snippets[p.address],
+                                              splice=self.splice)
+        except BaseException:
+            self._release()
+            raise
         self.timings["attach_s"] = time.perf_counter() - start
+
+    def _release(self) -> None:
+        """What attaching set up besides splices: enabled events, samplers' words."""
+        if self.tracepoints is not None:
+            self.tracepoints.disable()
+        if self._samplers:
+            from .profile import release
+
+            for smp in self._samplers:
+                release(self.m, smp)
+            self._samplers = []
 
     def detach(self) -> None:
         start = time.perf_counter()
-        if self.handles:
-            self.m.remove_many(self.handles)
-            self.handles = []
+        try:
+            if self.handles:
+                self.m.remove_many(self.handles)
+                self.handles = []
+        finally:
+            self._release()
         self.timings["detach_s"] = time.perf_counter() - start
 
     def tactics(self) -> dict[str, int]:

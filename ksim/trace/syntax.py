@@ -74,6 +74,59 @@ class Call(Expr):
     name_loc: Loc | None = None
 
 
+@dataclass(frozen=True)
+class Cast(Expr):
+    """``(TYPE)operand``: ``type`` is the C spelling, ``struct sock *``."""
+
+    type: str
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class Field(Expr):
+    """``operand.name`` or ``operand->name``."""
+
+    operand: Expr
+    name: str
+    arrow: bool = False
+
+
+@dataclass(frozen=True)
+class Index(Expr):
+    """``operand[index]`` of a pointer or an array (a map's keys are MapRef's)."""
+
+    operand: Expr
+    index: Expr
+
+
+@dataclass(frozen=True)
+class Deref(Expr):
+    """``*operand``."""
+
+    operand: Expr
+
+
+@dataclass(frozen=True)
+class SizeOf(Expr):
+    """``sizeof(TYPE)`` (``type`` set) or ``sizeof(expr)``."""
+
+    type: str | None = None
+    operand: Expr | None = None
+
+
+@dataclass(frozen=True)
+class OffsetOf(Expr):
+    """``offsetof(TYPE, a.b.c)``."""
+
+    type: str
+    path: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Tuple(Expr):
+    items: tuple[Expr, ...]
+
+
 # --- statements -----------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Stmt:
@@ -96,6 +149,25 @@ class Assign(Stmt):
 
 
 @dataclass(frozen=True)
+class Declare(Stmt):
+    """``let $name [: TYPE];`` (with a value, it parses as a Declare and an Assign)."""
+
+    name: str
+    type: str | None = None
+
+
+@dataclass(frozen=True)
+class While(Stmt):
+    cond: Expr
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
+class Return(Stmt):
+    """``return``: the action ends here."""
+
+
+@dataclass(frozen=True)
 class If(Stmt):
     cond: Expr
     then: tuple[Stmt, ...]
@@ -105,6 +177,8 @@ class If(Stmt):
 # --- probes ---------------------------------------------------------------------------------
 #: probes whose actions the client runs (not spliced into the kernel)
 CLIENT_PROVIDERS = ("BEGIN", "END", "interval")
+#: probes at a function's entry whose args are typed by the kernel's BTF
+FUNC_PROVIDERS = ("kfunc", "kretfunc")
 
 
 @dataclass(frozen=True)
@@ -117,8 +191,11 @@ class AttachPoint:
     offset: int | None = None
     text: str = ""
     loc: Loc = field(default_factory=lambda: Loc(1, 1, 2))
-    #: an interval probe's period
+    #: an interval or profile probe's period
     period_ns: int | None = None
+    #: a tracepoint's category (``sched`` of tracepoint:sched:sched_switch; ``func``
+    #: is its name), a kfunc's module
+    category: str = ""
 
     @property
     def wildcard(self) -> bool:
@@ -141,9 +218,15 @@ class Program:
     #: the program's ``config = { ... }`` block, by ksim's name of each setting
     #: ("max_map_keys")
     config: dict[str, int] = field(default_factory=dict)
+    #: ``struct NAME { TYPE FIELD; ... };`` definitions: (kind, name, [(type, field,
+    #: array count or None)], where)
+    records: tuple[tuple[str, str, tuple[tuple[str, str, int | None], ...], Loc], ...] = ()
+    #: the headers the program includes
+    includes: tuple[str, ...] = ()
 
 
 __all__ = [
-    "Assign", "AttachPoint", "Binary", "Builtin", "Call", "Expr", "ExprStmt", "If", "Int", "MapRef",
-    "Probe", "Program", "Scratch", "Stmt", "Str", "Ternary", "Unary",
+    "Assign", "AttachPoint", "Binary", "Builtin", "Call", "Cast", "Declare", "Deref", "Expr",
+    "ExprStmt", "Field", "If", "Index", "Int", "MapRef", "OffsetOf", "Probe", "Program", "Return",
+    "Scratch", "SizeOf", "Stmt", "Str", "Ternary", "Tuple", "Unary", "While",
 ]
