@@ -16,7 +16,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from .maps import HIST_BUCKETS, MapLayout, decode_key, scalar
+from .maps import (
+    HIST_BUCKETS,
+    VALUE_KINDS,
+    MapLayout,
+    decode,
+    decode_key,
+    is_text,
+    scalar,
+    signed,
+)
 
 BAR = 52
 
@@ -111,8 +120,21 @@ class MapPrinter:
             key, values = item
             if self.hist:
                 return (sum(values), key)
-            return (scalar(self.lay.type.kind, values), key)
+            kind = self.lay.type.kind
+            if kind in VALUE_KINDS or is_text(kind):
+                return (0, key)
+            return (scalar(kind, values), key)
         return sorted(entries.items(), key=order)
+
+    def value_text(self, values: list[int]) -> str:
+        kind = self.lay.type.kind or "int"
+        if self.lay.type.stats:
+            count, total = values[1], signed(values[0])
+            avg = (abs(total) // count) * (1 if total >= 0 else -1) if count else 0
+            return f"count {count}, average {avg}, total {total}"
+        if kind in VALUE_KINDS or is_text(kind):
+            return str(decode(kind, values, self.lay.names))
+        return str(scalar(kind, values))
 
     def text(self, entries: dict[tuple[int, ...], list[int]]) -> str:
         """The map as bpftrace's language prints it (empty string: an empty map)."""
@@ -123,7 +145,7 @@ class MapPrinter:
             if self.hist:
                 lines.append(f"{head}: \n{hist_text(_rows(self.lay, values))}")
             else:
-                lines.append(f"{head}: {scalar(self.lay.type.kind, values)}")
+                lines.append(f"{head}: {self.value_text(values)}")
         if not lines:
             return ""
         if self.hist:       # each histogram ends its own last line; one blank line between
@@ -136,7 +158,10 @@ class MapPrinter:
         def value(values: list[int]) -> Any:
             if self.hist:
                 return [{**bounds, "count": count} for _, bounds, count in _rows(self.lay, values)]
-            return scalar(self.lay.type.kind, values)
+            kind = self.lay.type.kind
+            if kind in VALUE_KINDS or is_text(kind) or self.lay.type.stats:
+                return self.value_text(values)
+            return scalar(kind, values)
 
         items = self.sorted(entries)
         if not self.lay.keyed:

@@ -46,13 +46,16 @@ from .maps import (
     MapUse,
     Sizing,
     Table,
+    decode,
     encode_extreme,
+    is_text,
     layout_size,
     place,
     scalar,
     shrink,
     signed,
     size_map,
+    width,
 )
 from .output import MapPrinter
 from .types import CType, TypeSystem
@@ -710,7 +713,7 @@ class Interpreter:
     def __init__(self, session: TraceSession, which: str) -> None:
         self.s = session
         self.which = which
-        self.vars: dict[str, int] = {}
+        self.vars: dict[str, int | str] = {}
 
     def run(self, probe: t.Probe) -> None:
         if probe.pred is not None and not self.expr(probe.pred):
@@ -726,9 +729,12 @@ class Interpreter:
             self.block(s.then if self.expr(s.cond) else s.orelse)
         elif isinstance(s, t.Assign):
             if isinstance(s.target, t.Scratch):
-                value = self.expr(s.value)
+                value = self.value(s.value)
                 if s.op != "=":
-                    value = self.binop(s.op[:-1], self.vars.get(s.target.name, 0), value, s.loc)
+                    old = self.vars.get(s.target.name, 0)
+                    if isinstance(old, str) or isinstance(value, str):
+                        raise TraceSemanticError("a string can only be assigned", s.loc)
+                    value = self.binop(s.op[:-1], old, value, s.loc)
                 self.vars[s.target.name] = value
             else:
                 self.assign_map(s.target, s.op, s.value)
@@ -742,10 +748,27 @@ class Interpreter:
     def call(self, e: t.Call) -> None:
         if e.name == "printf":
             assert isinstance(e.args[0], t.Str)
-            args = [self.s.name_index(self.which) if isinstance(a, t.Builtin)
-                    and a.name in ("func", "probe") else self.expr(a) for a in e.args[1:]]
-            text = render(e.args[0].value, args, self.s.names)
+            words: list[int] = []
+            kinds: list[str] = []
+            for a in e.args[1:]:
+                v = self.s.name_index(self.which) if isinstance(a, t.Builtin) \
+                    and a.name in ("func", "probe") else self.value(a)
+                if isinstance(v, str):
+                    raw = v.encode()
+                    n = -(-(len(raw) + 1) // 8) * 8
+                    kinds.append(f"str:{n}")
+                    words += text_words(v, n)
+                else:
+                    kinds.append("name" if isinstance(a, t.Builtin) and a.name in ("func", "probe")
+                                 else "int")
+                    words.append(v)
+            text = render(e.args[0].value, words, self.s.names, kinds)
             self.s.emit("printf", text, text)
+            return
+        if e.name == "delete" and len(e.args) == 2 and isinstance(e.args[0], t.MapRef):
+            keys = e.args[1].items if isinstance(e.args[1], t.Tuple) else (e.args[1],)
+            ref = t.MapRef(e.args[0].loc, e.args[0].name, tuple(keys))
+            self.s.table(ref.name).delete(self.keys(ref))
             return
         if e.name == "exit":
             self.s.exited = True
@@ -758,11 +781,14 @@ class Interpreter:
             self.s.emit("time", text, text)
             return
         if e.name == "print" and e.args and not isinstance(e.args[0], t.MapRef):
-            value = self.expr(e.args[0])
+            value = self.value(e.args[0])
             self.s.emit("value", f"{value}\n", value)
             return
-        ref = e.args[0]
-        assert isinstance(ref, t.MapRef)
+        if e.name == "zero":
+            e = t.Call(e.loc, "clear", e.args, e.name_loc)
+        first = e.args[0]
+        assert isinstance(first, t.MapRef)
+        ref = first
         if e.name == "print":
             self.s.print_map(ref.name)
         elif e.name == "clear":
@@ -771,7 +797,38 @@ class Interpreter:
             self.s.table(ref.name).delete(self.keys(ref))
 
     def keys(self, ref: t.MapRef) -> tuple[int, ...]:
-        return tuple(self.expr(k) & MASK for k in ref.keys)
+        kinds = self.s.analysis.maps[ref.name].keys or ()
+        items = [x for k in ref.keys for x in (k.items if isinstance(k, t.Tuple) else (k,))]
+        out: list[int] = []
+        for k, kind in zip(items, kinds, strict=False):
+            out += self.words(self.value(k), kind)
+        return tuple(out)
+
+    def words(self, v: int | str, kind: str) -> list[int]:
+        """``v`` held as ``kind``: a string's bytes in words, or one word."""
+        if isinstance(v, str):
+            if kind != "comm" and not kind.startswith("str:"):
+                raise TraceSemanticError(f"a string where a value of kind {kind} is held")
+            return text_words(v, width(kind) * 8)
+        return [v & MASK]
+
+    def value(self, e: t.Expr) -> int | str:
+        """An integer, or a string's text."""
+        if isinstance(e, t.Str):
+            return e.value
+        if isinstance(e, t.MapRef):
+            lay = self.s.table(e.name).layout
+            if is_text(lay.type.kind):
+                table = self.s.table(e.name)
+                slot = table.find(self.keys(e), claim=False)
+                if slot is None or not table.get(slot, lay.present):
+                    return ""
+                return str(decode(lay.type.kind or "", [table.get(slot, lay.value0 + i)
+                                                        for i in range(lay.type.value_words)],
+                                  self.s.names))
+        if isinstance(e, t.Ternary):
+            return self.value(e.then) if self.expr(e.cond) else self.value(e.orelse)
+        return self.expr(e)
 
     def assign_map(self, ref: t.MapRef, op: str, value: t.Expr) -> None:
         table = self.s.table(ref.name)
@@ -780,6 +837,11 @@ class Interpreter:
         slot = table.find(self.keys(ref), claim=True)
         if slot is None:       # no record left: lost, as the kernel's updates are
             table.count_lost()
+            return
+        if kind is not None and width(kind) > 1 and op == "=":
+            table.put(slot, lay.present, 1)
+            for i, w in enumerate(self.words(self.value(value), kind)):
+                table.put(slot, lay.value0 + i, w)
             return
         arg = 0
         if isinstance(value, t.Call) and value.name in ("count", "sum", "min", "max", "avg",
@@ -820,7 +882,26 @@ class Interpreter:
         if isinstance(e, t.Scratch):
             if e.name not in self.vars:
                 raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
-            return self.vars[e.name]
+            v = self.vars[e.name]
+            if isinstance(v, str):
+                raise TraceSemanticError(f"${e.name} holds a string, not an integer", e.loc)
+            return v
+        if isinstance(e, t.Cast):
+            v = self.expr(e.operand)
+            ct = self.s.types.named(e.type, e.loc)
+            if ct.kind == "int" and ct.size < 8:
+                v &= (1 << (8 * ct.size)) - 1
+                if ct.signed and v >> (8 * ct.size - 1):
+                    v -= 1 << (8 * ct.size)
+            return v
+        if isinstance(e, t.SizeOf) and e.type is not None:
+            return self.s.types.named(e.type, e.loc).size
+        if isinstance(e, t.Call) and e.name == "has_key" and e.args \
+                and isinstance(e.args[0], t.MapRef):
+            ref = t.MapRef(e.args[0].loc, e.args[0].name, tuple(e.args[1:]))
+            table = self.s.table(ref.name)
+            slot = table.find(self.keys(ref), claim=False)
+            return int(slot is not None and bool(table.get(slot, table.layout.present)))
         if isinstance(e, t.MapRef):
             table = self.s.table(e.name)
             lay = table.layout
@@ -862,6 +943,12 @@ class Interpreter:
             return signed(a << (b & 63)) if op == "<<" else a >> (b & 63)
         return signed({"+": a + b, "-": a - b, "*": a * b, "&": a & b, "|": a | b,
                        "^": a ^ b}[op])
+
+
+def text_words(text: str, size: int) -> list[int]:
+    """A string's bytes (cut to ``size`` - 1, NUL padded to ``size``) as words."""
+    raw = text.encode()[:size - 1].ljust(size, b"\0")
+    return [int.from_bytes(raw[i:i + 8], "little") for i in range(0, size, 8)]
 
 
 def lost_text(lost: dict[str, Any]) -> str:
