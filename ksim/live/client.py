@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import hashlib
 import itertools
 import os
 import socket
@@ -29,6 +30,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ksim.btf.errors import BTFError
 from ksim.core import (
     HeldInterrupt,
     KernelABI,
@@ -228,7 +230,7 @@ class LiveTarget:
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
-        from ksim.images.abi import linux_clock_ns, linux_read_nofault
+        from ksim.images.abi import linux_clock_ns, linux_read_nofault, linux_read_user_nofault
 
         self.abi = KernelABI(
             current_task=MemRef(int(i["current_task"]), "gs", 8),
@@ -239,6 +241,7 @@ class LiveTarget:
             cpu_number=MemRef(int(i["cpu_number"]), "gs", 4),
             # snippet loads through computed pointers go through it: they cannot fault
             read_nofault=linux_read_nofault(self.lookup),
+            read_user_nofault=linux_read_user_nofault(self.lookup),
             clock_ns=linux_clock_ns(self.lookup),
         )
 
@@ -587,8 +590,48 @@ class LiveTarget:
         return int(self._request("lookup", name=name)["address"])
 
     def tracefs(self, file: str, mode: str = "r", data: str = "") -> str:
-        """Read, write or append a tracefs file in the guest (no shell involved)."""
+        """Read (mode ``r``), write (``w``) or append (``a``) a tracefs file in the
+        guest, no shell involved; or make (``mkdir``) or remove (``rmdir``) a ksim
+        trace instance, ``/sys/kernel/tracing/instances/ksim-NAME``."""
         return str(self._request("tracefs", file=file, mode=mode, data=data).get("data", ""))
+
+    def btf(self, name: str = "vmlinux") -> bytes:
+        """The kernel's BTF: ``/sys/kernel/btf/vmlinux``, or a module's (split BTF on
+        top of vmlinux's).  Kept on disk by its sha256 (``ksim.btf.sources.cache_dir``):
+        asking again costs one request, which tells the file's digest; the blob
+        crosses the wire once per kernel (and per loading of a module)."""
+        from ksim.btf.sources import cache_dir
+
+        head = self._request("btf", name=name, offset=0, length=0)
+        size, digest = int(head["size"]), str(head["sha256"])
+        path = cache_dir() / digest
+        try:
+            data = path.read_bytes()
+        except OSError:
+            pass
+        else:
+            if hashlib.sha256(data).hexdigest() == digest:
+                return data
+        out = bytearray()
+        while len(out) < size:
+            reply = self._request("btf", name=name, offset=len(out),
+                                  length=min(wire.MAX_BTF_CHUNK, size - len(out)))
+            chunk = bytes.fromhex(reply["data"])
+            if reply["sha256"] != digest or int(reply["size"]) != size:
+                raise BTFError(f"btf: /sys/kernel/btf/{name} changed while it was read "
+                               "(a module loaded again?); ask again")
+            if not chunk:
+                raise ProtocolError(f"btf: an empty chunk at {len(out)} of {size} bytes")
+            out += chunk
+        data = bytes(out)
+        if len(data) != size or hashlib.sha256(data).hexdigest() != digest:
+            raise ProtocolError(f"btf: /sys/kernel/btf/{name} came as {len(data)} bytes that do "
+                                f"not hash to the digest kerninstd gave ({size} bytes)")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{digest}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # a file under its digest's name is always complete
+        return data
 
     def keep(self, keep: bool = True, name: str | None = None) -> str | None:
         """Leave this client's splices in the kernel after it disconnects (and after

@@ -43,6 +43,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ksim.btf.errors import BTFError
 from ksim.errors import (
     AlreadySpliced,
     AuthError,
@@ -323,6 +324,7 @@ class Daemon:
         self.refused = 0      # connections refused: every slot held by an authenticated session
         self._warned_at: dict[str, float] = {}
         self._kallsyms: str | None = None
+        self._btf: dict[str, tuple[bytes, str]] = {}  # name -> the file and its sha256
         self.handlers = {name: getattr(self, f"op_{name}") for name in wire.OPS}
 
     # -- admission -----------------------------------------------------------------
@@ -900,13 +902,21 @@ class Daemon:
 
     TRACEFS = "/sys/kernel/tracing/"
     KPROBES_OPTIMIZATION = "/proc/sys/debug/kprobes-optimization"
+    #: the only directories mkdir and rmdir may touch: ksim's own trace instances, so
+    #: that trace events can be enabled without the global buffer (Documentation/trace/
+    #: ftrace.rst, "Instances": mkdir makes a buffer with its own events/, rmdir removes it)
+    TRACE_INSTANCE = re.compile(r"/sys/kernel/tracing/instances/ksim-[a-z0-9-]+")
 
     def op_tracefs(self, session: Session, file: str, mode: str, data: str) -> dict[str, Any]:
         """The kprobe oracle's file accesses, made without a shell (a shell's own
-        syscalls would be counted by the probe it sets up)."""
-        if mode not in ("r", "w", "a"):
-            raise ProtocolError(f"tracefs: argument 'mode' must be r, w or a, got {mode!r}")
+        syscalls would be counted by the probe it sets up); and ksim's trace
+        instances made and removed."""
+        if mode not in wire.TRACEFS_MODES:
+            raise ProtocolError(f"tracefs: argument 'mode' must be r, w or a (a file), or mkdir "
+                                f"or rmdir (a ksim instance), got {wire.clip(repr(mode))}")
         path = os.path.normpath(file)
+        if mode in ("mkdir", "rmdir"):
+            return self._trace_instance(path, file, mode)
         if not (path.startswith(self.TRACEFS) or path == self.KPROBES_OPTIMIZATION):
             raise AuthError(f"tracefs: {wire.clip(repr(file))} is neither under {self.TRACEFS} "
                             f"nor {self.KPROBES_OPTIMIZATION}")
@@ -924,6 +934,53 @@ class Daemon:
         except OSError as exc:
             raise TargetError(f"tracefs: {mode} {path}: {exc.strerror}") from None
         return {}
+
+    def _trace_instance(self, path: str, file: str, mode: str) -> dict[str, Any]:
+        if not self.TRACE_INSTANCE.fullmatch(path):
+            raise AuthError(f"tracefs: {mode} is allowed only for a ksim trace instance, "
+                            f"{self.TRACEFS}instances/ksim-NAME (NAME of a-z, 0-9 and -), "
+                            f"not {wire.clip(repr(file))}")
+        try:
+            (os.mkdir if mode == "mkdir" else os.rmdir)(path)
+        except OSError as exc:
+            raise TargetError(f"tracefs: {mode} {path}: {exc.strerror}") from None
+        return {}
+
+    BTF_DIR = "/sys/kernel/btf/"
+    #: vmlinux, or a module's name as /sys/kernel/btf lists it (kernel/bpf/btf.c
+    #: btf_module_notify: one file per module, named after it)
+    BTF_NAME = re.compile(r"[A-Za-z0-9_-]+")
+
+    def op_btf(self, session: Session, name: str, offset: int, length: int) -> dict[str, Any]:
+        """A chunk of the kernel's BTF for ``name``, with the whole file's size and
+        sha256 (what a client caches it by).  The file is read afresh at offset 0,
+        and kept for the chunks after it: a module loaded again has new BTF, and a
+        client that sees the digest change mid-way starts again."""
+        if not self.BTF_NAME.fullmatch(name):
+            raise ProtocolError(f"btf: argument 'name' must be vmlinux or a module's name "
+                                f"(letters, digits, _ and -), got {wire.clip(repr(name))}")
+        kept = self._btf.get(name)
+        if offset == 0 or kept is None:
+            kept = self._btf[name] = self._read_btf(name)
+        data, digest = kept
+        if offset > len(data):
+            raise ProtocolError(f"btf: offset {offset} is past the end of {self.BTF_DIR}{name} "
+                                f"({len(data)} bytes)")
+        return {"size": len(data), "sha256": digest,
+                "data": data[offset:offset + length].hex()}
+
+    def _read_btf(self, name: str) -> tuple[bytes, str]:
+        path = self.BTF_DIR + name
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            what = ("the kernel was built without BTF (CONFIG_DEBUG_INFO_BTF)" if name == "vmlinux"
+                    else "no module of that name is loaded, or it has no BTF")
+            raise BTFError(f"btf: no {path}: {what}") from None
+        except OSError as exc:
+            raise BTFError(f"btf: {path}: {exc.strerror}") from None
+        return data, hashlib.sha256(data).hexdigest()
 
     async def op_exec(self, session: Session, cmd: str, timeout: float) -> dict[str, Any]:
         if not self.allow_exec:

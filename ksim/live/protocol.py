@@ -53,6 +53,12 @@ MAX_PATH = 4095              # UTF-8 bytes of a tracefs path (PATH_MAX less its 
 MAX_CMD = (128 << 10) - 1    # UTF-8 bytes of an exec command: one execve argument (MAX_ARG_STRLEN)
 MAX_ALIGN = 4096             # data-heap alignment: the heap itself is only page-aligned
 MAX_EXEC_TIMEOUT = 7 * 86400.0   # seconds
+# Bytes of a /sys/kernel/btf file per btf op: a Debian vmlinux's 4.3 MB in one reply,
+# whose hex (twice the bytes) stays well inside a frame.
+MAX_BTF_CHUNK = 8 << 20
+MAX_BTF_NAME = 64            # UTF-8 bytes of a BTF name: vmlinux or a module's (MODULE_NAME_LEN is 56)
+#: tracefs modes: a file's read (r), write (w) or append (a); a ksim instance's mkdir or rmdir
+TRACEFS_MODES = ("r", "w", "a", "mkdir", "rmdir")
 U64_MAX = (1 << 64) - 1
 
 
@@ -138,8 +144,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
        doc="take a kept splice over: it is this client's from now on (undone when it leaves)"),
     Op("remove_kept", {"name": text(1, MAX_KEEP_NAME)},
        doc="undo a kept splice now: its text restored, routes cleared, blocks freed"),
-    Op("tracefs", {"file": text(1, MAX_PATH), "mode": text(1, 1), "data": text()},
-       doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization"),
+    Op("tracefs", {"file": text(1, MAX_PATH), "mode": text(1, 5), "data": text()},
+       doc="read (mode r), write (w) or append (a) a tracefs file or kprobes-optimization; "
+           "mkdir or rmdir a ksim trace instance (/sys/kernel/tracing/instances/ksim-NAME)"),
+    Op("btf", {"name": text(1, MAX_BTF_NAME), "offset": U64, "length": integer(0, MAX_BTF_CHUNK)},
+       doc="a chunk of /sys/kernel/btf/NAME (vmlinux or a module), with the file's size "
+           "and sha256 (length 0: size and digest only)"),
     Op("exec", {"cmd": text(1, MAX_CMD), "timeout": Arg("number", 1e-3, MAX_EXEC_TIMEOUT)},
        doc="run a shell command (--allow-exec only)"),
     Op("bye", {}, doc="close the session (cleanup as on disconnect)"),
@@ -153,7 +163,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "keep": {"keep": True, "name": ""},
     "exec": {"timeout": 60.0},
     "tracefs": {"mode": "r", "data": ""},
+    "btf": {"offset": 0, "length": 0},
 }
+
+# a chunk of BTF as hex, with its reply's other fields, fits a frame
+assert 2 * MAX_BTF_CHUNK + 4096 < MAX_FRAME
 
 
 def encode(message: dict[str, Any]) -> bytes:

@@ -147,6 +147,14 @@ class Target(Protocol):
         signature is loose only because each target names its own options.)"""
         ...
 
+    def btf(self, name: str = "vmlinux") -> bytes:
+        """The kernel's BTF as it keeps it, raw (``ksim.btf.kernel_btf`` parses it and
+        keeps the result per target): ``vmlinux``'s, or module ``name``'s split BTF
+        on top of it.  An emulated kernel's comes from its image's ``.BTF``
+        section, a live kernel's from ``/sys/kernel/btf/<name>``.  BTFError when the
+        kernel has none for ``name``."""
+        ...
+
     def oracle_counter(self, address: int) -> OracleCounter:
         """An independent count of executions of ``address`` that does not use
         splicing (unicorn: an exact address hook; QEMU: gdbstub breakpoints or the

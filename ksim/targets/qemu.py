@@ -70,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 
 from ksim import poke
 from ksim.arch import get_arch
+from ksim.btf.sources import image_btf
 from ksim.core import HeldInterrupt, check_callback, check_count, check_flag, check_seconds
 from ksim.errors import (
     BadRunValue,
@@ -499,6 +500,10 @@ class QemuTarget:
             counter = counters.get(machine.gdb.read_pc())
             if counter is not None:
                 counter._count += 1
+
+    def btf(self, name: str = "vmlinux") -> bytes:
+        """The image's BTF (its .BTF section): a kernel without modules."""
+        return image_btf(self.image, name)
 
     def oracle_counter(self, address: int) -> _BreakpointCounter:
         counter = _BreakpointCounter(self, address)

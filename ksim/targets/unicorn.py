@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ksim import images, poke
 from ksim.arch import get_arch
+from ksim.btf.sources import image_btf
 from ksim.errors import EmulationError, TargetError, TargetFault
 from ksim.image.elf import load_image
 from ksim.images.abi import toy_abi
@@ -191,6 +192,10 @@ class UnicornTarget:
                                   timeout=timeout, slices=slices)
         return RunResult(checksum=result.checksum, instructions=result.instructions,
                          output=result.serial, seconds=time.perf_counter() - start)
+
+    def btf(self, name: str = "vmlinux") -> bytes:
+        """The image's BTF (its .BTF section): a kernel without modules."""
+        return image_btf(self.image, name)
 
     def oracle_counter(self, address: int) -> _HookCounter:
         counter = _HookCounter(0, lambda: None)
