@@ -116,9 +116,10 @@ def _compiler_version(compiler: str) -> str:
 
 def source_hash(name: str) -> str:
     """Hash of the image's sources (paths and contents), its make arguments and the
-    compiler's version."""
+    versions of the compiler and of pahole (which writes the image's BTF)."""
     spec = get(name)
     h = hashlib.sha256(_compiler_version(spec.compiler).encode())
+    h.update(_compiler_version("pahole").encode() + b"\0")
     if spec.make_args:  # the x86 image's hash stays what it was
         h.update(" ".join(spec.make_args).encode() + b"\0")
     for p in _sources(spec):
