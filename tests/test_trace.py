@@ -251,9 +251,9 @@ def test_printf_prints_comm(toy_path):
 
 
 @pytest.mark.parametrize("program, message", [
-    ('kprobe:vfs_read { @ = comm + 1; }', "comm can only be compared"),
-    ('kprobe:vfs_read /comm < "a"/ { @ = count(); }', "comm can only be compared"),
-    ('kprobe:vfs_read { $x = comm; }', "comm is not supported outside a map key"),
+    ('kprobe:vfs_read { @ = comm + 1; }', "a value of type comm is not an integer here"),
+    ('kprobe:vfs_read /comm < "a"/ { @ = count(); }', "a value of type comm is not an integer"),
+    ('kprobe:vfs_read { $x = comm; $x = 1; }', "Type mismatch for $x"),
     ('kprobe:vfs_read { printf("%d\\n", comm); }', "%d specifier expects a value of type integer"),
     ('kprobe:vfs_read { @[comm] = count(); @[pid] = count(); }', "Argument mismatch for @"),
 ])

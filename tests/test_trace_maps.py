@@ -252,7 +252,7 @@ def test_every_function_of_a_large_kernel_gets_its_record_in_a_few_requests(toy_
 
 
 @pytest.mark.parametrize("program, message", [
-    ("config = { stack_mode = raw }\nBEGIN { }", "config setting stack_mode is not supported"),
+    ("config = { max_strlen = 0 }\nBEGIN { }", "max_strlen must be an integer from 1"),
     ("config = { nope = 1 }\nBEGIN { }", "Unrecognized config variable: nope"),
     ("config = { max_map_keys = 0 }\nBEGIN { }", "max_map_keys must be an integer from 1"),
     ("BEGIN { }\nconfig = { max_map_keys = 5 }", "a config block must come first"),

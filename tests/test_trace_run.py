@@ -171,13 +171,11 @@ def test_stats_are_printed_only_when_asked(capsys, toy_path):
 
 
 @pytest.mark.parametrize("program, message, where", [
-    ("tracepoint:syscalls:sys_enter_read { @ = count(); }",
-     "tracepoint probes are not supported (only kprobe, kretprobe, interval, BEGIN and END)",
-     "stdin:1:1-35"),
-    ("kprobe:vfs_read { $p = (struct path *)arg0; @ = $p; }",
-     "casts are not supported: (struct path *)", "stdin:1:24-39"),
-    ("kprobe:vfs_read /(uint32)arg2 > 5/ { @ = count(); }",
-     "casts are not supported: (uint32)", "stdin:1:18-26"),
+    ("uprobe:/bin/sh:main { @ = count(); }",
+     "uprobe probes are not supported: they instrument user space", "stdin:1:1-8"),
+    ("kprobe:vfs_read { @[kstack] = count(); }", "builtin kstack is not supported",
+     "stdin:1:21-27"),
+    ("kprobe:vfs_read { @ = join(arg1); }", "function join() is not supported", "stdin:1:23-27"),
 ])
 def test_unsupported_constructs_are_named_and_placed(capsys, toy_path, program, message, where):
     assert main(["trace", "-e", program]) == 2

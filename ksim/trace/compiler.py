@@ -990,7 +990,7 @@ class ProbeCompiler:
                 ct = m[2]
             return Val(UINT64, ast.Const(bits // 8))
         if isinstance(e, t.Tuple):
-            raise TraceUnsupported("a tuple is only supported as a map key or value", e.loc)
+            raise TraceUnsupported("tuples are not supported here (only as map keys)", e.loc)
         if isinstance(e, t.Call):
             return self.function(e)
         raise TraceSemanticError("this expression has no value", e.loc)

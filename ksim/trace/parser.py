@@ -428,8 +428,9 @@ class Parser:
             raise TraceSyntaxError(f"invalid attach point {text!r}: expecting PROVIDER:FUNCTION, "
                                    "BEGIN or END", loc)
         if provider in USER_PROVIDERS:
-            raise TraceUnsupported(f"{USER_PROVIDERS[provider]} probes instrument user space, "
-                                   "which ksim does not: it splices the kernel's code", loc)
+            raise TraceUnsupported(f"{USER_PROVIDERS[provider]} probes are not supported: they "
+                                   "instrument user space, and ksim splices the kernel's code",
+                                   loc)
         if provider in OTHER_PROVIDERS:
             raise TraceUnsupported(f"{OTHER_PROVIDERS[provider]} probes are not supported "
                                    "(kprobe, kretprobe, kfunc, kretfunc, tracepoint, "
