@@ -684,7 +684,8 @@ class ProbeCompiler:
         if isinstance(value, t.Call) and value.name in AGGREGATIONS and op == "=":
             if value.args:
                 arg = self.leaf(self.expr(value.args[0]), code)
-        elif kind is not None and width(kind) > 1:
+        elif kind is not None and (width(kind) > 1 or kind in ("comm", "inet")
+                                   or kind.startswith("str:")):
             words = [self.leaf(w, code) for w in self.kind_words(value, kind)]
         else:
             arg = self.leaf(self.kind_words(value, kind or "int")[0], code)

@@ -838,7 +838,7 @@ class Interpreter:
         if slot is None:       # no record left: lost, as the kernel's updates are
             table.count_lost()
             return
-        if kind is not None and width(kind) > 1 and op == "=":
+        if kind is not None and (width(kind) > 1 or is_text(kind)) and op == "=":
             table.put(slot, lay.present, 1)
             for i, w in enumerate(self.words(self.value(value), kind)):
                 table.put(slot, lay.value0 + i, w)

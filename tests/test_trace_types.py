@@ -1,0 +1,124 @@
+"""Kernel data in trace programs, on the toy kernel, each value against an oracle.
+
+The types come from the toy's BTF (pahole -J over its DWARF); the oracle for every
+field is the machine's own registers and memory read at the spliced point by an
+exact-address unicorn hook, at offsets the C compiler itself computes from the
+toy's headers (gcc's offsetof over images/toy/include, not the BTF the trace
+compiler reads)."""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from test_trace import Hooks, run_trace
+
+from ksim.trace.maps import signed
+
+TOY_INCLUDE = Path(__file__).resolve().parent.parent / "images" / "toy" / "include"
+
+
+@pytest.fixture(scope="module")
+def offsets(tmp_path_factory) -> dict[str, int]:
+    """offsetof and sizeof of the toy's structs, as gcc lays them out."""
+    wanted = {"file.f_inode": "offsetof(struct file, f_inode)",
+              "file.f_flags": "offsetof(struct file, f_flags)",
+              "inode.i_ino": "offsetof(struct inode, i_ino)",
+              "inode.name": "offsetof(struct inode, name)",
+              "sizeof.inode": "sizeof(struct inode)",
+              "task.pid": "offsetof(struct task_struct, pid)"}
+    d = tmp_path_factory.mktemp("offsets")
+    src = d / "off.c"
+    body = "".join(f'  printf("{k} %zu\\n", (size_t){v});\n' for k, v in wanted.items())
+    src.write_text('#include "toy.h"\nint printf(const char *, ...);\n'
+                   '#define offsetof(t, m) __builtin_offsetof(t, m)\n'
+                   f"int main(void) {{\n{body}  return 0;\n}}\n")
+    subprocess.run(["gcc", "-std=gnu11", f"-I{TOY_INCLUDE}", "-o", str(d / "off"), str(src)],
+                   check=True)
+    out = subprocess.run([str(d / "off")], check=True, capture_output=True, text=True).stdout
+    return {k: int(v) for k, v in (line.split() for line in out.splitlines())}
+
+
+def test_kfunc_args_and_fields_are_the_registers_and_the_memory(toy_path, offsets):
+    """args->NAME is the register of the parameter the BTF prototype names; ->, a
+    nested ->, a char array read as a string: the bytes at gcc's offsets."""
+    def at_entry(m, abi, site):
+        f = m.reg("rdi")
+        inode = m.read_u64(f + offsets["file.f_inode"])
+        flags = int.from_bytes(m.read(f + offsets["file.f_flags"], 4), "little")
+        name = m.read(inode + offsets["inode.name"], 24).split(b"\0")[0].decode()
+        return m.reg("rdx"), flags, m.read_u64(inode + offsets["inode.i_ino"]), name
+
+    hooks = Hooks(entry=at_entry)
+    report = run_trace("kfunc:vfs_read { @count[args->count] = count(); "
+                       "@flags[args->f->f_flags] = count(); "
+                       "@ino[args->f->f_inode->i_ino] = count(); "
+                       "@name[args->f->f_inode->name] = count(); }", hooks, seed=4)
+    seen = hooks.seen["entry"]
+    assert seen and report["maps"]["@count"] == {str(k): v for k, v in
+                                                 Counter(s[0] for s in seen).items()}
+    assert report["maps"]["@flags"] == {str(k): v for k, v in Counter(s[1] for s in seen).items()}
+    assert report["maps"]["@ino"] == {str(k): v for k, v in Counter(s[2] for s in seen).items()}
+    assert report["maps"]["@name"] == dict(Counter(s[3] for s in seen))
+
+
+def test_casts_curtask_and_a_struct_the_program_defines(toy_path, offsets):
+    """(struct file *)arg0 reads what the BTF says; a struct the program defines
+    itself is laid out as C lays it out; curtask is the current task."""
+    def at_entry(m, abi, site):
+        f = m.reg("rdi")
+        task = m.read_u64(abi.current_task.address)
+        return (int.from_bytes(m.read(f + offsets["file.f_flags"], 4), "little"),
+                int.from_bytes(m.read(task + offsets["task.pid"], 4), "little"))
+
+    hooks = Hooks(entry=at_entry)
+    report = run_trace("struct myfile { void *inode; void *ops; long pos; unsigned int count; "
+                       "unsigned int flags; };\n"
+                       "kprobe:vfs_read { @a[((struct file *)arg0)->f_flags] = count(); "
+                       "@b[((struct myfile *)arg0)->flags] = count(); "
+                       "@t[curtask->pid] = count(); @s = sizeof(struct inode); }", hooks, seed=2)
+    seen = hooks.seen["entry"]
+    flags = {str(k): v for k, v in Counter(s[0] for s in seen).items()}
+    assert seen and report["maps"]["@a"] == flags == report["maps"]["@b"]
+    assert report["maps"]["@t"] == {str(k): v for k, v in Counter(s[1] for s in seen).items()}
+    assert report["maps"]["@s"] == offsets["sizeof.inode"]
+
+
+def test_kretfunc_retval_is_typed_by_the_prototype(toy_path):
+    hooks = Hooks(exit=lambda m, abi, site: signed(m.reg("rax")))
+    report = run_trace("kretfunc:vfs_read { @sum = sum(retval); @n = count(); "
+                       "@neg = sum(retval < 0); }", hooks, seed=3)
+    values = hooks.seen["exit"]
+    assert values and report["maps"]["@sum"] == sum(values)
+    assert report["maps"]["@n"] == len(values)
+    assert report["maps"]["@neg"] == sum(1 for v in values if v < 0)
+
+
+def test_strings_as_keys_values_and_printf_arguments(toy_path, offsets):
+    """str() of a kernel pointer, a string literal as a map value set in BEGIN and
+    read by the kernel's probes, strings in printf, comm compared to a literal."""
+    def at_entry(m, abi, site):
+        inode = m.read_u64(m.reg("rdi") + offsets["file.f_inode"])
+        return m.read(inode + offsets["inode.name"], 24).split(b"\0")[0].decode()
+
+    hooks = Hooks(entry=at_entry)
+    program = ('BEGIN { @label[1] = "reads"; } '
+               'kprobe:vfs_read { $n = str(((struct file *)arg0)->f_inode->name); '
+               '@[$n, @label[1]] = count(); printf("%s|%-6s|\\n", $n, @label[1]); '
+               'if (comm == "nosuchtask") { @never = count(); } }')
+    report = run_trace(program, hooks, seed=5)
+    names = hooks.seen["entry"]
+    assert names and report["maps"]["@"] == {f"{n},reads": c for n, c in Counter(names).items()}
+    assert report["printf"] == [f"{n}|reads |\n" for n in names]
+    assert "@never" not in report["maps"] or report["maps"]["@never"] == 0
+
+
+def test_the_preprocessor_takes_the_btf_branch_and_its_defines(toy_path):
+    hooks = Hooks(entry=lambda m, abi, site: m.reg("rdx"))
+    program = ("#ifndef BPFTRACE_HAVE_BTF\n#include <linux/fs.h>\n#define BIG 1\n#else\n"
+               "#define BIG (64 * 2)\n#endif\n"
+               "kprobe:vfs_read /arg2 >= BIG/ { @big = count(); }")
+    report = run_trace(program, hooks, seed=6)
+    assert report["maps"].get("@big", 0) == sum(1 for v in hooks.seen["entry"] if v >= 128)
