@@ -123,7 +123,7 @@ class TraceSession:
         self.stop: ast.Var | None = None
         #: the kernel's clock at the first hit (elapsed)
         self.start: ast.Var | None = None
-        self.attached: dict[int, Attached] = {}
+        self.attached: dict[tuple[int, Any], Attached] = {}
         self.handles: list[Any] = []
         #: everything the program printed, in order
         self.printed: list[Output] = []
@@ -450,7 +450,8 @@ class TraceSession:
                     self.skipped[ap.text] = str(exc)
                     continue
                 for point, site in found:
-                    at = self.attached.setdefault(point.address, Attached(point, site))
+                    at = self.attached.setdefault((point.address, point.kind),
+                                                  Attached(point, site))
                     if at.site.kind != site.kind:
                         raise TraceSemanticError(
                             f"{ap.text}: {point.address:#x} is both a {at.site.kind} and a "
@@ -516,7 +517,7 @@ class TraceSession:
         return out
 
     def snippet(self, point: Any) -> ast.Node:
-        at = self.attached[point.address]
+        at = self.attached[(point.address, point.kind)]
         parts = []
         for probe in at.probes:
             compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
@@ -550,11 +551,23 @@ class TraceSession:
             self.resolve()
             self.allocate()
             points = [a.point for a in self.attached.values()]
-            snippets = {a.point.address: self.snippet(a.point) for a in self.attached.values()}
+            snippets = {(a.point.address, a.point.kind): self.snippet(a.point)
+                        for a in self.attached.values()}
             if self._events:
                 self.tracepoints.enable(self._events)
-            self.handles = self.m.insert_many(points, lambda p: snippets[p.address],
-                                              splice=self.splice)
+            # a batch names each address once: an entry and an exit point at one
+            # address (a return hooked at the entry) go in batches of their own
+            batches: list[list[Any]] = []
+            for p in points:
+                for batch in batches:
+                    if all(q.address != p.address for q in batch):
+                        batch.append(p)
+                        break
+                else:
+                    batches.append([p])
+            for batch in batches:
+                self.handles += self.m.insert_many(batch, lambda p: snippets[(p.address, p.kind)],
+                                                   splice=self.splice)
         except BaseException:
             self._release()
             raise
