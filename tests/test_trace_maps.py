@@ -232,7 +232,8 @@ def test_every_function_of_a_large_kernel_gets_its_record_in_a_few_requests(toy_
         session = TraceSession(m, parse("kprobe:vfs_* { @[func] = count(); }"))
         probe = session.program.probes[0]
         for i in range(35_000):
-            session.attached[i] = Attached(None, Site("entry", f"f{i}", "kprobe:vfs_*"), [probe])
+            session.attached[(i, None)] = Attached(None, Site("entry", f"f{i}", "kprobe:vfs_*"),
+                                                   [probe])
         calls = Counter()
         for op in ("copy_to_kernel", "copy_from_kernel", "alloc_data"):
             real = getattr(m, op)
@@ -245,7 +246,7 @@ def test_every_function_of_a_large_kernel_gets_its_record_in_a_few_requests(toy_
         assert calls["copy_to_kernel"] == 1 and calls["copy_from_kernel"] == 0
         assert took < 10
         record = session.placed["@"][(session.name_index("f34999"),)]
-        node = session.snippet(type("P", (), {"address": 34_999})())
+        node = session.snippet(type("P", (), {"address": 34_999, "kind": None})())
         targets = [n for n in ast.walk(node) if isinstance(n, ast.AtomicAssign)]
         assert [t.target.address for t in targets] == [lay.records + 8 * (record * lay.stride + 2)]
         assert session.table("@").entries() == {}

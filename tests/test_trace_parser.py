@@ -151,7 +151,7 @@ def test_constructs_outside_the_subset_are_refused_by_name(source, construct):
     ("kprobe:f { @x = (struct nosuch *)arg0; }", "Unknown struct/union: 'struct nosuch'"),
     ("kprobe:f { @x = arg0->next; }", "cannot access field 'next' of a value of type uint64"),
     ("kprobe:f { $s = 1; @x = $s.a; }", "cannot access field 'a'"),
-    ("kprobe:f { @x = *arg0 + (uint8)arg1; }", "cannot dereference a value of type uint64"),
+    ("kprobe:f { @x = *(uint8)arg1; }", "cannot dereference a value of type uint8"),
     ("struct S { int a; }; kprobe:f { @x = ((struct S *)arg0)->b; }",
      "struct S has no field named b (it has: a)"),
     ("kprobe:f { @x[1] = 1; @y = @x[comm]; }", "Argument mismatch for @x"),

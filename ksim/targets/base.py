@@ -59,6 +59,9 @@ class Capabilities:
     #: no request (a larger request gets an area of its own)
     code_chunk: int = 64 << 10
     data_chunk: int = 4 << 10
+    #: the kernel's release (``uname -r``) where it is a distribution's kernel: its
+    #: headers package is found by it (``#include`` in trace programs); "" unknown
+    release: str = ""
 
 
 class Target(Protocol):

@@ -59,7 +59,7 @@ AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "
                 "stats": 1}
 STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero"}
 #: functions with a value, in the subset
-FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "cgroupid"}
+FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime"}
 OTHER_FUNCTIONS = {"join", "buf", "usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
@@ -165,7 +165,7 @@ def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
         if conv == "s" and kind == "int":
             raise TraceSemanticError("printf: %s specifier expects a value of type string "
                                      "(integer supplied)", arg.loc)
-        if conv != "s" and kind not in ("int",):
+        if conv != "s" and kind != "int":
             raise TraceSemanticError(f"printf: %{conv} specifier expects a value of type integer "
                                      f"({_kind_text(kind)} supplied)", arg.loc)
     if key_words(kinds) > MAX_ARGS:
@@ -173,6 +173,15 @@ def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
                                "takes one per 8 bytes) is not supported", call.loc)
     if (fmt, kinds) not in a.formats:
         a.formats.append((fmt, kinds))
+
+
+#: a printf format that stands for time(FORMAT): the client prints the time the
+#: event is drained at, as strftime formats it
+TIME_FORMAT = "\0time\0"
+
+
+def _time_format(call: t.Call) -> str:
+    return call.args[0].value if call.args and isinstance(call.args[0], t.Str) else "%H:%M:%S\n"
 
 
 def _kind_text(kind: str) -> str:
@@ -187,6 +196,9 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
     if call.name == "time":
         if len(call.args) > 1 or (call.args and not isinstance(call.args[0], t.Str)):
             raise TraceSemanticError("time() takes one format string, or none", call.loc)
+        fmt = (TIME_FORMAT + _time_format(call), ())
+        if fmt not in a.formats:
+            a.formats.append(fmt)
         return
     if call.name == "exit":
         if len(call.args) > 1:
@@ -207,9 +219,13 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
         ref = t.MapRef(call.args[0].loc, call.args[0].name, tuple(keys))
         _check_statement_call(a, t.Call(call.loc, "delete", (ref,), call.name_loc), typer)
         return
+    if call.name == "print" and 2 <= len(call.args) <= 3 and isinstance(call.args[0], t.MapRef):
+        for x in call.args[1:]:
+            if not isinstance(x, t.Int):
+                raise TraceSemanticError("print(@map, top, div): top and div are integer "
+                                         "literals", x.loc)
+        call = t.Call(call.loc, call.name, call.args[:1], call.name_loc)
     if len(call.args) != 1 or not isinstance(call.args[0], t.MapRef):
-        if call.name == "print" and len(call.args) > 1:
-            raise TraceUnsupported("print() with top or div arguments is not supported", call.loc)
         raise TraceSemanticError(f"{call.name}() expects a map argument", call.loc)
     ref = call.args[0]
     if call.name in ("print", "clear", "zero") and ref.keys:
@@ -302,6 +318,9 @@ def _check_expr(a: Analysis, e: t.Expr, *, allow_aggregation: bool = False, key:
         if e.value >= 1 << 64:
             raise TraceSemanticError("integer literal does not fit 64 bits", e.loc)
     elif isinstance(e, t.Builtin):
+        if e.name not in BUILTINS and e.name not in OTHER_BUILTINS \
+                and a.types.enumerator(e.name) is not None:
+            return          # an enum's constant (TCP_ESTABLISHED), from the kernel's BTF
         _check_builtin(e, key)
     elif isinstance(e, t.MapRef):
         for k in e.keys:
@@ -447,7 +466,7 @@ class Val:
     words: list[Any] | None = None
 
     def scalar(self, loc: Loc | None = None) -> Any:
-        if self.type.kind in ("int", "ptr", "name", "kaddr"):
+        if self.type.kind in ("int", "ptr", "name", "kaddr", "tm"):
             return self.node
         raise TraceSemanticError(f"a value of type {self.type.name or self.type.kind} is not an "
                                  "integer here", loc)
@@ -551,7 +570,7 @@ class ProbeCompiler:
                 typer.declare(s.name, self.types.named(s.type, s.loc), s.loc)
         self.var_types = typer.var_types
         for name, ct in self.var_types.items():
-            self.locals.var(name, width(kind_of(ct)) if ct.kind == "str" else 1)
+            self.locals.var(name, width(kind_of(ct)) if ct.kind in ("str", "inet") else 1)
         if any(isinstance(s, t.Return) for s in _stmts(probe.body)):
             self.returned = self.locals.take()
         body = self.block(probe.body)
@@ -602,10 +621,16 @@ class ProbeCompiler:
         ct = self.var_types.get(name, INT64)
         v = self.value(s.value)
         self.defined.add(name)
-        if ct.kind == "str":
+        if ct.kind in ("str", "inet"):
             if s.op != "=":
-                raise TraceSemanticError("a string can only be assigned", s.loc)
-            words = self.text_words(v, ct.size, s.value.loc)
+                raise TraceSemanticError(f"a value of type {ct.name} can only be assigned", s.loc)
+            if ct.kind == "inet":
+                if v.type.kind != "inet" or v.words is None:
+                    raise TraceSemanticError(f"${name} holds an address (ntop), not "
+                                             f"{v.type.name}", s.value.loc)
+                words = v.words
+            else:
+                words = self.text_words(v, ct.size, s.value.loc)
             base = self.locals.var(name).slot
             return ast.Seq(tuple(ast.Local(base + i).assign(w) for i, w in enumerate(words)))
         value = v.scalar(s.value.loc)
@@ -632,8 +657,14 @@ class ProbeCompiler:
         if self.typing:
             return ast.Seq(())
         if call.name == "time":
-            raise TraceUnsupported("time() in a kprobe action is not supported (use it in "
-                                   "BEGIN, END or interval)", call.loc)
+            if self.typing:
+                return ast.Seq(())
+            assert self.ring is not None
+            mark = self.locals.mark()
+            fmt = (TIME_FORMAT + _time_format(call), ())
+            code = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
+            self.locals.release(mark)
+            return code
         if call.name == "print":
             raise TraceUnsupported("print() in a kprobe action is not supported (print maps in "
                                    "END, or let them print at exit)", call.loc)
@@ -940,7 +971,7 @@ class ProbeCompiler:
                 raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
             ct = self.var_types[e.name]
             var = self.locals.var(e.name)
-            if ct.kind == "str":
+            if ct.kind in ("str", "inet"):
                 return Val(ct, words=[ast.Local(var.slot + i) for i in range(width(kind_of(ct)))])
             return Val(ct, var)
         if isinstance(e, t.MapRef):
@@ -972,6 +1003,9 @@ class ProbeCompiler:
             return self.index(e)
         if isinstance(e, t.Deref):
             base = self.value(e.operand)
+            if base.type.kind == "int" and base.type.size == 8:
+                # an address held as an integer (kaddr("avenrun")): a u64 there
+                return self.at(UINT64, base.node, e.loc)
             if base.type.kind != "ptr":
                 raise TraceSemanticError(f"cannot dereference a value of type "
                                          f"{base.type.name or base.type.kind}", e.loc)
@@ -1153,6 +1187,11 @@ class ProbeCompiler:
 
     def builtin(self, e: t.Builtin) -> Val:
         name, kind = e.name, self.site.kind
+        if name not in BUILTINS and name not in OTHER_BUILTINS:
+            value = self.types.enumerator(name)
+            if value is None:
+                raise TraceSemanticError(f"Unknown identifier: '{name}'", e.loc)
+            return Val(INT64, ast.Const(value & MASK))
         if name == "comm":
             return Val(COMM, words=[ast.Comm(i) for i in range(COMM_WORDS)])
         if name in ("func", "probe"):
@@ -1291,6 +1330,12 @@ class ProbeCompiler:
                 mask = ast.Const((1 << (8 * keep)) - 1 if keep < 8 else MASK)
                 same = ast.land(same, (p & mask) == (q & mask))
             return Val(INT64, ast.lnot(same))
+        if name == "strftime":
+            if len(e.args) != 2 or not isinstance(e.args[0], t.Str):
+                raise TraceSemanticError("strftime() takes a format string and a time in ns",
+                                         e.loc)
+            return Val(CType("tm", 8, name="timestamp", extra={"format": e.args[0].value}),
+                       self.expr(e.args[1]))
         if name == "bswap":
             v = self.value(e.args[0])
             x = v.scalar(e.loc)
@@ -1388,7 +1433,7 @@ class ProbeCompiler:
         elif have.kind == "str" and ct.kind == "str":
             if ct.size > have.size:
                 self.var_types[name] = ct
-        elif (have.kind == "str") != (ct.kind == "str"):
+        elif (have.kind == "str") != (ct.kind == "str") or (have.kind == "inet") != (ct.kind == "inet"):
             raise TraceSemanticError(f"Type mismatch for ${name}: trying to assign value of type "
                                      f"'{ct.name}' when variable already contains a value of type "
                                      f"'{have.name}'", loc)
@@ -1436,6 +1481,8 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return "name"
     if ct.kind == "kaddr":
         return "kaddr"
+    if ct.kind == "tm":
+        return "tm:" + ct.extra["format"]
     if ct.kind == "inet":
         return "inet"
     if ct.kind in ("int", "ptr"):

@@ -18,6 +18,7 @@ published, formats them, and stores the new ``tail`` for the producers to see.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ from ksim.snippets import ast
 
 from .maps import MASK, WORD, decode, key_words, signed, width
 
+#: a format standing for time(FORMAT) (as ksim.trace.compiler writes it)
+TIME_FORMAT = "\0time\0"
 RECORDS = 1024
 #: argument words of a record when the program's formats need no more
 MIN_ARGS = 7
@@ -159,7 +162,10 @@ class Drain:
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published
             fmt, kinds = ring.formats[rec[1]]
-            out.append(render(fmt, rec[2:2 + key_words(kinds)], self.names, kinds))
+            if fmt.startswith(TIME_FORMAT):      # time(): when the client sees it
+                out.append(time.strftime(fmt[len(TIME_FORMAT):]))
+            else:
+                out.append(render(fmt, rec[2:2 + key_words(kinds)], self.names, kinds))
             self.tail += 1
         self._write(ring.header + WORD, self.tail.to_bytes(WORD, "little"))
         return out

@@ -139,6 +139,11 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return symbol_text(part[0])
     if kind == "inet":
         return inet_text(part)
+    if kind.startswith("tm:"):
+        # strftime(): the time the client reads it at (events are read as they come)
+        import time
+
+        return time.strftime(kind[3:])
     return signed(part[0])
 
 

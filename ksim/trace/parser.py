@@ -868,7 +868,7 @@ def parse(source: str, filename: str = "stdin", params: tuple[str, ...] = (),
         program = Parser(text, filename, macros, params).program()
     except TraceError as exc:
         raise exc.located(source, filename) from None
-    return dataclasses.replace(program, source=source)
+    return dataclasses.replace(program, source=source, params=params)
 
 
 __all__ = ["Lexer", "Parser", "parse"]

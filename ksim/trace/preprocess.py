@@ -234,6 +234,23 @@ def _harvest(header: str, dirs: tuple[Path, ...], macros: Macros, seen: set[Path
                 macros.defined[dm.group(1)] = value
 
 
+def release_include_dirs(release: str) -> tuple[Path, ...]:
+    """The include directories of the headers package of kernel ``release`` on this
+    machine (Debian's ``linux-headers-RELEASE`` and its ``-common`` half), or none."""
+    if not release or "/" in release:
+        return ()
+    roots = [Path("/usr/src") / f"linux-headers-{release}", Path("/lib/modules") / release / "build"]
+    base, _, _flavour = release.rpartition("-")
+    if base:
+        roots.append(Path("/usr/src") / f"linux-headers-{base}-common")
+    out: list[Path] = []
+    for root in roots:
+        for d in kernel_include_dirs(root):
+            if d.resolve() not in (x.resolve() for x in out):
+                out.append(d)
+    return tuple(out)
+
+
 def kernel_include_dirs(root: Path) -> tuple[Path, ...]:
     """The include directories of a kernel headers tree (``linux-headers-*``)."""
     names = ("arch/x86/include", "arch/x86/include/generated", "include", "arch/x86/include/uapi",
@@ -241,4 +258,5 @@ def kernel_include_dirs(root: Path) -> tuple[Path, ...]:
     return tuple(root / n for n in names if (root / n).is_dir())
 
 
-__all__ = ["Macros", "PREDEFINED", "constant", "kernel_include_dirs", "preprocess"]
+__all__ = ["Macros", "PREDEFINED", "constant", "kernel_include_dirs", "preprocess",
+           "release_include_dirs"]

@@ -88,6 +88,17 @@ class TraceSession:
     def __init__(self, manager: Any, program: t.Program, *, splice: str = "auto",
                  pid: int | None = None, max_map_keys: int | None = None) -> None:
         self.m = manager
+        if program.includes:
+            # the headers' #define constants, from the running kernel's headers package
+            from .parser import parse
+            from .preprocess import release_include_dirs
+
+            dirs = release_include_dirs(manager.target.capabilities.release)
+            if dirs:
+                try:
+                    program = parse(program.source, program.filename, program.params, dirs)
+                except TraceError as exc:
+                    raise exc.located(program.source, program.filename) from None
         #: only this process's hits run the probes' actions (None: every process's)
         self.pid = pid
         self.program = program
@@ -573,6 +584,21 @@ class TraceSession:
             raise
         self.timings["attach_s"] = time.perf_counter() - start
 
+    def free(self) -> None:
+        """Give the maps, the event ring and the flags back to the kernel's heap (after
+        the maps were read: a session's output is made before)."""
+        for lay in self.layouts.values():
+            self.m.free(lay.base)
+        self.layouts.clear()
+        if self.ring is not None:
+            self.m.free(self.ring.header)
+            self.m.free(self.ring.base)
+            self.ring = None
+        for var in (self.stop, self.start):
+            if var is not None:
+                self.m.free(var)
+        self.stop = self.start = None
+
     def _release(self) -> None:
         """What attaching set up besides splices: enabled events, samplers' words."""
         if self.tracepoints is not None:
@@ -680,12 +706,20 @@ class TraceSession:
                     raise exc.located(self.program.source, self.program.filename) from None
 
     # --- reading maps ----------------------------------------------------------------------------
-    def print_map(self, name: str) -> None:
+    def print_map(self, name: str, top: int = 0, div: int = 1) -> None:
+        """Print a map; ``top``: only its ``top`` largest entries; ``div``: its values
+        divided by ``div`` (print(@m, top, div))."""
         lay = self.layouts[name]
         if lay.type.kind is None:
             return
         entries = self.table(name).entries()
         printer = MapPrinter(lay)
+        if top > 0:
+            entries = dict(printer.sorted(entries)[-top:])
+        if div > 1 and not printer.hist and lay.type.kind in ("int", "count", "sum", "min",
+                                                               "max", "avg"):
+            entries = {k: [signed(w) // div & MASK for w in v] if lay.type.kind not in
+                       ("min", "max", "avg") else v for k, v in entries.items()}
         text = printer.text(entries)
         if text:  # "hist" or "map", as bpftrace's JSON output names them
             self.emit("hist" if printer.hist else "map", text + "\n", {name: printer.json(entries)})
@@ -803,7 +837,8 @@ class Interpreter:
         assert isinstance(first, t.MapRef)
         ref = first
         if e.name == "print":
-            self.s.print_map(ref.name)
+            extra = [self.expr(x) for x in e.args[1:3]]
+            self.s.print_map(ref.name, *extra)
         elif e.name == "clear":
             self.s.table(ref.name).clear()
         else:

@@ -223,6 +223,8 @@ class Program:
     records: tuple[tuple[str, str, tuple[tuple[str, str, int | None], ...], Loc], ...] = ()
     #: the headers the program includes
     includes: tuple[str, ...] = ()
+    #: the values of its positional parameters ($1, ...)
+    params: tuple[str, ...] = ()
 
 
 __all__ = [
