@@ -306,7 +306,7 @@ def test_time_in_a_kprobe_action_prints_once_per_hit(toy_path):
     """time() in a kernel probe's action is an event: the client prints the time it
     reads it at, once per hit (the hook's count)."""
     hooks = Hooks(entry=lambda m, abi, site: 1)
-    report = run_trace('kprobe:vfs_llseek { time("%Y|"); printf("x\n"); }', hooks, seed=2)
+    report = run_trace('kprobe:vfs_llseek { time("%Y|"); printf("x\\n"); }', hooks, seed=2)
     hits = len(hooks.seen["entry"])
     assert hits and len(report["printf"]) == 2 * hits
     assert all(len(x) == 5 and x.endswith("|") and x[:4].isdigit() for x in report["printf"][::2])

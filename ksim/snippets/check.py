@@ -169,9 +169,14 @@ def _compare_exchange(node: ast.CompareExchange, kind: str) -> None:
         raise NotAssignable(f"compare-exchange on {what}: only an absolute Var or an Elem")
 
 
+#: the most scratch slots a Frame has (8 bytes each, on the kernel's stack)
+MAX_FRAME_SLOTS = 128
+
+
 def _frame(node: ast.Frame, kind: str) -> None:
-    if isinstance(node.slots, bool) or not isinstance(node.slots, int) or not 0 <= node.slots <= 64:
-        raise BadOperand(f"Frame slots {node.slots!r} is not a count from 0 to 64")
+    if isinstance(node.slots, bool) or not isinstance(node.slots, int) \
+            or not 0 <= node.slots <= MAX_FRAME_SLOTS:
+        raise BadOperand(f"Frame slots {node.slots!r} is not a count from 0 to {MAX_FRAME_SLOTS}")
 
 
 def _local(node: ast.Local, kind: str) -> None:

@@ -49,6 +49,7 @@ from .types import INT64, UINT64, CType, TypeSystem, integer, pointer, string
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
+            "ppid",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
@@ -57,16 +58,20 @@ OTHER_BUILTINS = {"kstack", "ustack", "username", "ctx", "cpid", "numaid",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
                 "stats": 1}
-STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero"}
+STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join"}
 #: functions with a value, in the subset
 FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime"}
-OTHER_FUNCTIONS = {"join", "buf", "usym", "uaddr",
+OTHER_FUNCTIONS = {"buf", "usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
                    "skboutput", "pton", "strcontains", "len", "unwatch",
                    "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats"} - FUNCTIONS
 #: bpftrace's default max_strlen: the bytes str() reads
 DEFAULT_STRLEN = 64
+#: the most scratch slots of one action (8 bytes each, on the kernel's stack)
+MAX_SLOTS = 128
+#: join(): the strings it reads, and the bytes of each
+JOIN_ARGS, JOIN_STRLEN = 8, 64
 BINOPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "%": "mod", "&": "and", "|": "or",
           "^": "xor", "<<": "shl", ">>": "sar"}
 COMPARES = {"==": "eq", "!=": "ne", "<": "lt", "<=": "le", ">": "gt", ">=": "ge"}
@@ -180,6 +185,14 @@ def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
 TIME_FORMAT = "\0time\0"
 
 
+#: a printf format that stands for join(ARRAY, DELIMITER)
+JOIN_FORMAT = "\0join\0"
+
+
+def _join_delimiter(call: t.Call) -> str:
+    return call.args[1].value if len(call.args) == 2 and isinstance(call.args[1], t.Str) else " "
+
+
 def _time_format(call: t.Call) -> str:
     return call.args[0].value if call.args and isinstance(call.args[0], t.Str) else "%H:%M:%S\n"
 
@@ -192,6 +205,17 @@ def _kind_text(kind: str) -> str:
 def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
     if call.name == "printf":
         _check_printf(a, call, typer)
+        return
+    if call.name == "join":
+        if not 1 <= len(call.args) <= 2 or (len(call.args) == 2
+                                             and not isinstance(call.args[1], t.Str)):
+            raise TraceSemanticError("join() takes an array of strings and an optional "
+                                     "delimiter string", call.loc)
+        _check_expr(a, call.args[0])
+        typer.value(call.args[0]).scalar(call.args[0].loc)
+        fmt = (JOIN_FORMAT + _join_delimiter(call), (f"str:{JOIN_STRLEN}",) * JOIN_ARGS)
+        if fmt not in a.formats:
+            a.formats.append(fmt)
         return
     if call.name == "time":
         if len(call.args) > 1 or (call.args and not isinstance(call.args[0], t.Str)):
@@ -366,8 +390,10 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
         if e.args:
             _check_expr(a, e.args[0])
         return
-    if name in STATEMENTS:
+    if name in STATEMENTS and name != "delete":
         raise TraceSemanticError(f"{name}() should not be used in an expression", loc)
+    if name == "delete":
+        return      # delete()'s value (newer bpftrace): checked as the statement it also is
     if name in FUNCTIONS:
         for x in e.args:
             if not (name == "has_key" and isinstance(x, t.MapRef)):
@@ -491,8 +517,9 @@ class Locals:
         slot = self.used
         self.used += 1
         self.high = max(self.high, self.used)
-        if self.high > 64:
-            raise TraceUnsupported("the action needs more than 64 scratch slots")
+        if self.high > MAX_SLOTS:
+            raise TraceUnsupported(f"the action needs more than {MAX_SLOTS} scratch slots "
+                                   f"({MAX_SLOTS * 8} bytes of the kernel's stack)")
         return ast.Local(slot)
 
     def var(self, name: str, n: int = 1) -> ast.Local:
@@ -656,15 +683,31 @@ class ProbeCompiler:
                                               call.name_loc))
         if self.typing:
             return ast.Seq(())
+        if call.name == "join":
+            if self.typing:
+                return ast.Seq(())
+            assert self.ring is not None
+            mark = self.locals.mark()
+            code: list[ast.Node] = []
+            array = self.leaf(self.expr(call.args[0]), code)
+            words: list[ast.Node] = []
+            for i in range(JOIN_ARGS):
+                p = self.leaf(ast.load(array + 8 * i, 8, user=True), code)
+                words += [self.leaf(w, code) for w in
+                          self.read_string(p, JOIN_STRLEN, JOIN_STRLEN // 8, user=True)]
+            fmt = (JOIN_FORMAT + _join_delimiter(call), (f"str:{JOIN_STRLEN}",) * JOIN_ARGS)
+            code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), words))
+            self.locals.release(mark)
+            return ast.Seq(tuple(code))
         if call.name == "time":
             if self.typing:
                 return ast.Seq(())
             assert self.ring is not None
             mark = self.locals.mark()
             fmt = (TIME_FORMAT + _time_format(call), ())
-            code = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
+            event = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
             self.locals.release(mark)
-            return code
+            return event
         if call.name == "print":
             raise TraceUnsupported("print() in a kprobe action is not supported (print maps in "
                                    "END, or let them print at exit)", call.loc)
@@ -1158,12 +1201,12 @@ class ProbeCompiler:
         (None: decided by the address's half of the address space)."""
         if self.typing:
             return [ast.Const(0)] * n
-        p, done = self.locals.take(), self.locals.take()
+        p, done, z = self.locals.take(), self.locals.take(), self.locals.take()
         out: list[ast.Node] = []
         code: list[ast.Node] = [p.assign(address), done.assign(0)]
         ones, highs = ast.Const(0x0101010101010101), ast.Const(0x8080808080808080)
         for i in range(n):
-            w, z = self.locals.take(), self.locals.take()
+            w = self.locals.take()
             keep = min(8, limit - 8 * i)
             if keep <= 0:
                 out.append(ast.Const(0))
@@ -1208,6 +1251,10 @@ class ProbeCompiler:
                 raise TraceSemanticError("args is only available in kfunc, kretfunc and "
                                          "tracepoint probes", e.loc)
             return Val(CType("args", 0, name="args", extra={"args": self.site.args}), ast.Const(0))
+        if name == "ppid":
+            current = self.builtin(t.Builtin(e.loc, "curtask"))
+            parent = self.field(current, "real_parent", e.loc)
+            return Val(integer(4, False), self.field(parent, "tgid", e.loc).node)
         if name in ("uid", "gid"):
             cred = self.field(self.builtin(t.Builtin(e.loc, "curtask")), "cred", e.loc)
             ids = self.field(cred, name, e.loc)
@@ -1262,6 +1309,9 @@ class ProbeCompiler:
 
     def function(self, e: t.Call) -> Val:
         name = e.name
+        if name == "delete":
+            # delete() as a value (newer bpftrace): the deletion, then 0
+            return Val(INT64, ast.Seq((self.statement_call(e), ast.Const(0))))
         if name == "str":
             if not 1 <= len(e.args) <= 2:
                 raise TraceSemanticError("str() takes a pointer and an optional length", e.loc)

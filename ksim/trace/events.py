@@ -29,6 +29,8 @@ from .maps import MASK, WORD, decode, key_words, signed, width
 
 #: a format standing for time(FORMAT) (as ksim.trace.compiler writes it)
 TIME_FORMAT = "\0time\0"
+#: one standing for join(ARRAY, DELIMITER)
+JOIN_FORMAT = "\0join\0"
 RECORDS = 1024
 #: argument words of a record when the program's formats need no more
 MIN_ARGS = 7
@@ -164,6 +166,11 @@ class Drain:
             fmt, kinds = ring.formats[rec[1]]
             if fmt.startswith(TIME_FORMAT):      # time(): when the client sees it
                 out.append(time.strftime(fmt[len(TIME_FORMAT):]))
+            elif fmt.startswith(JOIN_FORMAT):    # join(): the strings up to the first empty
+                parts = render("%s\0" * len(kinds), rec[2:2 + key_words(kinds)], self.names,
+                               kinds).split("\0")
+                shown = parts[:parts.index("")] if "" in parts else parts
+                out.append(fmt[len(JOIN_FORMAT):].join(shown) + "\n")
             else:
                 out.append(render(fmt, rec[2:2 + key_words(kinds)], self.names, kinds))
             self.tail += 1

@@ -251,6 +251,16 @@ def release_include_dirs(release: str) -> tuple[Path, ...]:
     return tuple(out)
 
 
+def system_include_dirs() -> tuple[Path, ...]:
+    """This machine's C headers (``<sys/socket.h>``: AF_INET is Linux's stable ABI)."""
+    import sysconfig
+
+    multiarch = sysconfig.get_config_var("MULTIARCH") or ""
+    names = ["/usr/local/include", *([f"/usr/include/{multiarch}"] if multiarch else []),
+             "/usr/include"]
+    return tuple(Path(n) for n in names if Path(n).is_dir())
+
+
 def kernel_include_dirs(root: Path) -> tuple[Path, ...]:
     """The include directories of a kernel headers tree (``linux-headers-*``)."""
     names = ("arch/x86/include", "arch/x86/include/generated", "include", "arch/x86/include/uapi",
@@ -259,4 +269,4 @@ def kernel_include_dirs(root: Path) -> tuple[Path, ...]:
 
 
 __all__ = ["Macros", "PREDEFINED", "constant", "kernel_include_dirs", "preprocess",
-           "release_include_dirs"]
+           "release_include_dirs", "system_include_dirs"]

@@ -91,9 +91,10 @@ class TraceSession:
         if program.includes:
             # the headers' #define constants, from the running kernel's headers package
             from .parser import parse
-            from .preprocess import release_include_dirs
+            from .preprocess import release_include_dirs, system_include_dirs
 
-            dirs = release_include_dirs(manager.target.capabilities.release)
+            dirs = release_include_dirs(manager.target.capabilities.release) + \
+                system_include_dirs()
             if dirs:
                 try:
                     program = parse(program.source, program.filename, program.params, dirs)
