@@ -476,6 +476,8 @@ class Site:
     #: a condition this point's hits must meet to be the probe's (a tracepoint's
     #: event among the class's)
     guard: Any = None
+    #: the function argument arg0 is (a raw tracepoint's iterator: 1, past its data)
+    arg_base: int = 0
 
 
 #: where BEGIN, END and interval actions are typed
@@ -1296,7 +1298,11 @@ class ProbeCompiler:
             if kind != "entry":
                 raise TraceSemanticError(f"The {name} builtin can only be used at a function's "
                                          "entry (kprobe:FUNCTION)", e.loc)
-            return Val(UINT64, ast.Arg(int(name[3:])))
+            n = int(name[3:]) + self.site.arg_base
+            if n > 5:
+                raise TraceSemanticError(f"{name} is not in a register here (the first six "
+                                         "arguments are)", e.loc)
+            return Val(UINT64, ast.Arg(n))
         if name == "retval":
             if kind == "client" and self.typing:
                 return Val(INT64, ast.Const(0))

@@ -197,6 +197,8 @@ class TraceSession:
             return self._func_sites(ap, first)
         if ap.provider == "tracepoint":
             return self._tracepoint_sites(ap, first)
+        if ap.provider == "rawtracepoint":
+            return self._raw_tracepoint_sites(ap, first)
         raise TraceUnsupported(f"{ap.provider} probes are not supported yet", ap.loc)
 
     def _func_site(self, ap: t.AttachPoint, name: str) -> Site | None:
@@ -283,6 +285,44 @@ class TraceSession:
                 return [(None, site)]
             self._events.append(ev)
             out += [(p, site) for p in tp.points]
+        return out
+
+    def _raw_tracepoint_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
+        """rawtracepoint:NAME: the entry of the tracepoint's iterator, __traceiter_NAME
+        (it calls every probe registered on the tracepoint, with the tracepoint's own
+        arguments after the probe's data: arg0 is the first of them).  It runs only
+        while some probe is registered, so the event of that name is enabled too."""
+        from .tracepoints import Tracepoints
+
+        image = self.m.target.image
+        prefix = "__traceiter_"
+        names = sorted({f.name[len(prefix):] for f in image.functions
+                        if f.name.startswith(prefix)
+                        and fnmatch.fnmatchcase(f.name[len(prefix):], ap.func)})
+        if not names:
+            raise TraceSemanticError(f"{ap.text}: no tracepoint matches (no {prefix}{ap.func})",
+                                     ap.loc)
+        out: list[tuple[Any, Site]] = []
+        for name in names[:1] if first else names:
+            probe_name = f"rawtracepoint:{name}"
+            proto = self.types.func(prefix + name)
+            args = () if proto is None else tuple(
+                (pname, ct, ast.Arg(i + 1)) for i, (pname, ct) in enumerate(proto[0][1:6]))
+            site = Site("entry", name, probe_name, args=args, arg_base=1)
+            if first:
+                return [(None, site)]
+            if self.tracepoints is None:
+                self.tracepoints = Tracepoints(self.m)
+            try:
+                events = self.tracepoints.events("*", name)
+                point = self.m.entry_point(prefix + name)
+            except KsimError as exc:
+                if not ap.wildcard:
+                    raise
+                self.skipped[probe_name] = str(exc)
+                continue
+            self._events.append(events[0])
+            out.append((point, site))
         return out
 
     def _profile_sites(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
@@ -486,7 +526,7 @@ class TraceSession:
         if ap.provider == "profile":
             return self._profile_sites(ap)
         if ap.provider == "rawtracepoint":
-            raise TraceUnsupported("rawtracepoint probes are not supported yet", ap.loc)
+            return self._typed_sites(ap)
         if ap.provider == "kprobe":
             what = ap.func if ap.offset is None else f"{ap.func}+{ap.offset:#x}"
             points, skipped = resolve_points(self.m, what, self.splice)
