@@ -1077,8 +1077,10 @@ class ProbeCompiler:
 
     def binary(self, e: t.Binary) -> Val:
         left, right = self.value(e.left), self.value(e.right)
-        if e.op in ("==", "!=") and (left.words is not None or right.words is not None):
-            if left.words is None or right.words is None or left.type.kind != right.type.kind:
+        texts = [v.words is not None and v.type.kind == "str" or v.type.is_string_like
+                 if v.type.kind in ("str", "array") else False for v in (left, right)]
+        if e.op in ("==", "!=") and any(texts):
+            if not all(texts):
                 raise TraceSemanticError("a string can only be compared with a string", e.loc)
             size = max(left.type.size, right.type.size)
             a, b = self.text_words(left, size, e.loc), self.text_words(right, size, e.loc)

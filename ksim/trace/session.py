@@ -288,41 +288,34 @@ class TraceSession:
         return out
 
     def _raw_tracepoint_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
-        """rawtracepoint:NAME: the entry of the tracepoint's iterator, __traceiter_NAME
-        (it calls every probe registered on the tracepoint, with the tracepoint's own
-        arguments after the probe's data: arg0 is the first of them).  It runs only
-        while some probe is registered, so the event of that name is enabled too."""
+        """rawtracepoint:NAME: the entry of the class function of the event the
+        tracepoint feeds (ksim.trace.tracepoints.Tracepoints.raw_site), arg0.. the
+        tracepoint's own arguments, typed by the class function's BTF prototype."""
         from .tracepoints import Tracepoints
 
-        image = self.m.target.image
-        prefix = "__traceiter_"
-        names = sorted({f.name[len(prefix):] for f in image.functions
-                        if f.name.startswith(prefix)
-                        and fnmatch.fnmatchcase(f.name[len(prefix):], ap.func)})
-        if not names:
-            raise TraceSemanticError(f"{ap.text}: no tracepoint matches (no {prefix}{ap.func})",
-                                     ap.loc)
+        if self.tracepoints is None:
+            self.tracepoints = Tracepoints(self.m)
+        names = sorted({e.name for e in self.tracepoints.events("*", ap.func)
+                        if e.category != "syscalls"}) if ap.wildcard else [ap.func]
         out: list[tuple[Any, Site]] = []
         for name in names[:1] if first else names:
             probe_name = f"rawtracepoint:{name}"
-            proto = self.types.func(prefix + name)
-            args = () if proto is None else tuple(
-                (pname, ct, ast.Arg(i + 1)) for i, (pname, ct) in enumerate(proto[0][1:6]))
-            site = Site("entry", name, probe_name, args=args, arg_base=1)
-            if first:
-                return [(None, site)]
-            if self.tracepoints is None:
-                self.tracepoints = Tracepoints(self.m)
             try:
-                events = self.tracepoints.events("*", name)
-                point = self.m.entry_point(prefix + name)
+                tp = self.tracepoints.raw_site(name)
             except KsimError as exc:
                 if not ap.wildcard:
                     raise
                 self.skipped[probe_name] = str(exc)
                 continue
-            self._events.append(events[0])
-            out.append((point, site))
+            fn = self.m.target.image.function_at(tp.points[0].address)
+            proto = self.types.func(fn.name) if fn is not None else None
+            args = () if proto is None else tuple(
+                (pname, ct, ast.Arg(i + 1)) for i, (pname, ct) in enumerate(proto[0][1:6]))
+            site = Site("entry", name, probe_name, args=args, guard=tp.guard, arg_base=1)
+            if first:
+                return [(None, site)]
+            self._events.append(tp.event)
+            out += [(p, site) for p in tp.points]
         return out
 
     def _profile_sites(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
@@ -495,7 +488,9 @@ class TraceSession:
                     found = self._points(ap)
                 except KsimError as exc:
                     if isinstance(exc, TraceError):
-                        raise
+                        if exc.loc is None:     # a provider's error: at its attach point
+                            exc.loc = ap.loc
+                        raise exc.located(self.program.source, self.program.filename) from None
                     # as bpftrace: an attach point that names nothing is skipped, and
                     # is an error only when no probe of the program attaches
                     failed.append(TraceSemanticError(str(exc), ap.loc))

@@ -207,7 +207,7 @@ class TypeSystem:
         if kind == "int":
             return integer(t.size, bool(t.signed), t.name)
         if kind == "enum" or kind == "enum64":
-            return integer(t.size, bool(getattr(t, "signed", False)), f"enum {t.name}")
+            return integer(t.size, bool(t.signed), f"enum {t.name}")
         if kind == "float":
             return CType("int", t.size, True, t.name, origin="float")
         if kind == "ptr":
