@@ -596,3 +596,26 @@ def test_call_target_rip_relative_is_an_absolute_load():
                                  abi=ABI, point_kind="callsite", call_operand=ARCH.call_operand(insn))
     m.run(code, CODE, random_regs(random.Random(1), STACK_TOP))
     assert m.u64(DATA + 0x70) == 0x5151
+
+
+def test_a_local_address_is_a_buffer_of_the_frame_s_slots():
+    """LocalAddress(s + n - 1) is the start of the n slots from s as one buffer,
+    each slot 8 bytes above the next: a callee given it reads the slots' values
+    in order (here the callee sums the six words it is pointed at)."""
+    words = [0x11, 0x2200, 0x330000, 0x44 << 24, 0x55 << 32, 0x66 << 40]
+    body = [ast.Local(i).assign(w) for i, w in enumerate(words)]
+    # the buffer's k-th word is slot 5 - k
+    args = [load(ast.LocalAddress(5) + 8 * k) for k in range(6)]
+    snippet = ast.Frame(7, seq(*body, Var(DATA + 0x40).assign(
+        call(CALLEE, *args)), Var(DATA + 0x48).assign(load(ast.LocalAddress(0)))))
+    before = random_regs(random.Random(3), STACK_TOP)
+    m = machine()
+    code = ARCH.compile_snippets([snippet], CODE, live=ALL_LIVE, abi=None, point_kind="entry")
+    m.write(DATA + 0x40, bytes(16))
+    m.run(code, CODE, before)
+    def u64(address: int) -> int:
+        return int.from_bytes(m.read(address, 8), "little")
+
+    recorded = [u64(DATA + 0x800 + 8 * k) for k in range(6)]
+    assert recorded == list(reversed(words)) and u64(DATA + 0x40) == sum(words)
+    assert u64(DATA + 0x48) == words[0]

@@ -22,6 +22,7 @@ from ksim.snippets.ast import (
     If,
     Load,
     Local,
+    LocalAddress,
     LogicalAnd,
     LogicalNot,
     LogicalOr,
@@ -66,7 +67,7 @@ from ksim.snippets.verify import Rules, verify
 __all__ = [
     "Arg", "Assign", "AtomicAssign", "BinOp", "Call", "CallTarget", "Compare", "CompareExchange", "Const", "Comm", "Cpu",
     "Elem", "Frame", "Guard",
-    "Guarded", "If", "Load", "Local", "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "CurrentTask", "Pid", "Reg", "Tgid",
+    "Guarded", "If", "Load", "Local", "LocalAddress", "LogicalAnd", "LogicalNot", "LogicalOr", "Node", "POINT_KINDS", "CurrentTask", "Pid", "Reg", "Tgid",
     "RetVal", "Rules", "Seq", "Snippet", "Tsc", "Unary", "Var", "arg", "call", "call_target", "check", "compare_exchange",
     "cpu", "elem", "frame",
     "if_", "land", "lnot", "load", "local", "lor", "lshr", "pid", "reg", "retval", "same", "seq", "tsc", "uge", "ugt",

@@ -338,6 +338,16 @@ class Local(Node):
 
 
 @dataclass(frozen=True, eq=False, slots=True)
+class LocalAddress(Node):
+    """The address of scratch variable ``slot`` of the enclosing Frame.  Slots lie
+    downward in memory: slot ``s + k`` is ``8 * k`` bytes below slot ``s``, so the
+    ``n`` slots from ``s`` are one buffer of ``8 * n`` bytes at the address of slot
+    ``s + n - 1`` (what a called function may fill: a kernel's stack unwinder)."""
+
+    slot: int
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class Elem(Node):
     """Element ``index`` of a table of ``count`` integers of ``size`` bytes at
     ``base``: the integer at ``base + size * min(index, count - 1)``, the index

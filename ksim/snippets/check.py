@@ -179,7 +179,7 @@ def _frame(node: ast.Frame, kind: str) -> None:
         raise BadOperand(f"Frame slots {node.slots!r} is not a count from 0 to {MAX_FRAME_SLOTS}")
 
 
-def _local(node: ast.Local, kind: str) -> None:
+def _local(node: ast.Local | ast.LocalAddress, kind: str) -> None:
     if isinstance(node.slot, bool) or not isinstance(node.slot, int) or node.slot < 0:
         raise BadOperand(f"Local({node.slot!r}) is not a slot number")
 
@@ -190,7 +190,7 @@ def _check_frames(node: Any, frame: ast.Frame | None) -> None:
         if frame is not None:
             raise SlotError("a Frame inside a Frame: a snippet has one set of scratch variables")
         frame = node
-    elif isinstance(node, ast.Local):
+    elif isinstance(node, ast.Local | ast.LocalAddress):
         if frame is None:
             raise SlotError(f"Local({node.slot}) outside any Frame")
         if node.slot >= frame.slots:
@@ -279,6 +279,7 @@ _RULES: dict[type, Callable[[Any, str], None]] = {
     ast.CompareExchange: _compare_exchange,
     ast.Frame: _frame,
     ast.Local: _local,
+    ast.LocalAddress: _local,
 }
 
 #: rules that need more of the point than its kind
@@ -292,5 +293,5 @@ _KNOWN: frozenset[type] = frozenset({
     ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
     ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Seq, ast.Call, ast.Tsc, ast.Pid,
     ast.Tgid, ast.CurrentTask, ast.Comm, ast.Cpu, ast.Arg, ast.RetVal, ast.Load, ast.Reg, ast.CallTarget, ast.Guarded,
-    ast.Elem, ast.CompareExchange, ast.Frame, ast.Local,
+    ast.Elem, ast.CompareExchange, ast.Frame, ast.Local, ast.LocalAddress,
 })

@@ -118,6 +118,11 @@ class Emitter(ABC):
         """acc = the temporary pushed when depth was ``index``."""
 
     @abstractmethod
+    def temp_address(self, index: int) -> None:
+        """acc = the address of the temporary pushed when depth was ``index`` (the
+        temporaries pushed after it lie below it, each one word lower)."""
+
+    @abstractmethod
     def drop(self) -> None:
         """Discard the top temporary (depth -= 1); acc and the flags unchanged."""
 
@@ -439,6 +444,9 @@ class Codegen:
     def _local(self, n: ast.Local) -> None:
         self.e.load_temp(self._local_temp(n))
 
+    def _local_address(self, n: ast.LocalAddress) -> None:
+        self.e.temp_address(self._local_temp(ast.Local(n.slot)))
+
     def _elem_address(self, n: ast.Elem) -> None:
         self.gen(n.index)
         self.e.element(n.base, n.count, n.size)
@@ -618,6 +626,7 @@ _GEN: dict[type, Callable[[Codegen, Any], None]] = {
     ast.Pid: Codegen._pid,
     ast.Tgid: Codegen._tgid,
     ast.CurrentTask: Codegen._current_task,
+    ast.LocalAddress: Codegen._local_address,
     ast.Comm: Codegen._comm,
     ast.Cpu: Codegen._cpu,
     ast.Arg: Codegen._arg,

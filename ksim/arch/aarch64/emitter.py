@@ -265,6 +265,9 @@ class AArch64Emitter(Emitter):
     def load_temp(self, index: int) -> None:
         self.w.put_ldr(ACC, "sp", self._temp(index))
 
+    def temp_address(self, index: int) -> None:
+        self.w.put_add_imm(ACC, "sp", self._temp(index))
+
     def drop(self) -> None:
         if self.depth == 0:
             raise CodegenError("temporary stack underflow")

@@ -224,6 +224,9 @@ class X86Emitter(Emitter):
     def load_temp(self, index: int) -> None:
         self.w.put_mov_reg_mem(ACC, Mem(base="rsp", disp=8 * (self.depth - 1 - index)))
 
+    def temp_address(self, index: int) -> None:
+        self.w.put_lea(ACC, Mem(base="rsp", disp=8 * (self.depth - 1 - index)))
+
     def drop(self) -> None:
         self._pop(LEFT)                          # pop rcx: one byte, flags untouched
 
