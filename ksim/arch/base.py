@@ -163,6 +163,22 @@ class CallConvention:
         return frozenset(self.arg_regs) | {self.stack_reg}
 
 
+@dataclass(frozen=True)
+class SyscallABI:
+    """How the kernel hands a system call to its handler on an architecture, as
+    data (what ``tracepoint:syscalls:*`` reads, ksim.trace.tracepoints).
+
+    The handler of system call ``NAME`` is the wrapper ``wrapper_prefix + NAME``
+    (``SYSCALL_DEFINEn`` makes it), called with one argument, the ``const struct
+    pt_regs *`` of the call; the call's argument ``i`` is the 8 bytes at
+    ``arg_offsets[i]`` in that ``struct pt_regs``, as the architecture's
+    ``syscall_get_arguments()`` reads them.
+    """
+
+    wrapper_prefix: str
+    arg_offsets: tuple[int, ...]
+
+
 # --- bulk decoding: the scans an architecture may offer analyses of a whole kernel --------
 #: (address, size, flow, direct target) per instruction: control flow without the
 #: cost of register effects
@@ -438,6 +454,8 @@ class Arch(Protocol):
     module_loader: ModuleLoader | None
     #: the register file as QEMU's gdbstub lays it out
     gdb: GdbRegisters
+    #: how a system call reaches its handler (the wrappers' names, pt_regs' layout)
+    syscalls: SyscallABI
 
     @property
     def emulation(self) -> Emulation:

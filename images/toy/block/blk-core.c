@@ -4,6 +4,7 @@
  * moved, which is what per-device instrumentation of submit_bio should find.
  */
 #include <toy.h>
+#include <trace_events.h>
 
 static u8 brd_storage[NR_BLKDEV][BLKDEV_SECTORS << SECTOR_SHIFT];
 struct block_device blkdevs[NR_BLKDEV];
@@ -28,6 +29,7 @@ noinline void bio_put(struct bio *bio)
 
 noinline void bio_endio(struct bio *bio)
 {
+	trace_block_rq_complete(bio, bio->bi_status, bio->bi_size);
 	bios_completed++;
 	if (bio->bi_status)
 		bio_errors++;
@@ -81,6 +83,7 @@ static noinline void submit_bio_noacct(struct bio *bio)
 	if (!bio_check_eod(bdev, bio) || (bio->bi_size & 511))
 		goto fail;
 	blk_account_io_start(bdev, bio);
+	trace_block_rq_issue(bio);
 	bdev->submit(bio);
 	return;
 fail:
@@ -90,6 +93,7 @@ fail:
 
 noinline void submit_bio(struct bio *bio)
 {
+	trace_block_rq_insert(bio);
 	bios_submitted++;
 	bio_sectors_total += bio->bi_size >> SECTOR_SHIFT;
 	submit_bio_noacct(bio);

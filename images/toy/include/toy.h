@@ -264,6 +264,8 @@ struct rq {
 	u64 clock;
 	struct task_struct *curr;
 	struct task_struct *idle;
+	u64 nr_waking;		/* wake_up_process() calls (sched_waking events) */
+	u64 nr_wakeups;		/* tasks they woke (sched_wakeup events) */
 };
 
 extern struct task_struct *current_task;
@@ -309,10 +311,31 @@ void account_process_tick(struct task_struct *p, int user_tick);
 u64 timer_checksum(u64 h);
 
 /* ---- syscalls ------------------------------------------------------- */
+#ifdef __aarch64__
+/*
+ * Linux arm64's layout (arch/arm64/include/asm/ptrace.h): x0..x30, sp, pc,
+ * pstate, orig_x0, syscallno.  The shared code's x86 names alias the registers
+ * that play their part: di, si, dx, r10, r8, r9 are the arguments x0..x5, ax
+ * the syscall number x8 (the handler's result goes back through ax as on x86).
+ */
+struct pt_regs {
+	union {
+		u64 regs[31];
+		struct {
+			u64 di, si, dx, r10, r8, r9, x6, x7, ax;
+		};
+	};
+	u64 sp, pc, pstate;
+	u64 orig_ax;		/* Linux: orig_x0 */
+	s32 syscallno;
+	u32 unused2;
+};
+#else
 struct pt_regs {
 	u64 r15, r14, r13, r12, bp, bx, r11, r10, r9, r8, ax, cx, dx, si, di;
 	u64 orig_ax, ip, cs, flags, sp, ss;
 };
+#endif
 typedef long (*sys_call_ptr_t)(const struct pt_regs *);
 #define NR_syscalls 24
 extern const sys_call_ptr_t sys_call_table[NR_syscalls];

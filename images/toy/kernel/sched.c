@@ -5,6 +5,7 @@
  * task and runs only when nothing else can.
  */
 #include <toy.h>
+#include <trace_events.h>
 
 _Static_assert(offsetof(struct task_struct, thread.sp) == TASK_threadsp,
 	       "__switch_to_asm relies on thread.sp being at TASK_threadsp");
@@ -66,6 +67,8 @@ static noinline u64 min_vruntime(struct rq *rq)
 
 noinline void wake_up_process(struct task_struct *p)
 {
+	runqueue.nr_waking++;
+	trace_sched_waking(p);
 	if (p->state == TASK_RUNNING && p->run_list.next != &p->run_list)
 		return;
 	p->state = TASK_RUNNING;
@@ -73,6 +76,8 @@ noinline void wake_up_process(struct task_struct *p)
 	if (runqueue.nr_running)
 		p->vruntime = max(p->vruntime, min_vruntime(&runqueue));
 	enqueue_task(&runqueue, p);
+	runqueue.nr_wakeups++;
+	trace_sched_wakeup(p);
 }
 
 static noinline void update_curr(struct rq *rq)
@@ -120,6 +125,7 @@ noinline void schedule_tail(struct task_struct *prev)
 static noinline void context_switch(struct rq *rq, struct task_struct *prev,
 				    struct task_struct *next)
 {
+	trace_sched_switch(prev->need_resched != 0, prev, next, (unsigned int)prev->state);
 	rq->curr = next;
 	rq->nr_switches++;
 	/* Interrupts stay off while the stack is being switched (back on below,

@@ -47,7 +47,7 @@ from ksim.arch.base import (
 from ksim.errors import RelocationError
 
 from . import pcrel, regs
-from .convention import LINUX
+from .convention import LINUX, SYSCALLS
 
 if TYPE_CHECKING:
     from ksim.core import KernelABI
@@ -142,6 +142,7 @@ class AArch64:
     #: relocatable arm64 modules are not loaded (ksim.image.elf refuses them)
     module_loader: ModuleLoader | None = None
     gdb = GdbRegisters("aarch64", regs.GDB_REGS)
+    syscalls = SYSCALLS
 
     @property
     def emulation(self) -> Emulation:

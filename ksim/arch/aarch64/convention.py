@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from ksim.arch.base import CallConvention
+from ksim.arch.base import CallConvention, SyscallABI
 
 from .regs import ALL_REGS, ARG_REGS
 
@@ -48,3 +48,12 @@ LINUX = CallConvention(
     # the return address: a tail call's callee returns through it
     link_reg="x30",
 )
+
+#: System calls: SYSCALL_DEFINEn makes ``__arm64_sys_NAME(const struct pt_regs *regs)``
+#: (arch/arm64/include/asm/syscall_wrapper.h), and the arguments are x0..x5, the
+#: first six of ``u64 regs[31]`` at the start of struct pt_regs
+#: (arch/arm64/include/asm/ptrace.h).  syscall_get_arguments() takes the first from
+#: orig_x0, which el0_svc_common() copies from regs[0] before the call; regs[0] holds
+#: it until invoke_syscall() stores the result there, after the wrapper returns, so
+#: at the wrapper's entry both are the argument.
+SYSCALLS = SyscallABI(wrapper_prefix="__arm64_sys_", arg_offsets=(0, 8, 16, 24, 32, 40))

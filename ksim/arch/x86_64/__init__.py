@@ -26,7 +26,7 @@ from ksim.arch.base import (
 from ksim.errors import OutOfRange, RelocationError
 
 from . import regs
-from .convention import LINUX
+from .convention import LINUX, SYSCALLS
 from .writer import INT8, INT32, fits
 
 if TYPE_CHECKING:
@@ -93,6 +93,7 @@ class X86_64:
     component_toolchain: ComponentToolchain | None = TOOLCHAIN
     module_loader: ModuleLoader | None = MODULE_LOADER
     gdb = GdbRegisters("i386", regs.GDB_REGS)
+    syscalls = SYSCALLS
 
     @property
     def emulation(self) -> Emulation:

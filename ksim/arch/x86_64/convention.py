@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from ksim.arch.base import CallConvention
+from ksim.arch.base import CallConvention, SyscallABI
 
 from .regs import ALL_REGS
 
@@ -43,3 +43,12 @@ LINUX = CallConvention(
     return_thunk=re.compile(r"^(__x86_return_thunk|srso_return_thunk|retbleed_return_thunk"
                             r"|srso_alias_return_thunk|__ret)$"),
 )
+
+#: System calls: SYSCALL_DEFINEn makes ``__x64_sys_NAME(const struct pt_regs *regs)``
+#: (arch/x86/include/asm/syscall_wrapper.h), and the arguments are di, si, dx, r10,
+#: r8, r9 (syscall_get_arguments, arch/x86/include/asm/syscall.h) at their offsets
+#: in struct pt_regs (arch/x86/include/asm/ptrace.h: r15 r14 r13 r12 bp bx r11 r10 r9
+#: r8 ax cx dx si di, 8 bytes each).  Linux 6.1's trace_event_raw_event_sys_enter
+#: reads them at 0x70, 0x68, 0x60, 0x38, 0x48, 0x40.
+SYSCALLS = SyscallABI(wrapper_prefix="__x64_sys_",
+                      arg_offsets=(0x70, 0x68, 0x60, 0x38, 0x48, 0x40))
