@@ -90,3 +90,42 @@ def test_join_prints_an_argv_from_user_memory(testbed) -> None:
                          '"/bin/echo"/ { join(args->argv); }', testbed["address"],
                          while_cmd="/bin/echo ksim one two >/dev/null")
     assert "/bin/echo ksim one two\n" in report["printf"], report["printf"]
+
+
+def test_kstack_is_the_chain_of_calls_that_reached_the_probe(testbed) -> None:
+    """kstack at do_sys_openat2, over the workload's own opens: every stack starts in
+    the probed function, and each further frame is a return address just after a
+    call instruction -- a direct call to the frame before it, or an indirect one
+    (the kernel's text, decoded here, is the oracle).  A function that reached the
+    next by a tail call (a jump) has no frame of its own: the call then targets it,
+    and it jumps to the frame before."""
+    from ksim.kapi import Manager
+
+    work = program("ksimkdata", WORKLOAD)
+    report, _ = trace('kprobe:do_sys_openat2 /comm == "ksimkdata"/ { @[kstack] = count(); '
+                      '@n = count(); }', testbed["address"], while_cmd=str(work))
+    stacks = report["maps"]["@"]
+    assert sum(stacks.values()) == report["maps"]["@n"] >= OPENS
+    with Manager.attach(testbed["address"]) as m:
+        image = m.target.image
+        for text in stacks:
+            frames = [line.strip() for line in text.strip().splitlines()]
+            assert len(frames) >= 3 and frames[0].startswith("do_sys_openat2+"), text
+            for callee, caller in zip(frames, frames[1:]):
+                name, _, off = caller.rpartition("+")
+                fn = image.function(name)
+                ret = fn.address + int(off)
+                # decoded from the function's start: instruction boundaries are known
+                code = m.copy_from_kernel(fn.address, int(off))
+                calls = [i for i in m.arch.decode(code, fn.address)
+                         if i.address + i.size == ret and i.flow.name == "CALL"]
+                assert calls, f"{caller} follows no call ({text})"
+                target = calls[0].target
+                if target is None:
+                    continue
+                called = image.function_at(target)
+                wanted = image.function(callee.rpartition("+")[0])
+                if called.address != wanted.address:
+                    jumps = {i.target for i in m.arch.decode(image.code(called), called.address)
+                             if i.flow.name == "JMP"}
+                    assert wanted.address in jumps, f"{called.name} reaches no {wanted.name}"

@@ -111,7 +111,7 @@ def test_syntax_errors_name_line_and_columns(source, head):
     ("macro m() { 1 } kprobe:f { }", "macros"),
     ("#define M(x) x\nkprobe:f { }", "function-like macros"),
     ("kprobe:f { @x = &arg0; }", "taking an address"),
-    ("kprobe:f { @[kstack] = count(); }", "builtin kstack"),
+    ("kprobe:f { @[ustack] = count(); }", "builtin ustack"),
     ("kprobe:f { printf(\"%f\\n\", 1); }", "printf conversion '%f\\n'"),
     ("kprobe:f { @x = hist(arg0, 2); }", "hist() with a precision argument"),
     ("kprobe:f { @x = buf(arg0, 4); }", "function buf()"),

@@ -164,6 +164,22 @@ class CallConvention:
 
 
 @dataclass(frozen=True)
+class StackABI:
+    """How the kernel's own unwinder is started from a point, as data (what a trace
+    program's ``kstack`` asks of it, ksim.trace.compiler).
+
+    ``save`` is the kernel function that unwinds from a ``struct pt_regs`` into a
+    buffer (Linux's ``stack_trace_save_regs(regs, store, size, skipnr)``, returning
+    the frames stored); ``registers`` names the ``struct pt_regs`` members the
+    unwinder reads (BTF member paths, ``regs.29`` for an array's element) and what
+    each holds at the point: "point" its address, or a register's value there.
+    """
+
+    save: str
+    registers: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
 class SyscallABI:
     """How the kernel hands a system call to its handler on an architecture, as
     data (what ``tracepoint:syscalls:*`` reads, ksim.trace.tracepoints).
@@ -456,6 +472,8 @@ class Arch(Protocol):
     gdb: GdbRegisters
     #: how a system call reaches its handler (the wrappers' names, pt_regs' layout)
     syscalls: SyscallABI
+    #: how the kernel's unwinder starts from a point (kstack)
+    stack: StackABI
 
     @property
     def emulation(self) -> Emulation:

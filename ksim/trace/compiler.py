@@ -39,8 +39,8 @@ from .maps import (
     SIGN,
     MapLayout,
     MapType,
+    hash_into,
     hash_keys,
-    hash_tree,
     key_words,
     start_slot,
     width,
@@ -49,18 +49,21 @@ from .types import INT64, UINT64, CType, TypeSystem, integer, pointer, string
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
-            "ppid",
+            "ppid", "kstack",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"kstack", "ustack", "username", "ctx", "cpid", "numaid",
+OTHER_BUILTINS = {"ustack", "username", "ctx", "cpid", "numaid",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
                 "stats": 1}
 STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join"}
 #: functions with a value, in the subset
-FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime"}
+FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack"}
+#: kstack's frames when the program does not say (kstack(N)); its modes
+KSTACK_DEPTH = 32
+STACK_MODES = ("bpftrace", "perf", "raw")
 OTHER_FUNCTIONS = {"buf", "usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
@@ -396,6 +399,8 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
         return      # delete()'s value (newer bpftrace): checked as the statement it also is
     if name in FUNCTIONS:
         for x in e.args:
+            if name == "kstack" and isinstance(x, t.Builtin) and x.name in STACK_MODES:
+                continue
             if not (name == "has_key" and isinstance(x, t.MapRef)):
                 _check_expr(a, x, key=True)
         return
@@ -478,6 +483,8 @@ class Site:
     guard: Any = None
     #: the function argument arg0 is (a raw tracepoint's iterator: 1, past its data)
     arg_base: int = 0
+    #: the point's address (where kstack starts)
+    address: int = 0
 
 
 #: where BEGIN, END and interval actions are typed
@@ -560,8 +567,10 @@ class ProbeCompiler:
                  placed: Callable[[MapLayout, tuple[int, ...]], tuple[str, int] | None],
                  ring: Any = None, clock: int | None = None, analysis: Analysis | None = None,
                  typing: bool = False, lookup: Callable[[str], int] | None = None,
-                 start: ast.Var | None = None) -> None:
+                 start: ast.Var | None = None, unwinder: Any = None) -> None:
         self.analysis = analysis if analysis is not None else Analysis()
+        #: how kstack asks the kernel to unwind (None: it cannot)
+        self.unwinder = unwinder
         self.types = self.analysis.types
         #: only typing (the analysis's pass): no map is read or written
         self.typing = typing
@@ -864,7 +873,8 @@ class ProbeCompiler:
         i, r, v = self.locals.take(), self.locals.take(), self.locals.take()
         if h is None:
             hi = self.locals.take()
-            code += [hi.assign(hash_tree(keys) & ast.Const(HI)), i.assign(ast.lshr(hi, 64 - lay.bits))]
+            code += [*hash_into(keys, hi), hi.assign(hi & ast.Const(HI)),
+                     i.assign(ast.lshr(hi, 64 - lay.bits))]
         else:
             hi = ast.Const(h & HI)
             code.append(i.assign(start_slot(h, lay)))
@@ -980,7 +990,7 @@ class ProbeCompiler:
         v = self.value(e)
         if kind == "comm" or kind.startswith("str:"):
             return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
-        if kind == "inet":
+        if kind == "inet" or kind.startswith("kstack:"):
             assert v.words is not None
             return v.words
         return [v.scalar(e.loc)]
@@ -1255,6 +1265,8 @@ class ProbeCompiler:
                 raise TraceSemanticError("args is only available in kfunc, kretfunc and "
                                          "tracepoint probes", e.loc)
             return Val(CType("args", 0, name="args", extra={"args": self.site.args}), ast.Const(0))
+        if name == "kstack":
+            return self.kstack(e, "bpftrace", KSTACK_DEPTH)
         if name == "ppid":
             current = self.builtin(t.Builtin(e.loc, "curtask"))
             parent = self.field(current, "real_parent", e.loc)
@@ -1388,6 +1400,17 @@ class ProbeCompiler:
                 mask = ast.Const((1 << (8 * keep)) - 1 if keep < 8 else MASK)
                 same = ast.land(same, (p & mask) == (q & mask))
             return Val(INT64, ast.lnot(same))
+        if name == "kstack":
+            mode, depth = "bpftrace", KSTACK_DEPTH
+            for option in e.args:
+                if isinstance(option, t.Builtin) and option.name in STACK_MODES:
+                    mode = option.name
+                elif isinstance(option, t.Int) and 1 <= option.value <= 127:
+                    depth = option.value
+                else:
+                    raise TraceSemanticError("kstack() takes a mode (bpftrace, perf, raw) and a "
+                                             "depth from 1 to 127", option.loc)
+            return self.kstack(e, mode, depth)
         if name == "strftime":
             if len(e.args) != 2 or not isinstance(e.args[0], t.Str):
                 raise TraceSemanticError("strftime() takes a format string and a time in ns",
@@ -1404,6 +1427,36 @@ class ProbeCompiler:
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
             return Val(integer(size, False), out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
+
+    def kstack(self, e: t.Expr, mode: str, depth: int) -> Val:
+        """The kernel's stack at the point, unwound by the kernel's own unwinder from
+        a struct pt_regs the snippet fills in its Frame (the point's address, its
+        stack and frame pointers): up to ``depth`` return addresses, zeros after."""
+        ct = CType("kstack", 8 * depth, name="kstack", extra={"mode": mode, "depth": depth})
+        if self.typing or self.unwinder is None:
+            if not self.typing:
+                raise TraceUnsupported("kstack is not supported on this kernel (no unwinder "
+                                       "ksim knows, or no struct pt_regs in its BTF)", e.loc)
+            return Val(ct, words=[ast.Const(0)] * depth)
+        uw = self.unwinder
+        regs = [self.locals.take() for _ in range(uw.regs_words)]
+        store = [self.locals.take() for _ in range(depth)]
+        # slot s + k lies 8 * k bytes below slot s: a buffer of n slots from s starts
+        # at slot s + n - 1, its word j being slot s + n - 1 - j
+        def word(slots: list[ast.Local], j: int) -> ast.Local:
+            return slots[len(slots) - 1 - j]
+
+        code: list[ast.Node] = [word(regs, j).assign(0) for j in range(uw.regs_words)]
+        code += [word(store, j).assign(0) for j in range(depth)]
+        for offset, what in uw.fields:
+            value = ast.Const(self.site.address) if what == "point" else ast.Reg(what)
+            code.append(word(regs, offset // 8).assign(value))
+        code.append(ast.Call(uw.save, (ast.LocalAddress(regs[-1].slot),
+                                       ast.LocalAddress(store[-1].slot),
+                                       ast.Const(depth), ast.Const(0))))
+        words: list[ast.Node] = [word(store, j) for j in range(depth)]
+        words[0] = ast.Seq((*code, words[0]))
+        return Val(ct, words=words)
 
     def ntop(self, e: t.Call) -> Val:
         """ntop([family,] address): an IPv4 address (an integer, or 4 bytes) or an
@@ -1448,14 +1501,14 @@ class ProbeCompiler:
         ct = kind_type(kind)
         if self.typing:
             _use_map(self.analysis, ref, self)
-            if ct.kind in ("str", "inet"):
+            if ct.kind in ("str", "inet", "kstack"):
                 return Val(ct, words=[ast.Const(0)] * width(kind or "int"))
             return Val(ct, ast.Const(0))
         lay = self.layouts[ref.name]
         mark = self.locals.mark()
         acc = self.access(ref, claim=False)
         w = lay.word(acc.slot, lay.value0)
-        if ct.kind in ("str", "inet"):
+        if ct.kind in ("str", "inet", "kstack"):
             words = []
             for i in range(width(kind or "int")):
                 word = lay.word(acc.slot, lay.value0 + i)
@@ -1541,6 +1594,8 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return "kaddr"
     if ct.kind == "tm":
         return "tm:" + ct.extra["format"]
+    if ct.kind == "kstack":
+        return f"kstack:{ct.extra['depth']}:{ct.extra['mode']}"
     if ct.kind == "inet":
         return "inet"
     if ct.kind in ("int", "ptr"):
@@ -1561,6 +1616,10 @@ def kind_type(kind: str | None) -> CType:
         return KADDR
     if kind == "inet":
         return INET
+    if kind is not None and kind.startswith("kstack:"):
+        _, depth, mode = kind.split(":")
+        return CType("kstack", 8 * int(depth), name="kstack",
+                     extra={"mode": mode, "depth": int(depth)})
     return INT64
 
 

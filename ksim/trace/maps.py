@@ -96,11 +96,19 @@ def width(kind: str) -> int:
     """Words a value of ``kind`` is held in."""
     if kind.startswith("str:"):
         return -(-int(kind[4:]) // WORD)
+    if kind.startswith("kstack:"):
+        return int(kind.split(":")[1])
     return WIDTH.get(kind, 1)
 
 
 def is_text(kind: str | None) -> bool:
     return kind is not None and (kind in TEXT_KINDS or kind.startswith("str:"))
+
+
+def is_decoded(kind: str | None) -> bool:
+    """Whether a map value of ``kind`` prints as something other than its integer."""
+    return kind is not None and (kind in VALUE_KINDS or is_text(kind)
+                                 or kind.startswith(("kstack:", "tm:")))
 
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
@@ -116,6 +124,20 @@ def symbol_text(address: int) -> str:
     for f in SYMBOLIZE[-1:]:
         return f(address)
     return f"0x{address & MASK:x}"
+
+
+def stack_text(words: Sequence[int], mode: str) -> str:
+    """A kernel stack as bpftrace prints it: a line per frame, "bpftrace" mode
+    ``sym+off`` indented, "perf" mode ``\taddress sym+off``, "raw" mode the
+    addresses."""
+    frames = [w & MASK for w in words]
+    if 0 in frames:
+        frames = frames[:frames.index(0)]
+    if mode == "raw":
+        return "".join(f"\n{f:x}" for f in frames) + "\n"
+    if mode == "perf":
+        return "".join(f"\n\t{f:x} {symbol_text(f)}" for f in frames) + "\n"
+    return "".join(f"\n        {symbol_text(f)}" for f in frames) + "\n"
 
 
 def inet_text(words: Sequence[int]) -> str:
@@ -139,6 +161,8 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return symbol_text(part[0])
     if kind == "inet":
         return inet_text(part)
+    if kind.startswith("kstack:"):
+        return stack_text(part, kind.split(":")[2])
     if kind.startswith("tm:"):
         # strftime(): the time the client reads it at (events are read as they come)
         import time
@@ -385,11 +409,22 @@ def hash_keys(keys: Sequence[int]) -> int:
 
 
 def hash_tree(keys: Sequence[ast.Node]) -> ast.Node:
+    """:func:`hash_keys` as one expression (each step reads the one before twice:
+    for a few keys only)."""
     h: ast.Node = ast.Const(SEED)
     for k in keys:
         h = (h ^ k) * ast.Const(MULT)
         h = h ^ ast.lshr(h, 29)
     return h
+
+
+def hash_into(keys: Sequence[ast.Node], h: ast.Node) -> list[ast.Node]:
+    """:func:`hash_keys` as statements accumulating in ``h`` (a Local): code that
+    grows with the keys, not with a power of them."""
+    code: list[ast.Node] = [h.assign(ast.Const(SEED))]
+    for k in keys:
+        code += [h.assign((h ^ k) * ast.Const(MULT)), h.assign(h ^ ast.lshr(h, 29))]
+    return code
 
 
 def start_slot(h: int, layout: MapLayout) -> int:
@@ -646,5 +681,6 @@ def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str])
 
 
 __all__ = ["DEFAULT_MAX_MAP_KEYS", "HIST_BUCKETS", "MapLayout", "MapType", "MapUse", "Sizing",
-           "Table", "WIDTH", "comm_text", "decode", "decode_key", "is_text", "width", "hash_keys", "hash_tree", "key_words",
-           "layout_for", "place", "scalar", "shrink", "size_map"]
+           "Table", "WIDTH", "comm_text", "decode", "decode_key", "hash_into", "hash_keys",
+           "hash_tree", "is_decoded", "is_text", "key_words", "layout_for", "place", "scalar",
+           "shrink", "size_map", "width"]

@@ -18,11 +18,10 @@ from typing import Any
 
 from .maps import (
     HIST_BUCKETS,
-    VALUE_KINDS,
     MapLayout,
     decode,
     decode_key,
-    is_text,
+    is_decoded,
     scalar,
     signed,
 )
@@ -121,7 +120,7 @@ class MapPrinter:
             if self.hist:
                 return (sum(values), key)
             kind = self.lay.type.kind
-            if kind in VALUE_KINDS or is_text(kind):
+            if is_decoded(kind):
                 return (0, key)
             return (scalar(kind, values), key)
         return sorted(entries.items(), key=order)
@@ -132,7 +131,7 @@ class MapPrinter:
             count, total = values[1], signed(values[0])
             avg = (abs(total) // count) * (1 if total >= 0 else -1) if count else 0
             return f"count {count}, average {avg}, total {total}"
-        if kind in VALUE_KINDS or is_text(kind):
+        if is_decoded(kind):
             return str(decode(kind, values, self.lay.names))
         return str(scalar(kind, values))
 
@@ -159,7 +158,7 @@ class MapPrinter:
             if self.hist:
                 return [{**bounds, "count": count} for _, bounds, count in _rows(self.lay, values)]
             kind = self.lay.type.kind
-            if kind in VALUE_KINDS or is_text(kind) or self.lay.type.stats:
+            if is_decoded(kind) or self.lay.type.stats:
                 return self.value_text(values)
             return scalar(kind, values)
 

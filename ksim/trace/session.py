@@ -16,6 +16,7 @@ through the Manager): the kernel is not running while they do.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import time
 from collections.abc import Callable
@@ -42,6 +43,7 @@ from .events import Drain, Ring, allocate_ring, render
 from .maps import (
     MASK,
     PROBES,
+    SYMBOLIZE,
     MapLayout,
     MapUse,
     Sizing,
@@ -59,6 +61,15 @@ from .maps import (
 )
 from .output import MapPrinter
 from .types import CType, TypeSystem
+
+
+class Unwinder(NamedTuple):
+    """What kstack's code calls: the kernel's stack_trace_save_regs, the words of a
+    struct pt_regs, and (byte offset, what it holds) of the members it reads."""
+
+    save: int
+    regs_words: int
+    fields: tuple[tuple[int, str], ...]
 
 
 @dataclass
@@ -114,6 +125,7 @@ class TraceSession:
         self._events: list[Any] = []
         #: the profile probes' samplers
         self._samplers: list[Any] = []
+        self._unwinder: Unwinder | None | bool = False
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
         self._typing_sites: dict[int, Site | None] = {}
@@ -345,6 +357,8 @@ class TraceSession:
                 ct = CType("array", n, False, "char[]", integer(1, True, "char"), n)
                 node: Any = tp.record + (ast.load(tp.record + f.offset, 4) & ast.Const(0xFFFF))
             elif f.array_len is not None:
+                if tp.record is None and f.name not in tp.values:
+                    continue
                 elem = integer(max(1, f.size // max(1, f.array_len)), f.signed,
                                ctype.split("[")[0].strip())
                 ct = CType("array", f.size, False, ctype, elem, f.array_len)
@@ -359,11 +373,50 @@ class TraceSession:
                     ct = integer(f.size if f.size in (1, 2, 4, 8) else 8, f.signed, ctype)
                 if f.name in tp.values:
                     node = tp.values[f.name]
+                elif tp.record is None:
+                    continue            # a syscall event's field with no value there
                 else:
                     node = ast.load(tp.record + f.offset, f.size if f.size in (1, 2, 4, 8) else 8,
                                     f.signed)
             args.append((f.name, ct, node))
         return tuple(args)
+
+    def unwinder(self) -> Unwinder | None:
+        """How kstack asks this kernel to unwind: its stack_trace_save_regs, and where
+        the architecture's unwinder reads the point's registers in struct pt_regs
+        (from BTF); None when the kernel has either not."""
+        if self._unwinder is not False:
+            return self._unwinder  # type: ignore[return-value]
+        self._unwinder = None
+        abi = self.m.arch.stack
+        try:
+            save = self.m.target.image.address_of(abi.save)
+            regs = self.types.named("struct pt_regs")
+        except (KsimError, TraceError):
+            return None
+        fields = []
+        for path, what in abi.registers:
+            ct, bits = regs, 0
+            for part in path.split("."):
+                if part.isdigit():
+                    bits += int(part) * ct.ref.size * 8
+                    ct = ct.ref
+                    continue
+                m = ct.member(part)
+                if m is None:
+                    return None
+                bits, ct = bits + m[0], m[2]
+            fields.append((bits // 8, what))
+        self.m.allow_calls(save)
+        self._unwinder = Unwinder(save, -(-regs.size // 8), tuple(fields))
+        return self._unwinder
+
+    def symbol(self, address: int) -> str:
+        """``function+offset`` of a kernel address, as bpftrace prints a stack's frame."""
+        f = self.m.target.image.function_at(address)
+        if f is None:
+            return f"0x{address:x}"
+        return f"{f.name}+{address - f.address}"
 
     def lookup(self, name: str) -> int:
         """A kernel symbol's address (kaddr, jiffies)."""
@@ -567,10 +620,13 @@ class TraceSession:
         at = self.attached[(point.address, point.kind)]
         parts = []
         for probe in at.probes:
-            compiler = ProbeCompiler(self.layouts, at.site, stop=self.stop,
+            site = dataclasses.replace(at.site, address=point.address)
+            compiler = ProbeCompiler(self.layouts, site, stop=self.stop,
                                      name_index=self.name_index, placed=self.placed_record,
                                      ring=self.ring, clock=self.clock, analysis=self.analysis,
-                                     lookup=self.lookup, start=self.start)
+                                     lookup=self.lookup, start=self.start,
+                                     unwinder=self.unwinder() if "kstack" in self.program.source
+                                     else None)
             try:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
@@ -589,6 +645,7 @@ class TraceSession:
         """Resolve the probes, allocate the maps (sized by the points found), compile
         and splice them in one batch; ``timings["attach_s"]`` is how long it took."""
         start = time.perf_counter()
+        SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
         if self.clock is not None:
             self.m.allow_calls(self.clock)
         user_reader = self.m.target.abi.read_user_nofault

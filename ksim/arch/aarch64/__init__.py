@@ -47,7 +47,7 @@ from ksim.arch.base import (
 from ksim.errors import RelocationError
 
 from . import pcrel, regs
-from .convention import LINUX, SYSCALLS
+from .convention import LINUX, STACK, SYSCALLS
 
 if TYPE_CHECKING:
     from ksim.core import KernelABI
@@ -143,6 +143,7 @@ class AArch64:
     module_loader: ModuleLoader | None = None
     gdb = GdbRegisters("aarch64", regs.GDB_REGS)
     syscalls = SYSCALLS
+    stack = STACK
 
     @property
     def emulation(self) -> Emulation:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import re
 
-from ksim.arch.base import CallConvention, SyscallABI
+from ksim.arch.base import CallConvention, StackABI, SyscallABI
 
 from .regs import ALL_REGS, ARG_REGS
 
@@ -57,3 +57,9 @@ LINUX = CallConvention(
 #: it until invoke_syscall() stores the result there, after the wrapper returns, so
 #: at the wrapper's entry both are the argument.
 SYSCALLS = SyscallABI(wrapper_prefix="__arm64_sys_", arg_offsets=(0, 8, 16, 24, 32, 40))
+
+#: kstack: Linux's stack_trace_save_regs walks the frame records from the pt_regs'
+#: pc and regs[29] (arch/arm64/kernel/stacktrace.c, kunwind_init_from_regs)
+STACK = StackABI(save="stack_trace_save_regs",
+                 registers=(("pc", "point"), ("sp", "sp"), ("regs.29", "x29"),
+                            ("regs.30", "x30")))

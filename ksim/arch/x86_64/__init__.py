@@ -26,7 +26,7 @@ from ksim.arch.base import (
 from ksim.errors import OutOfRange, RelocationError
 
 from . import regs
-from .convention import LINUX, SYSCALLS
+from .convention import LINUX, STACK, SYSCALLS
 from .writer import INT8, INT32, fits
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class X86_64:
     module_loader: ModuleLoader | None = MODULE_LOADER
     gdb = GdbRegisters("i386", regs.GDB_REGS)
     syscalls = SYSCALLS
+    stack = STACK
 
     @property
     def emulation(self) -> Emulation:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 
-from ksim.arch.base import CallConvention, SyscallABI
+from ksim.arch.base import CallConvention, StackABI, SyscallABI
 
 from .regs import ALL_REGS
 
@@ -52,3 +52,8 @@ LINUX = CallConvention(
 #: reads them at 0x70, 0x68, 0x60, 0x38, 0x48, 0x40.
 SYSCALLS = SyscallABI(wrapper_prefix="__x64_sys_",
                       arg_offsets=(0x70, 0x68, 0x60, 0x38, 0x48, 0x40))
+
+#: kstack: Linux's stack_trace_save_regs unwinds (ORC) from the pt_regs' ip, sp and
+#: bp (arch/x86/kernel/unwind_orc.c, __unwind_start); cs 0 reads as kernel mode
+STACK = StackABI(save="stack_trace_save_regs",
+                 registers=(("ip", "point"), ("sp", "rsp"), ("bp", "rbp")))
