@@ -29,28 +29,28 @@ WORKLOAD = r"""
 int main(void)
 {
     int i;
-    for (i = 0; i < %(opens)d; i++) {
-        int fd = open("%(mark)s", O_RDONLY | O_CREAT, 0600);
+    for (i = 0; i < OPENS; i++) {
+        int fd = open("MARK", O_RDONLY | O_CREAT, 0600);
         if (fd < 0)
             return 1;
         close(fd);
     }
-    for (i = 0; i < %(forks)d; i++) {
+    for (i = 0; i < FORKS; i++) {
         pid_t p = fork();
         if (p == 0)
             _exit(0);
         waitpid(p, 0, 0);
     }
-    unlink("%(mark)s");
+    unlink("MARK");
     return 0;
 }
-""" % {"opens": OPENS, "forks": FORKS, "mark": MARK}
+""".replace("OPENS", str(OPENS)).replace("FORKS", str(FORKS)).replace("MARK", MARK)
 
 PROGRAM = r"""
-kfunc:do_sys_openat2 /str(args->filename) == "%(mark)s"/ {
+kfunc:do_sys_openat2 /str(args->filename) == "MARK"/ {
     @kfunc = count(); @how[args->how->flags & 0x40] = count();
 }
-tracepoint:syscalls:sys_enter_openat /str(args->filename) == "%(mark)s"/ {
+tracepoint:syscalls:sys_enter_openat /str(args->filename) == "MARK"/ {
     @enter[comm] = count(); @tid[tid] = 1;
 }
 tracepoint:syscalls:sys_exit_openat /@tid[tid]/ { @fds = count(); @neg = sum(args->ret < 0); }
@@ -60,7 +60,7 @@ tracepoint:sched:sched_process_fork /args->parent_comm == "ksimkdata"/ {
 rawtracepoint:sched_process_fork /((struct task_struct *)arg0)->comm == "ksimkdata"/ {
     @raw = count();
 }
-""" % {"mark": MARK}
+""".replace("MARK", MARK)
 
 
 def test_kernel_data_counts_exactly_what_the_workload_did(testbed) -> None:
@@ -111,7 +111,7 @@ def test_kstack_is_the_chain_of_calls_that_reached_the_probe(testbed) -> None:
         for text in stacks:
             frames = [line.strip() for line in text.strip().splitlines()]
             assert len(frames) >= 3 and frames[0].startswith("do_sys_openat2+"), text
-            for callee, caller in zip(frames, frames[1:]):
+            for callee, caller in zip(frames, frames[1:], strict=False):
                 name, _, off = caller.rpartition("+")
                 fn = image.function(name)
                 ret = fn.address + int(off)
