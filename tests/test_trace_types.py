@@ -122,3 +122,53 @@ def test_the_preprocessor_takes_the_btf_branch_and_its_defines(toy_path):
                "kprobe:vfs_read /arg2 >= BIG/ { @big = count(); }")
     report = run_trace(program, hooks, seed=6)
     assert report["maps"].get("@big", 0) == sum(1 for v in hooks.seen["entry"] if v >= 128)
+
+
+ARG_REGS = {"unicorn:toy": ("rdi", "rdx"), "unicorn:toy-arm64": ("x0", "x2")}
+
+
+@pytest.mark.parametrize("spec", sorted(ARG_REGS))
+def test_kfunc_fields_and_strings_on_both_architectures(toy_path, offsets, spec):
+    """The same program on the x86-64 and the AArch64 toy (LP64 both: gcc's offsets
+    hold for either), each against its machine's registers and memory."""
+    from ksim.commands.trace import trace
+
+    first, third = ARG_REGS[spec]
+
+    def at_entry(m, abi, site):
+        f = m.reg(first)
+        inode = m.read_u64(f + offsets["file.f_inode"])
+        name = m.read(inode + offsets["inode.name"], 24).split(b"\0")[0].decode()
+        return m.reg(third), name
+
+    hooks = Hooks(entry=at_entry)
+    report, _ = trace("kfunc:vfs_read { @c[args->count] = count(); "
+                      "@n[str(args->f->f_inode->name)] = sum(args->count); }", spec,
+                      on_attach=hooks, seed=8)
+    seen = hooks.seen["entry"]
+    assert seen and report["maps"]["@c"] == {str(k): v for k, v in
+                                             Counter(s[0] for s in seen).items()}
+    sums: Counter = Counter()
+    for count, name in seen:
+        sums[name] += count
+    assert report["maps"]["@n"] == dict(sums)
+
+
+@pytest.mark.slow
+def test_kfunc_fields_on_qemu_equal_the_emulator_s_oracle(toy_path, offsets):
+    """qemu:toy runs the same seeded workload as unicorn:toy: the per-name sums of
+    args->count under QEMU equal the values unicorn's exact-address hook read."""
+    from ksim.commands.trace import trace
+
+    def at_entry(m, abi, site):
+        inode = m.read_u64(m.reg("rdi") + offsets["file.f_inode"])
+        return m.reg("rdx"), m.read(inode + offsets["inode.name"], 24).split(b"\0")[0].decode()
+
+    hooks = Hooks(entry=at_entry)
+    program = "kfunc:vfs_read { @n[str(args->f->f_inode->name)] = sum(args->count); }"
+    trace(program, "unicorn:toy", on_attach=hooks, seed=9)
+    sums: Counter = Counter()
+    for count, name in hooks.seen["entry"]:
+        sums[name] += count
+    report, _ = trace(program, "qemu:toy", seed=9)
+    assert sums and report["maps"]["@n"] == dict(sums)
