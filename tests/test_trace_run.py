@@ -195,3 +195,15 @@ def test_a_program_of_begin_and_end_alone_runs_the_while_command_live(testbed):
         assert t.exec_checked(f"cat {marker} && rm {marker}").strip() == "ran"
     finally:
         t.close()
+
+
+def test_positional_parameters_and_the_exit_code(capsys, toy_path):
+    """ARGs after the program are $1, $2 ($# how many; a missing one is 0), as
+    bpftrace's; exit(code) is ksim trace's exit status."""
+    assert main(["trace", "-e", 'BEGIN { printf("%d %s %d %d\\n", $1, str($2), $#, $3); '
+                 'exit(7); }', "40", "two"]) == 7
+    assert capsys.readouterr().out.splitlines()[-1] == "40 two 2 0"
+    hooks_calls = []
+    report, _ = trace("kprobe:vfs_read /arg2 > $1/ { exit(3); }", "unicorn:toy", params=("100",),
+                      on_attach=lambda s: hooks_calls.append(s))
+    assert report["exited"] and report["exit_code"] == 3

@@ -38,6 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="run a program in a subset of bpftrace's language",
                        description=help_text(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("file", nargs="?", metavar="FILE.bt", help="the program's file")
+    p.add_argument("params", nargs="*", metavar="ARG",
+                   help="the program's positional parameters, $1, $2, ... ($# is how many)")
     p.add_argument("-e", dest="program", metavar="PROGRAM", help="the program's text")
     add_target_args(p)
     p.add_argument("--while", dest="while_cmd", metavar="CMD",
@@ -72,6 +74,10 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
     """(program text, the name errors give it)."""
     from ksim.trace.errors import TraceError
 
+    if args.program is not None and args.file is not None:
+        # -e 'PROGRAM' ARG...: the first positional is a parameter, not a file
+        args.params = [args.file, *args.params]
+        args.file = None
     if (args.program is None) == (args.file is None):
         raise TraceError("give the program with -e 'PROGRAM' or as FILE.bt (one of them)")
     if args.program is not None:
@@ -87,7 +93,8 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
           seed: int | None = None, iterations: int | None = None,
           on_attach: Any = None, out: Any = None, while_cmd: str | None = None,
           pid: int | None = None, max_map_keys: int | None = None,
-          run_options: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+          run_options: dict[str, Any] | None = None,
+          params: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
     """Run the program ``source`` on target ``spec``; (the report, the text output).
 
     The report holds the maps (as JSON data), the lost updates per map, the points
@@ -107,7 +114,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
     from ksim.trace.session import Exited, TraceSession
 
     start = time.perf_counter()
-    program = parse(source, filename)
+    program = parse(source, filename, tuple(params))
     with Manager.attach(spec) as m:
         live = "while_cmd" in run_option_names(m.target)
         if while_cmd is not None and not live:
@@ -154,6 +161,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             "lost_events": session.lost_events(),
             "skipped": session.skipped,
             "exited": session.exited,
+            "exit_code": session.exit_code,
             "interrupted": interrupted,
         }
     report["stats"] = {"probes": len(session.attached),
@@ -207,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
         report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
                           seed=args.seed, iterations=args.iterations, on_attach=announce,
                           while_cmd=args.while_cmd, pid=args.pid, max_map_keys=args.max_map_keys,
-                          out=write)
+                          out=write, params=tuple(args.params or ()))
     except KsimError as exc:
         if not args.json:
             raise
@@ -225,4 +233,4 @@ def run(args: argparse.Namespace) -> int:
         if args.stats:
             print("stats: " + " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in stats.items()), file=sys.stderr)
-    return 130 if report["interrupted"] else 0
+    return 130 if report["interrupted"] else report.get("exit_code", 0)

@@ -684,7 +684,10 @@ class ProbeCompiler:
             if self.typing:
                 return ast.Seq(())
             assert self.stop is not None
-            return self.stop.assign(1)
+            # the flag holds the exit code + 1 (non-zero: stopped)
+            status = (self.expr(call.args[0]) & ast.Const(0xFF)) + 1 if call.args \
+                else ast.Const(1)
+            return self.stop.assign(status)
         if call.name == "delete" and len(call.args) == 2:
             ref0, key = call.args
             assert isinstance(ref0, t.MapRef)

@@ -145,6 +145,8 @@ class TraceSession:
         #: detaching (all probes out)
         self.timings: dict[str, float] = {}
         self.stop: ast.Var | None = None
+        #: the status exit(code) gave (0 without a code)
+        self.exit_code = 0
         #: the kernel's clock at the first hit (elapsed)
         self.start: ast.Var | None = None
         self.attached: dict[tuple[int, Any], Attached] = {}
@@ -775,8 +777,9 @@ class TraceSession:
         self.events()
         if self.lost_events():
             self.emit("lost_events", f"Lost {self.lost_events()} events\n", self.lost_events())
-        if self.stop is not None and self.m.read(self.stop):
+        if self.stop is not None and (flag := self.m.read(self.stop)):
             self.exited = True
+            self.exit_code = (flag - 1) & 0xFF     # exit(code) stored code + 1
         self._special("END")
         for name in sorted(self.layouts):
             self.print_map(name)
@@ -912,8 +915,9 @@ class Interpreter:
             return
         if e.name == "exit":
             self.s.exited = True
+            self.s.exit_code = (self.expr(e.args[0]) & 0xFF) if e.args else 0
             if self.s.stop is not None:     # the kernel's probes stop updating at once
-                self.s.m.write(self.s.stop, 1)
+                self.s.m.write(self.s.stop, self.s.exit_code + 1)
             return
         if e.name == "time":
             fmt = e.args[0].value if e.args and isinstance(e.args[0], t.Str) else "%H:%M:%S\n"
@@ -969,6 +973,16 @@ class Interpreter:
                                   self.s.names))
         if isinstance(e, t.Ternary):
             return self.value(e.then) if self.expr(e.cond) else self.value(e.orelse)
+        if isinstance(e, t.Call) and e.name == "str" and e.args:
+            limit = self.expr(e.args[1]) if len(e.args) > 1 else self.s.analysis.strlen
+            v = self.value(e.args[0])
+            if isinstance(v, str):
+                return v[:max(0, limit - 1)]
+            try:        # a kernel address: its string, as the kernel's probes read it
+                raw = self.s.m.copy_from_kernel(v, max(1, limit))
+            except KsimError:
+                return ""
+            return raw.split(b"\0", 1)[0][:max(0, limit - 1)].decode("utf-8", "replace")
         return self.expr(e)
 
     def assign_map(self, ref: t.MapRef, op: str, value: t.Expr) -> None:
