@@ -172,3 +172,44 @@ def test_kfunc_fields_on_qemu_equal_the_emulator_s_oracle(toy_path, offsets):
         sums[name] += count
     report, _ = trace(program, "qemu:toy", seed=9)
     assert sums and report["maps"]["@n"] == dict(sums)
+
+
+def test_kstack_on_the_toy_starts_with_the_point_and_its_caller(toy_path):
+    """The toy's own unwinder (a guess walk, as Linux's unwind_guess): the first frame
+    is the probed function, the second the return address the call left at the
+    stack pointer (the machine's memory at the point is the oracle), and every frame
+    is a return address just after a call instruction."""
+    def at_entry(m, abi, site):
+        return m.read_u64(m.reg("rsp"))
+
+    hooks = Hooks(entry=at_entry)
+    report = run_trace("kprobe:vfs_read { @[kstack(3)] = count(); @r[kstack(raw)] = count(); }",
+                       hooks, seed=4)
+    callers = Counter(hooks.seen["entry"])
+    stacks = report["maps"]["@"]
+    assert sum(stacks.values()) == sum(callers.values()) > 0
+    from ksim.image import load_image
+
+    image = load_image(toy_path)
+    seen: Counter = Counter()
+    for text, n in stacks.items():
+        frames = text.strip().splitlines()
+        assert len(frames) == 3 and frames[0].strip() == "vfs_read+0", text
+        name, _, off = frames[1].strip().rpartition("+")
+        seen[image.address_of(name) + int(off)] += n
+    assert seen == callers
+    for text in report["maps"]["@r"]:
+        assert int(text.split()[0], 16) == image.address_of("vfs_read")
+
+
+def test_kstack_where_the_frame_cannot_hold_pt_regs_is_refused_before_anything_is_spliced(
+        capsys, toy_path):
+    """AArch64's scratch slots are 16 bytes apart (sp stays 16-aligned): struct
+    pt_regs's sp and x29 would fall in slots' second halves, which a snippet cannot
+    write; kstack is refused there, by name, and the text is left as it was."""
+    from ksim.cli import main
+
+    assert main(["trace", "--image", "toy-arm64", "-e",
+                 "kprobe:vfs_read { @[kstack] = count(); }"]) == 2
+    err = capsys.readouterr().err
+    assert "kstack: struct pt_regs's member at byte" in err and "stdin:1:21-27" in err

@@ -177,6 +177,9 @@ class StackABI:
 
     save: str
     registers: tuple[tuple[str, str], ...]
+    #: the bytes between two scratch slots of a snippet's Frame (what LocalAddress
+    #: buffers are made of): 8 on x86-64, 16 on AArch64, where sp stays 16-aligned
+    slot_bytes: int = 8
 
 
 @dataclass(frozen=True)

@@ -340,9 +340,10 @@ class Local(Node):
 @dataclass(frozen=True, eq=False, slots=True)
 class LocalAddress(Node):
     """The address of scratch variable ``slot`` of the enclosing Frame.  Slots lie
-    downward in memory: slot ``s + k`` is ``8 * k`` bytes below slot ``s``, so the
-    ``n`` slots from ``s`` are one buffer of ``8 * n`` bytes at the address of slot
-    ``s + n - 1`` (what a called function may fill: a kernel's stack unwinder)."""
+    downward in memory, the architecture's slot size apart (``StackABI.slot_bytes``:
+    8 bytes on x86-64, 16 on AArch64, a Local's value in a slot's first 8): the
+    ``n`` slots from ``s`` are one buffer at the address of slot ``s + n - 1`` (what
+    a called function may fill: a kernel's stack unwinder)."""
 
     slot: int
 

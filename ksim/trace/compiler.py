@@ -1442,22 +1442,32 @@ class ProbeCompiler:
                                        "ksim knows, or no struct pt_regs in its BTF)", e.loc)
             return Val(ct, words=[ast.Const(0)] * depth)
         uw = self.unwinder
-        regs = [self.locals.take() for _ in range(uw.regs_words)]
-        store = [self.locals.take() for _ in range(depth)]
-        # slot s + k lies 8 * k bytes below slot s: a buffer of n slots from s starts
-        # at slot s + n - 1, its word j being slot s + n - 1 - j
-        def word(slots: list[ast.Local], j: int) -> ast.Local:
-            return slots[len(slots) - 1 - j]
+        stride = uw.slot_bytes
+        regs = [self.locals.take() for _ in range(-(-uw.regs_bytes // stride))]
+        store = [self.locals.take() for _ in range(-(-8 * depth // stride))]
 
-        code: list[ast.Node] = [word(regs, j).assign(0) for j in range(uw.regs_words)]
-        code += [word(store, j).assign(0) for j in range(depth)]
+        # the slots from s are a buffer at slot s + n - 1, slot s + n - 1 - k at byte
+        # k * stride of it (a Local's value in the slot's first 8 bytes)
+        def at(slots: list[ast.Local], offset: int) -> ast.Local | None:
+            k, r = divmod(offset, stride)
+            return slots[len(slots) - 1 - k] if r == 0 else None
+
+        code: list[ast.Node] = [x.assign(0) for x in (*regs, *store)]
         for offset, what in uw.fields:
-            value = ast.Const(self.site.address) if what == "point" else ast.Reg(what)
-            code.append(word(regs, offset // 8).assign(value))
-        code.append(ast.Call(uw.save, (ast.LocalAddress(regs[-1].slot),
-                                       ast.LocalAddress(store[-1].slot),
+            slot = at(regs, offset)
+            if slot is None:
+                raise TraceUnsupported(f"kstack: struct pt_regs's member at byte {offset} is not "
+                                       f"at the start of one of the snippet's {stride}-byte "
+                                       "scratch slots on this architecture", e.loc)
+            code.append(slot.assign(ast.Const(self.site.address) if what == "point"
+                                    else ast.Reg(what)))
+        base = ast.LocalAddress(store[-1].slot)
+        code.append(ast.Call(uw.save, (ast.LocalAddress(regs[-1].slot), base,
                                        ast.Const(depth), ast.Const(0))))
-        words: list[ast.Node] = [word(store, j) for j in range(depth)]
+        words: list[ast.Node] = []
+        for j in range(depth):
+            slot = at(store, 8 * j)
+            words.append(slot if slot is not None else ast.load(base + 8 * j, 8))
         words[0] = ast.Seq((*code, words[0]))
         return Val(ct, words=words)
 

@@ -64,12 +64,14 @@ from .types import CType, TypeSystem
 
 
 class Unwinder(NamedTuple):
-    """What kstack's code calls: the kernel's stack_trace_save_regs, the words of a
-    struct pt_regs, and (byte offset, what it holds) of the members it reads."""
+    """What kstack's code calls: the kernel's stack_trace_save_regs, the bytes of a
+    struct pt_regs, (byte offset, what it holds) of the members it reads, and the
+    bytes between the Frame's slots."""
 
     save: int
-    regs_words: int
+    regs_bytes: int
     fields: tuple[tuple[int, str], ...]
+    slot_bytes: int = 8
 
 
 @dataclass
@@ -410,7 +412,7 @@ class TraceSession:
                 bits, ct = bits + m[0], m[2]
             fields.append((bits // 8, what))
         self.m.allow_calls(save)
-        self._unwinder = Unwinder(save, -(-regs.size // 8), tuple(fields))
+        self._unwinder = Unwinder(save, regs.size, tuple(fields), abi.slot_bytes)
         return self._unwinder
 
     def symbol(self, address: int) -> str:

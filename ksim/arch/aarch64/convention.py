@@ -62,4 +62,4 @@ SYSCALLS = SyscallABI(wrapper_prefix="__arm64_sys_", arg_offsets=(0, 8, 16, 24, 
 #: pc and regs[29] (arch/arm64/kernel/stacktrace.c, kunwind_init_from_regs)
 STACK = StackABI(save="stack_trace_save_regs",
                  registers=(("pc", "point"), ("sp", "sp"), ("regs.29", "x29"),
-                            ("regs.30", "x30")))
+                            ("regs.30", "x30")), slot_bytes=16)
