@@ -43,6 +43,21 @@ class UnknownImage(ImageError):
     code = "unknown-image"
 
 
+class BadArgument(KsimError, ValueError):
+    """An API call given a value of the wrong kind or outside its domain (an address
+    that is not an int, a size that is not positive, something that is not a point);
+    refused before anything was changed."""
+
+    code = "bad-argument"
+
+
+class PointSyntaxError(BadArgument):
+    """A point named in text (``ksim count FUNC``: NAME, NAME+OFFSET, an address or
+    a wildcard) that does not follow that grammar: the message says where."""
+
+    code = "point-syntax"
+
+
 class UnknownSymbol(KsimError):
     """No function or symbol by that name; ``suggestions`` holds close names."""
 
@@ -240,6 +255,16 @@ class RelocationError(SpliceError):
     code = "relocation"
 
 
+class CallInsideRun(RelocationError):
+    """A call with instructions after it in a run to relocate: relocated, the return
+    address it leaves would differ from the original's (a plain call pushes its
+    copy's), and a call that leaves the original would return past the rest of the
+    run.  Only a run's last instruction may be a call (or a call to the next
+    instruction, which only pushes its address)."""
+
+    code = "call-inside-run"
+
+
 class OverlappingWrites(SpliceError):
     """A patch whose writes overlap: applying it would leave neither write intact."""
 
@@ -248,6 +273,19 @@ class OverlappingWrites(SpliceError):
 
 class UnknownHandle(KsimError):
     code = "unknown-handle"
+
+
+class DuplicateHandle(BadArgument):
+    """The same handle named twice in one request (remove_many): refused before
+    anything was removed."""
+
+    code = "duplicate-handle"
+
+
+class UnknownPolicy(SpliceError, BadArgument):
+    """A splice policy that does not exist (the message names those that do)."""
+
+    code = "unknown-policy"
 
 
 # --- targets ----------------------------------------------------------------------
@@ -330,6 +368,13 @@ class ProtocolError(KsimError):
 
 class AuthError(KsimError):
     code = "auth"
+
+
+class TokenFileError(AuthError):
+    """The token file given (or the testbed's default) cannot be read: missing, a
+    directory, unreadable or empty.  Nothing was sent."""
+
+    code = "token-file"
 
 
 # --- probes, timers, replacement, components ----------------------------------------
@@ -428,6 +473,14 @@ class TextOwned(AlreadySpliced):
     module refuses to let one owner change what another holds; nothing was changed."""
 
     code = "text-owned"
+
+
+class KeptNameTaken(TextOwned):
+    """``keep`` under a name another kept splice already has: the module keeps one
+    owner per name.  Nothing was changed; adopt or remove that one, or choose
+    another name."""
+
+    code = "kept-name-taken"
 
 
 def all_error_classes() -> dict[str, type[KsimError]]:

@@ -17,7 +17,7 @@ from ksim.arch.aarch64.reader import decode
 from ksim.arch.aarch64.relocator import moved_call, relocate, relocated_size
 from ksim.arch.aarch64.writer import Writer
 from ksim.arch.base import Insn
-from ksim.errors import RelocationError
+from ksim.errors import CallInsideRun, RelocationError
 
 OLD = 0xFFFF800010000000
 KB, MB, GB = 1 << 10, 1 << 20, 1 << 30
@@ -65,7 +65,7 @@ def kmov(reg: str, low: int) -> str:
 def test_position_independent_instructions_are_copied():
     code = asm("stp x29, x30, [sp, #-16]!; mov x29, sp; ldr x0, [x1, #8]; "
                "add x0, x0, #1; cmp x0, #3; csel x0, x0, x2, ne; ldp x29, x30, [sp], #16; "
-               "br x3; blr x4; ret", OLD)
+               "br x3; ret", OLD)
     assert relocate(insns(code), FAR) == code
 
 
@@ -83,18 +83,56 @@ def test_b_out_of_reach_is_refused():
         relocate(insns(code), FAR)
 
 
+# A call leaves its return address in x30: relocated, the run's last call sets x30 to
+# the original return address and branches (moved_call); BL .+4 only sets x30.
 @pytest.mark.parametrize("target", [OLD + 0x100, OLD - 0x1000])
-def test_bl_recomputed(target):
+def test_a_last_bl_sets_the_original_return_address_and_branches(target):
     code = asm(f"bl #{target:#x}", OLD)
-    assert relocate(insns(code), MID) == asm(f"bl #{target:#x}", MID)
+    expected = asm(kmov("x30", 4) + f"; b #{target:#x}", MID)    # x30 = OLD+4: beyond ADR
+    assert relocate(insns(code), MID) == expected == moved_call(insns(code)[0], MID)
+    near = relocate(insns(code), NEAR)
+    assert near == adr(30, NEAR, OLD + 4) + asm(f"b #{target:#x}", NEAR + 4)
+    assert relocated_size(insns(code), MID) == len(expected)
 
 
 @pytest.mark.parametrize("new", [FAR, VFAR])
-def test_bl_out_of_reach_calls_through_x16(new):
+def test_a_last_bl_out_of_reach_branches_through_x16(new):
     target = OLD + 0x100
     code = asm(f"bl #{target:#x}", OLD)
-    expected = asm(kmov("x16", 0x100) + "; blr x16", new)
+    expected = asm(kmov("x30", 4) + "; " + kmov("x16", 0x100) + "; br x16", new)
     assert relocate(insns(code), new) == expected
+
+
+def test_a_last_blr_is_moved():
+    code = asm("add x4, x4, #8; blr x4", OLD)
+    out = relocate(insns(code), NEAR)
+    assert out == code[:4] + moved_call(insns(code)[1], NEAR + 4)
+    assert text(out, NEAR)[1:] == ["mov x16, x4", f"adr x30, #{OLD + 8:#x}", "br x16"]
+    assert relocated_size(insns(code), NEAR) == len(out)
+
+
+@pytest.mark.parametrize("new", [NEAR, FAR])
+def test_bl_to_the_next_instruction_sets_x30_to_the_original_address(new):
+    code = asm(f"bl #{OLD + 4:#x}; mov x0, x30", OLD)              # the get-pc idiom
+    out = relocate(insns(code), new)
+    if new == NEAR:
+        assert out == adr(30, NEAR, OLD + 4) + code[4:]
+    else:
+        assert out == asm(kmov("x30", 4) + "; mov x0, x30", new)
+    assert relocated_size(insns(code), new) == len(out)
+
+
+@pytest.mark.parametrize("code", [
+    f"bl #{OLD + 0x100:#x}; nop",
+    "blr x4; nop",
+    f"bl #{OLD + 8:#x}; nop; ret",                                # a local call into the run
+    "22083fd7; 1f2003d5",                                         # blraa x1, x2; nop
+])
+def test_a_call_with_instructions_after_it_is_refused(code):
+    raw = (b"".join(bytes.fromhex(w) for w in code.split("; ")) if code[0].isdigit()
+           else asm(code, OLD))
+    with pytest.raises(CallInsideRun, match="instructions after it"):
+        relocate(insns(raw), NEAR)
 
 
 # --- conditional branches --------------------------------------------------------------------------
@@ -301,10 +339,15 @@ def test_first_to_out_of_short_reach_grows():
         f"nop; cbz x0, #{MID + 12:#x}; b #{entry:#x}", MID)
 
 
-def test_bl_to_the_first_instruction_with_a_far_first_to_calls_through_x16():
+def test_bl_to_the_first_instruction_with_a_far_first_to_branches_through_x16():
     code = asm(f"nop; bl #{OLD:#x}", OLD)
     out = relocate(insns(code), FAR, first_to=OLD + 0x40)
-    assert out == asm("nop; " + kmov("x16", 0x40) + "; blr x16", FAR)
+    assert out == asm("nop; " + kmov("x30", 8) + "; " + kmov("x16", 0x40) + "; br x16", FAR)
+
+
+def test_bl_to_the_first_instruction_goes_to_its_copy():
+    code = asm(f"nop; bl #{OLD:#x}", OLD)
+    assert relocate(insns(code), MID) == asm("nop; " + kmov("x30", 8) + f"; b #{MID:#x}", MID)
 
 
 # --- refusals -----------------------------------------------------------------------------------------
@@ -524,6 +567,34 @@ def test_moved_bl_and_blr_reach_the_callee_with_the_original_return_address(valu
             seen.append({k: v for k, v in out.items() if k != "x16"})   # moved: IP0 clobbered
         assert seen[0] == seen[1]
         assert seen[0]["x30"] == OLD + 4
+
+
+@settings(max_examples=15, deadline=None)
+@given(values=regs_strategy, new=st.sampled_from(DISTANCES))
+def test_relocated_runs_ending_in_a_call_leave_the_original_return_address(values, new):
+    """``add; bl callee`` and ``add; blr x5`` at their place and relocated: the callee
+    is reached with the same registers, x30 the original return address."""
+    m = machine()
+    callee = land(10)
+    for call in (f"bl #{callee:#x}", "blr x5"):
+        code = asm(f"add x1, x1, #1; {call}", OLD)
+        m.write(OLD, code)
+        m.write(new, relocate(insns(code), new))
+        seen = []
+        for start in (OLD, new):
+            out = m.run(start, EXIT, BASE | values | {"x5": callee})
+            seen.append({k: v for k, v in out.items() if k != "x16"})   # moved: IP0 clobbered
+        assert seen[0] == seen[1]
+        assert seen[0]["x30"] == OLD + 8
+
+
+@settings(max_examples=10, deadline=None)
+@given(values=regs_strategy, new=st.sampled_from(DISTANCES))
+def test_relocated_bl_to_the_next_instruction_reads_the_original_address(values, new):
+    code = asm(f"bl #{OLD + 4:#x}; mov x3, x30", OLD)
+    original, moved = run_both(code, new, BASE | values)
+    assert original == moved
+    assert moved["x3"] == OLD + 4
 
 
 # --- hypothesis-generated runs ----------------------------------------------------------------------

@@ -25,6 +25,7 @@ import pytest
 from hypothesis import settings
 
 from ksim.arch.base import Flow
+from ksim.arch.x86_64.writer import Writer
 from ksim.differential import Case, Harness, Planned, random_cases, tally
 from ksim.errors import KsimError
 from ksim.splice.patch import Patch
@@ -166,10 +167,15 @@ def test_caught_a_moved_call_that_returns_into_the_patch(harnesses):
     arch = harness.arch
 
     def plain_call(planned: Planned) -> Patch:
+        # the relocator itself never moves a call as a plain call: written by hand here
         at = planned.patch.code_address + len(planned.body)
-        assert planned.moved[-1].flow is Flow.CALL
-        moved = arch.relocate(planned.moved, at)
-        code = planned.body + moved + arch.jmp(at + len(moved), planned.moved[-1].end)
+        call = planned.moved[-1]
+        assert call.flow is Flow.CALL and call.target is not None
+        head = arch.relocate(planned.moved[:-1], at)
+        w = Writer(at + len(head))
+        w.put_call(call.target)
+        moved = head + w.flush()
+        code = planned.body + moved + arch.jmp(at + len(moved), call.end)
         return dataclasses.replace(planned.patch, code=code)
 
     cases = [resched(harness, 0x24, t, s, seed)

@@ -11,7 +11,7 @@ from unicorn.x86_const import UC_X86_REG_RIP
 from ksim.arch import Flow, Insn, get_arch
 from ksim.arch.x86_64.reader import decode
 from ksim.arch.x86_64.relocator import moved_call, relocate, relocated_size
-from ksim.errors import RelocationError
+from ksim.errors import CallInsideRun, RelocationError
 
 ARCH = get_arch("x86_64")
 OLD = 0xFFFFFFFF81000000
@@ -57,9 +57,12 @@ def test_jmp_rel8_becomes_rel32():
     assert relocate(insns(code), NEW) == bytes([0xE9]) + rel32(OLD + 0x12 - (NEW + 5))
 
 
-def test_call_recomputed():
+def test_a_last_call_pushes_the_original_return_address_and_jumps():
     code = bytes([0xE8, 0x00, 0x10, 0x00, 0x00])                  # call +0x1000 -> OLD+0x1005
-    assert relocate(insns(code), NEW) == bytes([0xE8]) + rel32(OLD + 0x1005 - (NEW + 5))
+    expected = (bytes([0x68]) + (OLD + 5).to_bytes(8, "little")[:4]   # push OLD+5 (sign-extended)
+                + bytes([0xE9]) + rel32(OLD + 0x1005 - (NEW + 10)))    # jmp OLD+0x1005
+    assert relocate(insns(code), NEW) == expected
+    assert relocate(insns(code), NEW) == moved_call(insns(code)[0], NEW)
 
 
 @pytest.mark.parametrize(
@@ -121,7 +124,7 @@ def test_out_of_range_rip_relative_is_refused():
 
 def test_out_of_range_call_and_jcc_are_refused():
     with pytest.raises(RelocationError):
-        relocate(insns(bytes([0xE8, 0, 0, 0, 0])), 0xFFFF888000000000)   # call +0
+        relocate(insns(bytes([0xE8, 0, 0x10, 0, 0])), 0xFFFF888000000000)   # call +0x1000
     with pytest.raises(RelocationError):
         relocate(insns(bytes([0x74, 0x00])), 0xFFFF888000000000)         # jz +0
 
@@ -200,7 +203,8 @@ def test_relocated_run_has_the_same_effect(rcx, rdx, value):
         (bytes([0x40, 0xE9, 0x10, 0, 0, 0]), bytes([0xE9]), 6, 0x16),            # rex jmp rel32
         (bytes([0x41, 0x0F, 0x84, 0x10, 0, 0, 0]), bytes([0x0F, 0x84]), 7, 0x17),  # rex.b je rel32
         (bytes([0x48, 0x74, 0x10]), bytes([0x0F, 0x84]), 3, 0x13),               # rex.w je rel8
-        (bytes([0x48, 0xE8, 0x10, 0, 0, 0]), bytes([0xE8]), 6, 0x16),            # rex.w call
+        (bytes([0x48, 0xE8, 0x10, 0, 0, 0]),                                     # rex.w call:
+         bytes([0x68]) + (OLD + 6).to_bytes(8, "little")[:4] + bytes([0xE9]), 6, 0x16),  # push; jmp
         (bytes([0x3E, 0x48, 0xEB, 0x10]), bytes([0x3E, 0xE9]), 4, 0x14),         # ds rex.w jmp
     ],
 )
@@ -333,5 +337,149 @@ def test_moved_indirect_call_has_the_effect_of_the_call(reg_value, use_memory):
         rip = m.uc.reg_read(UC_X86_REG_RIP)
         top = int.from_bytes(m.read(regs["rsp"], 8), "little")
         seen.append((rip, regs["rsp"], top, regs["rax"]))
+    assert seen[0] == seen[1]
+    assert seen[0][2] == CODE_OLD + len(code)
+
+
+# --- calls inside a relocated run: the return address they leave is the original's ----------------
+# frida-gum's vectors (tests/core/arch-x86/x86relocator.c): call_near_relative_to_next_instruction
+# and call_near_gnu_get_pc_thunk / call_near_android_get_pc_thunk
+CALL_NEXT_POP = bytes([0xE8, 0x00, 0x00, 0x00, 0x00,             # call +0
+                       0x59])                                     # pop rcx
+GET_PC_THUNK = bytes([0xE8, 0x01, 0x00, 0x00, 0x00,               # call +1 (the thunk)
+                      0xCC,                                       # int3
+                      0x8B, 0x0C, 0x24,                           # mov ecx, [rsp]
+                      0xC3])                                      # ret
+ANDROID_GET_PC_THUNK = GET_PC_THUNK[:6] + bytes([0x8B, 0x1C, 0x24, 0xC3])   # mov ebx, [rsp]
+
+
+def test_call_to_the_next_instruction_pushes_the_original_address():
+    out = relocate(insns(CALL_NEXT_POP), NEW)
+    assert out == bytes([0x68]) + (OLD + 5).to_bytes(8, "little")[:4] + bytes([0x59])  # push; pop rcx
+    assert relocated_size(insns(CALL_NEXT_POP)) == len(out)
+
+
+def test_call_to_the_next_instruction_above_4g_pushes_it_in_two_halves():
+    at = 0x7FFF12340000
+    ret = at + 5
+    out = relocate(insns(CALL_NEXT_POP, at), at + 0x100)
+    assert out == (bytes([0x48, 0x8D, 0x64, 0x24, 0xF8])                 # lea rsp, [rsp-8]
+                   + bytes([0xC7, 0x04, 0x24]) + (ret & 0xFFFFFFFF).to_bytes(4, "little")
+                   + bytes([0xC7, 0x44, 0x24, 0x04]) + (ret >> 32).to_bytes(4, "little")
+                   + bytes([0x59]))
+    assert relocated_size(insns(CALL_NEXT_POP, at)) == len(out)
+
+
+@pytest.mark.parametrize("vector", [GET_PC_THUNK, ANDROID_GET_PC_THUNK], ids=["gnu", "android"])
+def test_get_pc_thunk_call_is_moved_so_the_thunk_reads_the_original_address(vector):
+    call = insns(vector)[:1]                                      # frida reads the call alone
+    out = relocate(call, NEW)
+    assert out == (bytes([0x68]) + (OLD + 5).to_bytes(8, "little")[:4]   # push OLD+5
+                   + bytes([0xE9]) + rel32(OLD + 6 - (NEW + 10)))        # jmp the thunk
+    assert relocated_size(call) == len(out)
+
+
+@pytest.mark.parametrize("vector", [GET_PC_THUNK, ANDROID_GET_PC_THUNK], ids=["gnu", "android"])
+def test_get_pc_thunk_call_with_its_thunk_after_it_in_the_run_is_refused(vector):
+    with pytest.raises(CallInsideRun, match="instructions after it"):
+        relocate(insns(vector), NEW)
+
+
+@pytest.mark.parametrize("code", [
+    bytes([0xFF, 0xD0]),                                          # call rax
+    bytes([0x41, 0xFF, 0xD3]),                                    # call r11
+    bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00]),                  # call [rip+0x10]
+    bytes([0xFF, 0x54, 0x24, 0x08]),                              # call [rsp+8]
+    bytes([0xFF, 0x14, 0x24]),                                    # call [rsp]: grows by a disp8
+    bytes([0x3E, 0xFF, 0xD0]),                                    # notrack call rax
+])
+def test_a_last_indirect_call_is_moved(code):
+    head = bytes([0x48, 0x89, 0xF8])                              # mov rax, rdi
+    run = insns(head + code)
+    out = relocate(run, NEW)
+    assert out == head + moved_call(run[1], NEW + len(head))
+    assert relocated_size(run) == len(out)
+
+
+@pytest.mark.parametrize("code", [
+    bytes([0xE8, 0x00, 0x10, 0x00, 0x00, 0x90]),                  # call +0x1000; nop
+    bytes([0xFF, 0xD0, 0x90]),                                    # call rax; nop
+    bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00, 0x90]),            # call [rip+0x10]; nop
+    bytes([0xE8, 0x01, 0x00, 0x00, 0x00, 0x90, 0xC3]),            # call +1 (inside the run); nop; ret
+])
+def test_a_call_with_instructions_after_it_is_refused(code):
+    with pytest.raises(CallInsideRun):
+        relocate(insns(code), NEW)
+    with pytest.raises(CallInsideRun):
+        relocated_size(insns(code))
+
+
+@pytest.mark.parametrize("code", [
+    bytes([0xFF, 0x1D, 0, 0, 0, 0]),                              # lcall [rip]
+    bytes([0xFF, 0xD4]),                                          # call rsp
+    bytes([0xFF, 0x54, 0x24, 0x7C]),                              # call [rsp+0x7c]: +8 overflows disp8
+])
+def test_a_last_call_that_cannot_be_moved_is_refused(code):
+    with pytest.raises(RelocationError):
+        relocate(insns(code), NEW)
+
+
+def test_a_last_call_out_of_jmp_reach_is_refused():
+    with pytest.raises(RelocationError, match="reach|range"):
+        relocate(insns(bytes([0xE8, 0x00, 0x10, 0x00, 0x00])), 0xFFFF888000000000)
+
+
+def test_a_last_call_back_into_the_run_goes_to_the_copy():
+    code = bytes([0x90,                                           # 0: nop
+                  0xE8, 0xFA, 0xFF, 0xFF, 0xFF])                  # 1: call -6 -> 0 (the run's start)
+    out = relocate(insns(code), NEW)
+    assert out == bytes([0x90, 0x68]) + (OLD + 6).to_bytes(8, "little")[:4] + bytes([0xE9]) + rel32(-11)
+    assert relocate(insns(code), NEW, first_to=NEW - 0x40)[-4:] == rel32(-0x40 - 11)
+
+
+def _run_to(m: Machine, at: int, code: bytes, until: int, regs: dict[str, int]) -> dict[str, int]:
+    m.write(at, code)
+    m.set_regs(regs)
+    m.uc.emu_start(at, until, count=100)
+    return m.regs() | {"rip": m.uc.reg_read(UC_X86_REG_RIP)}
+
+
+def test_relocated_get_pc_idioms_see_the_original_address_in_unicorn():
+    """``call +0; pop rcx`` and a call of a get-pc thunk, at their place and relocated:
+    the address each reads is the original's, and the stack is as it was."""
+    m = Machine({CODE_OLD: 0x1000, CODE_NEW: 0x1000, STACK: 0x1000})
+    regs = {"rcx": 0, "rsp": STACK + 0x800}
+    m.write(CODE_OLD, GET_PC_THUNK)                               # the thunk stays in the text
+    thunk_call = relocate(insns(GET_PC_THUNK, CODE_OLD)[:1], CODE_NEW)
+    original = _run_to(m, CODE_OLD, GET_PC_THUNK[:5], CODE_OLD + 5, regs)
+    moved = _run_to(m, CODE_NEW, thunk_call, CODE_OLD + 5, regs)  # returns to the text
+    assert original["rcx"] == moved["rcx"] == CODE_OLD + 5
+    assert original["rsp"] == moved["rsp"] == STACK + 0x800
+
+    pop = relocate(insns(CALL_NEXT_POP, CODE_OLD + 0x100), CODE_NEW + 0x100)
+    m.write(CODE_OLD + 0x100, CALL_NEXT_POP)
+    original = _run_to(m, CODE_OLD + 0x100, CALL_NEXT_POP, CODE_OLD + 0x106, regs)
+    moved = _run_to(m, CODE_NEW + 0x100, pop, CODE_NEW + 0x100 + len(pop), regs)
+    assert original["rcx"] == moved["rcx"] == CODE_OLD + 0x105
+    assert original["rsp"] == moved["rsp"] == STACK + 0x800
+
+
+@pytest.mark.parametrize("call", [
+    bytes([0xFF, 0xD0]),                                          # call rax
+    bytes([0xFF, 0x15]) + rel32(DATA - (CODE_OLD + 3 + 6)),       # call [rip -> DATA]
+    bytes([0xE8]) + rel32(0x800 - 8),                             # call CODE_OLD+0x800
+])
+def test_a_relocated_call_pushes_the_original_return_address_in_unicorn(call):
+    """A run ending in a call, at its place and relocated: the callee is reached with
+    the same stack, whose top is the original return address."""
+    m = Machine({CODE_OLD: 0x1000, CODE_NEW: 0x1000, DATA: 0x1000, STACK: 0x1000})
+    callee = CODE_OLD + 0x800
+    m.put64(DATA, callee)
+    code = bytes([0x48, 0x89, 0xF8]) + call                       # mov rax, rdi; call ...
+    regs = {"rdi": callee, "rax": 0, "rsp": STACK + 0x800}
+    seen = []
+    for at, run in ((CODE_OLD, code), (CODE_NEW, relocate(insns(code, CODE_OLD), CODE_NEW))):
+        out = _run_to(m, at, run, callee, regs)
+        seen.append((out["rip"], out["rsp"], m.u64(out["rsp"]), out["rax"]))
     assert seen[0] == seen[1]
     assert seen[0][2] == CODE_OLD + len(code)

@@ -532,11 +532,14 @@ class Arch(Protocol):
                  first_to: int | None = None) -> bytes:
         """Re-encode ``insns`` (consecutive) to run at ``new_address`` with the same effect.
 
-        PC-relative operands, relative jumps, jcc and calls are fixed up (growing
-        short forms to long ones as needed); a branch to another instruction of the
-        run goes to its copy, except that a branch to the first one goes to
-        ``first_to`` when given.  Raises RelocationError when that is impossible.
-        The result's length may differ from the input's.
+        PC-relative operands, relative jumps and jcc are fixed up (growing short
+        forms to long ones as needed); a branch to another instruction of the run
+        goes to its copy, except that a branch to the first one goes to
+        ``first_to`` when given.  A call always leaves the original return address:
+        the run's last call is moved as ``moved_call`` writes it, a call to the next
+        instruction becomes the address alone, and any other call with instructions
+        after it is refused (CallInsideRun).  Raises RelocationError when that is
+        impossible.  The result's length may differ from the input's.
         """
         ...
 

@@ -9,7 +9,10 @@ being used:
 original                    levels (each one used only when the one before cannot reach)
 ==========================  ==============================================================
 ``B label``                 ``B`` (+-128 MB); refused beyond: no register is known free
-``BL label``                ``BL``; ``MOVZ/MOVK x16, #label; BLR x16``
+``BL .+4``                  x30 set to the original return address (``ADR x30``;
+                            ``MOVZ/MOVK x30``) and on with the next instruction
+``BL label``, ``BLR Xn``    the run's last instruction only: :func:`moved_call`'s form,
+(and BLRAA ...)             x30 set to the original return address and a branch
 ``B.cond``, ``CBZ/CBNZ``,   the same, re-encoded (+-1 MB / +-32 KB); the opposite
 ``TBZ/TBNZ``                condition over a ``B``: ``B.!cond/CBNZ/TBNZ .+8; B label``
                             (B.AL and B.NV, which always branch: ``B label``)
@@ -36,6 +39,15 @@ relaxation: every item starts at level 0, items that do not reach move up a
 level, and the layout is recomputed until nothing moves (levels only grow and
 are bounded, so this ends).
 
+A call leaves its return address in x30, where the callee, the kernel's unwinders
+and the get-pc idiom (``BL .+4; MOV Xd, x30``) read it: a plain ``BL`` at the new
+place would leave its copy's address.  So a call moves only in forms that leave
+the original one, as on x86-64: the run's last call as :func:`moved_call` writes
+it (the callee returns to the original text right after the call, where the
+run's copy jumps back to anyway), ``BL .+4`` as the address alone.  A call with
+instructions after it in the run is refused (CallInsideRun): returning to the
+original text would skip the rest of the copy.
+
 Refused (RelocationError naming the instruction): a branch into the middle of an
 instruction, instructions that are not consecutive, a relocated branch out of
 every level's reach, any instruction capstone calls PC-relative that the table
@@ -54,6 +66,7 @@ address must stay in the text.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -61,7 +74,7 @@ import capstone
 from capstone import arm64_const as A
 
 from ksim.arch.base import Insn
-from ksim.errors import OutOfRange, RelocationError
+from ksim.errors import CallInsideRun, OutOfRange, RelocationError
 
 from . import pcrel
 from .regs import AL, IP0, IP1, NV
@@ -81,6 +94,10 @@ _EXCLUSIVES = frozenset({
 _NZ_BIT = 1 << 24
 #: the bit that turns BR into BLR, BRAA into BLRAA, ... ("opc" bit 0 of the branch-register class)
 _LINK_BIT = 1 << 21
+#: BLR Xn and the pointer-authenticating BLRAA/BLRAB Xn, Xm and
+#: BLRAAZ/BLRABZ Xn: 1101011 Z 0 0 1 11111 0000 1 M Rn Rm
+_BLR_MASK, _BLR = 0xFFFFFC1F, 0xD63F0000
+_BLRA_MASK, _BLRA = 0xFEFFF800, 0xD63F0800
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +105,10 @@ class _Item:
     """One instruction and how it is relocated."""
 
     insn: Insn
-    #: "copy", "b", "bl", "cond", "adr", "adrp", "load"; "droppable": a NOP when out
-    #: of reach (no architectural effect); "near_only": refused out of reach
+    #: "copy", "b", "bl", "blr", "cond", "adr", "adrp", "load"; "droppable": a NOP
+    #: when out of reach (no architectural effect); "near_only": refused out of
+    #: reach; placed in a run (:func:`_placed`): "link" (BL .+4), "moved_bl" and
+    #: "moved_blr" (the run's last call)
     kind: str
     word: int
     form: pcrel.Form | None = None
@@ -97,8 +116,13 @@ class _Item:
 
     @property
     def levels(self) -> int:
-        return {"copy": 1, "b": 1, "bl": 2, "cond": 2, "adr": 3, "adrp": 2,
-                "load": 3, "droppable": 2, "near_only": 1}[self.kind]
+        return {"copy": 1, "b": 1, "bl": 1, "blr": 1, "cond": 2, "adr": 3, "adrp": 2,
+                "load": 3, "droppable": 2, "near_only": 1, "link": 2, "moved_bl": 1,
+                "moved_blr": 1}[self.kind]
+
+
+def _is_blr(word: int) -> bool:
+    return word & _BLR_MASK == _BLR or word & _BLRA_MASK == _BLRA
 
 
 def _word(insn: Insn) -> int:
@@ -121,6 +145,8 @@ def classify(insn: Insn) -> _Item:
             f"{insn}: an exclusive load/store cannot be moved: code between it and its "
             "other half may clear the exclusive monitor, and its loop never succeed")
     if form is None:
+        if _is_blr(word):
+            return _Item(insn, "blr", word)
         if decoded.group(A.ARM64_GRP_BRANCH_RELATIVE) and any(
                 op.type == A.ARM64_OP_IMM for op in decoded.operands):
             raise RelocationError(f"{insn}: unknown PC-relative form {word:#010x}")
@@ -141,6 +167,19 @@ def classify(insn: Insn) -> _Item:
         return _Item(insn, kind, word, form, target)
     kind = {pcrel.B: "b", pcrel.BL: "bl"}.get(form, "cond")
     return _Item(insn, kind, word, form, target)
+
+
+def _placed(item: _Item, *, last: bool) -> _Item:
+    """How a call moves at its place in a run (module doc); other items as they are."""
+    if item.kind == "bl" and item.target == item.insn.end:
+        return dataclasses.replace(item, kind="link")
+    if item.kind not in ("bl", "blr"):
+        return item
+    if not last:
+        raise CallInsideRun(
+            f"{item.insn}: a call with instructions after it cannot be relocated: at a new "
+            "place it would leave another return address in x30 than the original's")
+    return dataclasses.replace(item, kind=f"moved_{item.kind}")
 
 
 def _check_consecutive(insns: Sequence[Insn]) -> None:
@@ -181,12 +220,17 @@ class Relocator:
         _check_consecutive(insns)
         if new_address % WORD:
             raise RelocationError(f"A64 code cannot be placed at {new_address:#x}: not 4-byte aligned")
-        self.items = [classify(i) for i in insns]
+        last = len(insns) - 1
+        self.items = [_placed(classify(i), last=k == last) for k, i in enumerate(insns)]
         self.new_address = new_address
         self.first_to = first_to
         self.start = insns[0].address if insns else 0
         self.end = insns[-1].end if insns else 0
         self.levels = [0] * len(self.items)
+        # a moved call's size depends on where its destination's copy is: until the
+        # first layout, every copy is taken to be at the start (the run is far
+        # shorter than B's reach, so the size a copy's address gives is the same)
+        self.at = [new_address] * len(self.items)
         self.at = self._layout()
         self._relax()
 
@@ -195,7 +239,7 @@ class Relocator:
         at, pc = [], self.new_address
         for item, level in zip(self.items, self.levels, strict=True):
             at.append(pc)
-            pc += self._size(item, level)
+            pc += self._size(item, level, pc)
         return at
 
     def _relax(self) -> None:
@@ -225,18 +269,16 @@ class Relocator:
             raise RelocationError(f"{item.insn}: branches into the middle of an instruction")
         return self.at[index]
 
-    def _moves_with_layout(self, item: _Item) -> bool:
-        """Whether a branch's destination is the copy of an instruction of the run
-        (its address then depends on the layout being computed)."""
-        inside = self.start <= item.target < self.end
-        return inside and not (item.target == self.start and self.first_to is not None)
-
-    def _size(self, item: _Item, level: int) -> int:
+    def _size(self, item: _Item, level: int, at: int) -> int:
         kind = item.kind
+        if kind in ("moved_bl", "moved_blr"):
+            w = Writer(at)
+            self._write_moved(w, item)
+            return w.pc - at
+        if kind == "link":
+            return WORD if level == 0 else WORD * len(mov_imm_words(0, item.insn.end))
         if level == 0:
             return WORD
-        if kind == "bl":
-            return WORD * (len(mov_imm_words(0, self._dest(item))) + 1)
         if kind == "cond":
             return WORD if _is_always(item) else 2 * WORD
         if kind == "adr":
@@ -252,17 +294,15 @@ class Relocator:
 
     def _reaches(self, item: _Item, level: int, at: int) -> bool:
         kind, form = item.kind, item.form
-        if form is None:
+        if kind == "link":
+            return level > 0 or pcrel.ADR.reaches(at, item.insn.end)
+        if form is None or kind == "moved_bl":        # a moved call reaches anywhere
             return True
-        if kind in ("b", "bl", "cond"):
+        if kind in ("b", "cond"):
             dest = self._dest(item)
             if level == 0:
                 return form.reaches(at, dest)
-            if kind == "cond":
-                return pcrel.B.reaches(at + (0 if _is_always(item) else WORD), dest)
-            # BL through x16: any address, but only a fixed one (the copy of an
-            # instruction of the run is always within BL's reach anyway)
-            return not self._moves_with_layout(item)
+            return pcrel.B.reaches(at + (0 if _is_always(item) else WORD), dest)
         if level == 0:
             return form.reaches(at, item.target)
         if level == 1 and kind in ("adr", "load"):
@@ -277,7 +317,7 @@ class Relocator:
                 self._write(w, item, level)
             except OutOfRange as e:                    # pragma: no cover - relaxation checked
                 raise RelocationError(f"{item.insn} at {w.pc:#x}: {e}") from e
-            if w.pc - at != self._size(item, level):   # pragma: no cover - a layout bug
+            if w.pc - at != self._size(item, level, at):   # pragma: no cover - a layout bug
                 raise RelocationError(f"{item.insn}: relocated size differs from its layout")
         return w.flush()
 
@@ -285,13 +325,14 @@ class Relocator:
         kind, word = item.kind, item.word
         if kind == "copy":
             w.put_word(word)
-        elif kind in ("b", "bl", "cond"):
+        elif kind in ("moved_bl", "moved_blr"):
+            self._write_moved(w, item)
+        elif kind == "link":
+            _set_return_address(w, item.insn.end, far=level > 0)
+        elif kind in ("b", "cond"):
             dest = self._dest(item)
             if level == 0:
                 w.put_pcrel(word, dest)
-            elif kind == "bl":            # AAPCS64 lets a call veneer clobber IP0
-                w.put_mov_imm(IP0, dest)
-                w.put_blr(IP0)
             elif _is_always(item):
                 w.put_b(dest)
             else:                         # !cond .+8 (over the B); B dest
@@ -303,6 +344,14 @@ class Relocator:
             w.put_nop()
         else:
             self._write_grown(w, item, level)
+
+    def _write_moved(self, w: Writer, item: _Item) -> None:
+        """The run's last call, as :func:`moved_call` writes it (a BL's destination
+        moved into the copy when it lies in the run)."""
+        if item.kind == "moved_bl":
+            _put_moved_bl(w, item.insn, self._dest(item))
+        else:
+            w.put_word(_through_scratch(w, item.insn, item.word) & ~_LINK_BIT)
 
     def _write_grown(self, w: Writer, item: _Item, level: int) -> None:
         """ADR, ADRP and literal loads beyond their reach: the address built in the
@@ -342,16 +391,10 @@ def relocated_size(insns: Sequence[Insn], new_address: int, *, first_to: int | N
     if not insns:
         return 0
     r = Relocator(insns, new_address, first_to=first_to)
-    return r.at[-1] - new_address + r._size(r.items[-1], r.levels[-1])
+    return r.at[-1] - new_address + r._size(r.items[-1], r.levels[-1], r.at[-1])
 
 
 # --- a call moved out of the text ---------------------------------------------------------
-#: BLR Xn and the pointer-authenticating BLRAA/BLRAB Xn, Xm and
-#: BLRAAZ/BLRABZ Xn: 1101011 Z 0 0 1 11111 0000 1 M Rn Rm
-_BLR_MASK, _BLR = 0xFFFFFC1F, 0xD63F0000
-_BLRA_MASK, _BLRA = 0xFEFFF800, 0xD63F0800
-
-
 def moved_call(insn: Insn, at: int) -> bytes:
     """Code at ``at`` with the effect of the call ``insn`` executed where it was:
     x30 holds the original return address ``insn.end``, then control goes to the
@@ -374,18 +417,23 @@ def moved_call(insn: Insn, at: int) -> bytes:
     word = _word(insn)
     w = Writer(at)
     if pcrel.BL.matches(word):
-        target = pcrel.BL.target(word, insn.address)
-        _set_return_address(w, insn.end)
-        if pcrel.B.reaches(w.pc, target):
-            w.put_b(target)
-        else:
-            w.put_mov_imm(IP0, target)
-            w.put_br(IP0)
+        _put_moved_bl(w, insn, pcrel.BL.target(word, insn.address))
         return w.flush()
-    if word & _BLR_MASK == _BLR or word & _BLRA_MASK == _BLRA:
+    if _is_blr(word):
         w.put_word(_through_scratch(w, insn, word) & ~_LINK_BIT)
         return w.flush()
     raise RelocationError(f"{insn}: not a call")
+
+
+def _put_moved_bl(w: Writer, insn: Insn, dest: int) -> None:
+    """x30 = ``insn``'s original return address; a branch to ``dest`` (through x16
+    beyond B's reach: AAPCS64 lets a call veneer clobber IP0)."""
+    _set_return_address(w, insn.end)
+    if pcrel.B.reaches(w.pc, dest):
+        w.put_b(dest)
+    else:
+        w.put_mov_imm(IP0, dest)
+        w.put_br(IP0)
 
 
 def _through_scratch(w: Writer, insn: Insn, word: int) -> int:
@@ -408,8 +456,12 @@ def _through_scratch(w: Writer, insn: Insn, word: int) -> int:
     return word
 
 
-def _set_return_address(w: Writer, address: int) -> None:
-    if pcrel.ADR.reaches(w.pc, address):
-        w.put_adr("x30", address)
-    else:
+def _set_return_address(w: Writer, address: int, *, far: bool | None = None) -> None:
+    """x30 = ``address``: ``ADR`` within its reach, else ``MOVZ/MOVK`` (``far``
+    forces the choice: a layout level)."""
+    if far is None:
+        far = not pcrel.ADR.reaches(w.pc, address)
+    if far:
         w.put_mov_imm("x30", address)
+    else:
+        w.put_adr("x30", address)

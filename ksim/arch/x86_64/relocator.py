@@ -7,7 +7,11 @@ written relocated:
 
 * ``jmp rel8/rel32``        -> ``jmp rel32``                (e9 cd)
 * ``jcc rel8/rel32``        -> ``jcc rel32``                (0f 80+cc cd)
-* ``call rel32``            -> ``call rel32``, recomputed   (e8 cd)
+* ``call rel32`` to the next instruction (``call $+5``, the get-pc idiom) ->
+  push of the original return address, and on with the next instruction
+* a call, direct or indirect, as the run's last instruction -> :func:`moved_call`'s
+  form: push the original return address, ``jmp`` to the callee (``jmp rel32``,
+  ``jmp r/m64`` with the call's operand)
 * ``xbegin rel32``          -> ``xbegin rel32``, recomputed (c7 f8 cd)
 * ``jrcxz/jecxz/loop/loope/loopne rel8`` (no rel32 form exists, SDM "JCC" and
   "LOOP/LOOPcc") -> ``op +2; jmp short +5; jmp rel32 target``
@@ -23,8 +27,20 @@ changes nothing in 64-bit mode (the operand size of near branches is forced to
 anything else the decoder calls a relative branch but this table does not know
 is refused, never copied: a copied relative branch would go somewhere else.
 
-:func:`moved_call` is the other half: a call moved out of the text whose return
-address must stay in the text (see its doc).
+A call leaves its return address on the stack, where the callee and the kernel's
+unwinders read it: a plain call at the new place would push its copy's address.  So
+a call is moved only in forms that push the original one (SDM "CALL": the pushed
+address is the next instruction's).  A call that is the run's last instruction
+becomes :func:`moved_call`'s form: the callee returns to the original text right
+after the call -- where a run's relocated copy jumps back to anyway -- so a get-pc
+thunk (``call __x86.get_pc_thunk.bx``: ``mov ebx, [esp]; ret``) reads the original
+address: the effect frida-gum's vector ``call_near_gnu_get_pc_thunk`` asks for
+(frida-gum reads the thunk and inlines it as ``mov ebx, imm``; a relocator given
+only the run calls it).  A call to the next instruction only pushes its address
+(frida-gum's ``call_near_relative_to_next_instruction``).  Any other call with instructions
+after it in the run is refused (CallInsideRun): returning to the original text
+would skip the rest of the copy, and a plain call would push the wrong address.
+Far calls (``ff /3``) and anything else the decoder calls a call are refused.
 
 A branch whose target is an instruction of the run itself goes to that
 instruction's relocated copy.  Every long form is chosen regardless of the
@@ -43,7 +59,7 @@ import capstone
 from capstone import x86 as cs_x86
 
 from ksim.arch.base import Insn
-from ksim.errors import OutOfRange, RelocationError
+from ksim.errors import CallInsideRun, OutOfRange, RelocationError
 
 from .writer import INT8, INT32, Writer, fits, rel32_reaches, signed64
 
@@ -52,6 +68,8 @@ _LEGACY_PREFIXES = frozenset({0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x
 #: rel8-only conditional loops: jrcxz (e3), loop (e2), loope (e1), loopne (e0)
 _LOOPS = frozenset({0xE0, 0xE1, 0xE2, 0xE3})
 _REX = range(0x40, 0x50)
+#: the opcode of the near indirect call (ff /2) and jmp (ff /4)
+_FF = 0xFF
 
 _MASK64 = (1 << 64) - 1
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
@@ -62,7 +80,10 @@ _cs.detail = True
 class _Form:
     """How one instruction is relocated."""
 
-    kind: str                 # "jmp", "jcc", "call", "xbegin", "loop", "riprel", "eiprel", "copy"
+    #: "jmp", "jcc", "call", "icall" (ff /2), "xbegin", "loop", "riprel", "eiprel",
+    #: "copy"; placed in a run (Relocator): "pushret" (a call to the next
+    #: instruction), "moved" / "imoved" (a run's last call, direct / indirect)
+    kind: str
     prefixes: bytes = b""
     opcode: int = 0           # jcc: condition nibble; loop: the e0..e3 opcode
     target: int = 0           # branch target, or the absolute address a RIP operand reaches
@@ -70,7 +91,15 @@ class _Form:
 
     def size(self, insn: Insn) -> int:
         extra = {"jmp": 5, "jcc": 6, "call": 5, "xbegin": 6, "loop": 2 + 2 + 5}
-        return len(self.prefixes) + extra[self.kind] if self.kind in extra else insn.size
+        if self.kind in extra:
+            return len(self.prefixes) + extra[self.kind]
+        if self.kind == "pushret":
+            return _push_size(insn.end)
+        if self.kind == "moved":
+            return _push_size(insn.end) + 5
+        if self.kind == "imoved":
+            return _push_size(insn.end) + len(_indirect_as_jmp(insn, None))
+        return insn.size
 
 
 def _split_prefixes(raw: bytes) -> tuple[bytes, bytes]:
@@ -153,7 +182,32 @@ def classify(insn: Insn) -> _Form:
     # whatever the decoder knows to be relative and the table above does not: refuse
     if decoded.group(capstone.CS_GRP_BRANCH_RELATIVE) or decoded.mnemonic == "xbegin":
         raise RelocationError(f"{insn}: relative branch form {insn.raw.hex()} is not relocatable")
+    if decoded.group(capstone.CS_GRP_CALL):
+        if not _is_near_indirect_call(insn):
+            raise RelocationError(f"{insn}: only near calls (e8, ff /2) can be relocated")
+        return _Form("icall")
     return _pc_relative_form(insn, decoded) or _Form("copy")
+
+
+def _is_near_indirect_call(insn: Insn) -> bool:
+    _prefixes, rest = _split_prefixes(insn.raw)
+    return len(rest) >= 2 and rest[0] == _FF and (rest[1] >> 3) & 7 == 2
+
+
+def _placed(insn: Insn, form: _Form, *, last: bool) -> _Form:
+    """How a call moves at its place in a run (module doc); other forms as they are."""
+    if form.kind == "call" and form.target == insn.end:
+        return _Form("pushret")
+    if form.kind not in ("call", "icall"):
+        return form
+    if not last:
+        raise CallInsideRun(
+            f"{insn}: a call with instructions after it cannot be relocated: at a new "
+            "place it would leave another return address than the original's")
+    if form.kind == "icall":
+        _indirect_as_jmp(insn, None)        # refused now, not when written
+        return _Form("imoved")
+    return _Form("moved", target=form.target)
 
 
 def _check_consecutive(insns: Sequence[Insn]) -> None:
@@ -174,7 +228,8 @@ class Relocator:
         self.insns = list(insns)
         self.new_address = new_address
         self.first_to = first_to
-        self.forms = [classify(i) for i in self.insns]
+        last = len(self.insns) - 1
+        self.forms = [_placed(i, classify(i), last=k == last) for k, i in enumerate(self.insns)]
         self.new_of: dict[int, int] = {}
         pc = new_address
         for insn, form in zip(self.insns, self.forms, strict=True):
@@ -208,8 +263,14 @@ class Relocator:
             w.put_jmp(self._dest(insn, form.target))
         elif form.kind == "jcc":
             w.put_jcc(form.opcode, self._dest(insn, form.target))
-        elif form.kind == "call":
-            w.put_call(self._dest(insn, form.target))
+        elif form.kind == "pushret":
+            _push_return_address(w, insn.end)
+        elif form.kind == "moved":
+            _push_return_address(w, insn.end)
+            w.put_jmp(self._dest(insn, form.target))
+        elif form.kind == "imoved":
+            _push_return_address(w, insn.end)
+            w.put_bytes(_indirect_as_jmp(insn, w.pc))
         elif form.kind == "xbegin":
             w.put_xbegin(self._dest(insn, form.target))
         elif form.kind == "loop":
@@ -245,12 +306,11 @@ def relocate(insns: Sequence[Insn], new_address: int, *, first_to: int | None = 
 
 def relocated_size(insns: Sequence[Insn]) -> int:
     """How many bytes ``relocate`` will produce for ``insns`` (independent of the address)."""
-    return sum(classify(i).size(i) for i in insns)
+    last = len(insns) - 1
+    return sum(_placed(i, classify(i), last=k == last).size(i) for k, i in enumerate(insns))
 
 
 # --- a call moved out of the text ---------------------------------------------------
-_FF = 0xFF
-
 
 def moved_call(insn: Insn, at: int) -> bytes:
     """Code at ``at`` with the effect of the call ``insn`` executed where it was:
@@ -284,11 +344,16 @@ def moved_call(insn: Insn, at: int) -> bytes:
     return w.flush()
 
 
+def _push_size(address: int) -> int:
+    """The length of :func:`_push_return_address`'s code for ``address``."""
+    return 5 if fits(signed64(address), INT32) else 5 + 7 + 8
+
+
 def _push_return_address(w: Writer, address: int) -> None:
     """Push a 64-bit constant without touching a register or the flags: ``push
     imm32`` when the sign-extended immediate is the address (SDM "PUSH"), else
     ``lea rsp, [rsp-8]`` and two 32-bit stores."""
-    if fits(signed64(address), INT32):
+    if _push_size(address) == 5:
         w.put_bytes(b"\x68" + (address & 0xFFFFFFFF).to_bytes(4, "little"))
         return
     lo, hi = address & 0xFFFFFFFF, (address >> 32) & 0xFFFFFFFF
@@ -297,9 +362,10 @@ def _push_return_address(w: Writer, address: int) -> None:
                 + b"\xc7\x44\x24\x04" + hi.to_bytes(4, "little"))        # mov dword [rsp+4], hi
 
 
-def _indirect_as_jmp(insn: Insn, pc: int) -> bytes:
+def _indirect_as_jmp(insn: Insn, pc: int | None) -> bytes:
     """The indirect call ``insn`` re-encoded as ``jmp`` through the same operand,
-    to run at ``pc`` after 8 bytes were pushed."""
+    to run at ``pc`` after 8 bytes were pushed (None: only its length matters, a
+    RIP-relative displacement is left as it is)."""
     prefixes, rest = _split_prefixes(insn.raw)
     opcode_at = len(insn.raw) - len(rest)
     if not rest or rest[0] != _FF or len(rest) < 2 or (rest[1] >> 3) & 7 != 2:
@@ -316,7 +382,8 @@ def _indirect_as_jmp(insn: Insn, pc: int) -> bytes:
         return bytes(raw)
     form = _pc_relative_form(insn, decoded)
     if form is not None:
-        _rebase(raw, insn, form, pc)
+        if pc is not None:
+            _rebase(raw, insn, form, pc)
         return bytes(raw)
     if op.mem.base in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
         return _rsp_operand_moved_up(insn, raw, opcode_at + 1)
