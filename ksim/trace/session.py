@@ -299,7 +299,7 @@ class TraceSession:
             site = Site("event", ev.name, probe_name, args=self._event_args(tp), guard=tp.guard)
             if first:
                 return [(None, site)]
-            self._events.append(ev)
+            self._events.append(tp.enable or ev)
             out += [(p, site) for p in tp.points]
         return out
 

@@ -159,6 +159,9 @@ class Site:
     values: dict[str, ast.Node]
     #: true when a hit at the points is this event's (None: always)
     guard: ast.Node | None
+    #: the event that must be enabled for the points to run, when not ``event``
+    #: itself (a system call's exit read through raw_syscalls:sys_exit)
+    enable: Event | None = None
 
 
 SYSCALLS = "syscalls"
@@ -597,9 +600,34 @@ class Tracepoints:
             for f, off in zip(args, offsets, strict=False):
                 values[f.name] = ast.load(regs + off, f.size, f.signed)
         else:
-            points = self._returns(event, fn)
+            try:
+                points = self._returns(event, fn)
+            except NoTracepointSite as exc:
+                # the wrapper leaves by a tail call: its value is the kernel's own
+                # raw_syscalls:sys_exit's, for this system call's number
+                if nr is None:
+                    raise
+                try:
+                    return self._raw_exit(event, nr)
+                except TracepointError:
+                    raise exc from None
             values["ret"] = ast.retval()
         return self._checked(Site(event, points, None, values, None))
+
+    def _raw_exit(self, event: Event, nr: int) -> Site:
+        """``syscalls:sys_exit_NAME`` at raw_syscalls:sys_exit's site, guarded by the
+        record's ``id`` being the call's number; ``ret`` from its record."""
+        raw_event = self.catalogue.event("raw_syscalls", "sys_exit")
+        raw = self.site(raw_event)
+        ident, ret = raw_event.field("id"), raw_event.field("ret")
+        if raw.record is None or ident is None or ret is None:
+            raise NoTracepointSite(f"{event}: raw_syscalls:sys_exit has no id and ret to read")
+        record = raw.record
+        values = {"__syscall_nr": ast.Const(nr), "common_pid": ast.Pid(),
+                  "ret": ast.load(record + ret.offset, ret.size, ret.signed)}
+        mine = ast.load(record + ident.offset, ident.size, ident.signed) == ast.Const(nr)
+        guard = mine if raw.guard is None else ast.land(raw.guard, mine)
+        return Site(event, raw.points, None, values, guard, enable=raw_event)
 
     def _returns(self, event: Event, fn: Function) -> list[Point]:
         """Every exit of ``fn``, each a return (its value known there), or NoTracepointSite."""
