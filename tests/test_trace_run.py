@@ -173,7 +173,7 @@ def test_stats_are_printed_only_when_asked(capsys, toy_path):
 @pytest.mark.parametrize("program, message, where", [
     ("uprobe:/bin/sh:main { @ = count(); }",
      "uprobe probes are not supported: they instrument user space", "stdin:1:1-8"),
-    ("kprobe:vfs_read { @[kstack] = count(); }", "kstack is not supported on this kernel",
+    ("kprobe:vfs_read { @[ustack] = count(); }", "builtin ustack is not supported",
      "stdin:1:21-27"),
     ("kprobe:vfs_read { @ = buf(arg1, 4); }", "function buf() is not supported", "stdin:1:23-26"),
 ])
