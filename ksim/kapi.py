@@ -32,6 +32,8 @@ from ksim.arch.base import Arch, CallOperand
 from ksim.core import Write
 from ksim.errors import (
     AlreadySpliced,
+    BadArgument,
+    DuplicateHandle,
     HandlerUnsupported,
     KsimError,
     RelocationError,
@@ -41,6 +43,7 @@ from ksim.errors import (
 )
 from ksim.image.model import Function
 from ksim.snippets import ast
+from ksim.snippets.check import ACCESS_SIZES
 from ksim.snippets.check import check as check_snippet
 from ksim.snippets.codegen import gprs, position_independent
 from ksim.snippets.verify import Guard, Rules, verify
@@ -167,6 +170,8 @@ class Manager:
 
     # --- finding things ---------------------------------------------------------
     def find_function(self, name: str) -> Function:
+        if not isinstance(name, str):
+            raise BadArgument(f"a function is named by a str, not {_shown(name)}")
         return self.target.image.function(name)
 
     def find_module(self, name: str) -> list[Function]:
@@ -186,25 +191,35 @@ class Manager:
 
     def point_at(self, address: int) -> Point:
         """An instruction-level point at any address inside a known function."""
-        return self.facts.point_at(address)
+        return self.facts.point_at(_int(address, "point_at's address"))
 
     def _func(self, func: Function | str) -> Function:
-        return self.find_function(func) if isinstance(func, str) else func
+        if isinstance(func, Function):
+            return func
+        return self.find_function(func)
 
     # --- kernel data memory -------------------------------------------------------
     def malloc(self, size: int = 8) -> ast.Var:
-        """A zeroed integer variable on the kernel's data heap (snippets may write it)."""
+        """A zeroed integer variable of ``size`` bytes (1, 2, 4 or 8) on the kernel's
+        data heap (snippets may write it)."""
+        size = _var_size(size)
         return ast.Var(self.alloc_data(size), size)
 
     def malloc_array(self, count: int, size: int = 8) -> list[ast.Var]:
         """``count`` zeroed integer variables of ``size`` bytes each, end to end in one
         block of the data heap (one per point of a batch, say): read_array reads them
-        all in one request, and free(vars[0]) frees the block."""
-        base = self.alloc_data(max(count, 1) * size)
+        all in one request, and free(vars[0]) frees the block.  No count: no block."""
+        count, size = _int(count, "malloc_array's count"), _var_size(size)
+        if count < 0:
+            raise BadArgument(f"malloc_array's count must not be negative, not {count}")
+        if not count:
+            return []
+        base = self.alloc_data(count * size)
         return [ast.Var(base + size * i, size) for i in range(count)]
 
     def read_array(self, variables: Sequence[ast.Var]) -> list[int]:
         """The values of ``variables`` from one malloc_array, read at once."""
+        variables = [_var(v) for v in _items(variables, "read_array's variables")]
         if not variables:
             return []
         base, size = variables[0].address, variables[0].size
@@ -216,12 +231,17 @@ class Manager:
     def alloc_data(self, size: int, align: int = 8) -> int:
         """A zeroed block of the kernel's data heap that snippets may write (placed in
         an area of the target's: no request unless a new area is needed)."""
+        size, align = _int(size, "a heap block's size"), _int(align, "a heap block's alignment")
+        if size <= 0:
+            raise BadArgument(f"a heap block's size must be positive, not {size}")
+        if align <= 0 or align & (align - 1):
+            raise BadArgument(f"a heap block's alignment must be a power of two, not {align}")
         address = self._data.place(size, align=align)
         self._heap[address] = size
         return address
 
     def free(self, var: ast.Var | int) -> None:
-        address = var.address if isinstance(var, ast.Var) else var
+        address = _var(var).address if isinstance(var, ast.Var) else _int(var, "free's address")
         if address not in self._heap:
             raise UnknownHandle(f"{address:#x} is not a block of the data heap from malloc")
         self._data.release(address)
@@ -233,6 +253,8 @@ class Manager:
         recursion guard: a hit while its cpu runs one already is skipped and
         counted (``missed()``)."""
         for f in functions:
+            if not isinstance(f, Function | str):
+                f = _int(f, "a callable function's address")
             if isinstance(f, int):
                 func = self.target.image.function_at(f)
                 self._calls[f] = func.name if func is not None and func.address == f else hex(f)
@@ -251,9 +273,11 @@ class Manager:
                                 guard=self.guard)
 
     def read(self, var: ast.Var) -> int:
+        var = _var(var)
         return int.from_bytes(self.target.read(var.address, var.size), "little", signed=False)
 
     def write(self, var: ast.Var, value: int) -> None:
+        var, value = _var(var), _int(value, "the value written")
         self.target.write(var.address, (value % (1 << (8 * var.size))).to_bytes(var.size, "little"))
 
     def copy_from_kernel(self, address: int, size: int) -> bytes:
@@ -274,17 +298,25 @@ class Manager:
         (the very verdict insert_snippet would give).  A dry run: planned where the
         patch would go, with nothing placed and no request of the target."""
         try:
-            self._add(Handle(0, point, ast.Seq(())), splice, dry_run=True)
+            self.check_insert(point, splice)
         except KsimError as exc:
             return str(exc)
         return None
+
+    def check_insert(self, point: Point, splice: str = "auto") -> None:
+        """can_insert's verdict as the error insert_snippet would raise (None: it
+        would splice); the same dry run."""
+        _point(point)
+        planner.policy_tactics(splice)
+        self._add(Handle(0, point, ast.Seq(())), splice, dry_run=True)
 
     def spliceable_entries(self, funcs: Iterable[Function], splice: str = "auto"
                            ) -> tuple[list[tuple[Function, Point]], dict[str, str]]:
         """The entry points of ``funcs`` that ``splice`` can splice (can_insert), each
         with its function, in the order given; and why each other function's cannot
         be (its analysis failed, or can_insert's verdict), by name."""
-        funcs = list(funcs)
+        funcs = [self._func(f) for f in _items(funcs, "spliceable_entries' functions")]
+        planner.policy_tactics(splice)
         for_batch(self.target.image, len(funcs))
         out: list[tuple[Function, Point]] = []
         refused: dict[str, str] = {}
@@ -317,7 +349,8 @@ class Manager:
         Snippets are verified first (ksim.snippets.verify): one that calls out runs
         under the recursion guard, and a hit it skips is counted in ``missed()``
         and in ``missed`` (an 8-byte variable from malloc) when given."""
-        kind = point.kind
+        kind = _point(point).kind
+        planner.policy_tactics(splice)
         rules = self.rules()
         for code, where in ((snippet, kind), (post, PointKind.INSN)):
             if code is not None:
@@ -327,8 +360,12 @@ class Manager:
         snippet = verify([snippet], rules)[0] if snippet is not None else None
         post = verify([post], rules)[0] if post is not None else None
         if missed is not None:
-            if (missed.address, missed.size) not in rules.writable or missed.size != 8:
-                raise WriteOutsideHeap(f"the miss counter at {missed.address:#x} is not an "
+            if not (isinstance(missed, ast.Var) and type(missed.address) is int
+                    and type(missed.size) is int and missed.size == 8 and missed.segment is None
+                    and (missed.address, missed.size) in rules.writable):
+                shown = (f"at {missed.address:#x}" if isinstance(missed, ast.Var)
+                         and type(missed.address) is int else _shown(missed))
+                raise WriteOutsideHeap(f"the miss counter {shown} is not an "
                                        "8-byte variable from malloc")
             snippet, post = (dataclasses.replace(s, missed=missed.address)
                              if isinstance(s, ast.Guarded) else s for s in (snippet, post))
@@ -342,12 +379,15 @@ class Manager:
         """Send execution arriving at ``point`` to ``to`` instead (function
         replacement); snippets at the point still run first.  ``to`` must be a
         function's entry: the image's, or one of a placed code block's."""
-        self.check_code_entry(to)
+        _point(point)
+        planner.policy_tactics(splice)
+        self.check_code_entry(_int(to, "divert's destination"))
         return self._add(Handle(next(self._ids), point, divert=to), splice)
 
     def redirect_call(self, point: Point, to: int) -> Handle:
         """Make the direct call at ``point`` call ``to`` (call-site replacement)."""
-        self.check_code_entry(to)
+        _point(point)
+        self.check_code_entry(_int(to, "the call's new destination"))
         if point.address in self._splices:
             raise AlreadySpliced(f"{point.address:#x} is already instrumented: "
                                  "a replaced call site has nothing else at it")
@@ -369,7 +409,7 @@ class Manager:
 
     def remove_snippet(self, handle: Handle) -> None:
         """Take ``handle``'s instrumentation out; the rest at its point stays."""
-        current = self._splices.get(handle.point.address)
+        current = self._splices.get(_handle(handle).point.address)
         if current is None or not any(h is handle for h in current.handles):
             raise UnknownHandle(f"handle {handle.id} is not inserted")
         rest = [h for h in current.handles if h is not handle]
@@ -395,7 +435,8 @@ class Manager:
                      snippet: ast.Snippet | Callable[[Point], ast.Snippet],
                      splice: str) -> list[Handle]:
         """The body of insert_many."""
-        points = list(points)
+        points = [_point(p) for p in _items(points, "insert_many's points")]
+        planner.policy_tactics(splice)
         for_batch(self.target.image, len(points))
         seen: set[int] = set()
         for p in points:
@@ -432,12 +473,21 @@ class Manager:
 
     def remove_many(self, handles: Sequence[Handle]) -> None:
         """Take ``handles`` out in one step: the points left with nothing are
-        restored by one poke; points that keep other instrumentation are re-planned."""
+        restored by one poke; points that keep other instrumentation are re-planned.
+        A handle named twice, or one not inserted, is refused before anything is
+        taken out."""
         with _collector_held():
             self._remove_many(handles)
 
     def _remove_many(self, handles: Sequence[Handle]) -> None:
         """The body of remove_many."""
+        handles = [_handle(h) for h in _items(handles, "remove_many's handles")]
+        seen: set[Handle] = set()
+        for h in handles:
+            if h in seen:
+                raise DuplicateHandle(f"handle {h.id} is named twice: remove_many takes each "
+                                      "handle once")
+            seen.add(h)
         gone: dict[int, list[Handle]] = {}
         for h in handles:
             current = self._splices.get(h.point.address)
@@ -726,6 +776,55 @@ class Manager:
         for splice in splices:
             self._retire(splice)
             del self._splices[splice.point.address]
+
+
+# --- arguments: a value of the wrong kind is a BadArgument, refused before anything changes ---
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _int(value: Any, what: str) -> int:
+    """``value`` as a plain int; BadArgument for a bool or anything not an int."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadArgument(f"{what} must be an int, not {_shown(value)}")
+    return int.__int__(value)  # an int subclass's own __int__ or __index__ is not asked
+
+
+def _var_size(size: Any) -> int:
+    size = _int(size, "a variable's size")
+    if size not in ACCESS_SIZES:
+        raise BadArgument(f"a variable's size must be 1, 2, 4 or 8 bytes, not {size}")
+    return size
+
+
+def _var(var: Any) -> ast.Var:
+    """``var`` if it is a Var with an address and size a read or write can use."""
+    if not isinstance(var, ast.Var):
+        raise BadArgument(f"expected a Var (from malloc), not {_shown(var)}")
+    _int(var.address, "a Var's address")
+    _var_size(var.size)
+    return var
+
+
+def _point(point: Any) -> Point:
+    if not isinstance(point, Point) or isinstance(point.address, bool) or not isinstance(
+            point.address, int):
+        raise BadArgument(f"expected a Point (from entry_point, point_at, ...), not "
+                          f"{_shown(point)}")
+    return point
+
+
+def _handle(handle: Any) -> Handle:
+    if not isinstance(handle, Handle):
+        raise BadArgument(f"expected a Handle (from insert_snippet, ...), not {_shown(handle)}")
+    return handle
+
+
+def _items(values: Any, what: str) -> list[Any]:
+    if isinstance(values, str | bytes) or not isinstance(values, Iterable):
+        raise BadArgument(f"{what} must be a sequence, not {_shown(values)}")
+    return list(values)
 
 
 @contextmanager

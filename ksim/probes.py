@@ -275,7 +275,17 @@ class Probes:
         kp._hits = kp._missed = None
 
     def register_kprobes(self, kps: Iterable[KProbe]) -> None:
-        """All or nothing: on a failure the probes registered so far are unregistered."""
+        """All or nothing: every probe's point is dry-run first, so that a refusal
+        known then changes nothing (a probe spliced and taken out again leaves its
+        patch's bytes in the patch area); on a later failure the probes registered
+        so far are unregistered."""
+        kps = list(kps)
+        addresses: set[int] = set()
+        for kp in kps:
+            address = self._dry_run(kp)
+            if address in addresses:
+                raise ProbeExists(f"two probes of the batch are at {address:#x}")
+            addresses.add(address)
         done: list[KProbe] = []
         try:
             for kp in kps:
@@ -342,6 +352,20 @@ class Probes:
         rp.entry_kp = None
 
     # --- internals ---------------------------------------------------------------------
+    def _dry_run(self, kp: KProbe) -> int:
+        """Refuse ``kp`` as register_kprobe would if its point cannot be spliced now;
+        else its address."""
+        if kp.registered:
+            raise ProbeExists("the probe is already registered")
+        address = self.resolve(kp)
+        if address in self._by_address:
+            raise ProbeExists(f"a probe is already registered at {address:#x}")
+        point = self.kmgr.point_at(address)
+        self._check_handlers(kp, point)
+        python = self._python(kp.pre_handler) or self._python(kp.post_handler)
+        self.kmgr.check_insert(point, "trap" if python else kp.splice)
+        return address
+
     def resolve(self, kp: KProbe) -> int:
         """The probe's address.  A probe on a function's first byte goes to its entry
         point: past the ftrace location the kernel owns, as Linux moves a probe at

@@ -162,3 +162,19 @@ def test_an_exception_in_a_hook_is_reraised_after_the_run(toy_manager):
             m.run(seed=SEED, iterations=ITER)
     finally:
         remove()
+
+
+def test_check_insert_raises_the_verdict_can_insert_gives_as_text(toy_manager):
+    m = toy_manager
+    fn = m.find_function("tcp_sync_mss")
+    before = state(m)
+    assert m.check_insert(m.entry_point(fn)) is None and m.can_insert(m.entry_point(fn)) is None
+    h = m.insert_snippet(m.entry_point(fn), ast.Seq(()), splice="jmp")
+    covered = [w for w in m.patch_of(h).writes if w.end - w.address > 1]
+    second = next(i.address for i in m.facts.function_code(fn).insns
+                  if covered[0].address < i.address < covered[0].end)
+    with pytest.raises(AlreadySpliced) as info:
+        m.check_insert(m.point_at(second))
+    assert m.can_insert(m.point_at(second)) == str(info.value)
+    m.remove_snippet(h)
+    assert state(m) == before

@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 from conftest import TOY_IMAGES, needs_image, toy_name
 
-from ksim.errors import HandlerUnsupported, NoReturnPoint, NotOnBoundary, ProbeExists
+from ksim.errors import (
+    AlreadySpliced,
+    HandlerUnsupported,
+    NoReturnPoint,
+    NotOnBoundary,
+    ProbeExists,
+)
 from ksim.kapi import Manager
 from ksim.probes import JProbe, KProbe, KretProbe, Probes
 from ksim.snippets import arg, call, retval
@@ -107,6 +113,36 @@ def test_batch_registration_is_all_or_nothing(m):
         probes.register_kprobes(bad)
     assert not bad[0].registered and text(m) == before and m.splices() == {}
     assert m.target._data.allocated() == heap
+
+
+def test_a_refused_kretprobe_leaves_even_the_patch_area_as_it_was(m):
+    """A later exit of the function inside another splice's window: refused by the
+    dry run before any exit is spliced (an exit spliced and taken out again would
+    leave its patch's bytes in the patch area, which is text too)."""
+    probes = Probes(m)
+    exits = rets(m, "fget")
+    blocker = None
+    for insn in m.facts.function_code(m.entry_point("fget")).insns:
+        if insn.address in exits:
+            continue
+        if m.can_insert(m.point_at(insn.address), "jmp+displace") is not None:
+            continue
+        hs = m.insert_many([m.point_at(insn.address)], ast_seq(), splice="jmp+displace")
+        covered = {a for w in m.patch_of(hs[0]).writes for a in range(w.address, w.end)}
+        if any(e in covered for e in exits[1:]):
+            blocker = hs
+            break
+        m.remove_many(hs)
+    if blocker is None:
+        pytest.skip("no splice of fget covers one of its later exits")
+    before = (text(m), m.splices(), m.target._code.allocated(), m.target._data.allocated())
+    var = m.malloc()
+    with pytest.raises(AlreadySpliced, match="inside bytes another splice overwrote"):
+        probes.register_kretprobe(KretProbe("fget", handler=var.atomic_assign(var + 1)))
+    m.free(var)
+    assert (text(m), m.splices(), m.target._code.allocated(),
+            m.target._data.allocated()) == before
+    m.remove_many(blocker)
 
 
 def test_recursive_hit_is_missed_and_handler_runs_once(m):

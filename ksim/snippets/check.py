@@ -90,11 +90,16 @@ def _size(size: Any, what: str) -> None:
 
 
 def _var(node: ast.Var, kind: str) -> None:
+    # the address first: the other messages show it (a node there, Var(Arg(0)), is
+    # no address: a Load reads through a computed one)
+    if isinstance(node.address, bool) or not isinstance(node.address, int) or not (
+            0 <= node.address < (1 << 64)):
+        raise BadOperand(f"Var address {node.address!r} is not a 64-bit address"
+                         + (" (a Load reads through a computed address)"
+                            if isinstance(node.address, ast.Node) else ""))
     _size(node.size, f"Var at {node.address:#x}")
     if node.segment not in SEGMENTS:
         raise BadOperand(f"Var segment {node.segment!r} is not None or 'gs'")
-    if not isinstance(node.address, int) or not 0 <= node.address < (1 << 64):
-        raise BadOperand(f"Var address {node.address!r} is not a 64-bit address")
 
 
 def _binop(node: ast.BinOp, kind: str) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ksim.core import Write
-from ksim.errors import UnknownHandle
+from ksim.errors import BadArgument, UnknownHandle
 
 #: take(size, near) -> address of a new area; give(address) returns it
 Take = Callable[[int, Any], int]
@@ -106,8 +106,10 @@ class Areas:
                     self._drop(area)
 
     def _find(self, size: int, near: int | None, align: int) -> tuple[Area, int]:
-        if size <= 0:
-            raise ValueError(f"{self.name}: a placement needs a positive size, not {size}")
+        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+            raise BadArgument(f"{self.name}: a placement needs a positive size, not {size!r}")
+        if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise BadArgument(f"{self.name}: an alignment is a power of two, not {align!r}")
         for area in self._areas.values():
             address = area.fit(size, align)
             if address is not None and self._reach(near, address, address + size):

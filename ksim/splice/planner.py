@@ -50,6 +50,7 @@ from ksim.errors import (
     NotOnBoundary,
     OutsideText,
     RelocationError,
+    UnknownPolicy,
 )
 from ksim.splice import hazards as hz
 from ksim.splice.patch import Patch
@@ -64,6 +65,8 @@ POLICIES: dict[str, tuple[str, ...]] = {
     "trap": ("trap",),
     "auto": JMP_TACTICS + ("trap",),
 }
+#: the policies proper (POLICIES also takes each tactic by name)
+_POLICY_NAMES = tuple(POLICIES)
 
 #: instruction kinds that may be displaced (moved into the patch) behind the point.
 #: A call may only be the last one: it is moved as "push the original return
@@ -167,10 +170,15 @@ def plan(arch: Arch, req: SpliceRequest, report: PlanReport | None = None) -> Pa
 
 
 def policy_tactics(policy: str) -> tuple[str, ...]:
-    """The tactics a policy tries, in order."""
-    tactics = POLICIES.get(policy)
+    """The tactics a policy tries, in order; UnknownPolicy, naming the policies,
+    for anything else."""
+    tactics = POLICIES.get(policy) if isinstance(policy, str) else None
     if tactics is None:
-        raise KsimError(f"unknown splice policy {policy!r}; use one of {', '.join(POLICIES)}")
+        shown = repr(policy) if isinstance(policy, str) else f"{type(policy).__name__} {policy!r}"
+        singles = [p for p in POLICIES if p not in _POLICY_NAMES]
+        raise UnknownPolicy(f"unknown splice policy {shown[:80]}: the policies are "
+                            f"{', '.join(_POLICY_NAMES)} (or one tactic by name: "
+                            f"{', '.join(singles)})")
     return tactics
 
 

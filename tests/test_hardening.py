@@ -1,0 +1,180 @@
+"""Bad input ends in a specific ksim error and changes nothing (issue "Hardening,
+round two"): the relocator's calls, the Manager's arguments, the verifier's call
+allow-list, ELF loading, the ``ksim count`` point grammar and token files.
+
+The fuzz tests are bounded: a few hundred examples, each under a time limit
+(SIGALRM), so that a hang fails the test instead of stalling the suite."""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from ksim.arch import get_arch
+from ksim.errors import (
+    BadArgument,
+    BadOperand,
+    CallInsideRun,
+    DuplicateHandle,
+    UnknownPolicy,
+    WriteOutsideHeap,
+)
+from ksim.snippets import ast
+
+
+@contextmanager
+def time_limit(seconds: float) -> Iterator[None]:
+    """Fail with TimeoutError if the body runs longer than ``seconds``."""
+    def expired(_signum: int, _frame: object) -> None:
+        raise TimeoutError(f"took more than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def state(m):
+    """What a refusal must leave as it was: text, trap routes, heap and patch
+    allocations, splices."""
+    t = m.target
+    return (m.text_snapshot(), dict(t._traps), t._code.allocated(), t._data.allocated(),
+            m.splices())
+
+
+# --- 1. the relocator: a call is never moved as a plain call --------------------------------------
+X86_OLD, X86_NEW = 0xFFFFFFFF81000000, 0xFFFFFFFFA0000000
+
+
+def _x86(code: bytes, at: int = X86_OLD):
+    return list(get_arch("x86_64").decode(code, at))
+
+
+def test_relocate_moves_a_last_call_with_its_original_return_address():
+    arch = get_arch("x86_64")
+    for code in (bytes([0xE8, 0x00, 0x10, 0x00, 0x00]),          # call rel32
+                 bytes([0xFF, 0xD0]),                            # call rax
+                 bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00])):   # call [rip+0x10]
+        insn = _x86(code)[0]
+        out = arch.relocate([insn], X86_NEW)
+        assert out == arch.moved_call(insn, X86_NEW)
+        assert out[:5] == b"\x68" + insn.end.to_bytes(8, "little")[:4]     # push original end
+
+
+def test_relocate_turns_call_to_next_into_a_push_and_refuses_calls_inside_a_run():
+    arch = get_arch("x86_64")
+    assert arch.relocate(_x86(bytes([0xE8, 0, 0, 0, 0, 0x59])), X86_NEW) == (
+        b"\x68" + (X86_OLD + 5).to_bytes(8, "little")[:4] + b"\x59")
+    with pytest.raises(CallInsideRun):
+        arch.relocate(_x86(bytes([0xFF, 0xD0, 0x90])), X86_NEW)          # call rax; nop
+
+
+def test_aarch64_relocate_leaves_the_original_return_address_in_x30():
+    arch = get_arch("aarch64")
+    old, new = 0xFFFF800010000000, 0xFFFF800010040000
+    bl = (0x94000000 | 0x40).to_bytes(4, "little")                       # bl .+0x100
+    insn = list(arch.decode(bl, old))[0]
+    assert arch.relocate([insn], new) == arch.moved_call(insn, new)
+    nop = (0xD503201F).to_bytes(4, "little")
+    with pytest.raises(CallInsideRun):
+        arch.relocate(list(arch.decode(bl + nop, old)), new)
+
+
+# --- 2. the Manager's arguments ----------------------------------------------------------------
+@pytest.fixture
+def m(toy_manager):
+    yield toy_manager
+    assert not toy_manager.splices(), "a test left a splice behind"
+
+
+def test_remove_many_refuses_a_duplicate_before_removing_anything(m):
+    f = m.find_function("tcp_sync_mss")
+    hs = [m.insert_snippet(m.entry_point(f), ast.Seq(())),
+          m.insert_snippet(m.exit_points(f)[0], ast.Seq(()))]
+    before = state(m)
+    with pytest.raises(DuplicateHandle, match="named twice"):
+        m.remove_many(hs + hs[:1])
+    assert state(m) == before
+    with pytest.raises(BadArgument):
+        m.remove_many(hs + [None])
+    assert state(m) == before
+    m.remove_many(hs)
+
+
+@pytest.mark.parametrize("call", [
+    lambda m: m.point_at("abc"),
+    lambda m: m.point_at(None),
+    lambda m: m.point_at(1.5),
+    lambda m: m.point_at(True),
+    lambda m: m.malloc(0),
+    lambda m: m.malloc(-8),
+    lambda m: m.malloc(3),
+    lambda m: m.malloc("8"),
+    lambda m: m.malloc_array(-1),
+    lambda m: m.malloc_array(2, 16),
+    lambda m: m.alloc_data(0),
+    lambda m: m.alloc_data(8, 3),
+    lambda m: m.insert_many([None], ast.Seq(())),
+    lambda m: m.insert_many(5, ast.Seq(())),
+    lambda m: m.insert_many("tcp_sync_mss", ast.Seq(())),
+    lambda m: m.insert_snippet(None, ast.Seq(())),
+    lambda m: m.remove_snippet(None),
+    lambda m: m.remove_many([7]),
+    lambda m: m.free("x"),
+    lambda m: m.free(ast.Var(ast.Arg(0))),
+    lambda m: m.read(ast.Var(ast.Arg(0))),
+    lambda m: m.read(5),
+    lambda m: m.write(ast.Var("x"), 1),
+    lambda m: m.read_array([ast.Var("x")]),
+    lambda m: m.find_function(5),
+    lambda m: m.entry_point(None),
+    lambda m: m.allow_calls(True),
+    lambda m: m.allow_calls(1.5),
+    lambda m: m.divert(m.entry_point("tcp_sync_mss"), "x"),
+], ids=lambda _: "")
+def test_bad_arguments_are_bad_argument_errors_and_change_nothing(m, call):
+    before = state(m)
+    with pytest.raises(BadArgument) as info:
+        call(m)
+    assert "must" in str(info.value) or "expected" in str(info.value) or "named" in str(info.value)
+    assert state(m) == before
+
+
+@pytest.mark.parametrize("address", [ast.Arg(0), "x", 1.5, True, -8, 1 << 64])
+def test_a_var_made_of_a_non_address_is_a_bad_operand(m, address):
+    counter = m.malloc()
+    before = state(m)
+    point = m.entry_point("tcp_sync_mss")
+    for snippet in (ast.Var(address).assign(1), counter.assign(ast.Var(address))):
+        with pytest.raises(BadOperand, match="not a 64-bit address"):
+            m.insert_snippet(point, snippet)
+    with pytest.raises(WriteOutsideHeap, match="miss counter"):
+        m.insert_snippet(point, ast.Seq(()), missed=ast.Var(address))
+    assert state(m) == before
+    m.free(counter)
+
+
+@pytest.mark.parametrize("policy", ["bogus", "", None, 3, ["jmp"]])
+def test_an_unknown_policy_names_the_policies_and_changes_nothing(m, policy):
+    point = m.entry_point("tcp_sync_mss")
+    before = state(m)
+    for call in (lambda: m.insert_snippet(point, ast.Seq(()), splice=policy),
+                 lambda: m.insert_many([point], ast.Seq(()), splice=policy),
+                 lambda: m.divert(point, m.find_function("tcp_current_mss").address,
+                                  splice=policy)):
+        with pytest.raises(UnknownPolicy, match="the policies are jmp, trap, auto"):
+            call()
+    assert "the policies are" in (m.can_insert(point, policy) or "")
+    assert state(m) == before
+
+
+def test_malloc_array_of_none_takes_no_block(m):
+    before = state(m)
+    assert m.malloc_array(0) == []
+    assert state(m) == before
