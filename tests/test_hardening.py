@@ -18,6 +18,7 @@ from ksim.errors import (
     BadArgument,
     BadOperand,
     CallInsideRun,
+    CallNotAllowed,
     DuplicateHandle,
     UnknownPolicy,
     WriteOutsideHeap,
@@ -178,3 +179,30 @@ def test_malloc_array_of_none_takes_no_block(m):
     before = state(m)
     assert m.malloc_array(0) == []
     assert state(m) == before
+
+
+# --- 3. the verifier's call allow-list takes exactly ints -------------------------------------------
+class _Liar(int):
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return hash(self.allowed)
+
+    allowed = 0
+
+
+def test_a_snippet_calling_an_int_subclass_is_refused_by_the_manager(m):
+    callee = m.find_function("tcp_current_mss").address
+    m.allow_calls(callee)
+    _Liar.allowed = callee
+    counter = m.malloc()
+    before = state(m)
+    for address in (_Liar(m.find_function("tcp_sync_mss").address), True):
+        with pytest.raises(CallNotAllowed, match="plain int"):
+            m.insert_snippet(m.entry_point("vfs_read"), counter.assign(ast.call(address)))
+    assert state(m) == before
+    m.free(counter)

@@ -438,3 +438,30 @@ def test_the_manager_guards_a_snippet_calling_its_own_function(toy_manager):
         assert m.missed() > 0           # the guard's missed counter
     finally:
         m.remove_snippet(h)
+
+
+# --- the call allow-list takes exactly ints -------------------------------------------------------
+class _Liar(int):
+    """An int that says it equals (and hashes as) the allowed reader, at another address."""
+
+    def __eq__(self, other: object) -> bool:
+        return True
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+    def __hash__(self) -> int:
+        return hash(READER)
+
+
+@pytest.mark.parametrize("address", [_Liar(0xFFFFFFFF81001234), True, _Liar(READER)],
+                         ids=["liar", "bool", "liar-same-value"])
+def test_a_call_to_an_int_subclass_is_refused(address):
+    snippet = var(0).assign(call(address))
+    with pytest.raises(CallNotAllowed, match="plain int"):
+        verify([snippet], rules(calls={READER: "reader", 1: "one"}))
+
+
+def test_an_allow_list_entry_that_is_not_an_int_allows_nothing():
+    with pytest.raises(CallNotAllowed, match="not allowed"):
+        verify([var(0).assign(call(READER))], rules(calls={_Liar(READER): "liar"}))

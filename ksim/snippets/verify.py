@@ -14,11 +14,13 @@ code is compiled (in the spirit of eBPF's verifier, kernel/bpf/verifier.c).
   shows unmapped.  Per-cpu (gs-relative) reads must lie in what the ABI declares
   (current_task, cpu_number) or in ``rules.percpu``.
 * **Calls** go only to the addresses in ``rules.calls``, which the user names
-  explicitly.  A snippet that calls out (a ``Call``, or a load through
-  ``read_nofault``) runs under ``rules.guard``, a per-cpu recursion guard: a hit
-  while the cpu already runs a guarded snippet is counted in ``guard.missed`` and
-  skipped (kprobes' ``nmissed``, BPF's ``bpf_prog_active``), so a snippet calling
-  the function it instruments nests once instead of until the stack overflows.
+  explicitly (plain ints, compared as such: an int subclass, which may say it
+  equals an allowed address, is refused).  A snippet that calls out (a ``Call``,
+  or a load through ``read_nofault``) runs under ``rules.guard``, a per-cpu
+  recursion guard: a hit while the cpu already runs a guarded snippet is counted
+  in ``guard.missed`` and skipped (kprobes' ``nmissed``, BPF's
+  ``bpf_prog_active``), so a snippet calling the function it instruments nests
+  once instead of until the stack overflows.
   Every calling snippet is guarded, whatever it calls: what a callee reaches
   (indirect calls, points inserted later) is not known when it is compiled.
 
@@ -114,6 +116,9 @@ class _Verifier:
         self.rules = rules
         self.abi = rules.abi
         self.mode = read_mode(rules.abi)
+        # exactly ints, on both sides of the lookup: an int subclass may say it equals
+        # (and hashes as) an allowed address while its value is another one
+        self.calls = frozenset(a for a in rules.calls if type(a) is int)
 
     def snippet(self, node: Any) -> ast.Node:
         g = self.rules.guard
@@ -258,7 +263,11 @@ class _Verifier:
 
     # --- calls --------------------------------------------------------------------------
     def _call(self, node: ast.Call) -> None:
-        if node.address in self.rules.calls:
+        address = node.address
+        if type(address) is not int:
+            raise CallNotAllowed(f"a call's address must be a plain int, not {type(address).__name__}: "
+                                 "snippets call only the functions named as callable")
+        if address in self.calls:
             return
         allowed = ", ".join(f"{n} ({a:#x})" for a, n in sorted(self.rules.calls.items())) or "none"
         raise CallNotAllowed(f"call to {node.address:#x} is not allowed: snippets call only the "
