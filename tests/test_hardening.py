@@ -7,11 +7,14 @@ The fuzz tests are bounded: a few hundred examples, each under a time limit
 
 from __future__ import annotations
 
+import json
 import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
+from test_daemon_hardening import LAYOUT, Running
 
 from ksim.arch import get_arch
 from ksim.errors import (
@@ -20,6 +23,8 @@ from ksim.errors import (
     CallInsideRun,
     CallNotAllowed,
     DuplicateHandle,
+    KeptNameTaken,
+    TokenFileError,
     UnknownPolicy,
     WriteOutsideHeap,
 )
@@ -206,3 +211,118 @@ def test_a_snippet_calling_an_int_subclass_is_refused_by_the_manager(m):
             m.insert_snippet(m.entry_point("vfs_read"), counter.assign(ast.call(address)))
     assert state(m) == before
     m.free(counter)
+
+
+# --- 6. token files, and keeping under a name that is taken -------------------------------------------
+def test_read_token_names_what_is_wrong_with_the_file(tmp_path):
+    from ksim.live.client import MAX_TOKEN_BYTES, read_token
+
+    with pytest.raises(TokenFileError, match="no such file"):
+        read_token(str(tmp_path / "absent"))
+    with pytest.raises(TokenFileError, match="is a directory"):
+        read_token(str(tmp_path))
+    (tmp_path / "blank").write_text(" \n")
+    with pytest.raises(TokenFileError, match="is empty"):
+        read_token(str(tmp_path / "blank"))
+    (tmp_path / "big").write_bytes(b"k" * (MAX_TOKEN_BYTES + 1))
+    with pytest.raises(TokenFileError, match="more than"):
+        read_token(str(tmp_path / "big"))
+    if Path("/dev/zero").exists():
+        with time_limit(10), pytest.raises(TokenFileError, match="more than"):
+            read_token("/dev/zero")
+    (tmp_path / "token").write_text("ab" * 16 + "\n")
+    assert read_token(str(tmp_path / "token")) == b"ab" * 16
+
+
+def _cli(argv: list[str], capsys) -> tuple[int, str, str]:
+    from ksim.cli import main
+
+    status = main(argv)
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+@pytest.mark.parametrize("command", ["kept", "count"])
+@pytest.mark.parametrize("token", ["absent", "directory"])
+def test_a_bad_token_file_is_a_token_file_error_on_the_command_line(
+        tmp_path, monkeypatch, capsys, command, token):
+    """No traceback: the error printed, exit status 2, a JSON error record with --json;
+    and nothing sent (the port is one nothing listens on)."""
+    path = tmp_path / "token"
+    if token == "directory":
+        path.mkdir()
+    monkeypatch.setenv("KSIM_TESTBED_DIR", str(tmp_path))       # the default token file
+    argv = ({"kept": ["kept", "--token-file", str(path)], "count": ["count", "tcp_sync_mss"]}
+            [command] + ["--target", "live://127.0.0.1:1"])
+    status, out, err = _cli(argv, capsys)
+    assert status == 2 and not out
+    assert err.startswith("ksim: error: token file") and "Traceback" not in err
+    status, out, _ = _cli(argv + ["--json"], capsys)
+    assert status == 2 and json.loads(out)["error"] == "token-file"
+
+
+def test_a_live_target_whose_port_is_no_number_is_refused(capsys):
+    status, _, err = _cli(["kept", "--target", "live://127.0.0.1:²"], capsys)
+    assert status == 2 and "expected HOST:PORT" in err
+
+
+class _KeepingDevice:
+    """The kernel module's owners as far as ``keep`` uses them: one owner per kept name
+    (kmod/kerninst.c, ki_owner_keep: EEXIST when another owner has it), refused as
+    /dev/kerninst's ioctl refuses (ksim.live.device), through ksim.live.abi's table."""
+
+    def __init__(self) -> None:
+        from ksim.live.device import ModuleState
+
+        self.names: dict[int, str] = {}
+        self.owners = 0
+        self.log = ModuleState((), (), (), ())
+
+    def info(self) -> dict[str, int]:
+        return dict(LAYOUT)
+
+    def state(self):
+        return self.log
+
+    def owner_new(self) -> int:
+        self.owners += 1
+        return self.owners
+
+    def owner_keep(self, owner: int, name: str) -> None:
+        import errno
+        import os
+
+        from ksim.live import abi
+        from ksim.live.protocol import make_error
+
+        if name and any(n == name and o != owner for o, n in self.names.items()):
+            raise make_error(abi.error_code("OWNER_KEEP", errno.EEXIST),
+                             f"kerninst owner_keep: {os.strerror(errno.EEXIST)}")
+        self.names[owner] = name
+
+    def owner_drop(self, owner: int) -> None:
+        self.names.pop(owner, None)
+
+
+@pytest.fixture
+def kerninstd() -> Iterator[Running]:
+    """kerninstd's own server in this process (tests/test_daemon_hardening.py), its
+    device the module's owners as keep uses them."""
+    from ksim.live import daemon
+
+    running = Running(daemon.Limits())
+    running.daemon.device = running.device = _KeepingDevice()  # type: ignore[assignment]
+    yield running
+    running.close()
+
+
+def test_keeping_under_a_name_already_kept_is_kept_name_taken(kerninstd):
+    from ksim.live.client import request_keep
+
+    with kerninstd.connect() as first, kerninstd.connect() as second:
+        assert request_keep(first, True, "counter") == "counter"
+        with pytest.raises(KeptNameTaken, match="already kept under the name 'counter'"):
+            request_keep(second, True, "counter")
+        assert kerninstd.device.names == {1: "counter"}            # nothing changed
+        assert request_keep(second, True, "counter-2") == "counter-2"
+        assert kerninstd.device.names == {1: "counter", 2: "counter-2"}

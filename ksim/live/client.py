@@ -42,12 +42,15 @@ from ksim.core import (
 )
 from ksim.errors import (
     HandlerUnsupported,
+    KeptNameTaken,
     KsimError,
     OutOfRange,
     ProtocolError,
     TargetDied,
     TargetError,
     TargetTimeout,
+    TextOwned,
+    TokenFileError,
 )
 from ksim.live import abi
 from ksim.live import protocol as wire
@@ -74,6 +77,33 @@ def default_token_file() -> str:
     return str(token_path())
 
 
+#: a token file longer than this is not one (``--token-file /dev/zero`` must not
+#: read forever)
+MAX_TOKEN_BYTES = 4096
+
+
+def read_token(path: str | None) -> bytes:
+    """The shared secret in the file ``path`` (None: the testbed's), or
+    TokenFileError saying why that file cannot be one."""
+    where = path or default_token_file()
+    try:
+        with Path(where).open("rb") as f:  # (this module defines its own open)
+            token = f.read(MAX_TOKEN_BYTES + 1).strip()
+    except FileNotFoundError:
+        raise TokenFileError(f"token file {where}: no such file (give --token-file PATH; "
+                             "'ksim testbed up' makes the testbed's)") from None
+    except IsADirectoryError:
+        raise TokenFileError(f"token file {where} is a directory, not a file") from None
+    except OSError as exc:
+        raise TokenFileError(f"token file {where}: {exc.strerror or exc}") from None
+    if not token:
+        raise TokenFileError(f"token file {where} is empty")
+    if len(token) > MAX_TOKEN_BYTES:
+        raise TokenFileError(f"token file {where} holds more than {MAX_TOKEN_BYTES} bytes: "
+                             "not a token")
+    return token
+
+
 class Connection:
     """One authenticated session with kerninstd."""
 
@@ -81,6 +111,8 @@ class Connection:
                  token: bytes | None = None, timeout: float = 30.0) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self._ids = itertools.count(1)
+        if token is None:  # before connecting: a token file that is no token sends nothing
+            token = read_token(token_file)
         try:
             self.sock = socket.create_connection((host, port), timeout=timeout)
         except OSError as exc:
@@ -92,8 +124,6 @@ class Connection:
                 raise ProtocolError(f"kerninstd speaks protocol {hello.get('protocol')}, "
                                     f"this client {wire.VERSION}")
             self.server = hello
-            if token is None:
-                token = Path(token_file or default_token_file()).read_bytes().strip()
             self.request("auth", mac=wire.mac(token, hello["nonce"]))
         except BaseException:
             self.sock.close()
@@ -149,9 +179,24 @@ class Connection:
         return wire.raise_for(reply)
 
 
+def request_keep(conn: Connection, keep: bool, name: str | None) -> str | None:
+    """LiveTarget.keep over ``conn``: the name kept under (None: no longer kept)."""
+    try:
+        reply = conn.request("keep", keep=keep, name=name or "")
+    except TextOwned as exc:
+        # the module's one refusal of OWNER_KEEP as text-owned: EEXIST, the name is
+        # another kept owner's (kmod/kerninst.c, ksim/live/abi.py)
+        if type(exc) is not TextOwned or not keep:
+            raise
+        raise KeptNameTaken(
+            f"a splice is already kept under the name {name or 'kept-OWNER'!r} ({exc}): "
+            "choose another name, or adopt or remove that one (ksim kept)") from None
+    return None if reply.get("name") is None else str(reply["name"])
+
+
 def parse_address(rest: str) -> tuple[str, int]:
     host, sep, port = rest.rstrip("/").rpartition(":")
-    if not sep or not port.isdigit():
+    if not sep or not port.isascii() or not port.isdigit():
         raise TargetError(f"live target {rest!r}: expected HOST:PORT")
     return host.strip("[]"), int(port)
 
@@ -637,9 +682,9 @@ class LiveTarget:
     def keep(self, keep: bool = True, name: str | None = None) -> str | None:
         """Leave this client's splices in the kernel after it disconnects (and after
         kerninstd restarts), kept under ``name`` (default ``kept-OWNER``); returns the
-        name.  ``keep(False)``: undo them at disconnect after all."""
-        reply = self._request("keep", keep=keep, name=name or "")
-        return None if reply.get("name") is None else str(reply["name"])
+        name.  ``keep(False)``: undo them at disconnect after all.  KeptNameTaken
+        when another kept splice has the name."""
+        return request_keep(self.conn, keep, name)
 
     def kept(self) -> list[dict[str, Any]]:
         """The kept splices in the kernel, each with its ``name``, ``owner``, ``orphan``
