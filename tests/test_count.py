@@ -109,3 +109,44 @@ def test_help_is_plain_text_and_every_option_is_explained(capsys, command):
     sub = next(a for a in parser._actions if a.dest == "command").choices[command]
     for action in sub._actions:
         assert action.help, (command, action.option_strings or action.dest)
+
+
+# --- the point grammar: every bad FUNC is a point-syntax error, with JSON under --json ---------------
+@pytest.mark.parametrize("what,words", [
+    ("tcp_sync_mss+xyz", "the offset 'xyz' is not a number"),
+    ("+08", "no function name before '+'"),
+    ("+4+4", "no function name before '+'"),
+    ("tcp_sync_mss+4+4", "one function and one offset only"),
+    ("tcp_sync_mss+", "no offset after '+'"),
+    ("tcp_sync_mss+08", "the offset '08' has a leading zero"),
+    ("0x", "no hexadecimal digits after 0x"),
+    ("0xZZ", "'0xZZ' is not hexadecimal"),
+    ("0777", "'0777' has a leading zero"),
+    ("1abc", "'1abc' is not a number"),
+    ("0x1" + "0" * 16, "beyond 64 bits"),
+    ("²", "neither an address nor a function's name"),
+    ("tcp sync", "neither an address nor a function's name"),
+    ("tcp_*+4", "a wildcard names functions' entries; it takes no +OFFSET"),
+    ("0x10+4", "an address is given alone"),
+    ("", "an empty point"),
+    ("9" * 5000, "longer than any point"),
+])
+def test_a_point_off_the_grammar_is_a_point_syntax_error(capsys, what, words):
+    status = main(["count", what])
+    out, err = capsys.readouterr()
+    assert status == 2 and not out and err.startswith("ksim: error: ") and words in err
+    status, report = run_count(capsys, what)
+    assert status == 2 and report["error"] == "point-syntax" and words in report["message"]
+
+
+def test_an_offset_past_the_function_is_refused(capsys, toy_path):
+    status, report = run_count(capsys, "tcp_sync_mss+0x10000")
+    assert status == 2 and report["error"] == "outside-text" and "past the end" in report["message"]
+
+
+def test_offsets_and_addresses_in_decimal_and_hexadecimal_name_the_same_point(capsys, toy_path):
+    from ksim.commands.count import parse_point
+
+    assert parse_point("tcp_sync_mss+0x10") == parse_point("tcp_sync_mss+16")
+    assert parse_point("0X10").address == parse_point("16").address == 16
+    assert parse_point("0").address == 0 and parse_point("vfs_*").wildcard

@@ -7,13 +7,18 @@ The fuzz tests are bounded: a few hundred examples, each under a time limit
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import signal
+import struct
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from test_daemon_hardening import LAYOUT, Running
 
 from ksim.arch import get_arch
@@ -23,7 +28,11 @@ from ksim.errors import (
     CallInsideRun,
     CallNotAllowed,
     DuplicateHandle,
+    ImageError,
     KeptNameTaken,
+    KsimError,
+    MalformedImage,
+    PointSyntaxError,
     TokenFileError,
     UnknownPolicy,
     WriteOutsideHeap,
@@ -326,3 +335,146 @@ def test_keeping_under_a_name_already_kept_is_kept_name_taken(kerninstd):
         assert kerninstd.device.names == {1: "counter"}            # nothing changed
         assert request_keep(second, True, "counter-2") == "counter-2"
         assert kerninstd.device.names == {1: "counter", 2: "counter-2"}
+
+
+# --- 4. ELF loading: a corrupt or impossible ELF is an ImageError -------------------------------------
+_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
+_SHDR = struct.Struct("<IIQQQQIIQQ")
+
+
+def _elf_regions(data: bytes) -> list[tuple[int, int]]:
+    """Where corruption says most: the ELF header, the section header table, and
+    the first bytes of the symbol, string and relocation tables."""
+    fields = _EHDR.unpack_from(data)
+    shoff, shnum = fields[6], fields[12]
+    regions = [(0, _EHDR.size), (shoff, shnum * _SHDR.size)]
+    for i in range(shnum):
+        sh = _SHDR.unpack_from(data, shoff + i * _SHDR.size)
+        if sh[1] in (2, 3, 4, 7):                     # SYMTAB, STRTAB, RELA, NOTE
+            regions.append((sh[4], min(sh[5], 4096)))
+    return [(at, size) for at, size in regions if size > 0]
+
+
+@pytest.fixture(scope="module", params=["vmlinux", "module"])
+def real_elf(request, toy_path) -> tuple[bytes, list[tuple[int, int]]]:
+    """The toy kernel (ET_EXEC), or one of the objects it is linked from (ET_REL,
+    loaded as a module is)."""
+    path = Path(toy_path)
+    if request.param == "module":
+        path = path.parent / "obj" / "kernel" / "sched.o"
+        if not path.is_file():
+            pytest.skip("the toy's objects are not kept")
+    data = path.read_bytes()
+    return data, _elf_regions(data)
+
+
+def _load_and_use(data: bytes) -> None:
+    """Load ``data`` and use the image as the analysis does first."""
+    from ksim.analysis import store
+    from ksim.image.elf import load_image_bytes
+
+    image = load_image_bytes(data, "<corrupt>")
+    store.image_key(image)
+    for f in image.functions[:3]:
+        image.function_at(f.address)
+        image.read(f.address, min(f.size, 64))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_a_corrupt_elf_is_an_image_error_or_loads(real_elf, data):
+    original, regions = real_elf
+    buf = bytearray(original)
+    for _ in range(data.draw(st.integers(1, 4), label="edits")):
+        if data.draw(st.booleans(), label="in a table"):
+            start, size = data.draw(st.sampled_from(regions), label="region")
+            at = start + data.draw(st.integers(0, size - 1), label="offset")
+        else:
+            at = data.draw(st.integers(0, len(buf) - 1), label="offset")
+        value = data.draw(st.one_of(
+            st.binary(min_size=1, max_size=8),
+            st.sampled_from([b"\xff" * 8, b"\x00" * 8, b"\xff\xff\xff\x7f", b"\x00\x00\x00\x80",
+                             b"\x01", b"\x40"])), label="bytes")
+        buf[at:at + len(value)] = value
+    if data.draw(st.integers(0, 9), label="truncate?") == 0:
+        del buf[data.draw(st.integers(0, len(buf) - 1), label="length"):]
+    with time_limit(30):
+        try:
+            _load_and_use(bytes(buf))
+        except ImageError:
+            pass
+
+
+def test_a_relocatable_object_past_the_top_of_the_address_space_is_refused(tmp_path):
+    """An ET_REL whose sections, laid out from the module area, pass 2**64 (a 2 GiB
+    .bss before a function): refused by the loader, not an OverflowError of the
+    analysis store."""
+    from ksim.image.elf import load_image
+
+    src = tmp_path / "big.s"
+    src.write_text('\t.section .bss.big,"aw",@nobits\n\t.globl big\nbig:\t.zero 0x80000000\n'
+                   '\t.section .text.f,"ax",@progbits\n\t.globl f\n\t.type f,@function\n'
+                   'f:\tret\n\t.size f, .-f\n')
+    obj = tmp_path / "big.o"
+    try:
+        subprocess.run(["as", "--64", "-o", str(obj), str(src)], check=True, capture_output=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("no x86-64 assembler")
+    with pytest.raises(MalformedImage, match="top of the address space"):
+        load_image(obj)
+
+
+@pytest.mark.parametrize("edit", ["section address", "symbol size"])
+def test_an_elf_reaching_past_the_top_of_the_address_space_is_refused(toy_path, edit):
+    from ksim.image.elf import load_image_bytes
+
+    data = bytearray(Path(toy_path).read_bytes())
+    fields = _EHDR.unpack_from(data)
+    shoff, shnum = fields[6], fields[12]
+    headers = [_SHDR.unpack_from(data, shoff + i * _SHDR.size) for i in range(shnum)]
+    if edit == "section address":
+        text = next(i for i, h in enumerate(headers) if h[2] & 4)   # SHF_EXECINSTR
+        struct.pack_into("<Q", data, shoff + text * _SHDR.size + 16, (1 << 64) - 0x100)
+    else:
+        symtab = next(h for h in headers if h[1] == 2)
+        at = next(symtab[4] + k for k in range(0, symtab[5], 24)
+                  if data[symtab[4] + k + 4] & 0xF == 2)             # the first STT_FUNC
+        struct.pack_into("<Q", data, at + 16, (1 << 64) - 1)        # st_size
+    with pytest.raises(MalformedImage, match="top of the address space"):
+        load_image_bytes(bytes(data))
+
+
+# --- 5. the ``ksim count`` point grammar ----------------------------------------------------------------
+_GRAMMAR = "0123456789abcdefxX+*?[]_."
+_JUNK = "Zz-²٣ \t\n\x00é/:\\"
+_PIECES = ["tcp_sync_mss", "tcp_sync_mss+", "vfs_", "tcp_", "0x", "0X", "ffffffff8100", "+",
+           "+4", "+0x1", "*", "[", "]", "?", "0", "08", "0777", "²"]
+points_text = st.one_of(
+    st.lists(st.one_of(st.text(alphabet=_GRAMMAR + _JUNK, max_size=6), st.sampled_from(_PIECES)),
+             max_size=6).map("".join),
+    st.builds("{}+{}".format, st.sampled_from(["tcp_sync_mss", "vfs_read", "tcp_*", "nosuch"]),
+              st.text(alphabet="0123456789abcdefxX+²", max_size=6)))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(what=points_text)
+def test_the_point_grammar_ends_in_a_ksim_error_or_points(toy_manager, what):
+    from ksim.commands.count import parse_point, resolve_points
+
+    m = toy_manager
+    with time_limit(30):
+        try:
+            spec = parse_point(what)
+        except PointSyntaxError:
+            return
+        if spec.wildcard and sum(fnmatch.fnmatchcase(f.name, what)
+                                 for f in m.target.image.functions) > 12:
+            return                           # a dry run of every function: the wildcard tests'
+        before = state(m)
+        try:
+            points, _skipped = resolve_points(m, what, "auto")
+        except KsimError:
+            pass
+        else:
+            assert points
+        assert state(m) == before

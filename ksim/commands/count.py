@@ -3,7 +3,8 @@
 FUNC is a function's name, a wildcard over names (``'vfs_*'``, ``'tcp_?et*'``:
 every matching function whose entry can be spliced; the others are listed as
 skipped), ``NAME+OFFSET`` (an instruction inside a function) or an address
-(``0xffffffff81234567``).  A counter on the kernel's data heap is incremented
+(``0xffffffff81234567``).  OFFSET and the address are decimal or hexadecimal
+with ``0x``; a number with a leading zero (``0777``: octal?) is refused.  A counter on the kernel's data heap is incremented
 atomically by a snippet spliced at each point, all of them in one batch; an
 independent oracle counts the same executions without splicing (an exact
 address hook in unicorn, gdbstub breakpoints or the image's bookkeeping under
@@ -18,13 +19,15 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import re
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ksim.cli import add_json_flag, count_arg, emit_json, help_text
 from ksim.core import HeldInterrupt
-from ksim.errors import UnknownOracle
+from ksim.errors import PointSyntaxError, UnknownOracle
 from ksim.targets.base import run_option_names
 
 #: the oracles targets have (unicorn, QEMU, live), by the name their counters report
@@ -99,6 +102,7 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
 
     if oracle not in ORACLES:
         raise UnknownOracle(f"unknown oracle {oracle!r}: choose from {', '.join(ORACLES)}")
+    parse_point(function)  # refused before anything is attached
     if pid is not None:
         if oracle not in ("auto", "none"):
             raise UnknownOracle(f"the {oracle} oracle counts every process: with --pid "
@@ -149,14 +153,97 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
     return report
 
 
-def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]], dict[str, str]]:
-    """The points ``what`` names, each with the address its oracle watches (a
-    function's own address for its entry), and the functions a wildcard matched
-    whose entry cannot be spliced (name -> why)."""
-    from ksim.errors import KsimError, UnknownSymbol
+# --- the point grammar ------------------------------------------------------------
+#:   POINT   := WILDCARD | NAME | NAME "+" NUMBER | NUMBER      (NUMBER: an address)
+#:   NUMBER  := "0" | [1-9][0-9]* | "0" [xX] [0-9a-fA-F]+       (ASCII digits only)
+#:   NAME    := printable ASCII, no space, not starting with a digit, no "+"
+#:   WILDCARD:= a NAME with at least one of * ? [ (fnmatch), no "+OFFSET"
+_NUMBER = re.compile(r"(?:0|[1-9][0-9]*|0[xX][0-9a-fA-F]+)\Z")
+_NAME = re.compile(r"[!-~]+\Z")
+_WILDCARD = frozenset("*?[")
+#: a kernel symbol name's most characters (KSYM_NAME_LEN, include/linux/kallsyms.h)
+MAX_NAME = 512
 
+
+@dataclass(frozen=True)
+class PointSpec:
+    """A point as ``ksim count`` names it: a function ``name`` (a wildcard when
+    ``wildcard``), with an ``offset`` into it; or an ``address``."""
+
+    name: str | None = None
+    offset: int = 0
+    address: int | None = None
+    wildcard: bool = False
+
+
+def parse_point(what: Any) -> PointSpec:
+    """``what`` read by the point grammar above; PointSyntaxError saying where it
+    does not follow it."""
+    if not isinstance(what, str):
+        raise PointSyntaxError(f"a point is named by a string, not {type(what).__name__}")
+    shown = repr(what) if len(what) <= 80 else repr(what[:80]) + "..."
+    if not what:
+        raise PointSyntaxError("an empty point: name a function, NAME+OFFSET or an address")
+    if len(what) > MAX_NAME + 24:
+        raise PointSyntaxError(f"{shown}: longer than any point ({MAX_NAME} characters of a "
+                               "name, and an offset)")
+    base, plus, offset = what.partition("+")
+    if plus:
+        if not base:
+            raise PointSyntaxError(f"{shown}: no function name before '+' (NAME+OFFSET)")
+        if _WILDCARD & set(base):
+            raise PointSyntaxError(f"{shown}: a wildcard names functions' entries; it takes "
+                                   "no +OFFSET")
+        if base[0].isascii() and base[0].isdigit():
+            raise PointSyntaxError(f"{shown}: NAME+OFFSET takes a function's name before '+', "
+                                   f"not {base!r} (an address is given alone)")
+        return PointSpec(_name(base, shown, f"{base!r} before '+' is not a function's name"),
+                         offset=_number(offset, "offset", shown))
+    if base[0].isascii() and base[0].isdigit():
+        return PointSpec(address=_number(base, "address", shown))
+    return PointSpec(_name(base, shown, "neither an address nor a function's name nor a wildcard"),
+                     wildcard=bool(_WILDCARD & set(base)))
+
+
+def _name(name: str, shown: str, what: str) -> str:
+    if not _NAME.match(name):
+        raise PointSyntaxError(f"{shown}: {what} (a name is printable ASCII without spaces)")
+    if len(name) > MAX_NAME:
+        raise PointSyntaxError(f"{shown}: a function name has at most {MAX_NAME} characters")
+    return name
+
+
+def _number(text: str, what: str, shown: str) -> int:
+    """An offset or address: decimal, or hexadecimal with 0x (module doc)."""
+    if not text:
+        raise PointSyntaxError(f"{shown}: no {what} after '+'")
+    if not _NUMBER.match(text):
+        if "+" in text:
+            why = "one function and one offset only"
+        elif text[0] == "0" and text[1:].isascii() and text[1:].isdigit():
+            why = (f"{text!r} has a leading zero (octal?); write it in decimal without the "
+                   "zero, or in hexadecimal with 0x")
+        elif text[:2] in ("0x", "0X"):
+            why = (f"{text!r} has no hexadecimal digits after 0x" if len(text) == 2
+                   else f"{text!r} is not hexadecimal (0-9, a-f)")
+        else:
+            why = f"{text!r} is not a number (decimal, or hexadecimal with 0x)"
+        raise PointSyntaxError(f"{shown}: the {what} {why}")
+    value = int(text, 0)
+    if value >= 1 << 64:
+        raise PointSyntaxError(f"{shown}: the {what} {text} is beyond 64 bits")
+    return value
+
+
+def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]], dict[str, str]]:
+    """The points ``what`` names (see :func:`parse_point`), each with the address its
+    oracle watches (a function's own address for its entry), and the functions a
+    wildcard matched whose entry cannot be spliced (name -> why)."""
+    from ksim.errors import KsimError, OutsideText, UnknownSymbol
+
+    spec = parse_point(what)
     image = m.target.image
-    if any(c in what for c in "*?["):
+    if spec.wildcard:
         names = sorted({f.name: f for f in image.functions if fnmatch.fnmatchcase(f.name, what)
                         }.items(), key=lambda kv: kv[1].address)
         if not names:
@@ -172,14 +259,16 @@ def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]
             raise KsimError(f"no function matching {what!r} can be spliced "
                             f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
         return out, skipped
-    base, plus, offset = what.partition("+")
-    if plus:
-        point = m.point_at(m.find_function(base).address + int(offset, 0))
+    if spec.address is not None:
+        point = m.point_at(spec.address)
         return [(point, point.address)], {}
-    if base.lower().startswith("0x") or base.isdigit():
-        point = m.point_at(int(base, 0))
+    fn = m.find_function(spec.name)
+    if spec.offset:
+        if fn.size and spec.offset >= fn.size:
+            raise OutsideText(f"{what}: the offset {spec.offset:#x} is past the end of {fn.name} "
+                              f"({fn.size:#x} bytes)")
+        point = m.point_at(fn.address + spec.offset)
         return [(point, point.address)], {}
-    fn = m.find_function(base)
     return [(m.entry_point(fn), fn.address)], {}
 
 

@@ -68,6 +68,8 @@ TABLE_SECTIONS = frozenset({
 })
 #: relocation type 0 is every architecture's NONE (R_X86_64_NONE, R_AARCH64_NONE): no-op
 _R_NONE = 0
+#: the end of the 64-bit address space: no section or symbol of an image reaches past it
+_TOP = 1 << 64
 
 
 def load_image(path: str | os.PathLike[str]) -> Image:
@@ -149,7 +151,7 @@ def _build(elf: ELFFile, path: str) -> Image:
     raw_sections = list(elf.iter_sections())
     if relocatable:
         assert loader is not None  # _check_header refused the module otherwise
-        bases = _layout(raw_sections, loader.base)
+        bases = _layout(raw_sections, loader.base, path)
     else:
         bases = {i: s["sh_addr"] for i, s in enumerate(raw_sections) if s["sh_flags"] & _SHF_ALLOC}
     module = _module_name(elf, path) if relocatable else "vmlinux"
@@ -159,6 +161,10 @@ def _build(elf: ELFFile, path: str) -> Image:
         flags = sec["sh_flags"]
         if i not in bases or sec["sh_size"] == 0:
             continue
+        if bases[i] + sec["sh_size"] > _TOP:
+            raise MalformedImage(f"{path}: section {sec.name!r} at {bases[i]:#x}, "
+                                 f"{sec['sh_size']:#x} bytes, runs past the top of the "
+                                 "address space")
         if i in relocated:
             data = relocated[i]
         else:
@@ -167,7 +173,7 @@ def _build(elf: ELFFile, path: str) -> Image:
             name=sec.name, address=bases[i], size=sec["sh_size"],
             executable=bool(flags & _SHF_EXECINSTR), writable=bool(flags & _SHF_WRITE), data=data,
         ))
-    symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable)
+    symbols, bindings = _symbols(elf, raw_sections, bases, module, relocatable, path)
     return Image(path, arch, module, sections, symbols, bindings=bindings,
                  build_id=_build_id(raw_sections))
 
@@ -194,20 +200,27 @@ def _build_id(raw_sections: list) -> bytes | None:
     return None
 
 
-def _layout(raw_sections: list, cursor: int) -> dict[int, int]:
+def _layout(raw_sections: list, cursor: int, path: str) -> dict[int, int]:
     """Synthetic addresses for a relocatable file's SHF_ALLOC sections, in file order
     from ``cursor`` (the module area)."""
     bases: dict[int, int] = {}
+    start = cursor
     for i, sec in enumerate(raw_sections):
         if not sec["sh_flags"] & _SHF_ALLOC:
             continue
         align = max(int(sec["sh_addralign"]), 16)
         if align & (align - 1):
-            raise MalformedImage(f"section {sec.name!r} has alignment {align}, not a power of two")
+            raise MalformedImage(f"{path}: section {sec.name!r} has alignment {align}, "
+                                 "not a power of two")
         cursor = (cursor + align - 1) & -align
         bases[i] = cursor
         # keep even empty sections apart so that symbols in them stay distinct
         cursor += max(int(sec["sh_size"]), 1)
+        if cursor > _TOP:
+            raise MalformedImage(
+                f"{path}: the module's sections need more than the {_TOP - start:#x} bytes "
+                f"from the module area at {start:#x} to the top of the address space "
+                f"(section {sec.name!r}: {sec['sh_size']:#x} bytes)")
     return bases
 
 
@@ -287,7 +300,8 @@ def _module_name(elf: ELFFile, path: str) -> str:
 
 
 def _symbols(
-    elf: ELFFile, raw_sections: list, bases: dict[int, int], module: str, relocatable: bool
+    elf: ELFFile, raw_sections: list, bases: dict[int, int], module: str, relocatable: bool,
+    path: str,
 ) -> tuple[list[Symbol], dict[str, str]]:
     # Symbol tables are parsed with struct rather than pyelftools' per-symbol
     # construct parsing: a vmlinux has ~150 K symbols and this is ~20x faster.
@@ -309,6 +323,9 @@ def _symbols(
                 address = bases[shndx] + value if relocatable else value
             end = strtab.index(b"\0", st_name)
             name = strtab[st_name:end].decode("utf-8")
+            if address + size > _TOP:
+                raise MalformedImage(f"{path}: symbol {name!r} at {address:#x}, {size:#x} "
+                                     "bytes, runs past the top of the address space")
             if name[0] == "$" and kind == "other":
                 continue  # an AArch64 mapping symbol ($x code, $d data: ELF for the Arm 64-bit
                 #           Architecture, "Mapping symbols"), not a name of anything
