@@ -228,3 +228,19 @@ def test_a_bzimage_without_an_elf_payload_is_refused():
         decompress_bzimage(b"setup code" + not_elf)
     elf = b"\x7fELF" + bytes(60)
     assert decompress_bzimage(b"setup" + not_elf + lzma.compress(elf, format=lzma.FORMAT_XZ)) == elf
+
+
+def test_a_module_laid_out_past_the_top_of_the_address_space_is_refused(tmp_path: Path) -> None:
+    """Sections of a .o laid out from the module area run past 2**64 (a 2 GiB .bss
+    ahead of a function): a MalformedImage, not addresses the analysis cannot store."""
+    src = tmp_path / "big.s"
+    src.write_text('\t.section .bss.big,"aw",@nobits\nbig:\t.zero 0x80000000\n'
+                   '\t.section .text.after,"ax",@progbits\n\t.globl f\n\t.type f,@function\n'
+                   'f:\tret\n\t.size f, .-f\n')
+    obj = tmp_path / "big.o"
+    subprocess.run(["gcc", "-c", str(src), "-o", str(obj)], check=True)
+    with pytest.raises(MalformedImage, match="top of the address space"):
+        load_image(obj)
+    src.write_text(src.read_text().replace("0x80000000", "0x1000"))  # the same, in reach
+    subprocess.run(["gcc", "-c", str(src), "-o", str(obj)], check=True)
+    assert [f.name for f in load_image(obj).functions] == ["f"]
