@@ -966,8 +966,11 @@ class ProbeCompiler:
         c = constant_key(k, self.site, self.name_index)
         if c is not None:
             return [ast.Const(c)]
-        kinds = self.key_kinds(k)
-        return self.kind_words(k, kinds[0])
+        if isinstance(k, t.Builtin) and k.name in NAMED_KEYS:
+            return self.kind_words(k, NAMED_KEYS[k.name])
+        # lowered once: a key reading a map keyed by a map read... is linear, not 2^n
+        v = self.value(k)
+        return self.kind_words(k, kind_of(v.type, self.analysis.strlen), v)
 
     def key_kinds(self, k: t.Expr) -> tuple[str, ...]:
         """The kinds of a key's (or printf argument's) parts."""
@@ -983,14 +986,15 @@ class ProbeCompiler:
             return NAMED_KEYS[e.name]
         return kind_of(self.value(e).type, self.analysis.strlen)
 
-    def kind_words(self, e: t.Expr, kind: str) -> list[ast.Node]:
-        """The words of ``e`` held as ``kind`` (a string padded or cut to its size)."""
+    def kind_words(self, e: t.Expr, kind: str, v: Val | None = None) -> list[ast.Node]:
+        """The words of ``e`` held as ``kind`` (a string padded or cut to its size);
+        ``v``: ``e`` already lowered."""
         if isinstance(e, t.Builtin) and e.name in ("func", "probe"):
             c = constant_key(e, self.site, self.name_index)
             if c is None:
                 raise TraceSemanticError(f"{e.name} has no value here", e.loc)
             return [ast.Const(c)]
-        v = self.value(e)
+        v = self.value(e) if v is None else v
         if kind == "comm" or kind.startswith("str:"):
             return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
         if kind == "inet" or kind.startswith("kstack:"):
