@@ -215,6 +215,11 @@ def test_a_second_client_is_refused_at_the_first_ones_point(clients, how: str) -
         err = owned(refused)
         assert "another client's session" in str(err), (what, err)
     assert b.read(s.site, len(cur)) == cur and b.read(spare, 5) == spare_orig
+    # what b analyses is the kernel's own code: a's bytes read as they were, through
+    # b's view of the text and the read op's kernel flag; a itself sees its own
+    # bytes as they were too (it knows its pokes)
+    assert b.read(s.site, len(cur), kernel=True) == s.orig[:len(cur)]
+    assert b.image.read(s.site, 16) == s.orig
     # a's splice is untouched and counts every call, as the kernel's kprobe does
     counted, oracle = counted_like_the_kprobe(a, s.counter)
     assert N <= counted <= N + 5 and abs(counted - oracle) <= 3

@@ -333,7 +333,8 @@ class LiveTarget:
                              identity=self.kallsyms_path.stem.encode())
 
     def _image_read(self, address: int, size: int) -> bytes:
-        """What the image reads: core kernel text as it was before this client's pokes,
+        """What the image reads: core kernel text as it was before this client's pokes
+        (and before other owners' splices, which kerninstd reads back as they were),
         fetched TEXT_CHUNK bytes at a time and kept (analysing every function of the
         kernel is then some 50 reads, not one or two per function); anything else
         read as it is now."""
@@ -343,14 +344,14 @@ class LiveTarget:
         if address + size <= lo or hi <= address:
             return self._module_text(address, size)
         if not (lo <= address and address + size <= hi):  # across an end of core text
-            return self.read(address, size)
+            return self.read(address, size, kernel=True)
         out = bytearray()
         at = address
         while at < address + size:
             base = lo + (at - lo) // TEXT_CHUNK * TEXT_CHUNK
             chunk = self._text_chunks.get(base)
             if chunk is None:
-                chunk = self.read(base, min(TEXT_CHUNK, hi - base))
+                chunk = self.read(base, min(TEXT_CHUNK, hi - base), kernel=True)
                 self._text_chunks[base] = chunk
             take = min(address + size, base + len(chunk)) - at
             if take <= 0:
@@ -382,9 +383,9 @@ class LiveTarget:
             data = self._module_pages.get(page)
             if data is None:
                 try:
-                    data = self._module_pages[page] = self.read(page, PAGE)
+                    data = self._module_pages[page] = self.read(page, PAGE, kernel=True)
                 except TargetError:
-                    return self.read(address, size)
+                    return self.read(address, size, kernel=True)
             pages.append(data)
         out = bytearray(b"".join(pages)[address - first:address - first + size])
         return self._as_before(address, out)
@@ -400,7 +401,7 @@ class LiveTarget:
             return
         start, end = spans[i]
         try:
-            data = self.read(start, end - start)
+            data = self.read(start, end - start, kernel=True)
         except TargetError:
             return
         for at in range(start, end, PAGE):
@@ -454,11 +455,16 @@ class LiveTarget:
         return self._as_before(address, bytearray(self.read(address, size)))
 
     # -- memory ---------------------------------------------------------------------
-    def read(self, address: int, size: int) -> bytes:
+    def read(self, address: int, size: int, kernel: bool = False) -> bytes:
+        """Kernel memory as it is; ``kernel``: text another client (or a kept splice)
+        changed read as it was before (what this client analyses: the kernel's own
+        code, not another owner's jumps)."""
         out = bytearray()
         while len(out) < size:
             n = min(wire.MAX_READ, size - len(out))
-            out += bytes.fromhex(self._request("read", address=address + len(out), size=n)["data"])
+            args: dict[str, Any] = {"kernel": True} if kernel else {}
+            out += bytes.fromhex(self._request("read", address=address + len(out), size=n,
+                                               **args)["data"])
         return bytes(out)
 
     def read_many(self, addresses: Sequence[int], size: int = 16) -> dict[int, bytes]:

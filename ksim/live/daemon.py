@@ -326,6 +326,8 @@ class Daemon:
         self._kallsyms: str | None = None
         self._btf: dict[str, tuple[bytes, str]] = {}  # name -> the file and its sha256
         self.handlers = {name: getattr(self, f"op_{name}") for name in wire.OPS}
+        #: the module's text writes as last read (None: read them again before a read)
+        self._text_view: tuple[Any, ...] | None = None
 
     # -- admission -----------------------------------------------------------------
     def admit(self, session: Session, writer: asyncio.StreamWriter) -> bool:
@@ -468,6 +470,8 @@ class Daemon:
                 raise AuthError(f"{op.name}: not authenticated (hello, then auth)")
             args = wire.check_args(op, message)
             handler = self.handlers[op.name]
+            if op.name not in self.READ_ONLY:
+                self._text_view = None      # the module's state may change: read it again
             result = handler(session, **args)
             if asyncio.iscoroutine(result):
                 result = await result
@@ -489,12 +493,43 @@ class Daemon:
             return wire.reply_error(request_id, KsimError(
                 f"{name}: kerninstd failed: {detail}")), False
 
+    #: ops that change nothing in the module (text reads see other owners' splices
+    #: through the state read before them)
+    READ_ONLY = frozenset({"hello", "auth", "info", "kallsyms", "lookup", "read", "hazards",
+                           "hazard_table", "kept", "btf"})
+
+    def _as_kernel(self, session: Session, address: int, data: bytes) -> bytes:
+        """``data`` read at ``address`` as the kernel's own text: where another owner's
+        splice still holds what it wrote, the bytes it replaced (so that a client
+        analyses the kernel, not another client's jumps; the module refuses the
+        client any change there all the same)."""
+        view = self._text_view
+        if view is None:
+            try:
+                state = self.device.state()
+            except KsimError:
+                return data
+            view = self._text_view = state.splices
+        end = address + len(data)
+        out: bytearray | None = None
+        for x in view:
+            if x.owner == session.owner or x.address >= end or x.address + len(x.cur) <= address:
+                continue
+            if out is None:
+                out = bytearray(data)
+            for j, (cur, orig) in enumerate(zip(x.cur, x.orig, strict=True)):
+                i = x.address + j - address
+                if 0 <= i < len(out) and out[i] == cur:
+                    out[i] = orig
+        return data if out is None else bytes(out)
+
     # -- cleanup and the module's log ------------------------------------------------
     def cleanup(self, session: Session) -> None:
         """End a session: unless it is kept, the module undoes everything its owner
         holds (text newest first, then trap routes, then blocks).  What the module
         could not undo stays with the owner, kept as an orphan; the allocators
         follow the module's log, so its blocks are never handed out again."""
+        self._text_view = None
         owner, session.owner = session.owner, None
         if owner is None:
             return
@@ -635,10 +670,12 @@ class Daemon:
     def op_lookup(self, session: Session, name: str) -> dict[str, Any]:
         return {"address": self.device.lookup(name)}
 
-    def op_read(self, session: Session, address: int, size: int) -> dict[str, Any]:
+    def op_read(self, session: Session, address: int, size: int,
+                kernel: bool = False) -> dict[str, Any]:
         if address + size > wire.U64_MAX + 1:
             raise ProtocolError(f"read: {address:#x}+{size} passes the end of the address space")
-        return {"data": self.device.read(address, size).hex()}
+        data = self.device.read(address, size)
+        return {"data": (self._as_kernel(session, address, data) if kernel else data).hex()}
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:

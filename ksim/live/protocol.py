@@ -116,7 +116,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("info", {}, doc="module info: text range, regions, per-cpu offsets, task layout"),
     Op("kallsyms", {"offset": U64}, doc="a page of /proc/kallsyms from a character offset"),
     Op("lookup", {"name": text(1, MAX_NAME)}, doc="address of a kernel symbol"),
-    Op("read", {"address": U64, "size": integer(1, MAX_READ)}, doc="kernel memory, never faults"),
+    Op("read", {"address": U64, "size": integer(1, MAX_READ), "kernel": BOOL},
+       doc="kernel memory, never faults (kernel: text other owners spliced as it was)"),
     Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
     Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
     Op("free_code", {"address": U64}),
@@ -158,6 +159,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 # Arguments an op may leave out, with their defaults.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
+    "read": {"kernel": False},
     "poke": {"routes": []},
     "alloc_data": {"align": 8},
     "keep": {"keep": True, "name": ""},
