@@ -153,14 +153,27 @@ class Drain:
     def _word(self, address: int) -> int:
         return int.from_bytes(self._read(address, WORD), "little")
 
+    def _records(self, head: int) -> list[list[int]]:
+        """Records ``tail`` .. ``head - 1`` (at most the ring's), read in one request,
+        or two where they wrap around the ring's end."""
+        ring = self.ring
+        size = WORD * ring.stride
+        first, n = self.tail % ring.records, min(head - self.tail, ring.records)
+        runs = [(first, min(n, ring.records - first))]
+        if runs[0][1] < n:
+            runs.append((0, n - runs[0][1]))
+        out: list[list[int]] = []
+        for start, count in runs:
+            raw = self._read(ring.base + size * start, size * count)
+            words = [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
+            out += [words[j * ring.stride:(j + 1) * ring.stride] for j in range(count)]
+        return out
+
     def __call__(self) -> list[str]:
         ring = self.ring
         head = self._word(ring.header)
         out = []
-        while self.tail < head:
-            at = ring.base + WORD * ring.stride * (self.tail % ring.records)
-            raw = self._read(at, WORD * ring.stride)
-            rec = [int.from_bytes(raw[i:i + WORD], "little") for i in range(0, len(raw), WORD)]
+        for rec in self._records(head) if self.tail < head else []:
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published
             fmt, kinds = ring.formats[rec[1]]
