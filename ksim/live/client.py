@@ -252,6 +252,10 @@ class KprobeCounter:
         self.close()
 
 
+#: seconds between two calls of a run's progress callback (trace drains its events)
+PROGRESS_PERIOD = 0.2
+
+
 class LiveTarget:
     """ksim's Target protocol over a kerninstd connection."""
 
@@ -729,7 +733,7 @@ class LiveTarget:
         # two of its calls: never halfway through a request (the reply would be left unread)
         with HeldInterrupt() as held:
             while True:
-                worker.join(1.0)
+                worker.join(PROGRESS_PERIOD)
                 if not worker.is_alive() or held.pending:
                     break
                 progress()
@@ -753,7 +757,7 @@ class LiveTarget:
         """Run ``while_cmd`` in the guest (instrumentation stays in while it runs).
 
         The command runs over a second connection while this one stays free:
-        ``progress()`` is called about once a second, and may read counters over
+        ``progress()`` is called every PROGRESS_PERIOD seconds, and may read counters over
         the network while the guest runs (periodic sampling); Ctrl-C ends the
         wait at once and leaves this connection ready for the clean-up (no reply
         half read).  The daemon kills a command still running after ``timeout``

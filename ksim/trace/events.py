@@ -31,13 +31,13 @@ from .maps import MASK, WORD, decode, key_words, signed, width
 TIME_FORMAT = "\0time\0"
 #: one standing for join(ARRAY, DELIMITER)
 JOIN_FORMAT = "\0join\0"
-RECORDS = 1024
+RECORDS = 8192
 #: argument words of a record when the program's formats need no more
 MIN_ARGS = 7
 #: the most argument words one printf may have (strings take a word per 8 bytes)
 MAX_ARGS = 64
 #: the most bytes the ring takes
-RING_BYTES = 256 * 1024
+RING_BYTES = 768 * 1024
 #: one conversion of a printf format: flags, width, precision, length, conversion
 SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
                   r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocs%])")
@@ -131,15 +131,16 @@ class Ring:
 
 
 def allocate_ring(alloc: Callable[[int], int],
-                  formats: list[tuple[str, tuple[str, ...]]]) -> Ring:
+                  formats: list[tuple[str, tuple[str, ...]]], limit: int = RING_BYTES) -> Ring:
     """The ring for ``formats``: as many argument words per record as the widest
     format needs, and as many records (a power of two, at most RECORDS) as fit
     RING_BYTES."""
     stride = 2 + max([MIN_ARGS, *(key_words(kinds) for _, kinds in formats)])
     records = RECORDS
-    while records > 64 and records * stride * WORD > RING_BYTES:
+    while records > 64 and records * stride * WORD > limit:
         records //= 2
-    return Ring(alloc(3 * WORD), alloc(records * stride * WORD), formats, records, stride)
+    base = alloc(records * stride * WORD)       # the large block first: if it does not
+    return Ring(alloc(3 * WORD), base, formats, records, stride)   # fit, nothing is taken
 
 
 class Drain:

@@ -39,7 +39,7 @@ from .compiler import (
     map_refs,
 )
 from .errors import TraceError, TraceSemanticError, TraceUnsupported
-from .events import Drain, Ring, allocate_ring, render
+from .events import RING_BYTES, Drain, Ring, allocate_ring, render
 from .maps import (
     MASK,
     PROBES,
@@ -483,7 +483,15 @@ class TraceSession:
         if "elapsed" in self.program.source:
             self.start = self.m.malloc(8)
         if self.analysis.formats:
-            self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats)
+            limit = RING_BYTES
+            while True:
+                try:     # as large as the heap allows, down to 64 records
+                    self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats, limit)
+                    break
+                except OutOfMemory:
+                    if limit <= 4096:
+                        raise
+                    limit //= 2
             self.drain = Drain(self.ring, self.m.copy_from_kernel, self.m.copy_to_kernel, self.names)
         uses = self.uses()
         sizings = {name: size_map(use, self.max_map_keys) for name, use in uses.items()}
