@@ -204,15 +204,18 @@ def test_printf_events_are_drained_while_the_kernel_runs(capsys, toy_path):
 
 def test_printf_counts_the_events_it_loses(toy_path):
     """One emulator slice for the whole run: the client drains only at its end, so
-    the ring keeps its first RECORDS events and counts the rest as lost."""
-    from ksim.trace.events import RECORDS
-
+    the ring (sized by bpftrace's perf_rb_pages: 18 pages hold 1,024 records of 9 words)
+    keeps its first events and counts the rest as lost."""
     hooks = Hooks(entry=lambda m, abi, site: 1)
-    report = run_trace('kprobe:kmem_cache_alloc, kprobe:kmem_cache_free, kprobe:memcpy '
-                       '{ printf("%d %d\\n", nsecs, cpu); }', hooks,
+    rings = []
+    report = run_trace('config = { perf_rb_pages = 18 } '
+                       'kprobe:kmem_cache_alloc, kprobe:kmem_cache_free, kprobe:memcpy '
+                       '{ printf("%d %d\\n", nsecs, cpu); }',
+                       lambda s: (hooks(s), rings.append(s.ring.records)),
                        run_options={"slices": [10**9]})
     hits = len(hooks.seen["entry"])
-    assert len(report["printf"]) == RECORDS and report["lost_events"] == hits - RECORDS > 0
+    assert rings == [1024]
+    assert len(report["printf"]) == 1024 and report["lost_events"] == hits - 1024 > 0
 
 
 def test_scratch_variables_start_at_zero_and_clear_keeps_constant_records(toy_path):

@@ -483,7 +483,9 @@ class TraceSession:
         if "elapsed" in self.program.source:
             self.start = self.m.malloc(8)
         if self.analysis.formats:
-            limit = RING_BYTES
+            pages = self.program.config.get("perf_rb_pages")
+            # bpftrace's perf_rb_pages sizes its event buffers: ksim's one ring
+            limit = max(4096, int(pages) * 4096) if isinstance(pages, int) else RING_BYTES
             while True:
                 try:     # as large as the heap allows, down to 64 records
                     self.ring = allocate_ring(self.m.alloc_data, self.analysis.formats, limit)
