@@ -145,10 +145,14 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
                     pass
                 except KeyboardInterrupt:
                     interrupted = True
-            session.end()
-        finally:
+            # as bpftrace: the probes are gone before END runs and the maps print
             with HeldInterrupt():  # a second Ctrl-C waits until the text is restored
                 session.detach()
+            session.end()
+        finally:
+            if session.handles:
+                with HeldInterrupt():
+                    session.detach()
         report: dict[str, Any] = {
             "target": spec, "splice": splice,
             "probes": len(session.attached),

@@ -46,6 +46,7 @@ from .maps import (
     width,
 )
 from .types import INT64, UINT64, CType, TypeSystem, integer, pointer, string
+from .types import VOID as VOID_T
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
@@ -567,10 +568,13 @@ class ProbeCompiler:
                  placed: Callable[[MapLayout, tuple[int, ...]], tuple[str, int] | None],
                  ring: Any = None, clock: int | None = None, analysis: Analysis | None = None,
                  typing: bool = False, lookup: Callable[[str], int] | None = None,
-                 start: ast.Var | None = None, unwinder: Any = None) -> None:
+                 start: ast.Var | None = None, unwinder: Any = None,
+                 user_reads: bool = False) -> None:
         self.analysis = analysis if analysis is not None else Analysis()
         #: how kstack asks the kernel to unwind (None: it cannot)
         self.unwinder = unwinder
+        #: the kernel reads user memory its own way (copy_from_user_nofault)
+        self.user_reads = user_reads
         self.types = self.analysis.types
         #: only typing (the analysis's pass): no map is read or written
         self.typing = typing
@@ -733,7 +737,9 @@ class ProbeCompiler:
                                    "(it needs a loop over the table): clear it in END", call.loc)
         mark = self.locals.mark()
         acc = self.access(ref, claim=False)
-        zero = ast.Seq(tuple(lay.word(acc.slot, i).assign(0) for i in range(lay.present, lay.stride)))
+        # clear() of a map without keys leaves it present at 0 (bpftrace's "@: 0")
+        first = lay.present + (1 if call.name == "clear" and not lay.keyed else 0)
+        zero = ast.Seq(tuple(lay.word(acc.slot, i).assign(0) for i in range(first, lay.stride)))
         self.locals.release(mark)
         return ast.Seq((*acc.setup, zero if acc.found is None else ast.If(acc.found, zero)))
 
@@ -754,8 +760,9 @@ class ProbeCompiler:
         return ast.Seq(tuple(code))
 
     def printf_kinds(self, args: tuple[t.Expr, ...]) -> tuple[str, ...]:
-        """The kind of each printf argument, as the event ring holds it."""
-        return tuple(k for a in args for k in self.key_kinds(a))
+        """The kind of each printf argument, as the event ring holds it (a pointer as
+        the integer its conversion formats)."""
+        return tuple("int" if k == "ptr" else k for a in args for k in self.key_kinds(a))
 
     # --- map updates -------------------------------------------------------------------------
     def assign_map(self, ref: t.MapRef, op: str, value: t.Expr) -> ast.Node:
@@ -981,14 +988,22 @@ class ProbeCompiler:
         return (kind_of(self.value(k).type, self.analysis.strlen),)
 
     def value_kind(self, e: t.Expr) -> str:
-        """The kind a map assigned ``e`` holds."""
-        if isinstance(e, t.Builtin) and e.name in ("func", "probe"):
+        """The kind a map assigned ``e`` holds (``func`` as a value: the function's
+        address, printed by name, the kind ``ksym()`` gives, as bpftrace's two are
+        one type)."""
+        if isinstance(e, t.Builtin) and e.name == "func":
+            return "kaddr"
+        if isinstance(e, t.Builtin) and e.name == "probe":
             return NAMED_KEYS[e.name]
         return kind_of(self.value(e).type, self.analysis.strlen)
 
     def kind_words(self, e: t.Expr, kind: str, v: Val | None = None) -> list[ast.Node]:
         """The words of ``e`` held as ``kind`` (a string padded or cut to its size);
         ``v``: ``e`` already lowered."""
+        if isinstance(e, t.Builtin) and e.name == "func" and kind == "kaddr":
+            if self.typing or self.lookup is None or not self.site.function:
+                return [ast.Const(0)]
+            return [ast.Const(self.lookup(self.site.function))]
         if isinstance(e, t.Builtin) and e.name in ("func", "probe"):
             c = constant_key(e, self.site, self.name_index)
             if c is None:
@@ -1183,11 +1198,26 @@ class ProbeCompiler:
         if ct.kind in ("record", "array"):
             return Val(ct, address)
         if ct.kind == "int":
-            return Val(ct, ast.load(address, ct.size if ct.size in (1, 2, 4, 8) else 8,
-                                    ct.signed))
+            return Val(ct, self.read(address, ct.size if ct.size in (1, 2, 4, 8) else 8,
+                                     ct.signed))
         if ct.kind == "ptr":
-            return Val(ct, ast.load(address, 8))
+            return Val(ct, self.read(address, 8, False))
         raise TraceSemanticError(f"cannot read a value of type {ct.name or ct.kind}", loc)
+
+    def read(self, address: Any, size: int, signed: bool) -> ast.Node:
+        """``size`` bytes at ``address``, fault-safe: through the kernel's user-memory
+        reader for an address in the lower half (a syscall's buffer, a user struct a
+        kernel pointer leads to), where the kernel has one."""
+        if not self.user_reads:
+            return ast.load(address, size, signed)
+        if not isinstance(address, ast.Const | ast.Local):
+            p = self.locals.take()
+            return ast.Seq((p.assign(address), self._split_read(p, size, signed)))
+        return self._split_read(address, size, signed)
+
+    def _split_read(self, p: Any, size: int, signed: bool) -> ast.Node:
+        return ast.If(ast.ult(p, ast.Const(1 << 63)), ast.load(p, size, signed, user=True),
+                      ast.load(p, size, signed))
 
     def index(self, e: t.Index) -> Val:
         base = self.value(e.operand)
@@ -1615,7 +1645,9 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return f"kstack:{ct.extra['depth']}:{ct.extra['mode']}"
     if ct.kind == "inet":
         return "inet"
-    if ct.kind in ("int", "ptr"):
+    if ct.kind == "ptr":
+        return "ptr"            # printed in hex, as bpftrace prints pointers
+    if ct.kind == "int":
         return "int"
     raise TraceSemanticError(f"a value of type {ct.name or ct.kind} cannot be stored or printed "
                              "(read one of its fields)")
@@ -1629,6 +1661,8 @@ def kind_type(kind: str | None) -> CType:
         return string(int(kind[4:]))
     if kind in ("ksym", "probe", "name"):
         return NAME
+    if kind == "ptr":
+        return pointer(VOID_T)
     if kind == "kaddr":
         return KADDR
     if kind == "inet":

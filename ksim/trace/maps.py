@@ -113,7 +113,7 @@ def is_decoded(kind: str | None) -> bool:
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
 #: integers: strings, names, addresses printed as symbols, addresses of the network
-VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet")
+VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr")
 
 
 #: how a kernel address is named (set by the client: the kernel's symbols)
@@ -158,7 +158,9 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
     if kind in ("ksym", "probe", "name"):
         return names[part[0]] if 0 <= part[0] < len(names) else ""
     if kind == "kaddr":
-        return symbol_text(part[0])
+        return symbol_text(part[0]).partition("+")[0]   # ksym(): the symbol's name
+    if kind == "ptr":
+        return f"0x{part[0] & MASK:x}"
     if kind == "inet":
         return inet_text(part)
     if kind.startswith("kstack:"):
@@ -600,11 +602,13 @@ class Table:
     def clear(self) -> None:
         """Every record no longer present, its values 0.  Keys and the index stay:
         records placed before the run for constant keys (which snippets address
-        directly) must stay theirs."""
+        directly) must stay theirs.  A map without keys that held a value stays
+        present, at 0, as bpftrace prints it (``@: 0``)."""
         lay = self.layout
         words = self.record_words()
+        first = lay.present + (0 if lay.keyed else 1)
         for r in range(len(words) // lay.stride):
-            for i in range(lay.present, lay.stride):
+            for i in range(first, lay.stride):
                 words[r * lay.stride + i] = 0
         if words:
             self._put_u64s(lay.records, words)

@@ -30,6 +30,7 @@ missing rather than meeting a bare syntax error.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -47,7 +48,9 @@ PUNCT = ("<<=", ">>=", "==", "!=", "<=", ">=", "<<", ">>", "&&", "||", "++", "--
          "^", "!", "~", "<", ">", "=", ".", "#")
 ASSIGN_OPS = ("=", "+=", "-=", "*=", "/=", "%=", "&=", "|=", "^=", "<<=", ">>=")
 NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-NUMBER = re.compile(r"0[xX][0-9a-fA-F_]+|[0-9][0-9_]*(?:e[0-9]+)?")
+NUMBER = re.compile(r"0[xX][0-9a-fA-F_]+|[0-9][0-9_]*(?:[eE][0-9]+)?")
+#: the largest integer literal (bpftrace's literals are 64-bit unsigned)
+MAX_INT = (1 << 64) - 1
 #: binary operators by precedence level, loosest first
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", "<=", ">", ">="), ("<<", ">>"),
@@ -107,6 +110,19 @@ IGNORED_CONFIG = frozenset({
 })
 #: the longest string a program may ask for (bpftrace's max_strlen), bytes
 MAX_STRLEN = 1024
+#: how deeply expressions and statements may nest: the parser and the passes after
+#: it (the compiler, the snippets' check and code generator) walk the tree
+#: recursively, and a tree this deep stays well within Python's recursion limit
+MAX_DEPTH = 64
+TOO_DEEP = f"expressions and blocks nested deeper than {MAX_DEPTH} levels"
+#: statements ``unroll`` may make in one program (copies of its body, nested
+#: unrolls multiplying)
+MAX_UNROLLED = 10_000
+#: characters of text object-like macros may expand to in one program (each use of
+#: a macro counts its text again: a macro of macros grows exponentially)
+MAX_EXPANDED = 1_000_000
+#: binary operators' precedence levels, by operator (LEVELS' index)
+PRECEDENCE = {op: level for level, ops in enumerate(LEVELS) for op in ops}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +131,40 @@ class Token:
     text: str
     loc: Loc
     value: int | str | None = None
+
+
+def integer(text: str, loc: Loc) -> int:
+    """The value of integer literal ``text`` as bpftrace reads it: ``0x`` hexadecimal,
+    a leading ``0`` octal (``007``), ``_`` separators, ``1e6`` a decimal coefficient
+    times a power of ten; at most 64 bits."""
+    digits = text.replace("_", "")
+    shown = text if len(text) <= 40 else text[:20] + "..." + text[-8:]
+    too_large = TraceSyntaxError(f"integer literal {shown!r} is too large (the largest is "
+                                 f"{MAX_INT})", loc)
+    if digits[:2] in ("0x", "0X"):
+        body, base, exp = digits[2:], 16, ""
+    else:
+        body, _, exp = digits.replace("E", "e").partition("e")
+        base = 8 if len(body) > 1 and body[0] == "0" and not exp else 10
+        if base == 8 and any(c in "89" for c in body):
+            raise TraceSyntaxError(f"invalid octal literal {text!r} (a leading 0 makes an octal "
+                                   "number: digits 0 to 7)", loc)
+    if not body:
+        raise TraceSyntaxError(f"invalid integer literal {text!r}", loc)
+    # no conversion of a literal that cannot fit (a 5,000-digit one, 1e999999999)
+    if len(body.lstrip("0")) > 22 or len(exp.lstrip("0")) > 2:
+        raise too_large
+    value = int(body, base) * 10 ** int(exp or "0")
+    if value > MAX_INT:
+        raise too_large
+    return value
+
+
+class TraceLimit(TraceUnsupported):
+    """A program past one of ksim's bounds on what it may make the tools build:
+    nesting, unrolled statements, macro expansion, printf's width and precision."""
+
+    code = "trace-limit"
 
 
 class Lexer:
@@ -183,8 +233,7 @@ class Lexer:
             if self.pos < len(self.src) and (self.src[self.pos].isalnum() or self.src[self.pos] == "_"):
                 raise TraceSyntaxError(f"invalid integer literal {text + self.src[self.pos]!r}",
                                        self.loc(start, self.pos + 1, line, line_start))
-            digits, _, exp = text.replace("_", "").partition("e")
-            kind, value = "int", int(digits, 0) * 10 ** int(exp or 0)
+            kind, value = "int", integer(text, self.loc(start, self.pos, line, line_start))
         elif c == '"':
             kind, value = "str", self._string(start, line, line_start)
         elif c in "$@":
@@ -248,6 +297,23 @@ class Parser:
         self.params = params
         #: macros being expanded (a macro naming itself is not expanded again)
         self.expanding: set[str] = set()
+        #: how deeply the parser is nested in expressions and blocks (MAX_DEPTH)
+        self.depth = 0
+        #: what the program used of MAX_UNROLLED and MAX_EXPANDED (shared with the
+        #: parsers of macro expansions)
+        self.budget = {"unrolled": 0, "expanded": 0}
+        #: the source offset of each line's start (a Loc's offset, found by bisect)
+        self._line_starts: list[int] | None = None
+
+    # --- nesting ------------------------------------------------------------------------
+    def enter(self, loc: Loc) -> None:
+        """One level deeper (``leave`` undoes it); past MAX_DEPTH a TraceLimit."""
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise TraceLimit(TOO_DEEP, loc)
+
+    def leave(self) -> None:
+        self.depth -= 1
 
     # --- tokens -------------------------------------------------------------------------
     def advance(self) -> Token:
@@ -410,12 +476,23 @@ class Parser:
         if not self.at("{"):
             self.fail("expecting '{' (an action block)")
         body = self.block()
+        check_depth(((pred,) if pred is not None else ()) + body)
         return t.Probe(tuple(points), pred, body, start)
 
     def _offset(self, loc: Loc) -> int:
         """The source offset of ``loc``'s start."""
-        lines = self.source.split("\n")
-        return sum(len(x) + 1 for x in lines[:loc.line - 1]) + loc.col - 1
+        return self._starts()[loc.line - 1] + loc.col - 1
+
+    def _starts(self) -> list[int]:
+        if self._line_starts is None:
+            self._line_starts = [0, *(m.end() for m in re.finditer("\n", self.source))]
+        return self._line_starts
+
+    def _line_of(self, offset: int) -> tuple[int, int]:
+        """(1-based line, the line's start offset) of source ``offset``."""
+        starts = self._starts()
+        line = bisect.bisect_right(starts, offset)
+        return line, starts[line - 1]
 
     def attach_point(self, tok: Token) -> t.AttachPoint:
         text, loc = tok.text, tok.loc
@@ -489,6 +566,13 @@ class Parser:
 
     # --- statements ------------------------------------------------------------------------
     def block(self) -> tuple[t.Stmt, ...]:
+        self.enter(self.tok.loc)
+        try:
+            return self._block()
+        finally:
+            self.leave()
+
+    def _block(self) -> tuple[t.Stmt, ...]:
         self.expect("{")
         stmts: list[t.Stmt] = []
         while not self.at("}"):
@@ -536,6 +620,10 @@ class Parser:
                 raise TraceSemanticError(f"unroll needs a constant count from 1 to {MAX_LOOP}",
                                          n.loc)
             body = self.block()
+            self.budget["unrolled"] += n.value * statement_count(body)
+            if self.budget["unrolled"] > MAX_UNROLLED:
+                raise TraceLimit(f"unroll makes more than {MAX_UNROLLED} statements in the "
+                                 "program", tok.loc)
             return [s for _ in range(n.value) for s in body]
         if self.at("{"):
             # a nested block: its statements, in the same scope (as if (1) { ... })
@@ -600,7 +688,11 @@ class Parser:
         if self.at("else"):
             self.advance()
             if self.at("if"):
-                orelse = (self.if_statement(),)
+                self.enter(self.tok.loc)
+                try:
+                    orelse = (self.if_statement(),)
+                finally:
+                    self.leave()
             else:
                 orelse = self.block()
         return t.If(start, cond, then, orelse)
@@ -640,7 +732,11 @@ class Parser:
         return self.ternary(self.binary(0, self.postfix(first)))
 
     def expr(self) -> t.Expr:
-        return self.ternary(self.binary(0))
+        self.enter(self.tok.loc)
+        try:
+            return self.ternary(self.binary(0))
+        finally:
+            self.leave()
 
     def ternary(self, cond: t.Expr) -> t.Expr:
         if not self.at("?"):
@@ -652,33 +748,40 @@ class Parser:
         return t.Ternary(cond.loc.to(orelse.loc), cond, then, orelse)
 
     def binary(self, level: int, first: t.Expr | None = None) -> t.Expr:
-        if level == len(LEVELS):
-            return first if first is not None else self.unary()
-        left = self.binary(level + 1, first)
-        while self.tok.kind == "punct" and self.tok.text in LEVELS[level]:
+        """Binary operators of precedence ``level`` or tighter, by precedence climbing
+        (a chain ``1 + 2 + ...`` is a loop, not a recursion; each operator of a
+        tighter level recurses once)."""
+        left = first if first is not None else self.unary()
+        while self.tok.kind == "punct" and self.tok.text in PRECEDENCE:
+            op_level = PRECEDENCE[self.tok.text]
+            if op_level < level:
+                break
             if self.in_filter and self.at("/") and self.peek().text == "{":
                 break       # the '/' closing a filter, not a division
             op = self.advance().text
-            right = self.binary(level + 1)
+            right = self.binary(op_level + 1)
             left = t.Binary(left.loc.to(right.loc), op, left, right)
         return left
 
     def unary(self) -> t.Expr:
-        tok = self.tok
-        if self.at("!", "~", "-", "+"):
-            self.advance()
-            operand = self.unary()
-            return t.Unary(tok.loc.to(operand.loc), tok.text, operand)
-        if self.at("*"):
-            self.advance()
-            operand = self.unary()
-            return t.Deref(tok.loc.to(operand.loc), operand)
-        if self.at("&"):
-            raise TraceUnsupported("taking an address (&expr) is not supported", tok.loc)
-        if self.at("++", "--"):
-            raise TraceUnsupported(f"{tok.text} inside an expression is not supported "
-                                   "(use it as a statement)", tok.loc)
-        return self.postfix(self.primary())
+        """Prefix operators (read in a loop, applied innermost first) and the operand."""
+        prefixes: list[Token] = []
+        while True:
+            tok = self.tok
+            if self.at("!", "~", "-", "+", "*"):
+                prefixes.append(self.advance())
+                continue
+            if self.at("&"):
+                raise TraceUnsupported("taking an address (&expr) is not supported", tok.loc)
+            if self.at("++", "--"):
+                raise TraceUnsupported(f"{tok.text} inside an expression is not supported "
+                                       "(use it as a statement)", tok.loc)
+            break
+        operand = self.postfix(self.primary())
+        for tok in reversed(prefixes):
+            operand = t.Deref(tok.loc.to(operand.loc), operand) if tok.text == "*" else \
+                t.Unary(tok.loc.to(operand.loc), tok.text, operand)
+        return operand
 
     def postfix(self, expr: t.Expr) -> t.Expr:
         while True:
@@ -768,11 +871,14 @@ class Parser:
         text = " ".join(self.source[at:m.end() - 1].split())
         # jump the lexer past the ")" and read the operand
         self.lex.pos = m.end()
-        self.lex.line = self.tok.loc.line + self.source[at:m.end()].count("\n")
-        self.lex.line_start = self.source.rfind("\n", 0, m.end()) + 1
+        self.lex.line, self.lex.line_start = self._line_of(m.end())
         self.peeked = None
         self.tok = self.lex.next()
-        operand = self.unary()
+        self.enter(paren.loc)
+        try:
+            operand = self.unary()
+        finally:
+            self.leave()
         return t.Cast(paren.loc.to(operand.loc), text, operand)
 
     def size_or_offset(self) -> t.Expr:
@@ -807,8 +913,7 @@ class Parser:
     def _skip_to(self, offset: int) -> None:
         """Go on lexing from source ``offset`` (past text read by a pattern)."""
         self.lex.pos = offset
-        self.lex.line = self.source.count("\n", 0, offset) + 1
-        self.lex.line_start = self.source.rfind("\n", 0, offset) + 1
+        self.lex.line, self.lex.line_start = self._line_of(offset)
         self.peeked = None
         self.prev = self.tok
         self.tok = self.lex.next()
@@ -818,7 +923,8 @@ class Parser:
         string; missing, 0 or "", as bpftrace) and ``$#`` (how many)."""
         if tok.value == "#":
             return t.Int(tok.loc, len(self.params))
-        n = int(str(tok.value))
+        digits = str(tok.value).lstrip("0")
+        n = int(digits) if len(digits) <= 6 else 10**6     # beyond any parameter: missing
         if n == 0:
             raise TraceSemanticError("$0 is not a positional parameter (they start at $1)", tok.loc)
         value = self.params[n - 1] if n <= len(self.params) else ""
@@ -832,16 +938,68 @@ class Parser:
         name."""
         if not text.strip():
             raise TraceSemanticError(f"macro {name.text} expands to nothing", name.loc)
+        self.budget["expanded"] += len(text) + 16
+        if self.budget["expanded"] > MAX_EXPANDED:
+            raise TraceLimit(f"macros expand to more than {MAX_EXPANDED} characters in the "
+                             "program", name.loc)
         inner = Parser(text, self.filename, self.macros, self.params)
         inner.expanding = self.expanding | {name.text}
+        inner.depth, inner.budget = self.depth, self.budget
         try:
             value = inner.expr()
             if inner.tok.kind != "eof":
                 inner.fail("expecting the end of the macro")
+            check_depth((value,), MAX_DEPTH - self.depth)
+        except TraceLimit as exc:
+            raise TraceLimit(exc.message, name.loc) from None
         except TraceError as exc:
             raise TraceSemanticError(f"in macro {name.text} ({text.strip()}): {exc.message}",
                                      name.loc) from None
         return _relocate(value, name.loc)
+
+
+def _children(node: t.Expr | t.Stmt) -> list[t.Expr | t.Stmt]:
+    out: list[t.Expr | t.Stmt] = []
+    for name in _FIELDS.get(type(node)) or _fields(type(node)):
+        v = getattr(node, name)
+        if isinstance(v, t.Expr | t.Stmt):
+            out.append(v)
+        elif isinstance(v, tuple):
+            out += [x for x in v if isinstance(x, t.Expr | t.Stmt)]
+    return out
+
+
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _fields(cls: type) -> tuple[str, ...]:
+    _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls) if f.name != "loc")
+    return _FIELDS[cls]
+
+
+def check_depth(nodes: tuple[t.Expr | t.Stmt, ...], limit: int = MAX_DEPTH) -> None:
+    """A TraceLimit at the first node nested deeper than ``limit`` (statements and
+    expressions alike: ``1 + 1 + ... + 1`` is as deep as it is long), found without
+    recursion."""
+    stack: list[tuple[t.Expr | t.Stmt, int]] = [(n, 1) for n in nodes]
+    while stack:
+        node, depth = stack.pop()
+        if depth > limit:
+            raise TraceLimit(TOO_DEEP, node.loc)
+        stack += [(c, depth + 1) for c in _children(node)]
+
+
+def statement_count(stmts: tuple[t.Stmt, ...] | list[t.Stmt]) -> int:
+    """Statements in ``stmts``, those nested in them included."""
+    n, stack = 0, list(stmts)
+    while stack:
+        s = stack.pop()
+        n += 1
+        if isinstance(s, t.If):
+            stack += [*s.then, *s.orelse]
+        elif isinstance(s, t.While):
+            stack += s.body
+    return n
 
 
 def _relocate(e: t.Expr, loc: Loc) -> t.Expr:
@@ -871,4 +1029,5 @@ def parse(source: str, filename: str = "stdin", params: tuple[str, ...] = (),
     return dataclasses.replace(program, source=source, params=params)
 
 
-__all__ = ["Lexer", "Parser", "parse"]
+__all__ = ["MAX_DEPTH", "MAX_EXPANDED", "MAX_UNROLLED", "Lexer", "Parser", "TraceLimit",
+           "check_depth", "parse"]

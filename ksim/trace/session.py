@@ -640,7 +640,8 @@ class TraceSession:
                                      ring=self.ring, clock=self.clock, analysis=self.analysis,
                                      lookup=self.lookup, start=self.start,
                                      unwinder=self.unwinder() if "kstack" in self.program.source
-                                     else None)
+                                     else None,
+                                     user_reads=self.m.target.abi.read_user_nofault is not None)
             try:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
@@ -1092,6 +1093,14 @@ class Interpreter:
             return {"!": int(not v), "~": signed(~v), "-": signed(-v), "+": v}[e.op]
         if isinstance(e, t.Ternary):
             return self.expr(e.then) if self.expr(e.cond) else self.expr(e.orelse)
+        if isinstance(e, t.Call) and e.name == "ksym" and len(e.args) == 1:
+            return self.expr(e.args[0])             # held as the address, printed by name
+        if isinstance(e, t.Call) and e.name == "kaddr" and len(e.args) == 1 \
+                and isinstance(e.args[0], t.Str):
+            return self.s.lookup(e.args[0].value)
+        if isinstance(e, t.Deref):
+            # a kernel address's 8 bytes, as the kernel's probes read them
+            return int.from_bytes(self.s.m.copy_from_kernel(self.expr(e.operand), 8), "little")
         raise TraceSemanticError("this expression has no integer value", e.loc)
 
     def binop(self, op: str, a: int, b: int, loc: Any) -> int:
