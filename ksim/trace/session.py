@@ -127,6 +127,10 @@ class TraceSession:
         self._events: list[Any] = []
         #: the profile probes' samplers
         self._samplers: list[Any] = []
+        #: the probes (as ``probe`` names them) the attach points expanded to, and the
+        #: attach points that named nothing
+        self._probe_names: set[str] = set()
+        self._unmatched: set[str] = set()
         self._unwinder: Unwinder | None | bool = False
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
@@ -562,8 +566,10 @@ class TraceSession:
                     # is an error only when no probe of the program attaches
                     failed.append(TraceSemanticError(str(exc), ap.loc))
                     self.skipped[ap.text] = str(exc)
+                    self._unmatched.add(ap.text)
                     continue
                 for point, site in found:
+                    self._probe_names.add(site.probe)
                     at = self.attached.setdefault((point.address, point.kind),
                                                   Attached(point, site))
                     if at.site.kind != site.kind:
@@ -801,9 +807,12 @@ class TraceSession:
 
     def probe_count(self) -> int:
         """The probes, counted as bpftrace's "Attaching N probes..." counts them before
-        it attaches: every kernel point, every one skipped (bpftrace counts an attach
-        point it then fails to attach), and every BEGIN, END and interval attach point."""
-        return len(self.attached) + len(self.skipped) + sum(
+        it attaches: every function or event a kernel attach point expanded to (a
+        kretprobe's returns are one probe; two events of one class are two), every one
+        skipped (bpftrace counts an attach point it then fails to attach) but not an
+        attach point that names nothing, and every BEGIN, END and interval attach
+        point."""
+        return len(self._probe_names) + len(set(self.skipped) - self._unmatched) + sum(
             1 for p in self.program.probes for ap in p.points if ap.provider in t.CLIENT_PROVIDERS)
 
     def _special(self, which: str) -> None:
