@@ -1477,8 +1477,10 @@ class ProbeCompiler:
             return Val(ct, words=[ast.Const(0)] * depth)
         uw = self.unwinder
         stride = uw.slot_bytes
-        regs = [self.locals.take() for _ in range(-(-uw.regs_bytes // stride))]
         store = [self.locals.take() for _ in range(-(-8 * depth // stride))]
+        # the pt_regs are dead once the unwinder returned: their slots are free after
+        mark = self.locals.mark()
+        regs = [self.locals.take() for _ in range(-(-uw.regs_bytes // stride))]
 
         # the slots from s are a buffer at slot s + n - 1, slot s + n - 1 - k at byte
         # k * stride of it (a Local's value in the slot's first 8 bytes)
@@ -1503,6 +1505,7 @@ class ProbeCompiler:
             slot = at(store, 8 * j)
             words.append(slot if slot is not None else ast.load(base + 8 * j, 8))
         words[0] = ast.Seq((*code, words[0]))
+        self.locals.release(mark)
         return Val(ct, words=words)
 
     def ntop(self, e: t.Call) -> Val:
