@@ -114,7 +114,7 @@ def test_syntax_errors_name_line_and_columns(source, head):
     ("kprobe:f { @[ustack] = count(); }", "builtin ustack"),
     ("kprobe:f { printf(\"%f\\n\", 1); }", "printf conversion '%f\\n'"),
     ("kprobe:f { @x = hist(arg0, 2); }", "hist() with a precision argument"),
-    ("kprobe:f { @x = buf(arg0, 4); }", "function buf()"),
+    ("kprobe:f { @x = path(arg0); }", "function path()"),
     ("kprobe:f { @x = (1, 2); }", "tuples are not supported here (only as map keys)"),
 ])
 def test_constructs_outside_the_subset_are_refused_by_name(source, construct):

@@ -175,7 +175,7 @@ def test_stats_are_printed_only_when_asked(capsys, toy_path):
      "uprobe probes are not supported: they instrument user space", "stdin:1:1-8"),
     ("kprobe:vfs_read { @[ustack] = count(); }", "builtin ustack is not supported",
      "stdin:1:21-27"),
-    ("kprobe:vfs_read { @ = buf(arg1, 4); }", "function buf() is not supported", "stdin:1:23-26"),
+    ("kprobe:vfs_read { @ = path(arg1); }", "function path() is not supported", "stdin:1:23-27"),
 ])
 def test_unsupported_constructs_are_named_and_placed(capsys, toy_path, program, message, where):
     assert main(["trace", "-e", program]) == 2

@@ -213,3 +213,21 @@ def test_kstack_where_the_frame_cannot_hold_pt_regs_is_refused_before_anything_i
                  "kprobe:vfs_read { @[kstack] = count(); }"]) == 2
     err = capsys.readouterr().err
     assert "kstack: struct pt_regs's member at byte" in err and "stdin:1:21-27" in err
+
+
+def test_buf_prints_bytes_as_bpftrace_s_percent_r(toy_path, offsets):
+    """buf(p, n) and buf(array): the bytes at the address (the machine's memory is
+    the oracle), printed by %r: printable ASCII as it is, other bytes as \\xNN."""
+    def at_entry(m, abi, site):
+        inode = m.read_u64(m.reg("rdi") + offsets["file.f_inode"])
+        return m.read(inode + offsets["inode.name"], 24)
+
+    def r(raw: bytes) -> str:
+        return "".join(chr(b) if 32 <= b < 127 else f"\\x{b:02x}" for b in raw)
+
+    hooks = Hooks(entry=at_entry)
+    report = run_trace('kfunc:vfs_read { printf("%r|\\n", buf(args->f->f_inode->name, 12)); '
+                       '@[buf(args->f->f_inode->name)] = count(); }', hooks, seed=6)
+    names = hooks.seen["entry"]
+    assert names and report["printf"] == [f"{r(n[:12])}|\n" for n in names]
+    assert report["maps"]["@"] == dict(Counter(r(n) for n in names))

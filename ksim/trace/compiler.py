@@ -61,11 +61,14 @@ AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "
                 "stats": 1}
 STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join"}
 #: functions with a value, in the subset
-FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack"}
+FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack",
+             "buf"}
+#: the most bytes buf() keeps
+BUF_MAX = 64
 #: kstack's frames when the program does not say (kstack(N)); its modes
 KSTACK_DEPTH = 32
 STACK_MODES = ("bpftrace", "perf", "raw")
-OTHER_FUNCTIONS = {"buf", "usym", "uaddr",
+OTHER_FUNCTIONS = {"usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
                    "skboutput", "pton", "strcontains", "len", "unwatch",
@@ -171,6 +174,11 @@ def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
         _check_expr(a, arg, key=True)
     kinds = typer.printf_kinds(args)
     for conv, arg, kind in zip(convs, args, kinds, strict=True):
+        if conv == "r" or kind.startswith("buf:"):
+            if conv != "r" or not kind.startswith("buf:"):
+                raise TraceSemanticError("printf: %r formats a buffer (buf()), and a buffer "
+                                         "is formatted by %r", arg.loc)
+            continue
         if conv == "s" and kind == "int":
             raise TraceSemanticError("printf: %s specifier expects a value of type string "
                                      "(integer supplied)", arg.loc)
@@ -1012,7 +1020,7 @@ class ProbeCompiler:
         v = self.value(e) if v is None else v
         if kind == "comm" or kind.startswith("str:"):
             return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
-        if kind == "inet" or kind.startswith("kstack:"):
+        if kind == "inet" or kind.startswith(("kstack:", "buf:")):
             assert v.words is not None
             return v.words
         return [v.scalar(e.loc)]
@@ -1448,6 +1456,8 @@ class ProbeCompiler:
                     raise TraceSemanticError("kstack() takes a mode (bpftrace, perf, raw) and a "
                                              "depth from 1 to 127", option.loc)
             return self.kstack(e, mode, depth)
+        if name == "buf":
+            return self.buf(e)
         if name == "strftime":
             if len(e.args) != 2 or not isinstance(e.args[0], t.Str):
                 raise TraceSemanticError("strftime() takes a format string and a time in ns",
@@ -1464,6 +1474,35 @@ class ProbeCompiler:
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
             return Val(integer(size, False), out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
+
+    def buf(self, e: t.Call) -> Val:
+        """buf(p, n) / buf(array): n bytes (at most BUF_MAX) read as they are, printed
+        by %r with bytes outside printable ASCII as \\xNN; kept as its length, then
+        its bytes."""
+        if not 1 <= len(e.args) <= 2:
+            raise TraceSemanticError("buf() takes an address and a length, or an array", e.loc)
+        v = self.value(e.args[0])
+        if len(e.args) == 1:
+            if v.type.kind != "array":
+                raise TraceSemanticError("buf() of a pointer needs a length: buf(p, n)", e.loc)
+            size = min(v.type.size, BUF_MAX)
+            length: ast.Node = ast.Const(size)
+            address = v.node
+        else:
+            n = self.expr(e.args[1])
+            size = min(n.value, BUF_MAX) if isinstance(n, ast.Const) else BUF_MAX
+            if size < 1:
+                raise TraceSemanticError("buf()'s length must be at least 1", e.args[1].loc)
+            length = ast.Const(size) if isinstance(n, ast.Const) else \
+                ast.If(ast.ugt(n, ast.Const(BUF_MAX)), ast.Const(BUF_MAX), n)
+            address = v.scalar(e.args[0].loc) if v.type.kind != "array" else v.node
+        ct = CType("buf", 8 + size, name="buffer", extra={"size": size})
+        if self.typing:
+            return Val(ct, words=[ast.Const(0)] * (1 + -(-size // 8)))
+        p = self.locals.take()
+        words: list[ast.Node] = [ast.Seq((p.assign(address), length))]
+        words += [self.read(p + 8 * i, 8, False) for i in range(-(-size // 8))]
+        return Val(ct, words=words)
 
     def kstack(self, e: t.Expr, mode: str, depth: int) -> Val:
         """The kernel's stack at the point, unwound by the kernel's own unwinder from
@@ -1646,6 +1685,8 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return "tm:" + ct.extra["format"]
     if ct.kind == "kstack":
         return f"kstack:{ct.extra['depth']}:{ct.extra['mode']}"
+    if ct.kind == "buf":
+        return f"buf:{ct.extra['size']}"
     if ct.kind == "inet":
         return "inet"
     if ct.kind == "ptr":

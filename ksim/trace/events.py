@@ -40,7 +40,7 @@ MAX_ARGS = 64
 RING_BYTES = 768 * 1024
 #: one conversion of a printf format: flags, width, precision, length, conversion
 SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
-                  r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocs%])")
+                  r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocsr%])")
 
 
 def conversions(fmt: str) -> list[str]:
@@ -73,7 +73,7 @@ def render(fmt: str, args: Sequence[int], names: Sequence[str],
         if conv == "%":
             return "%"
         v = next(it, 0)
-        if isinstance(v, str):
+        if isinstance(v, str):     # a string, or a buffer's text (%r)
             spec = f"%{m.group('flags')}{m.group('width')}"
             if m.group("prec") is not None:
                 spec += f".{m.group('prec')}"

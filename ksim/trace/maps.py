@@ -98,6 +98,8 @@ def width(kind: str) -> int:
         return -(-int(kind[4:]) // WORD)
     if kind.startswith("kstack:"):
         return int(kind.split(":")[1])
+    if kind.startswith("buf:"):
+        return 1 + -(-int(kind[4:]) // WORD)
     return WIDTH.get(kind, 1)
 
 
@@ -108,7 +110,7 @@ def is_text(kind: str | None) -> bool:
 def is_decoded(kind: str | None) -> bool:
     """Whether a map value of ``kind`` prints as something other than its integer."""
     return kind is not None and (kind in VALUE_KINDS or is_text(kind)
-                                 or kind.startswith(("kstack:", "tm:")))
+                                 or kind.startswith(("kstack:", "tm:", "buf:")))
 
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
@@ -124,6 +126,13 @@ def symbol_text(address: int) -> str:
     for f in SYMBOLIZE[-1:]:
         return f(address)
     return f"0x{address & MASK:x}"
+
+
+def buf_text(words: Sequence[int]) -> str:
+    """buf()'s bytes as bpftrace's %r prints them: printable ASCII as it is, any
+    other byte as \\xNN."""
+    raw = b"".join((w & MASK).to_bytes(WORD, "little") for w in words[1:])[:words[0] & MASK]
+    return "".join(chr(b) if 32 <= b < 127 else f"\\x{b:02x}" for b in raw)
 
 
 def stack_text(words: Sequence[int], mode: str) -> str:
@@ -165,6 +174,8 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return inet_text(part)
     if kind.startswith("kstack:"):
         return stack_text(part, kind.split(":")[2])
+    if kind.startswith("buf:"):
+        return buf_text(part)
     if kind.startswith("tm:"):
         # strftime(): the time the client reads it at (events are read as they come)
         import time
