@@ -128,7 +128,7 @@ class TraceSession:
         #: the profile probes' samplers
         self._samplers: list[Any] = []
         #: the probes (as ``probe`` names them) the attach points expanded to, and the
-        #: attach points that named nothing
+        #: wildcards that matched nothing
         self._probe_names: set[str] = set()
         self._unmatched: set[str] = set()
         self._unwinder: Unwinder | None | bool = False
@@ -566,7 +566,8 @@ class TraceSession:
                     # is an error only when no probe of the program attaches
                     failed.append(TraceSemanticError(str(exc), ap.loc))
                     self.skipped[ap.text] = str(exc)
-                    self._unmatched.add(ap.text)
+                    if ap.wildcard:     # bpftrace counts a named function it misses
+                        self._unmatched.add(ap.text)
                     continue
                 for point, site in found:
                     self._probe_names.add(site.probe)
@@ -809,9 +810,9 @@ class TraceSession:
         """The probes, counted as bpftrace's "Attaching N probes..." counts them before
         it attaches: every function or event a kernel attach point expanded to (a
         kretprobe's returns are one probe; two events of one class are two), every one
-        skipped (bpftrace counts an attach point it then fails to attach) but not an
-        attach point that names nothing, and every BEGIN, END and interval attach
-        point."""
+        skipped (bpftrace counts an attach point it then fails to attach, a function it
+        names that is not there too) but not a wildcard that matches nothing, and every
+        BEGIN, END and interval attach point."""
         return len(self._probe_names) + len(set(self.skipped) - self._unmatched) + sum(
             1 for p in self.program.probes for ap in p.points if ap.provider in t.CLIENT_PROVIDERS)
 
