@@ -50,7 +50,7 @@ from .types import VOID as VOID_T
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
-            "ppid", "kstack",
+            "ppid", "pcomm", "kstack",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
@@ -1312,6 +1312,9 @@ class ProbeCompiler:
             return Val(CType("args", 0, name="args", extra={"args": self.site.args}), ast.Const(0))
         if name == "kstack":
             return self.kstack(e, "bpftrace", KSTACK_DEPTH)
+        if name == "pcomm":       # the parent's name (newer bpftrace)
+            current = self.builtin(t.Builtin(e.loc, "curtask"))
+            return self.field(self.field(current, "real_parent", e.loc), "comm", e.loc)
         if name == "ppid":
             current = self.builtin(t.Builtin(e.loc, "curtask"))
             parent = self.field(current, "real_parent", e.loc)

@@ -1110,7 +1110,8 @@ class Interpreter:
             return self.s.lookup(e.args[0].value)
         if isinstance(e, t.Deref):
             # a kernel address's 8 bytes, as the kernel's probes read them
-            return int.from_bytes(self.s.m.copy_from_kernel(self.expr(e.operand), 8), "little")
+            address = self.expr(e.operand) & MASK
+            return signed(int.from_bytes(self.s.m.copy_from_kernel(address, 8), "little"))
         raise TraceSemanticError("this expression has no integer value", e.loc)
 
     def binop(self, op: str, a: int, b: int, loc: Any) -> int:
