@@ -1468,14 +1468,22 @@ class ProbeCompiler:
             return Val(CType("tm", 8, name="timestamp", extra={"format": e.args[0].value}),
                        self.expr(e.args[1]))
         if name == "bswap":
+            if len(e.args) != 1:
+                raise TraceSemanticError("bswap() takes one integer", e.loc)
             v = self.value(e.args[0])
             x = v.scalar(e.loc)
             size = v.type.size if v.type.kind == "int" else 8
+            setup: tuple[ast.Node, ...] = ()
+            if not isinstance(x, ast.Const | ast.Local):
+                # its bytes read from a slot: x computed once, not once per byte (nested
+                # bswaps grew 8^n)
+                held = self.locals.take()
+                setup, x = (held.assign(x),), held
             out: ast.Node = ast.Const(0)
             for i in range(size):
                 byte = ast.lshr(x, 8 * i) & ast.Const(0xFF)
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
-            return Val(integer(size, False), out)
+            return Val(integer(size, False), ast.Seq((*setup, out)) if setup else out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
 
     def buf(self, e: t.Call) -> Val:
