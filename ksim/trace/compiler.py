@@ -1471,17 +1471,17 @@ class ProbeCompiler:
             if len(e.args) != 1:
                 raise TraceSemanticError("bswap() takes one integer", e.loc)
             v = self.value(e.args[0])
-            x = v.scalar(e.loc)
+            operand: ast.Node = v.scalar(e.loc)
             size = v.type.size if v.type.kind == "int" else 8
             setup: tuple[ast.Node, ...] = ()
-            if not isinstance(x, ast.Const | ast.Local):
-                # its bytes read from a slot: x computed once, not once per byte (nested
-                # bswaps grew 8^n)
+            if not isinstance(operand, ast.Const | ast.Local):
+                # its bytes read from a slot: the operand computed once, not once per
+                # byte (nested bswaps grew 8^n)
                 held = self.locals.take()
-                setup, x = (held.assign(x),), held
+                setup, operand = (held.assign(operand),), held
             out: ast.Node = ast.Const(0)
             for i in range(size):
-                byte = ast.lshr(x, 8 * i) & ast.Const(0xFF)
+                byte = ast.lshr(operand, 8 * i) & ast.Const(0xFF)
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
             return Val(integer(size, False), ast.Seq((*setup, out)) if setup else out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
