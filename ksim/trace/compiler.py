@@ -158,7 +158,8 @@ def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
 
 
 def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
-    from .events import conversions, unknown_conversion
+    from .events import MAX_FIELD, conversions, too_wide, unknown_conversion
+    from .parser import TraceLimit
 
     if not call.args or not isinstance(call.args[0], t.Str):
         raise TraceSemanticError(f"{call.name}() expects a format string first", call.loc)
@@ -166,6 +167,10 @@ def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
     bad = unknown_conversion(fmt)
     if bad is not None:
         raise TraceUnsupported(f"printf conversion {bad!r} is not supported", call.args[0].loc)
+    wide = too_wide(fmt)
+    if wide is not None:
+        raise TraceLimit(f"printf: {wide!r} asks for a field wider than {MAX_FIELD} characters",
+                         call.args[0].loc)
     convs = conversions(fmt)
     if len(args) != len(convs):
         which = "Too many" if len(args) > len(convs) else "Not enough"
@@ -232,6 +237,8 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
     if call.name == "time":
         if len(call.args) > 1 or (call.args and not isinstance(call.args[0], t.Str)):
             raise TraceSemanticError("time() takes one format string, or none", call.loc)
+        if "\0" in _time_format(call):
+            raise TraceSemanticError("time(): the format has a NUL character", call.loc)
         fmt = (TIME_FORMAT + _time_format(call), ())
         if fmt not in a.formats:
             a.formats.append(fmt)
@@ -1465,6 +1472,8 @@ class ProbeCompiler:
             if len(e.args) != 2 or not isinstance(e.args[0], t.Str):
                 raise TraceSemanticError("strftime() takes a format string and a time in ns",
                                          e.loc)
+            if "\0" in e.args[0].value:
+                raise TraceSemanticError("strftime(): the format has a NUL character", e.loc)
             return Val(CType("tm", 8, name="timestamp", extra={"format": e.args[0].value}),
                        self.expr(e.args[1]))
         if name == "bswap":

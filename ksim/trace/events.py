@@ -38,6 +38,9 @@ MIN_ARGS = 7
 MAX_ARGS = 64
 #: the most bytes the ring takes
 RING_BYTES = 768 * 1024
+#: the widest field (width or precision) a printf conversion may ask for
+#: (bpftrace has no bound of its own: its %999999999d grew the output to gigabytes)
+MAX_FIELD = 1024
 #: one conversion of a printf format: flags, width, precision, length, conversion
 SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
                   r"(?P<length>hh|h|ll|l|z|j|t)?(?P<conv>[diuxXocsr%])")
@@ -46,6 +49,16 @@ SPEC = re.compile(r"%(?P<flags>[-+ 0#]*)(?P<width>\d*)(?:\.(?P<prec>\d+))?"
 def conversions(fmt: str) -> list[str]:
     """The conversion letter of each argument ``fmt`` takes ("%%" takes none)."""
     return [m.group("conv") for m in SPEC.finditer(fmt) if m.group("conv") != "%"]
+
+
+def too_wide(fmt: str) -> str | None:
+    """The first conversion of ``fmt`` whose width or precision is over MAX_FIELD."""
+    for m in SPEC.finditer(fmt):
+        for n in (m.group("width"), m.group("prec")):
+            # compared as text first: a 5,000-digit width is not converted
+            if n and (len(n.lstrip("0")) > len(str(MAX_FIELD)) or int(n) > MAX_FIELD):
+                return m.group(0)
+    return None
 
 
 def unknown_conversion(fmt: str) -> str | None:
@@ -58,7 +71,13 @@ def unknown_conversion(fmt: str) -> str | None:
 def render(fmt: str, args: Sequence[int], names: Sequence[str],
            kinds: Sequence[str] | None = None) -> str:
     """``fmt`` with its conversions filled as C's printf would (64-bit integers;
-    ``%s`` takes a name's index, or a comm's words when its kind says "comm")."""
+    ``%s`` takes a name's index, or a comm's words when its kind says "comm").  A
+    field wider than MAX_FIELD (which the compiler refuses) is a TraceLimit."""
+    wide = too_wide(fmt)
+    if wide is not None:
+        from .parser import TraceLimit
+
+        raise TraceLimit(f"printf: {wide!r} asks for a field wider than {MAX_FIELD} characters")
     words = list(args)
     values: list[Any] = []
     for kind in kinds if kinds is not None else ["int"] * len(words):
@@ -195,4 +214,4 @@ class Drain:
         return self._word(self.ring.header + 2 * WORD)
 
 
-__all__ = ["Drain", "MAX_ARGS", "RECORDS", "Ring", "allocate_ring", "conversions", "render"]
+__all__ = ["Drain", "MAX_ARGS", "MAX_FIELD", "too_wide", "RECORDS", "Ring", "allocate_ring", "conversions", "render"]
