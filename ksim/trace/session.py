@@ -695,7 +695,14 @@ class TraceSession:
                 self.handles += self.m.insert_many(batch, lambda p: snippets[(p.address, p.kind)],
                                                    splice=self.splice)
         except BaseException:
-            self._release()
+            # refused: nothing stays changed (splices of earlier batches, maps, ring)
+            try:
+                if self.handles:
+                    self.m.remove_many(self.handles)
+                    self.handles = []
+                self.free()
+            finally:
+                self._release()
             raise
         self.timings["attach_s"] = time.perf_counter() - start
 
@@ -997,7 +1004,10 @@ class Interpreter:
         if isinstance(e, t.Ternary):
             return self.value(e.then) if self.expr(e.cond) else self.value(e.orelse)
         if isinstance(e, t.Call) and e.name == "str" and e.args:
-            limit = self.expr(e.args[1]) if len(e.args) > 1 else self.s.analysis.strlen
+            # at most max_strlen, as the kernel's probes read it (not a read of n bytes)
+            limit = self.s.analysis.strlen
+            if len(e.args) > 1:
+                limit = min(self.expr(e.args[1]), limit)
             v = self.value(e.args[0])
             if isinstance(v, str):
                 return v[:max(0, limit - 1)]
