@@ -66,9 +66,6 @@ MASTER = "bpftrace-master"
 
 UPROBES = (r"u(ret)?probe probes are not supported: they instrument user space",
            "user-space probes: ksim splices the kernel's code only (by design)")
-SLOTS = (r"the action needs more than 128 scratch slots",
-         "not yet: an action that needs more than 128 scratch slots (1 KiB of the kernel's "
-         "stack; tcpdrop's kstack, ntop()s and strings)")
 NO_TCP_DROP = (r"unknown function or symbol 'tcp_drop'",
                "for kernels before 5.17: tcp_drop is not in 6.1, and bpftrace 0.17 cannot attach "
                "it either ('tcp_drop is not traceable', exit status 255)")
@@ -101,10 +98,8 @@ REFUSED: dict[str, tuple[str, str]] = {
         "kernel probes attach; bpftrace 0.17 warns that each is not traceable and runs BEGIN "
         "and END alone (exit status 0)"),
     f"{MASTER}/xfsdist.bt": (
-        r"Type mismatch for @name: trying to assign value of type 'ksym' when map "
-        r"already contains a value of type 'ksym'",
-        "BUG: ksym(0) and func have the same type ('@n = ksym(0); @n = func' is fine "
-        "in bpftrace 0.17); xfs is not loaded either"),
+        r"unknown function or symbol 'xfs_file_read_iter'",
+        "the xfs module is not loaded in the guest (as for the v0.17 tool)"),
     f"{V017}/old/biosnoop.bt": (
         r"struct request has no field named rq_disk",
         "for kernels before 5.17 (request->rq_disk); bpftrace 0.17 refuses it too: "
@@ -121,8 +116,6 @@ REFUSED: dict[str, tuple[str, str]] = {
         "for kernels before 5.12 (bio->bi_disk), as bpftrace says"),
     f"{V017}/old/tcpdrop.bt": NO_TCP_DROP,
     f"{MASTER}/old/tcpdrop.bt": NO_TCP_DROP,
-    f"{V017}/tcpdrop.bt": SLOTS,
-    f"{MASTER}/tcpdrop.bt": SLOTS,
     f"{MASTER}/biosnoop.bt": NO_BLOCK_IO_START,
     f"{MASTER}/biostacks.bt": NO_BLOCK_IO_START,
     f"{MASTER}/runqlen.bt": (
@@ -132,12 +125,6 @@ REFUSED: dict[str, tuple[str, str]] = {
                            "not yet: cat() (a file's contents, read by the client)"),
     f"{MASTER}/oomkill.bt": (r"function cgroup_path\(\) is not supported",
                              "not yet: cgroup_path()"),
-    f"{V017}/undump.bt": (r"printf conversion '%r\\n' is not supported",
-                          "not yet: printf's %r (a buffer, from buf())"),
-    f"{MASTER}/undump.bt": (r"printf conversion '%r\\n' is not supported",
-                            "not yet: printf's %r (a buffer, from buf())"),
-    f"{MASTER}/naptime.bt": (r"Unknown identifier: 'pcomm'",
-                             "not yet: the pcomm builtin (newer than bpftrace 0.17)"),
     f"{MASTER}/opensnoop.bt": MACROS,
     f"{MASTER}/syscount.bt": MACROS,
 }
@@ -625,7 +612,7 @@ class Batch:
     cases: list[Case]
     #: ksim attaches once bpftrace's startup is over (each bpftrace opens, looks up and
     #: checks capabilities thousands of times as it starts): printf tools, whose event
-    #: ring would fill up with that (see RING_BUG); the others attach meanwhile
+    #: ring would carry that too; the others attach meanwhile
     quiet: bool
 
 
@@ -633,22 +620,7 @@ def xfail(reason: str) -> list[Any]:
     return [pytest.mark.xfail(strict=True, reason=reason)]
 
 
-END_BUG = ("ksim runs END before it takes the kernel's probes out, bpftrace after: what END "
-           "clears is filled again by the probes meanwhile and printed at exit ({})")
-NAPTIME_BUG = ("ksim reads 0 through a syscall tracepoint's user pointer "
-               "(args->rqtp->tv_nsec) where bpftrace reads the user's timespec: the filter "
-               "is always false, naptime prints nothing")
-COUNT_BUG = ("ksim's 'Attaching N probes' counts spliced points and skipped attach points, "
-             "not bpftrace's probes: {}")
-RING_BUG = ("ksim's printf ring (1024 records) is drained one record per request, and its "
-            "tail stored only after the whole drain: a burst of 1500 events loses most of "
-            "them (a full ring takes 5 to 15 s to drain on the testbed, and every event "
-            "meanwhile is lost); bpftrace loses none.  Other clients' bpftrace startups "
-            "(hundreds of capability checks a second) do the same to the small workloads")
-KADDR_BUG = ("kaddr(\"avenrun\") in an interval probe: 'this expression has no integer "
-             "value'")
-CLEAR_BUG = ("clear() of a map without keys: bpftrace prints it at exit as '@: 0', ksim "
-             "prints nothing")
+COUNT_BUG = ("ksim's 'Attaching N probes' differs from bpftrace's: {}")
 
 COMM = r"\s{}\s"
 CASES: list[Batch] = [
@@ -660,14 +632,14 @@ CASES: list[Batch] = [
         Case(f"{V017}/syncsnoop.bt", ("sync",),
              same_events(COMM.format("ksimcp_sync"), 6 * COUNTS["sync"])),
         Case(f"{V017}/naptime.bt", ("nap",),
-             same_events(COMM.format("ksimcp_nap"), COUNTS["nap"]), marks=xfail(NAPTIME_BUG)),
+             same_events(COMM.format("ksimcp_nap"), COUNTS["nap"])),
         Case(f"{V017}/execsnoop.bt", ("exec",),
              same_events(r"/nonexistent/ksim-corpus-exec marker", COUNTS["exec"], header=1,
                          fix=lambda line: columns(line, slice(0, 1)))),
         # 1500 capability checks at once (and 1500 raises of its nice, not checked)
         Case(f"{V017}/capable.bt", ("capburst",),
              same_events(COMM.format("ksimcp_capburst"), COUNTS["capburst"] - 100,
-                         exact=False), marks=xfail(RING_BUG)),
+                         exact=False)),
     ], quiet=True),
     Batch([
         Case(f"{V017}/dcsnoop.bt", ("dc",),
@@ -679,8 +651,7 @@ CASES: list[Batch] = [
              same_events(COMM.format("ksimcp_tcp"), COUNTS["tcp"])),
         Case(f"{V017}/tcplife.bt", ("tcp",),
              same_events(COMM.format("ksimcp_tcp"), 2 * COUNTS["tcp"], header=1,
-                         fix=lambda line: columns(line, slice(-1, None))),
-             marks=xfail(END_BUG.format("@skpid of kerninstd's sockets closing meanwhile"))),
+                         fix=lambda line: columns(line, slice(-1, None)))),
         Case(f"{V017}/tcpsynbl.bt", ("tcp",), tcpsynbl_check),
         # the first lowering of its nice is not checked (5 checks of 6 calls, in both)
         Case(f"{MASTER}/capable.bt", ("cap",),
@@ -688,14 +659,12 @@ CASES: list[Batch] = [
         Case(f"{V017}/tcpretrans.bt", ("tcp",), same_shape(2)),
     ], quiet=True),
     Batch([
-        Case(f"{V017}/syscount.bt", ("sys",), syscount_check,
-             marks=xfail(END_BUG.format("@syscall and @process"))),
+        Case(f"{V017}/syscount.bt", ("sys",), syscount_check),
         Case(f"{V017}/vfscount.bt", ("read",), vfscount_check),
-        Case(f"{V017}/pidpersec.bt", ("fork",), pidpersec_check, marks=xfail(CLEAR_BUG)),
+        Case(f"{V017}/pidpersec.bt", ("fork",), pidpersec_check),
         Case(f"{V017}/cpuwalk.bt", (), hist_check("@cpu", 1)),
         Case(f"{V017}/loads.bt", (), same_shape(
-            1, r"\d\d:\d\d:\d\d load averages: \d+\.\d{3} \d+\.\d{3} \d+\.\d{3}"),
-             marks=xfail(KADDR_BUG)),
+            1, r"\d\d:\d\d:\d\d load averages: \d+\.\d{3} \d+\.\d{3} \d+\.\d{3}")),
         Case(f"{V017}/biolatency.bt", (), same_shape(1)),
         Case(f"{MASTER}/syncsnoop.bt", ("sync",),
              same_events(COMM.format("ksimcp_sync"), 6 * COUNTS["sync"])),
@@ -703,8 +672,7 @@ CASES: list[Batch] = [
     Batch([
         # bpftrace parses linux/sched.h for runqlat (half a minute in the guest): the
         # batch's other tools come along
-        Case(f"{V017}/runqlat.bt", (), hist_check("@usecs", 1),
-             marks=xfail(END_BUG.format("@qtime"))),
+        Case(f"{V017}/runqlat.bt", (), hist_check("@usecs", 1)),
         Case(f"{V017}/vfsstat.bt", ("read",), same_shape(
             1, r"\d\d:\d\d:\d\d", ("@",),
             lambda got: all(re.fullmatch(r"vfs_\w+", k) for k in got["@"]))),
@@ -718,20 +686,10 @@ CASES: list[Batch] = [
 
 #: the cases whose "Attaching N probes" differs from bpftrace's, and why
 COUNT_BUGS = {
-    f"{V017}/dcsnoop.bt": COUNT_BUG.format(
-        "kprobe:lookup_fast.constprop.* matches nothing; ksim counts it, bpftrace does not "
-        "(5 and 4)"),
-    f"{V017}/runqlat.bt": COUNT_BUG.format(
-        "sched:sched_wakeup and sched_wakeup_new are two probes for bpftrace, one point "
-        "(their class's commit call) for ksim (4 and 5)"),
     f"{V017}/vfscount.bt": COUNT_BUG.format(
         "kprobe:vfs_* also matches vfs_get_tree.cold (a cold part entered by a jump, not a "
-        "function) and two functions ftrace does not list (vfs_set_acl_prepare_kuid, _kgid); "
-        "79 and 72"),
-    f"{V017}/loads.bt": KADDR_BUG + " (ksim stops before it prints its count)",
-    f"{V017}/writeback.bt": COUNT_BUG.format(
-        "writeback:writeback_start and writeback_written are two probes for bpftrace, one "
-        "point (their class's commit call) for ksim (3 and 4)"),
+        "function) and two functions ftrace does not list (vfs_set_acl_prepare_kuid, _kgid): "
+        "ksim's wildcards match the kernel's symbols, bpftrace's ftrace's list; 79 and 72"),
 }
 
 

@@ -335,6 +335,8 @@ def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr, typer: Prob
             typer.value(value.args[0]).scalar(value.args[0].loc)
     elif op == "=":
         kind = typer.value_kind(value)
+        if kind == "ptr" and m.ctype is None:
+            m.ctype = typer.value(value).type      # read back as the same pointer type
     else:
         typer.value(value).scalar(value.loc)
     if m.kind is not None and _is_str(m.kind) and _is_str(kind):
@@ -1447,11 +1449,15 @@ class ProbeCompiler:
                 raise TraceUnsupported("strncmp() with a length computed at run time is not "
                                        "supported", e.args[2].loc)
             a, b = self.value(e.args[0]), self.value(e.args[1])
-            size = -(-max(1, n.value) // 8) * 8
+            # no further than the longer string's size: past both ends they are equal
+            # (a length of 10^11 made 10^10 words)
+            count = max(0, min(n.value, *(8 * len(v.words) if v.words is not None
+                                          else v.type.size for v in (a, b))))
+            size = -(-max(1, count) // 8) * 8
             x, y = self.text_words(a, size, e.loc), self.text_words(b, size, e.loc)
             same: ast.Node = ast.Const(1)
             for i, (p, q) in enumerate(zip(x, y, strict=True)):
-                keep = min(8, n.value - 8 * i)
+                keep = min(8, count - 8 * i)
                 mask = ast.Const((1 << (8 * keep)) - 1 if keep < 8 else MASK)
                 same = ast.land(same, (p & mask) == (q & mask))
             return Val(INT64, ast.lnot(same))
@@ -1607,7 +1613,8 @@ class ProbeCompiler:
         if kind in ("hist", "lhist"):
             raise TraceSemanticError(f"{ref.name} holds a {kind}, which has no integer value",
                                      ref.loc)
-        ct = kind_type(kind)
+        ct = m.ctype if m is not None and m.ctype is not None and kind == "ptr" \
+            else kind_type(kind)
         if self.typing:
             _use_map(self.analysis, ref, self)
             if ct.kind in ("str", "inet", "kstack"):

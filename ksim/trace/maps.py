@@ -197,6 +197,8 @@ class MapType:
     lhist: tuple[int, int, int] | None = None
     #: an avg kept for stats() (printed as count, average and total)
     stats: bool = False
+    #: a pointer map's values' type (what reading @m[k] gives, to follow with ->)
+    ctype: Any = None
 
     @property
     def value_words(self) -> int:
