@@ -172,6 +172,14 @@ class OutsideText(SpliceError):
     code = "outside-text"
 
 
+class JumpOutside(OutsideText):
+    """On a live kernel, a text write that makes (or changes) a jump leading
+    neither into kernel or module text nor into a patch block of the client's own:
+    the kernel module refuses it.  Nothing was written."""
+
+    code = "jump-outside"
+
+
 class OutOfRange(SpliceError):
     """A branch cannot reach its destination with the encoding asked for."""
 
@@ -271,8 +279,33 @@ class OverlappingWrites(SpliceError):
     code = "overlapping-writes"
 
 
+class TrapUnavailable(SpliceError):
+    """A trap at code that runs before the kernel's own trap dispatch exists (the
+    function that installs it, or one it calls: an x86 IDT, an arm64 vector base
+    not yet loaded): the kernel would die at boot.  A jump-based tactic may still
+    splice the point."""
+
+    code = "trap-unavailable"
+
+
 class UnknownHandle(KsimError):
     code = "unknown-handle"
+
+
+class BlockInUse(KsimError):
+    """A heap block that an inserted snippet still references (writes, reads, or
+    passes to a call): freed, it would be handed out again while the snippet still
+    writes it.  The message names the splice; remove it first.  Nothing was freed."""
+
+    code = "block-in-use"
+
+
+class OutsideHeapBlock(BadArgument):
+    """A write (``copy_to_kernel``, ``write``) whose bytes do not lie inside one heap
+    block the caller allocated: past a block's end, across two blocks, or outside
+    the heap.  Refused before anything is written."""
+
+    code = "outside-heap-block"
 
 
 class DuplicateHandle(BadArgument):
@@ -316,6 +349,23 @@ class TrapTableFull(OutOfMemory):
     nothing was changed."""
 
     code = "trap-table-full"
+
+
+class NotPrivileged(TargetError):
+    """The kernel module refuses a caller without CAP_SYS_ADMIN: opening
+    /dev/kerninst, or any command but VERSION (a descriptor passed on, or the
+    capability dropped since it was opened).  Nothing was changed."""
+
+    code = "not-privileged"
+
+
+class LockedDown(TargetError):
+    """The running kernel is locked down (``/sys/kernel/security/lockdown``): the
+    module refuses to change its text, trap routes or patch code, as the kernel
+    refuses its own debuggers' writes (LOCKDOWN_DBG_WRITE_KERNEL).  Undoing what
+    is already there still works.  Nothing was changed."""
+
+    code = "locked-down"
 
 
 class TargetDied(TargetError):

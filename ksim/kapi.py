@@ -18,6 +18,7 @@ removing one re-plans the patch and re-points the splice in a single poke.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
 import itertools
@@ -33,9 +34,11 @@ from ksim.core import Write
 from ksim.errors import (
     AlreadySpliced,
     BadArgument,
+    BlockInUse,
     DuplicateHandle,
     HandlerUnsupported,
     KsimError,
+    OutsideHeapBlock,
     RelocationError,
     ReplacementError,
     UnknownHandle,
@@ -112,7 +115,8 @@ class Manager:
         # kernel) answers for every function analysed; emulated kernels have only
         # their image's tables, which SiteFacts reads itself
         self.facts = SiteFacts(target.image, self.arch,
-                               ask=target.text_hazards if caps.hazards else None)
+                               ask=target.text_hazards if caps.hazards else None,
+                               trap_setup=caps.trap_setup)
         arch = self.arch
         #: patch code and heap variables are placed by the Manager inside areas the
         #: target hands out (ksim.splice.areas): planning costs no request
@@ -130,6 +134,8 @@ class Manager:
         self._blocks: dict[int, CodeBlock] = {}
         #: heap blocks this Manager allocated (address -> size): all snippets may write
         self._heap: dict[int, int] = {}
+        #: their addresses, sorted (the block a write lies in, by bisection)
+        self._heap_starts: list[int] = []
         #: functions snippets may call (address -> name), named by the user
         self._calls: dict[int, str] = {}
         #: patch-area allocations -> how many patches live in them; and the
@@ -238,14 +244,40 @@ class Manager:
             raise BadArgument(f"a heap block's alignment must be a power of two, not {align}")
         address = self._data.place(size, align=align)
         self._heap[address] = size
+        bisect.insort(self._heap_starts, address)
         return address
 
     def free(self, var: ast.Var | int) -> None:
+        """Give a heap block back.  Refused (BlockInUse, naming the splice) while an
+        inserted snippet still references it: the block would be handed out again
+        (to this Manager, or on a live kernel to another client) while the snippet
+        still writes it."""
         address = _var(var).address if isinstance(var, ast.Var) else _int(var, "free's address")
         if address not in self._heap:
             raise UnknownHandle(f"{address:#x} is not a block of the data heap from malloc")
+        self.check_free(address)
         self._data.release(address)
         del self._heap[address]
+        self._heap_starts.remove(address)
+
+    def check_free(self, address: int) -> None:
+        """BlockInUse if a snippet inserted here references the heap block at
+        ``address``: a Var or table inside it, a miss counter there, or a constant
+        pointing into it (a pointer the snippet reads through or hands to a call)."""
+        size = self._heap.get(address)
+        if size is None:
+            raise UnknownHandle(f"{address:#x} is not a block of the data heap from malloc")
+        for splice in self._splices.values():
+            for h in splice.handles:
+                for code, stage in ((h.snippet, "snippet"), (h.post, "post snippet")):
+                    if code is not None and _references(code, address, address + size):
+                        func = self.target.image.function_at(splice.point.address)
+                        where = (f" ({func.name}+{splice.point.address - func.address:#x})"
+                                 if func is not None else "")
+                        raise BlockInUse(
+                            f"the heap block at {address:#x} ({size} bytes) is still used by "
+                            f"the {stage} of handle {h.id}, spliced by {splice.tactic} at "
+                            f"{splice.point.address:#x}{where}: remove it first, then free")
 
     def allow_calls(self, *functions: Function | str | int) -> None:
         """Name functions snippets may call (a snippet calling anything else is
@@ -278,13 +310,41 @@ class Manager:
 
     def write(self, var: ast.Var, value: int) -> None:
         var, value = _var(var), _int(value, "the value written")
+        self._check_held(var.address, var.size, f"write of a {var.size}-byte Var")
         self.target.write(var.address, (value % (1 << (8 * var.size))).to_bytes(var.size, "little"))
 
     def copy_from_kernel(self, address: int, size: int) -> bytes:
         return self.target.read(address, size)
 
     def copy_to_kernel(self, address: int, data: bytes) -> None:
+        """Write ``data`` at ``address``, which with all of ``data`` lies inside one
+        heap block from malloc/alloc_data (OutsideHeapBlock otherwise: nothing is
+        written)."""
+        address = _int(address, "copy_to_kernel's address")
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise BadArgument(f"copy_to_kernel writes bytes, not {_shown(data)}")
+        data = bytes(data)
+        if not data:
+            return
+        self._check_held(address, len(data), f"copy_to_kernel of {len(data)} bytes")
         self.target.write(address, data)
+
+    def _check_held(self, address: int, size: int, what: str) -> None:
+        """OutsideHeapBlock unless [address, address + size) lies in one heap block
+        this Manager allocated: a write never runs into the next block (another
+        variable, map or ring of this client's)."""
+        i = bisect.bisect_right(self._heap_starts, address) - 1
+        if i >= 0:
+            start = self._heap_starts[i]
+            end = start + self._heap[start]
+            if address + size <= end:
+                return
+            if address < end:
+                raise OutsideHeapBlock(
+                    f"{what} at {address:#x} runs {address + size - end} bytes past the end of "
+                    f"the heap block {start:#x}..{end:#x}; nothing was written")
+        raise OutsideHeapBlock(f"{what} at {address:#x} is not inside a heap block from "
+                               "malloc or alloc_data; nothing was written")
 
     def text_snapshot(self) -> dict[int, bytes]:
         """The bytes of every executable section, by address: compare two snapshots
@@ -776,6 +836,32 @@ class Manager:
         for splice in splices:
             self._retire(splice)
             del self._splices[splice.point.address]
+
+
+def _references(snippet: ast.Node, start: int, end: int) -> bool:
+    """Whether ``snippet`` touches memory in [start, end): a Var or an Elem's table
+    there (what the verifier lets it write), a Guarded's miss counter, or a constant
+    pointing there (read through, or passed to a call)."""
+    mask = (1 << 64) - 1
+
+    def meets(lo: int, size: int) -> bool:
+        lo &= mask
+        return lo < end and start < lo + max(size, 1)
+
+    for node in ast.walk(snippet):
+        if isinstance(node, ast.Var):
+            if node.segment is None and meets(node.address, node.size):
+                return True
+        elif isinstance(node, ast.Elem):
+            if meets(*node.table):
+                return True
+        elif isinstance(node, ast.Guarded):
+            if node.missed is not None and meets(node.missed, 8):
+                return True
+        elif isinstance(node, ast.Const):
+            if type(node.value) is int and meets(node.value, 1):
+                return True
+    return False
 
 
 # --- arguments: a value of the wrong kind is a BadArgument, refused before anything changes ---

@@ -37,6 +37,9 @@ TRAP_COUNT = "ksim_trap_count"  # u64: entries [0, count) are searched
 TRAP_SLOTS = 1024
 TRAP_ENTRY_SIZE = 16
 TRAP_HANDLER = "ksim_int3_entry"
+#: builds and loads the IDT (x86: lidt) / sets VBAR_EL1 (arm64), called first by
+#: ksim_entry64: before it returns, a trap reaches no handler and the kernel dies
+TRAP_SETUP = "trap_init"
 
 # --- kernel data layout ----------------------------------------------------------
 CURRENT_TASK = "current_task"  # struct task_struct *
@@ -68,7 +71,7 @@ CHECKSUM_LINE = r"toy: seed=0x(?P<seed>[0-9a-f]+) iterations=(?P<iterations>\d+)
 
 ABI_SYMBOLS = (
     ENTRY, HALT, INIT_STACK_TOP, PVH_ENTRY, PATCH_AREA, PATCH_AREA_END, HEAP, HEAP_END,
-    TRAP_TABLE, TRAP_COUNT, TRAP_HANDLER, CURRENT_TASK, TASK_PID_OFFSET, CPU_NUMBER,
+    TRAP_TABLE, TRAP_COUNT, TRAP_HANDLER, TRAP_SETUP, CURRENT_TASK, TASK_PID_OFFSET, CPU_NUMBER,
     JIFFIES, IRQ_TICKS, WORKLOAD_SEED, WORKLOAD_ITERATIONS, WORKLOAD_CHECKSUM, WORKLOAD_DONE,
     BENCH_CALLS, BENCH_CYCLES, BENCH_TARGET,
 )

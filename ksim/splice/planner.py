@@ -50,6 +50,7 @@ from ksim.errors import (
     NotOnBoundary,
     OutsideText,
     RelocationError,
+    TrapUnavailable,
     UnknownPolicy,
 )
 from ksim.splice import hazards as hz
@@ -126,6 +127,9 @@ class SpliceRequest:
     padding: Sequence[tuple[int, bytes]] = ()
     #: blacklisted ranges (start, end): never splice there
     blacklist: tuple[tuple[int, int], ...] = ()
+    #: (start, end, why) of code that runs before the kernel's trap dispatch exists:
+    #: the trap tactic is refused there (SiteFacts.trap_unready)
+    trap_unready: tuple[tuple[int, int, str], ...] = ()
     #: post(address) -> the post stage's code placed at ``address``: it runs right
     #: after the instruction at the point (which must fall through)
     post: Callable[[int], bytes] | None = None
@@ -186,6 +190,12 @@ def plan_with(arch: Arch, req: SpliceRequest, tactics: Sequence[str],
               report: PlanReport | None = None) -> Patch:
     """:func:`plan` with the given tactics, in order, in place of the policy's."""
     check_point(arch, req)
+    if tuple(tactics) == ("trap",):
+        why = _trap_unready(req)
+        if why is not None:
+            raise TrapUnavailable(f"{req.point:#x} ({req.func.name}+{req.point - req.func.start:#x}): "
+                                  f"{why}; a trap there cannot be routed (the kernel would die), "
+                                  "a jump can splice it (policy jmp or auto)")
     report = report if report is not None else PlanReport()
     for tactic in tactics:
         result = TACTICS[tactic](arch, req)
@@ -501,7 +511,15 @@ def _tactic_springboard(arch: Arch, req: SpliceRequest) -> Patch | str:
     return _patch(arch, req, "springboard", moved, (board, head))
 
 
+def _trap_unready(req: SpliceRequest) -> str | None:
+    """Why a trap at the point could not be routed (None: it can)."""
+    return next((why for lo, hi, why in req.trap_unready if lo <= req.point < hi), None)
+
+
 def _tactic_trap(arch: Arch, req: SpliceRequest) -> Patch | str:
+    why = _trap_unready(req)
+    if why is not None:
+        return f"{why}; a trap there cannot be routed"
     first = req.func.insns[req.func.index_of(req.point)]
     write = Write(req.point, first.raw[: len(arch.trap)], arch.trap)
     return _patch(arch, req, "trap", (first,), (write,), trap=True)

@@ -21,6 +21,7 @@ from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cached_property, lru_cache
 
+from ksim.analysis.callgraph import call_graph
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
 from ksim.analysis.points import Point, PointKind, is_padding
@@ -86,11 +87,15 @@ class SiteFacts:
     """Site facts for one image.  Functions are resolved by address wherever a
     point is given: kernels have several static functions of the same name."""
 
-    def __init__(self, image, arch: Arch, *, ask: HazardQuery | None = None) -> None:
-        # image: ksim.image.Image; ask: the target's own answer (a live kernel), if any
+    def __init__(self, image, arch: Arch, *, ask: HazardQuery | None = None,
+                 trap_setup: str | None = None) -> None:
+        # image: ksim.image.Image; ask: the target's own answer (a live kernel), if any;
+        # trap_setup: the function that installs the kernel's trap dispatch, when a
+        # trap cannot be routed until it has run (Capabilities.trap_setup)
         self.image = image
         self.arch = arch
         self._ask = ask
+        self._trap_setup = trap_setup
         self._ahead: dict[tuple[int, int], frozenset[str]] | None = None  # see asking_ahead
         self._starts = [f.address for f in image.functions]
         #: registers live at each point asked about (a few bytes each, kept for every
@@ -330,7 +335,32 @@ class SiteFacts:
         return SpliceRequest(point=point, func=code, compile=compile, code_address=code_address,
                              policy=policy, busy=busy,
                              padding=_Slots(lambda: self.padding_slots(point, busy)),
-                             blacklist=self.blacklist)
+                             blacklist=self.blacklist, trap_unready=self.trap_unready)
+
+    @cached_property
+    def trap_unready(self) -> tuple[tuple[int, int, str], ...]:
+        """(start, end, why) of the code that runs before the kernel's own trap
+        dispatch exists: the function that installs it (``trap_setup``) and every
+        function it calls, directly or by a tail call, transitively.  A trap there
+        reaches no handler (the toy under QEMU: no IDT yet, the CPU triple-faults)."""
+        setup = self._trap_setup
+        if setup is None or not self.image.has_function(setup):
+            return ()
+        out = []
+        seen, work = {setup}, [setup]
+        while work:
+            name = work.pop()
+            func = self.image.function(name)
+            why = (f"{name} installs the kernel's trap handler: until it returns, a trap "
+                   "reaches none" if name == setup else
+                   f"{name} runs inside {setup}, before the kernel's trap handler is installed")
+            out.append((func.address, func.end, why))
+            graph = call_graph(self.image, [func])
+            for callee in graph.callees(name) | graph.tail_calls.get(name, set()):
+                if callee not in seen:
+                    seen.add(callee)
+                    work.append(callee)
+        return tuple(sorted(out))
 
     def padding_slots(self, near: int, busy: Container[int]) -> tuple[tuple[int, bytes], ...]:
         """Free jmp-sized slots in the filler after the functions around ``near``

@@ -36,6 +36,12 @@ class Capabilities:
     #: trap splicing: the kernel's trap path (or the emulator's hook) sends a trap at
     #: a routed site to its patch
     traps: bool = True
+    #: the kernel function that installs the kernel's own trap dispatch, when traps
+    #: go through it and the target's changes are in before it runs (QEMU's boot
+    #: stop): it, and every function it calls, runs before a trap can be routed, so
+    #: the trap tactic is refused there (TrapUnavailable).  None: traps are routed
+    #: from the first instruction (an emulator's hook), or the kernel is running
+    trap_setup: str | None = None
     #: ``add_trap_hook``: Python called at a trap (an emulator running in-process)
     python_hooks: bool = False
     #: ``text_hazards``: the running kernel says which text it relies on (ftrace,

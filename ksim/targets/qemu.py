@@ -31,7 +31,12 @@ Trap dispatch
     table on both: the routes of a change (``apply``) edit the dense
     ``ksim_trap_table[0:ksim_trap_count]`` in guest memory (removal moves the
     last entry into the hole), mirrored in Python so that a new boot gets the
-    same table.
+    same table.  That handler exists only once ``trap_init`` has loaded the IDT
+    (VBAR_EL1 on arm64), and ksim's changes go in before it runs (at
+    ``ksim_entry64``): a trap in ``trap_init`` or a function it calls
+    (``set_intr_gate``, ``load_idt``) would reach no handler, and the kernel would
+    die at boot.  ``capabilities.trap_setup`` names it; the planner refuses the
+    trap tactic there (TrapUnavailable), and a jump still splices such a point.
 
 Oracle
     ``oracle_counter(address)`` counts gdbstub breakpoint hits on ``address``
@@ -152,9 +157,11 @@ def _image_path(rest: str) -> Path:
 
 
 class QemuTarget:
-    #: the toy kernel's own trap path routes traps (no Python at a trap); the
-    #: oracle is a gdbstub breakpoint
-    capabilities = Capabilities(traps=True, oracles=("gdbstub-breakpoint",))
+    #: the toy kernel's own trap path routes traps (no Python at a trap), once its
+    #: trap_init has installed it: ksim's changes go in at ksim_entry64, before that;
+    #: the oracle is a gdbstub breakpoint
+    capabilities = Capabilities(traps=True, trap_setup=toy.TRAP_SETUP,
+                                oracles=("gdbstub-breakpoint",))
 
     def __init__(self, image: str = "toy", *, accel: str = "auto", timeout: float = 10.0,
                  boot_timeout: float = 60.0, qemu: str | None = None) -> None:
