@@ -19,6 +19,9 @@
  *   - know who holds what: every live text write, trap route and patch-area or
  *     heap block belongs to one owner (a client session, or a kept owner that
  *     outlives kerninstd), and no owner may change what another holds;
+ *   - let only CAP_SYS_ADMIN use it, change nothing in a locked-down kernel, and
+ *     write no jump into text that leads anywhere but text or the writer's own
+ *     patch code;
  *   - undo an owner's text when its session ends or the device is closed, and
  *     every text byte it changed on unload, newest first.
  *
@@ -51,6 +54,8 @@
 #include <linux/vmalloc.h>
 #include <linux/jump_label.h>
 #include <linux/static_call.h>
+#include <linux/capability.h>
+#include <linux/security.h>
 #include <asm/current.h>
 #include <asm/smp.h>
 #include <asm/sync_core.h>
@@ -281,12 +286,13 @@ static unsigned int ki_nsplices;
 
 /*
  * Blocks of the patch area and the data heap, as kerninstd allocated them.  A
- * freed patch block stays here, held by no one, until QUIESCE has waited out
- * the tasks that may still run in it.
+ * freed block stays here, held by no one, until QUIESCE has waited out the
+ * tasks that may still run in it: patch code, and a heap block that patch
+ * code just taken out of text may still write (a task preempted in the patch).
  */
 struct ki_block {
 	struct list_head node;		/* ki_blocks */
-	struct ki_owner *owner;		/* NULL: freed patch code, not reusable yet */
+	struct ki_owner *owner;		/* NULL: freed, not reusable yet */
 	unsigned long addr;
 	unsigned long size;
 	u32 region;			/* KERNINST_REGION_* */
@@ -295,6 +301,33 @@ static LIST_HEAD(ki_blocks);
 
 /* Serialises every command (and unload) against each other; nests outside text_mutex. */
 static DEFINE_MUTEX(ki_lock);
+
+/* ------------------------------------------------------------------------- */
+/* privilege and lockdown                                                     */
+
+/*
+ * Lockdown (security/lockdown/lockdown.c): a locked-down kernel lets nobody
+ * change its code, root included.  kprobes are refused at LOCKDOWN_KPROBES
+ * (__register_trace_kprobe, kernel/trace/trace_kprobe.c), a confidentiality
+ * reason: a probe runs the kernel's own handler.  kerninst writes code its
+ * clients made into text and the patch area, as a debugger writing kernel
+ * memory does, so it asks the integrity reason kgdb asks before a write
+ * (LOCKDOWN_DBG_WRITE_KERNEL, kernel/debug/debug_core.c), and kgdb's
+ * confidentiality reason before a read of any address (LOCKDOWN_DBG_READ_KERNEL).
+ * Asked at every request: lockdown may be raised at run time (echo integrity >
+ * /sys/kernel/security/lockdown) and is never lowered.  Undo is never refused
+ * (a restore, clearing a route, dropping an owner): it only takes kerninst's
+ * changes out.  The answer is -EROFS, as -EPERM is the hazards' errno.
+ */
+static int ki_write_locked(void)
+{
+	return security_locked_down(LOCKDOWN_DBG_WRITE_KERNEL) ? -EROFS : 0;
+}
+
+static int ki_read_locked(void)
+{
+	return security_locked_down(LOCKDOWN_DBG_READ_KERNEL) ? -EROFS : 0;
+}
 
 /* ------------------------------------------------------------------------- */
 /* symbol resolution                                                          */
@@ -1089,12 +1122,7 @@ static void ki_quiesce_locked(void)
 
 static void ki_block_free(struct ki_block *b)
 {
-	if (b->region == KERNINST_REGION_CODE) {
-		b->owner = NULL;	/* until QUIESCE */
-		return;
-	}
-	list_del(&b->node);
-	kfree(b);
+	b->owner = NULL;	/* until QUIESCE */
 }
 
 /* ------------------------------------------------------------------------- */
@@ -1134,16 +1162,6 @@ static unsigned long ki_int3_dest(unsigned long addr, const u8 *old, const u8 *n
 	if (dest && (ki_in_code(dest, 1) || ki_in_text(dest, 1)))
 		return dest;
 	return 0;
-}
-
-/* A jump into the patch area must land in a block of the owner that writes it. */
-static int ki_check_jump(struct ki_owner *o, unsigned long addr, const u8 *new, u32 len)
-{
-	unsigned long dest = ki_jump_dest(addr, new, len);
-
-	if (!dest || !ki_in_code(dest, 1))
-		return 0;
-	return ki_check_block(o, KERNINST_REGION_CODE, dest, 1);
 }
 
 /* Write the patch area (not yet reachable from text).  text_poke maps at most two pages. */
@@ -1594,6 +1612,9 @@ static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long p
 
 	if (!ki_in_text(site, 1) || !ki_in_code(patch, 1))
 		return -ERANGE;
+	ret = ki_write_locked();
+	if (ret)
+		return ret;
 	if (ki_text_hazards(site, 1))
 		return -EPERM;
 	ret = ki_check_block(o, KERNINST_REGION_CODE, patch, 1);
@@ -1628,6 +1649,87 @@ static struct ki_write *ki_batch_write_at(struct ki_batch *b, unsigned long addr
 		return NULL;
 	w = &b->w[b->wsorted[lo - 1]];
 	return addr < w->addr + w->len ? w : NULL;
+}
+
+/* The byte at @addr once batch @b is made: its write's new byte there, else memory's. */
+static int ki_byte_after(struct ki_batch *b, unsigned long addr, u8 *byte)
+{
+	struct ki_write *w = ki_batch_write_at(b, addr);
+
+	if (w) {
+		*byte = w->new[addr - w->addr];
+		return 0;
+	}
+	return copy_from_kernel_nofault(byte, (void *)addr, 1) ? -EFAULT : 0;
+}
+
+/*
+ * The jump at @at once batch @b is made (jmp rel32 or jmp rel8; none: 0), when
+ * it ends past @reach: it must lead into text (core kernel text or a live
+ * module's) or into a patch block of @b's owner.  -EADDRINUSE into another
+ * owner's block; -ENOEXEC anywhere else (the patch area between blocks, data,
+ * kerninst itself, user space).
+ */
+static int ki_check_jump_at(struct ki_batch *b, unsigned long at, unsigned long reach)
+{
+	unsigned long dest;
+	u8 insn[5];
+	u32 i, n;
+	int ret;
+
+	ret = ki_byte_after(b, at, &insn[0]);
+	if (ret)
+		return ret;
+	n = insn[0] == KI_JMP32 ? 5 : insn[0] == KI_JMP8 ? 2 : 0;
+	if (!n || at + n <= reach)
+		return 0;
+	for (i = 1; i < n; i++) {
+		ret = ki_byte_after(b, at + i, &insn[i]);
+		if (ret)
+			return ret;
+	}
+	dest = ki_jump_dest(at, insn, n);
+	if (ki_in_text(dest, 1))
+		return 0;
+	if (ki_in_code(dest, 1)) {
+		ret = ki_check_block(b->o, KERNINST_REGION_CODE, dest, 1);
+		return ret == -ERANGE ? -ENOEXEC : ret;
+	}
+	return -ENOEXEC;
+}
+
+/* Whether ksim wrote a jump's first byte at @at: a write of @b or a live record starts there. */
+static bool ki_written_at(struct ki_batch *b, unsigned long at)
+{
+	struct ki_write *w = ki_batch_write_at(b, at);
+	struct ki_splice *s;
+
+	if (w)
+		return w->addr == at;
+	hash_for_each_possible(ki_splice_at, s, hnode, at)
+		if (s->addr == at)
+			return true;
+	return false;
+}
+
+/*
+ * Every jump text write @w makes or changes, checked (ki_check_jump_at): the
+ * one that starts at its first byte -- a 5-byte jmp, a 2-byte short jmp, or a
+ * single e9 or eb byte that makes one of the bytes after it -- and one that ksim
+ * started up to 4 bytes before it, whose displacement it changes.  kerninst
+ * knows no instruction boundaries: an e9 byte of the kernel's own before @w (an
+ * immediate's, say) is not taken for a jump.  ksim writes whole instructions
+ * from their first byte, so its jumps are all found.
+ */
+static int ki_check_jumps(struct ki_batch *b, struct ki_write *w)
+{
+	unsigned long at;
+	int ret = ki_check_jump_at(b, w->addr, w->addr);
+
+	for (at = w->addr - 4; !ret && at != w->addr; at++)
+		if (ki_written_at(b, at))
+			ret = ki_check_jump_at(b, at, w->addr);
+	return ret;
 }
 
 /*
@@ -1709,11 +1811,16 @@ static int ki_check_write(struct ki_batch *b, struct ki_write *w)
 		/* Undo must always work, even where a hazard appeared since (a kprobe nearby). */
 		restore = w->rec && !memcmp(w->rec->orig, w->new, w->len);
 		if (!restore) {
-			if (ki_text_hazards(w->addr, w->len))
-				return -EPERM;
-			ret = ki_check_jump(o, w->addr, w->new, w->len);
+			ret = ki_write_locked();
 			if (ret)
 				return ret;
+			if (ki_text_hazards(w->addr, w->len))
+				return -EPERM;
+			ret = ki_check_jumps(b, w);
+			if (ret) {
+				b->failed = w - b->w;
+				return ret;
+			}
 			w->int3 = w->len == 1 && w->new[0] == KI_INT3;
 		}
 		w->text = true;
@@ -1728,8 +1835,10 @@ static int ki_check_write(struct ki_batch *b, struct ki_write *w)
 		}
 		return 0;
 	}
-	if (ki_in_code(w->addr, w->len))
-		return ki_check_block(o, KERNINST_REGION_CODE, w->addr, w->len);
+	if (ki_in_code(w->addr, w->len)) {
+		ret = ki_write_locked();
+		return ret ? ret : ki_check_block(o, KERNINST_REGION_CODE, w->addr, w->len);
+	}
 	return -ERANGE;
 }
 
@@ -2015,7 +2124,7 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 	ki_hazard_unlock();
 unlock_owner:
 	mutex_unlock(&ki_lock);
-	if (ret == -ESTALE) {
+	if (ret == -ESTALE || ret == -ENOEXEC) {
 		req.failed_index = b.failed;
 		if (copy_to_user(uarg, &req, sizeof(req)))
 			ret = -EFAULT;
@@ -2201,7 +2310,7 @@ static long ki_ioc_claim(struct kerninst_block __user *uarg)
 		}
 		freed = true;
 	}
-	/* Freed patch code is handed out again only once no task can still run in it. */
+	/* A freed block is handed out again only once no task can still run in (or write) it. */
 	if (freed)
 		ki_quiesce_locked();
 	b->owner = o;
@@ -2401,6 +2510,9 @@ static long ki_ioc_read(struct kerninst_mem __user *uarg)
 	if (req.address + req.size < req.address || !ki_canonical(req.address) ||
 	    !ki_canonical(req.address + req.size - 1))
 		return -EFAULT;
+	ret = ki_read_locked();
+	if (ret)
+		return ret;
 	buf = kmalloc(req.size, GFP_KERNEL);
 	if (!buf)
 		return -ENOMEM;
@@ -2699,6 +2811,14 @@ static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 {
 	void __user *uarg = (void __user *)arg;
 
+	/*
+	 * Every command but VERSION reads or changes any kernel memory: the caller
+	 * needs CAP_SYS_ADMIN, as at open, also when it holds a descriptor someone
+	 * else opened or has dropped the capability since (-EACCES: -EPERM is the
+	 * hazards' errno).
+	 */
+	if (cmd != KERNINST_IOC_VERSION && !capable(CAP_SYS_ADMIN))
+		return -EACCES;
 	switch (cmd) {
 	case KERNINST_IOC_VERSION: {
 		struct kerninst_version v = { .version = KERNINST_ABI_VERSION };
@@ -2752,6 +2872,9 @@ static atomic_t ki_busy = ATOMIC_INIT(0);
 
 static int ki_open(struct inode *inode, struct file *file)
 {
+	/* Root without CAP_SYS_ADMIN (a container, a dropped bounding set) may not splice. */
+	if (!capable(CAP_SYS_ADMIN))
+		return -EPERM;
 	return atomic_cmpxchg(&ki_busy, 0, 1) ? -EBUSY : 0;
 }
 

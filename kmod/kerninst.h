@@ -20,6 +20,19 @@
  * its session ends, or when the device is closed, unless it is kept: a kept
  * owner has a name, survives kerninstd, and is listed (KERNINST_IOC_STATE),
  * re-adopted by name (KERNINST_IOC_OWNER_ADOPT) or dropped by a later session.
+ *
+ * Privilege and lockdown: open needs CAP_SYS_ADMIN (-EPERM), and so does every
+ * command but VERSION (-EACCES: the caller may hold a descriptor it did not open,
+ * or have dropped the capability since).  In a locked-down kernel
+ * (security_locked_down: LOCKDOWN_DBG_WRITE_KERNEL, integrity) nothing is
+ * changed -- a write into text or the patch area, a trap route set -- and under
+ * confidentiality nothing is read (LOCKDOWN_DBG_READ_KERNEL): -EROFS.  Undo
+ * (restoring text, clearing routes, dropping owners) is never refused.
+ *
+ * Jumps: a write into text that makes a jump (jmp rel32 or rel8 from its first
+ * byte, a single e9/eb byte completing one, or new displacement bytes of a jump
+ * ksim wrote) must lead into kernel or module text or into a patch block of the
+ * writing owner: -EADDRINUSE into another owner's block, -ENOEXEC anywhere else.
  */
 #ifndef KERNINST_H
 #define KERNINST_H
@@ -123,7 +136,7 @@ struct kerninst_route {
  * first byte changes.  The writes into text go in with one int3 -> sync ->
  * tail -> sync -> head -> sync sequence for the whole batch, as
  * text_poke_bp_batch does.  On -ESTALE, failed_index names the write whose old
- * bytes differ from memory.
+ * bytes differ from memory; on -ENOEXEC, the write whose jump leads outside.
  */
 struct kerninst_poke {
 	__u64 writes;   /* user pointer to nr_writes struct kerninst_write */

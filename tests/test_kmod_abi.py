@@ -81,3 +81,20 @@ def test_errno_mapping_names_real_error_codes() -> None:
     assert all(code in codes for code in abi.ERRORS.values())
     assert abi.error_code("POKE", 116) == "stale-text"  # ESTALE
     assert abi.error_code("READ", 14) == "target-fault"  # EFAULT
+
+
+def test_every_errno_the_module_returns_has_a_ksim_error() -> None:
+    """Each errno kerninst.c returns is named in the table, so the daemon gives a
+    specific error for it (capability: EACCES; lockdown: EROFS; a jump written into
+    text that leads elsewhere: ENOEXEC), never a generic one."""
+    import errno
+
+    source = HEADER.with_name("kerninst.c").read_text()
+    returned = set(re.findall(r"-(E[A-Z]+)\b", source))
+    mapped = {err for _, err in abi.ERRORS}
+    assert returned and all(getattr(errno, name) in mapped for name in returned), \
+        sorted(n for n in returned if getattr(errno, n) not in mapped)
+    assert abi.error_code("POKE", errno.EROFS) == "locked-down"
+    assert abi.error_code("SET_TRAP", errno.EACCES) == "not-privileged"
+    assert abi.error_code("POKE", errno.ENOEXEC) == "jump-outside"
+    assert abi.error_code("POKE", errno.EPERM) == "blacklisted"   # EPERM stays the hazards'

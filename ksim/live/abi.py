@@ -136,6 +136,7 @@ ERRORS: dict[tuple[str, int], str] = {
     ("POKE", errno.EBUSY): "already-spliced",
     ("POKE", errno.ENOSPC): "out-of-memory",
     ("POKE", errno.ENOENT): "unknown-handle",          # a route to clear is none of its owner's
+    ("POKE", errno.ENOEXEC): "jump-outside",          # a jump written into text leads elsewhere
     ("SET_TRAP", errno.ERANGE): "outside-text",
     ("SET_TRAP", errno.EPERM): "blacklisted",
     ("SET_TRAP", errno.EBUSY): "already-spliced",
@@ -154,6 +155,8 @@ ERRORS: dict[tuple[str, int], str] = {
     ("FREE", errno.EBUSY): "already-spliced",         # a route or a live jump still leads there
     ("AREA_ADD", errno.ENOSPC): "out-of-memory",       # max_area_bytes
     ("AREA_DROP", errno.ENOENT): "unknown-handle",
+    ("*", errno.EACCES): "not-privileged",            # no CAP_SYS_ADMIN (open: EPERM)
+    ("*", errno.EROFS): "locked-down",                # the kernel is locked down
     ("*", errno.EADDRINUSE): "text-owned",
     ("*", errno.ESRCH): "unknown-handle",             # no such owner
     ("*", errno.ENOMEM): "out-of-memory",

@@ -48,6 +48,7 @@ from ksim.errors import (
     AlreadySpliced,
     AuthError,
     Blacklisted,
+    JumpOutside,
     KsimError,
     OutOfMemory,
     OutsideText,
@@ -306,8 +307,10 @@ class Daemon:
                        "data": (int(self.info["data_start"]), int(self.info["data_size"]))}
         self.code = Region("patch area", "code", self._first["code"])
         self.data = Region("data heap", "data", self._first["data"])
-        # Freed patch code is reused only after QUIESCE: a task preempted inside it must leave first.
-        self.quarantine: list[int] = []
+        # Freed blocks, (region kind, address), are reused only after QUIESCE: a task
+        # preempted inside freed patch code must leave it first, and until it has, it
+        # may still write the heap blocks that code used.
+        self.quarantine: list[tuple[str, int]] = []
         # The module's log is the truth: blocks that kept owners (kept splices of
         # clients gone, perhaps with an earlier kerninstd) hold are never handed out.
         state = device.state()
@@ -546,7 +549,7 @@ class Daemon:
 
     def follow(self, state: ModuleState) -> None:
         """Make the allocators hold exactly the areas and blocks the module records
-        (freed patch blocks among them, in quarantine until QUIESCE)."""
+        (freed blocks among them, in quarantine until QUIESCE)."""
         for attr, kind in (("code", "code"), ("data", "data")):
             old: Region = getattr(self, attr)
             areas = [a for a in state.areas if a.region == kind] or [Area(kind, *self._first[kind])]
@@ -557,7 +560,7 @@ class Daemon:
                           and area.address <= b.address < area.address + area.size]
                 region.add(area.address, area.size, blocks)
             setattr(self, attr, region)
-        self.quarantine = [b.address for b in state.blocks if b.region == "code" and not b.owner]
+        self.quarantine = [(b.region, b.address) for b in state.blocks if not b.owner]
 
     def _follow_module(self) -> None:
         try:
@@ -697,7 +700,7 @@ class Daemon:
             return region.alloc(size, align)
         except OutOfMemory:
             pass
-        if region is self.code and self.quarantine:
+        if any(kind == region.kind for kind, _ in self.quarantine):
             self._release_quarantine()
             try:
                 return region.alloc(size, align)
@@ -714,8 +717,8 @@ class Daemon:
 
     def _release_quarantine(self) -> None:
         self.device.quiesce()
-        for address in self.quarantine:
-            self.code.free(address)
+        for kind, address in self.quarantine:
+            (self.code if kind == "code" else self.data).free(address)
         self.quarantine.clear()
 
     def _shrink(self) -> None:
@@ -724,7 +727,8 @@ class Daemon:
         if len(self.code.areas) == 1 and len(self.data.areas) == 1:
             return  # nothing was added
         parked = set(self.quarantine)
-        if not (self.code.idle(lambda a: a not in parked) or self.data.idle()):
+        if not (self.code.idle(lambda a: ("code", a) not in parked)
+                or self.data.idle(lambda a: ("data", a) not in parked)):
             return
         if self.quarantine:
             self._release_quarantine()
@@ -768,7 +772,7 @@ class Daemon:
 
     def op_free_code(self, session: Session, address: int) -> dict[str, Any]:
         self._free(session, "code", address)
-        self.quarantine.append(address)
+        self.quarantine.append(("code", address))
         self._shrink()
         return {}
 
@@ -782,13 +786,13 @@ class Daemon:
         except Exception:
             self._undo_step(session, f"free the data block at {address:#x}", self.device.free,
                             session.owner, "data", address)
-            self.data.free(address)
+            self.quarantine.append(("data", address))
             raise
         return {"address": address}
 
     def op_free_data(self, session: Session, address: int) -> dict[str, Any]:
         self._free(session, "data", address)
-        self.data.free(address)
+        self.quarantine.append(("data", address))
         self._shrink()
         return {}
 
@@ -850,6 +854,8 @@ class Daemon:
             if not routes:
                 raise
             raise UnknownHandle(f"{op}: a route to clear is not one of this client's") from None
+        except JumpOutside:
+            raise
         except OutsideText as exc:
             code = [f"{a:#x}+{len(new)}" for a, _, new in writes if self._in_code(a, len(new))]
             if not code:

@@ -16,9 +16,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ksim.errors import KsimError, StaleText
+from ksim.errors import JumpOutside, KsimError, LockedDown, NotPrivileged, StaleText
 from ksim.live import abi
 from ksim.live.protocol import make_error
+
+#: what an error every command may give means (the errno's own text says little)
+_WHY = {
+    NotPrivileged.code: "the caller lacks CAP_SYS_ADMIN; nothing was changed",
+    LockedDown.code: ("the kernel is locked down (/sys/kernel/security/lockdown): the module "
+                      "changes no text nor patch code there, and under confidentiality reads "
+                      "nothing; undoing what is in place still works"),
+}
 
 
 def _buffer(data: bytes | int) -> ctypes.Array[ctypes.c_char]:
@@ -92,7 +100,11 @@ class Device:
 
     def __init__(self, path: str = abi.DEVICE) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except PermissionError as exc:
+            raise NotPrivileged(f"{path}: {exc.strerror}: the module lets only a process with "
+                                "CAP_SYS_ADMIN open it") from None
         try:
             got = self.version()
             if got != abi.ABI_VERSION:
@@ -119,7 +131,8 @@ class Device:
         except OSError as exc:
             code = abi.error_code(name, exc.errno or 0)
             where = f" {what}" if what else ""
-            err = make_error(code, f"kerninst {name.lower()}{where}: {os.strerror(exc.errno or 0)}")
+            why = _WHY.get(code, os.strerror(exc.errno or 0))
+            err = make_error(code, f"kerninst {name.lower()}{where}: {why}")
             err.reply = bytes(buf) if buf is not None else b""  # type: ignore[attr-defined]
             raise err from None
         return bytes(buf) if buf is not None else b""
@@ -192,6 +205,12 @@ class Device:
             address, old, _ = writes[index]
             raise StaleText(f"poke at {address:#x}: expected {old.hex()} in memory, found "
                             f"{self.read(address, len(old)).hex()}; nothing was written") from None
+        except JumpOutside as exc:
+            index = int(ps.unpack(exc.reply)["failed_index"])  # type: ignore[attr-defined]
+            address, _, new = writes[index]
+            raise JumpOutside(f"poke at {address:#x} ({new.hex()}): the jump it makes or changes "
+                              "leads neither into kernel or module text nor into a patch block "
+                              "of this client's; nothing was written") from None
 
     def lookup(self, name: str) -> int:
         s = abi.structure("kerninst_lookup")
