@@ -4,6 +4,8 @@ outside the subset refused by name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from ksim.trace import syntax as t
@@ -190,3 +192,163 @@ def test_errors_have_their_own_wire_codes():
     codes = all_error_classes()
     for cls in (TraceError, TraceSyntaxError, TraceUnsupported, TraceSemanticError):
         assert codes[cls.code] is cls
+
+
+# --- bounds: every size a program controls ---------------------------------------------------
+def _nested(shape: str, n: int) -> str:
+    body = {
+        "parentheses": "(" * n + "1" + ")" * n,
+        "sum": "+".join(["1"] * n),
+        "not": "!" * n + "1",
+        "minus": "- " * n + "1",
+        "ternary": "arg0 ? 1 : " * n + "2",
+        "map keys": "@a[" * n + "1" + "]" * n,
+        "casts": "(uint8)" * n + "arg0",
+        "calls": "bswap(" * n + "arg0" + ")" * n,
+        "fields": "curtask" + "->parent" * n,
+    }.get(shape)
+    if body is not None:
+        return f"kprobe:f {{ @ = {body}; @a[1] = 1; }}"
+    return {"ifs": "kprobe:f { " + "if (arg0) { " * n + "@ = 1;" + " }" * n + " }",
+            "else ifs": "kprobe:f { if (arg0) { @ = 0; }" + " else if (arg1) { @ = 1; }" * n + " }",
+            "blocks": "kprobe:f { " + "{ " * n + "@ = 1;" + " }" * n + " }"}[shape]
+
+
+@pytest.mark.parametrize("shape,n", [
+    ("parentheses", 70), ("sum", 500), ("ifs", 400), ("not", 3000), ("minus", 3000),
+    ("ternary", 300), ("map keys", 100), ("casts", 100), ("calls", 100), ("fields", 300),
+    ("else ifs", 300), ("blocks", 200), ("parentheses", 100_000), ("sum", 100_000),
+])
+def test_nesting_deeper_than_the_bound_is_a_specific_error(shape, n):
+    from ksim.trace.parser import MAX_DEPTH, TraceLimit
+
+    err = error_of(_nested(shape, n))
+    assert isinstance(err, TraceLimit) and err.code == "trace-limit"
+    assert f"nested deeper than {MAX_DEPTH} levels" in err.message and err.loc is not None
+
+
+@pytest.mark.parametrize("shape", ["parentheses", "sum", "not", "ternary", "map keys", "casts",
+                                   "calls", "ifs", "else ifs", "blocks"])
+def test_nesting_within_the_bound_is_analysed(shape):
+    from ksim.trace.parser import MAX_DEPTH
+
+    analyse(parse(_nested(shape, MAX_DEPTH - 4)))
+
+
+@pytest.mark.parametrize("text,value", [
+    ("007", 7), ("010", 8), ("0", 0), ("00", 0), ("0x1F", 31), ("0X1f", 31), ("1_000", 1000),
+    ("1e6", 10**6), ("2E3", 2000), ("18446744073709551615", (1 << 64) - 1),
+    ("0xffffffffffffffff", (1 << 64) - 1), ("1e19", 10**19),
+])
+def test_integer_literals_as_bpftrace_reads_them(text, value):
+    assert parse(f"BEGIN {{ @ = {text}; }}").probes[0].body[0].value.value == value
+
+
+@pytest.mark.parametrize("text,words", [
+    ("08", "invalid octal literal '08'"), ("0779", "invalid octal literal"),
+    ("18446744073709551616", "is too large (the largest is 18446744073709551615)"),
+    ("9" * 5000, "is too large"), ("1e99999999", "is too large"), ("2e19", "is too large"),
+    ("0x1" + "0" * 16, "is too large"), ("0x_", "invalid integer literal"),
+    ("12ab", "invalid integer literal"),
+])
+def test_bad_integer_literals_are_syntax_errors(text, words):
+    err = error_of(f"BEGIN {{ @ = {text}; }}")
+    assert isinstance(err, TraceSyntaxError) and words in err.message
+    assert len(err.message) < 200 and (err.loc.line, err.loc.col) == (1, 13)
+
+
+def test_positional_parameters_past_any_given_are_missing():
+    p = parse("BEGIN { @ = $" + "9" * 5000 + " + $1; }", params=("5",))
+    assert p.probes[0].body[0].value.left.value == 0 and p.probes[0].body[0].value.right.value == 5
+
+
+def test_unroll_and_macros_are_bounded():
+    from ksim.trace.parser import MAX_EXPANDED, MAX_UNROLLED, TraceLimit
+
+    body = "@ = 1; " * 10
+    assert len(parse(f"kprobe:f {{ unroll(100) {{ {body} }} }}").probes[0].body) == 1000
+    err = error_of("kprobe:f { unroll(100) { unroll(100) { unroll(100) { @ = 1; } } } }")
+    assert isinstance(err, TraceLimit) and f"more than {MAX_UNROLLED} statements" in err.message
+    # a macro of macros doubles at each level
+    chain = "".join(f"#define M{i} M{i - 1} + M{i - 1}\n" for i in range(1, 40))
+    err = error_of("#define M0 1\n" + chain + "BEGIN { @ = M39; }")
+    assert isinstance(err, TraceLimit)
+    err = error_of("#define W " + "x" * 600_000 + "\nBEGIN { @ = W + W; }")
+    assert isinstance(err, TraceLimit) and f"more than {MAX_EXPANDED} characters" in err.message
+    assert err.loc.line == 2
+
+
+def test_printf_fields_wider_than_the_bound_are_refused():
+    from ksim.trace.events import MAX_FIELD, render
+    from ksim.trace.parser import TraceLimit
+
+    for fmt in ("%999999999d", "%.99999999999999999999999999s", f"%-{MAX_FIELD + 1}x",
+                "%0" + "9" * 5000 + "u"):
+        err = error_of(f'kprobe:f {{ printf("{fmt}\\n", arg0); }}')
+        assert isinstance(err, TraceLimit) and f"wider than {MAX_FIELD}" in err.message
+        assert err.loc.col == 19
+        with pytest.raises(TraceLimit):
+            render(fmt, [1], [])
+    analyse(parse(f'kprobe:f {{ printf("%{MAX_FIELD}d %.{MAX_FIELD}s\\n", arg0, comm); }}'))
+    assert render(f"%{MAX_FIELD}d", [1], []) == " " * (MAX_FIELD - 1) + "1"
+
+
+def test_time_formats_with_a_nul_are_refused():
+    assert "NUL" in error_of('BEGIN { time("a\\0b"); }').message
+    assert "NUL" in error_of('kprobe:f { @ = strftime("\\0", nsecs); }').message
+
+
+def test_preprocessor_constants_are_64_bit_and_bounded():
+    from ksim.trace.preprocess import constant, preprocess
+
+    _, macros = preprocess("#define A (1 << 3)\n#define B A + A\n")
+    assert [constant(e, macros) for e in ("B * 2", "-7 / 2", "-7 % 2", "1 ? 2 : 3", "0777",
+                                          "0xFFFFFFFFFFFFFFFF", "!0 && 2 > 1")] == \
+        [32, -3, -1, 2, 511, -1, 1]
+    for e in ("08", "9" * 5000, "1 << 9999999999", "1 / 0", "(" * 100 + "1" + ")" * 100, "(1"):
+        assert constant(e, macros) is None
+        err = error_of(f"#if {e}\n#endif\nBEGIN {{ }}")
+        assert isinstance(err, TraceSyntaxError) and "#if: cannot evaluate" in err.message
+    # one pass over the program, however many directives (it was quadratic)
+    import time
+
+    start = time.perf_counter()
+    preprocess("#define X 1\n" * 50_000)
+    assert time.perf_counter() - start < 5
+
+
+def _run_trace(argv, capsys):
+    from ksim.cli import main
+
+    status = main(["trace", *argv])
+    return status, capsys.readouterr()
+
+
+def test_a_program_file_that_is_not_utf8_is_a_specific_error(tmp_path, capsys):
+    prog = tmp_path / "bad.bt"
+    prog.write_bytes(b"kprobe:vfs_read { @ = count(); }\n// \xff\xfe\n")
+    status, out = _run_trace([str(prog)], capsys)
+    assert status == 2 and f"{prog}: ERROR: not UTF-8 text (byte 36, line 2" in out.err
+    assert "Traceback" not in out.err
+    status, out = _run_trace([str(prog), "--json"], capsys)
+    assert status == 2 and json.loads(out.out)["error"] == "trace"
+    # a command line's bytes that are not UTF-8 come as lone surrogates
+    status, out = _run_trace(["-e", "BEGIN { } // \udcff"], capsys)
+    assert status == 2 and "the program is not UTF-8 text" in out.err
+    status, out = _run_trace(["-e", "BEGIN { }", "\udcff"], capsys)
+    assert status == 2 and "parameter $1 is not UTF-8 text" in out.err
+
+
+def test_a_recursion_error_is_a_specific_error(monkeypatch, capsys):
+    """The last resort: whatever the parser's bounds miss ends in a TraceLimit, not a
+    traceback."""
+    import ksim.commands.trace as command
+
+    def deep(*args, **kwargs):
+        raise RecursionError("maximum recursion depth exceeded")
+
+    monkeypatch.setattr(command, "trace", deep)
+    status, out = _run_trace(["-e", "BEGIN { }"], capsys)
+    assert status == 2 and "the program is nested too deeply to compile" in out.err
+    status, out = _run_trace(["-e", "BEGIN { }", "--json"], capsys)
+    assert status == 2 and json.loads(out.out)["error"] == "trace-limit"

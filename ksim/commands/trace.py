@@ -80,13 +80,32 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
         args.file = None
     if (args.program is None) == (args.file is None):
         raise TraceError("give the program with -e 'PROGRAM' or as FILE.bt (one of them)")
+    for what, text in (("the program", args.program), *(
+            (f"parameter ${i}", p) for i, p in enumerate(args.params or (), 1))):
+        # a command line's bytes that are not UTF-8 come as lone surrogates
+        if text is not None and not _is_utf8(text):
+            raise TraceError(f"{what} is not UTF-8 text")
     if args.program is not None:
         return args.program, "stdin"
     try:
-        with open(args.file, encoding="utf-8") as f:
-            return f.read(), args.file
+        with open(args.file, "rb") as f:
+            raw = f.read()
     except OSError as exc:
         raise TraceError(f"cannot read {args.file}: {exc.strerror}") from None
+    try:
+        return raw.decode("utf-8"), args.file
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise TraceError(f"not UTF-8 text (byte {exc.start}, line {line}: "
+                         f"{raw[exc.start:exc.start + 1]!r})").located("", args.file) from None
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "auto",
@@ -191,6 +210,24 @@ def _json_line(value: Any) -> None:
     sys.stdout.flush()
 
 
+def _traced(args: argparse.Namespace, source: str, filename: str, announce: Any,
+            write: Any) -> dict[str, Any]:
+    """The report of tracing ``source``; a RecursionError (a tree deeper than the
+    passes that walk it can go: the parser bounds nesting, so this is a last resort)
+    is a TraceLimit, after the session restored the text on its way out."""
+    from ksim.trace.parser import TraceLimit
+
+    try:
+        report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
+                          seed=args.seed, iterations=args.iterations, on_attach=announce,
+                          while_cmd=args.while_cmd, pid=args.pid, max_map_keys=args.max_map_keys,
+                          out=write, params=tuple(args.params or ()))
+    except RecursionError:
+        raise TraceLimit("the program is nested too deeply to compile").located(
+            source, filename) from None
+    return report
+
+
 def run(args: argparse.Namespace) -> int:
     from ksim.errors import KsimError
     from ksim.trace.output import record
@@ -216,10 +253,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         source, filename = source_of(args)
-        report, _ = trace(source, target_spec(args), filename=filename, splice=args.splice,
-                          seed=args.seed, iterations=args.iterations, on_attach=announce,
-                          while_cmd=args.while_cmd, pid=args.pid, max_map_keys=args.max_map_keys,
-                          out=write, params=tuple(args.params or ()))
+        report = _traced(args, source, filename, announce, write)
     except KsimError as exc:
         if not args.json:
             raise

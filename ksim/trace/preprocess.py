@@ -51,6 +51,7 @@ def preprocess(source: str, include_dirs: tuple[Path, ...] = ()) -> tuple[str, M
     #: per open conditional: (this branch is taken, some branch was taken, else seen)
     stack: list[list[bool]] = []
     lines = source.split("\n")
+    in_comment = _comment_starts(lines)
     i = 0
     while i < len(lines):
         line = lines[i]
@@ -60,7 +61,7 @@ def preprocess(source: str, include_dirs: tuple[Path, ...] = ()) -> tuple[str, M
             i += 1
             continue
         m = _DIRECTIVE.match(line)
-        if m is None or _in_comment(lines, i):
+        if m is None or in_comment[i]:
             out.append(line if all(s[0] for s in stack) else "")
             i += 1
             continue
@@ -129,10 +130,13 @@ def preprocess(source: str, include_dirs: tuple[Path, ...] = ()) -> tuple[str, M
     return "\n".join(out), macros
 
 
-def _in_comment(lines: list[str], i: int) -> bool:
-    """Whether line ``i`` starts inside a /* comment */ opened on an earlier line."""
+def _comment_starts(lines: list[str]) -> list[bool]:
+    """For each line, whether it starts inside a /* comment */ opened on an earlier
+    line (one pass over the program)."""
+    out: list[bool] = []
     depth = False
-    for line in lines[:i]:
+    for line in lines:
+        out.append(depth)
         pos = 0
         while True:
             if depth:
@@ -145,7 +149,7 @@ def _in_comment(lines: list[str], i: int) -> bool:
                 if start < 0 or "//" in line[pos:start]:
                     break
                 depth, pos = True, start + 2
-    return depth
+    return out
 
 
 def _strip_comment(text: str) -> str:
@@ -164,10 +168,102 @@ def _evaluate(expr: str, macros: Macros, loc: Loc) -> int:
 
 
 _TOKEN = re.compile(r"\s*(0[xX][0-9a-fA-F]+|\d+|[A-Za-z_]\w*|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%()~!&|^<>?:])")
+#: binary operators of an #if expression by precedence (C's), loosest first
+_BINARY = {"||": 1, "&&": 2, "|": 3, "^": 4, "&": 5, "==": 6, "!=": 6, "<": 7, "<=": 7,
+           ">": 7, ">=": 7, "<<": 8, ">>": 8, "+": 9, "-": 9, "*": 10, "/": 10, "%": 10}
+#: how deeply an #if expression may nest (parentheses, unary operators, ?:)
+MAX_IF_DEPTH = 64
+#: macros one constant expression may expand (a macro of macros grows exponentially)
+MAX_IF_EXPANSIONS = 1000
 
 
-def constant(text: str, macros: Macros, depth: int = 0) -> int | None:
-    """The value of a C integer constant expression over the macros (None: not one)."""
+class _NotConstant(Exception):
+    pass
+
+
+def _wrap(v: int) -> int:
+    """``v`` as C's intmax_t holds it (64 bits, two's complement)."""
+    return ((v + (1 << 63)) & ((1 << 64) - 1)) - (1 << 63)
+
+
+def _apply(op: str, a: int, b: int) -> int:
+    if op in ("/", "%"):
+        if b == 0:
+            raise _NotConstant
+        q = abs(a) // abs(b) * (1 if (a < 0) == (b < 0) else -1)     # C truncates
+        return _wrap(q if op == "/" else a - q * b)
+    if op in ("<<", ">>"):
+        if not 0 <= b < 64:
+            raise _NotConstant
+        return _wrap(a << b) if op == "<<" else a >> b
+    return _wrap({"+": a + b, "-": a - b, "*": a * b, "&": a & b, "|": a | b, "^": a ^ b,
+                  "==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b,
+                  ">=": a >= b, "&&": bool(a) and bool(b), "||": bool(a) or bool(b)}[op])
+
+
+class _Evaluator:
+    """A C integer constant expression over tokens whose names are already values:
+    64-bit arithmetic, no recursion deeper than MAX_IF_DEPTH."""
+
+    def __init__(self, tokens: list[str | int]) -> None:
+        self.toks, self.i = tokens, 0
+
+    def peek(self) -> str | int | None:
+        return self.toks[self.i] if self.i < len(self.toks) else None
+
+    def take(self) -> str | int:
+        tok = self.peek()
+        if tok is None:
+            raise _NotConstant
+        self.i += 1
+        return tok
+
+    def expr(self, depth: int) -> int:
+        if depth > MAX_IF_DEPTH:
+            raise _NotConstant
+        cond = self.binary(1, depth)
+        if self.peek() != "?":
+            return cond
+        self.take()
+        then = self.expr(depth + 1)
+        if self.take() != ":":
+            raise _NotConstant
+        orelse = self.expr(depth + 1)
+        return then if cond else orelse
+
+    def binary(self, level: int, depth: int) -> int:
+        left = self.unary(depth)
+        while True:
+            op = self.peek()
+            if not isinstance(op, str) or _BINARY.get(op, 0) < level:
+                return left
+            self.take()
+            right = self.binary(_BINARY[op] + 1, depth)
+            left = _apply(op, left, right)
+
+    def unary(self, depth: int) -> int:
+        # prefix operators in a loop, applied innermost first
+        ops: list[str | int] = []
+        while self.peek() in ("-", "+", "~", "!"):
+            ops.append(self.take())
+        tok = self.take()
+        if tok == "(":
+            v = self.expr(depth + 1)
+            if self.take() != ")":
+                raise _NotConstant
+        elif isinstance(tok, int):
+            v = tok
+        else:
+            raise _NotConstant
+        for op in reversed(ops):
+            v = {"-": _wrap(-v), "+": v, "~": _wrap(~v), "!": int(not v)}[str(op)]
+        return v
+
+
+def constant(text: str, macros: Macros, depth: int = 0, budget: list[int] | None = None) -> int | None:
+    """The value of a C integer constant expression over the macros (None: not one),
+    in 64-bit arithmetic as C's preprocessor computes it."""
+    budget = [MAX_IF_EXPANSIONS] if budget is None else budget
     text = _strip_comment(text).strip()
     text = re.sub(r"(?<=[0-9a-fA-F])[uUlL]+\b", "", text)
     pos, out = 0, []
@@ -177,27 +273,35 @@ def constant(text: str, macros: Macros, depth: int = 0) -> int | None:
             return None
         tok = m.group(1)
         pos = m.end()
+        value: str | int = tok
         if tok[0].isalpha() or tok[0] == "_":
             inner = macros.get(tok)
-            if inner is None or depth > 16:
+            budget[0] -= 1
+            if inner is None or depth > 16 or budget[0] < 0:
                 # an unknown name in #if is 0 (C); elsewhere it makes no constant
                 return None
-            v = constant(inner, macros, depth + 1)
+            v = constant(inner, macros, depth + 1, budget)
             if v is None:
                 return None
-            tok = str(v)
+            value = v
         elif tok[0].isdigit():
-            tok = str(int(tok, 8) if len(tok) > 1 and tok[0] == "0" and tok[1] not in "xX" else int(tok, 0))
-        out.append(tok)
-    py = " ".join(out).replace("&&", " and ").replace("||", " or ").replace("/", "//")
-    py = re.sub(r"!(?!=)", " not ", py)
-    if not py.strip() or "?" in py:
+            octal = len(tok) > 1 and tok[0] == "0" and tok[1] not in "xX"
+            digits = tok[2:] if tok[:2] in ("0x", "0X") else tok
+            if len(digits.lstrip("0")) > 22 or (octal and not set(tok) <= set("01234567")):
+                return None
+            value = int(tok, 8) if octal else int(tok, 0)
+            if value >= 1 << 64:
+                return None
+            value = _wrap(value)
+        out.append(value)
+    if not out:
         return None
+    ev = _Evaluator(out)
     try:
-        value = eval(py, {"__builtins__": {}}, {})  # noqa: S307 - tokens checked above
-    except Exception:
+        value = ev.expr(0)
+    except _NotConstant:
         return None
-    return int(value) if isinstance(value, int | bool) else None
+    return value if ev.peek() is None else None
 
 
 def _harvest(header: str, dirs: tuple[Path, ...], macros: Macros, seen: set[Path]) -> None:
