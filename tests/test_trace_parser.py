@@ -352,3 +352,13 @@ def test_a_recursion_error_is_a_specific_error(monkeypatch, capsys):
     assert status == 2 and "the program is nested too deeply to compile" in out.err
     status, out = _run_trace(["-e", "BEGIN { }", "--json"], capsys)
     assert status == 2 and json.loads(out.out)["error"] == "trace-limit"
+
+
+@pytest.mark.parametrize("source,words", [
+    ("BEGIN { @ = ²; }", "invalid character '²'"),          # "²".isdigit(): no int("²")
+    ("BEGIN { @ = $0; }", "$0 is not a positional parameter"),
+    ("interval:s:" + "9" * 5000 + " { }", "invalid interval probe"),
+    ("interval:s:² { }", "invalid interval probe"),
+])
+def test_what_the_fuzz_tier_found_is_a_trace_error(source, words):
+    assert words in error_of(source).message

@@ -19,6 +19,7 @@ from ksim.errors import (
     NotIndirectCall,
     PointKindError,
     SlotError,
+    SnippetError,
     TooManyCallArgs,
     UnknownRegister,
 )
@@ -37,6 +38,19 @@ BINOPS = frozenset({"add", "sub", "mul", "div", "mod", "and", "or", "xor", "shl"
 UNOPS = frozenset({"neg", "not"})
 COMPARES = frozenset({"eq", "ne", "lt", "le", "gt", "ge", "ult", "ule", "ugt", "uge"})
 SEGMENTS = frozenset({None, "gs"})
+#: how deeply a snippet's nodes may nest: the check and the code generator walk the
+#: tree recursively (two or three Python frames a level), well within Python's limit
+#: at this depth (ksim trace's deepest programs make about 180)
+MAX_DEPTH = 256
+#: nodes code is generated for, a node shared by several parents counted once per
+#: parent (its code is generated each time): about six bytes of code each
+MAX_NODES = 1_000_000
+
+
+class SnippetTooLarge(SnippetError):
+    """A snippet nested deeper than MAX_DEPTH or larger than MAX_NODES nodes."""
+
+    code = "snippet-too-large"
 
 
 @dataclass(frozen=True)
@@ -58,8 +72,41 @@ def check(snippet: Any, point_kind: str = "entry", *, registers: frozenset[str] 
     at the point, without which ``CallTarget`` has no meaning."""
     if point_kind not in POINT_KINDS:
         raise PointKindError(f"unknown point kind {point_kind!r} (known: {sorted(POINT_KINDS)})")
+    check_shape(snippet)
     _check(snippet, point_kind, "snippet", _Site(registers, call_operand))
     _check_frames(snippet, None)
+
+
+def check_shape(snippet: Any) -> None:
+    """SnippetTooLarge if ``snippet`` nests deeper than MAX_DEPTH or has more than
+    MAX_NODES nodes as code is generated for them; SlotError if it contains itself.
+    Found without recursion, each distinct node visited once (a tree sharing nodes
+    may stand for exponentially many)."""
+    depth: dict[int, int] = {}
+    size: dict[int, int] = {}
+    open_: set[int] = set()
+    stack: list[tuple[Any, bool]] = [(snippet, False)]
+    while stack:
+        node, ready = stack.pop()
+        if id(node) in depth:
+            continue
+        kids = node.children() if isinstance(node, ast.Node) else ()
+        if not ready:
+            if id(node) in open_:
+                raise SlotError(f"{type(node).__name__} contains itself")
+            open_.add(id(node))
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in depth)
+            continue
+        open_.discard(id(node))
+        d = 1 + max((depth[id(k)] for k in kids), default=0)
+        n = 1 + sum(size[id(k)] for k in kids)
+        if d > MAX_DEPTH:
+            raise SnippetTooLarge(f"the snippet nests deeper than {MAX_DEPTH} levels")
+        if n > MAX_NODES:
+            raise SnippetTooLarge(f"the snippet has more than {MAX_NODES} nodes (a node used in "
+                                  "several places counts in each)")
+        depth[id(node)], size[id(node)] = d, n
 
 
 def _check(node: Any, kind: str, slot: str, site: _Site) -> None:

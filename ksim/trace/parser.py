@@ -225,7 +225,7 @@ class Lexer:
         c = self.src[self.pos]
         kind: str
         value: int | str | None = None
-        if c.isdigit():
+        if "0" <= c <= "9":        # ASCII digits only ("²".isdigit() too)
             m = NUMBER.match(self.src, self.pos)
             assert m is not None
             text = m.group(0)
@@ -553,10 +553,11 @@ class Parser:
         if not colon:
             m = re.fullmatch(r"([0-9]+)([a-z]+)", rest)
             unit, count = (m.group(2), m.group(1)) if m else ("", "")
-        if unit not in INTERVAL_UNITS or not count.isdigit() or int(count) == 0:
+        if unit not in INTERVAL_UNITS or not re.fullmatch("[0-9]{1,18}", count) \
+                or int(count) == 0:
             raise TraceSyntaxError(f"invalid {kind} probe '{kind}:{rest}': expecting {kind}:s:N, "
                                    f"{kind}:ms:N, {kind}:us:N, {kind}:hz:N or {kind}:Ns "
-                                   "(N > 0)", loc)
+                                   "(0 < N < 10^18)", loc)
         n = int(count)
         if unit == "hz":
             if n > 10**9:
@@ -923,7 +924,7 @@ class Parser:
         string; missing, 0 or "", as bpftrace) and ``$#`` (how many)."""
         if tok.value == "#":
             return t.Int(tok.loc, len(self.params))
-        digits = str(tok.value).lstrip("0")
+        digits = str(tok.value).lstrip("0") or "0"
         n = int(digits) if len(digits) <= 6 else 10**6     # beyond any parameter: missing
         if n == 0:
             raise TraceSemanticError("$0 is not a positional parameter (they start at $1)", tok.loc)
