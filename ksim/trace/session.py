@@ -83,6 +83,12 @@ class Attached:
     probes: list[t.Probe] = field(default_factory=list)
 
 
+#: probe actions one program may splice, a probe at N points counting N (bpftrace's
+#: max_probes, 1024 by default there: ksim's default lets kprobe:* attach on a whole
+#: kernel, a few times over, and keeps the compilation to a minute or so)
+MAX_PROBE_POINTS = 200_000
+
+
 class Exited(Exception):
     """An action called exit(): the run stops (raised from the run's progress)."""
 
@@ -544,7 +550,12 @@ class TraceSession:
 
     def resolve(self) -> None:
         """The points every kprobe/kretprobe attach point names."""
+        from .parser import TraceLimit
+
         failed: list[TraceError] = []
+        # each probe's action compiled at each of its points: bounded, as bpftrace's
+        # max_probes bounds its probes (the program's setting, if it gives one)
+        limit, actions = int(self.program.config.get("max_probes") or MAX_PROBE_POINTS), 0
         for probe in self.program.probes:
             client = [ap.provider in t.CLIENT_PROVIDERS for ap in probe.points]
             if any(client) and not all(client):
@@ -580,6 +591,12 @@ class TraceSession:
                                                                   self.program.filename)
                     if probe not in at.probes:
                         at.probes.append(probe)
+                        actions += 1
+                if actions > limit:
+                    raise TraceLimit(f"the program's probes attach at more than {limit} points "
+                                     "(each function or event an attach point names counts; "
+                                     "max_probes)", ap.loc).located(self.program.source,
+                                                                    self.program.filename)
         if not self.attached and any(ap.provider not in t.CLIENT_PROVIDERS
                                      for p in self.program.probes for ap in p.points):
             if failed:
