@@ -362,3 +362,12 @@ def test_a_recursion_error_is_a_specific_error(monkeypatch, capsys):
 ])
 def test_what_the_fuzz_tier_found_is_a_trace_error(source, words):
     assert words in error_of(source).message
+
+
+def test_max_probes_bounds_the_points_a_program_attaches_at(capsys, toy_path):
+    status, out = _run_trace(["-e", "config = { max_probes = 5 } kprobe:vfs_* { @[func] = count(); }"],
+                             capsys)
+    assert status == 2 and "attach at more than 5 points" in out.err
+    status, out = _run_trace(["-e", "config = { max_probes = 50 } kprobe:vfs_* { @[func] = count(); }"],
+                             capsys)
+    assert status == 0 and "@[vfs_read]" in out.out

@@ -117,7 +117,7 @@ MAX_DEPTH = 64
 TOO_DEEP = f"expressions and blocks nested deeper than {MAX_DEPTH} levels"
 #: statements ``unroll`` may make in one program (copies of its body, nested
 #: unrolls multiplying)
-MAX_UNROLLED = 10_000
+MAX_UNROLLED = 1_000
 #: characters of text object-like macros may expand to in one program (each use of
 #: a macro counts its text again: a macro of macros grows exponentially)
 MAX_EXPANDED = 1_000_000
