@@ -247,8 +247,10 @@ def check_value(op: str, path: str, value: Any, arg: Arg) -> Any:
             raise ProtocolError(f"{where} must be int in {_bounds(arg)}, got {_show(value)}")
         return value
     if kind == "number":
+        # an int is compared as it is: one past a float's range never becomes one
         if (not isinstance(value, int | float) or isinstance(value, bool)
-                or not math.isfinite(value) or not arg.lo <= value <= arg.hi):
+                or (isinstance(value, float) and not math.isfinite(value))
+                or not arg.lo <= value <= arg.hi):
             raise ProtocolError(f"{where} must be a finite number in {_bounds(arg)}, got {_show(value)}")
         return float(value)
     if kind == "bool":
@@ -398,6 +400,9 @@ def raise_for(reply: dict[str, Any]) -> dict[str, Any]:
     if reply.get("ok"):
         return reply
     error = reply.get("error") or {}
+    if not isinstance(error, dict):     # a malformed reply: its error is no object
+        raise ProtocolError(f"a reply's error is {type(error).__name__}, not an object: "
+                            f"{_show(error)}")
     raise make_error(str(error.get("code", "ksim")), str(error.get("message", "request failed")))
 
 
