@@ -730,10 +730,14 @@ def ksim_trace(testbed: dict[str, Any], case: Case, run: str) -> subprocess.Comp
 def run_batch(testbed: dict[str, Any], batch: Batch) -> dict[str, Outputs]:
     run = f"/tmp/ksim-corpus-{os.getpid()}-{time.monotonic_ns()}"
     names = [case_name(c) for c in batch.cases]
-    spec = {"run": run, "settle": 2.0, "workload": workload(batch),
-            "tools": [{"name": n, "file": str(TOOLS / c.tool), "begin": c.begin}
-                      for n, c in zip(names, batch.cases, strict=True)]}
     work = tb.cache_dir() / "corpus"
+    # the guest sees the host's files, its own /tmp aside: bpftrace reads copies of
+    # the tools where it sees them wherever this checkout is
+    spec = {"run": run, "settle": 2.0, "workload": workload(batch),
+            "tools": [{"name": n, "file": str(guest_file(work / "tools", Path(c.tool).name,
+                                                         (TOOLS / c.tool).read_text())),
+                       "begin": c.begin}
+                      for n, c in zip(names, batch.cases, strict=True)]}
     driver = guest_file(work, "corpus_driver.py", DRIVER)
     spec_file = guest_file(work, "corpus_spec.json", json.dumps(spec))
     ours: dict[str, subprocess.CompletedProcess[str]] = {}
