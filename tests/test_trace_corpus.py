@@ -401,7 +401,7 @@ for n in got:
 until = time.time() + 180
 for n, p in procs.items():
     try:
-        p.wait(max(1.0, until - time.time()))
+        p.wait(max(30.0, until - time.time()))   # each bpftrace gets 30 s to exit at least
     except subprocess.TimeoutExpired:
         p.kill()
         p.wait()
