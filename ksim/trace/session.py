@@ -274,19 +274,23 @@ class TraceSession:
             funcs = [self.m.find_function(ap.func)]
         for f in funcs:
             site = self._func_site(ap, f.name)
-            if site is None:
-                continue
-            try:
-                exits = self.m.exit_points(f)
-            except KsimError as exc:
-                self.skipped[site.probe] = str(exc)
-                continue
-            why = next((w for w in (self.m.can_insert(p, self.splice) for p in exits) if w), None)
-            if not exits or why is not None:
-                self.skipped[site.probe] = why or "no return instruction"
-                continue
-            out += [(p, site) for p in exits]
+            if site is not None:
+                out += [(p, site) for p in self._returns(f, site.probe)]
         return out
+
+    def _returns(self, f: Any, key: str) -> list[Any]:
+        """Every return point of ``f``, when each can be spliced; else none, and why
+        is kept in ``skipped`` under ``key``."""
+        try:
+            exits = self.m.exit_points(f)
+        except KsimError as exc:
+            self.skipped[key] = str(exc)
+            return []
+        why = next((w for w in (self.m.can_insert(p, self.splice) for p in exits) if w), None)
+        if not exits or why is not None:
+            self.skipped[key] = why or "no return instruction"
+            return []
+        return exits
 
     def _tracepoint_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
         from .tracepoints import Tracepoints
@@ -640,16 +644,8 @@ class TraceSession:
             if f.address in seen:
                 continue
             seen.add(f.address)
-            try:
-                exits = self.m.exit_points(f)
-            except KsimError as exc:
-                self.skipped[f.name] = str(exc)
-                continue
-            why = next((w for w in (self.m.can_insert(p, self.splice) for p in exits) if w), None)
-            if not exits or why is not None:
-                self.skipped[f.name] = why or "no return instruction"
-                continue
-            out += [(p, Site("exit", f.name, f"kretprobe:{f.name}")) for p in exits]
+            out += [(p, Site("exit", f.name, f"kretprobe:{f.name}"))
+                    for p in self._returns(f, f.name)]
         if not out and not ap.wildcard:
             raise KsimError(f"kretprobe:{ap.func} cannot be spliced: {self.skipped.get(ap.func)}")
         return out
