@@ -185,6 +185,17 @@ class Store:
             return i
         return None
 
+    def sizes(self, func: Function) -> bytes | None:
+        """The instruction sizes recorded for ``func``, without reading its bytes to
+        check they are still the ones analysed (None when it has no good record): a
+        guess at where its instructions lie, to ask about ranges ahead; what is then
+        asked about a range holds for those bytes whatever lies there."""
+        i = self.index_of(func)
+        if i is None or self._arrays["status"][i] != _OK:
+            return None
+        offsets = self._offsets[_COUNTED_BY["sizes"]]
+        return self._arrays["sizes"][offsets[i]:offsets[i + 1]].tobytes()
+
     def get(self, func: Function) -> Compact | None:
         """The compact analysis of ``func``; None when it is not in the store or could
         not be analysed (its bytes could not be read: a fresh analysis says why)."""

@@ -296,16 +296,18 @@ class SiteFacts:
         # kernel freed) is refused before anything of it is read or analysed
         ranges: list[tuple[int, int]] = [(func.address, 1) for func in funcs]
         for func in funcs:
-            comp = kept.get(func) if kept is not None else None
-            if comp is None:
-                # no record of its instructions (it changed since the store was made):
-                # each byte of its head, and an instruction's answer is its bytes' (a
-                # byte's hazards are those of any range holding it, so the union is
-                # never less than the range's own answer)
+            # the store's instruction sizes, not checked against the running kernel's
+            # bytes (that would read every function before the question; a function
+            # that changed is asked about again when analysed, at its real ranges)
+            sizes = kept.sizes(func) if kept is not None else None
+            if sizes is None:
+                # no record of its instructions: each byte of its head, and an
+                # instruction's answer is its bytes' (a byte's hazards are those of
+                # any range holding it, so the union is never less than the range's own)
                 ranges += [(func.address + k, 1) for k in range(min(HEAD, func.size))]
                 continue
             at = func.address
-            for size in comp.sizes:
+            for size in sizes:
                 if at >= func.address + HEAD:
                     break
                 ranges.append((at, size))
