@@ -7,6 +7,11 @@ the kernel and the built module, ``up`` needs neither apt nor the network
 (``prepare`` fills the cache without booting; ``--offline`` refuses to fetch and
 names what is missing instead).  The kernel is the one the cache holds;
 ``--refresh`` moves to the newest 6.1 ABI apt offers.
+
+``--arch arm64`` acts on the arm64 testbed (Debian's arm64 kernel of the same
+ABI in qemu-system-aarch64, kerninstd on port 7071); ``--name NAME`` on a further
+guest of its own (files in ~/.cache/ksim/testbed/instances/NAME), so that
+several run at once.  Without either, the x86-64 testbed on port 7070.
 """
 
 from __future__ import annotations
@@ -46,6 +51,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     dn = actions.add_parser("down", help="stop the testbed; leaves no process behind")
     for q in (up, pre, st, ex, dn):
         add_json_flag(q)
+        q.add_argument("--arch", choices=("x86_64", "arm64"), default=None,
+                       help="the guest's architecture (default x86_64; arm64: the arm64 testbed)")
+    for q in (up, st, ex, dn):
+        q.add_argument("--name", default=None, metavar="NAME",
+                       help="a testbed instance of its own (default: the one --arch names)")
     p.set_defaults(func=run)
 
 
@@ -58,31 +68,39 @@ def _progress(json_mode: bool) -> Any:
     return show
 
 
+def _label(inst: Any) -> str:
+    return "" if not inst.name else f"{inst.name} ({inst.arch}) "
+
+
 def run(args: argparse.Namespace) -> int:
     from ksim.live import testbed
 
     progress = _progress(args.json)
+    if args.action == "prepare":
+        ready = testbed.prepare(offline=args.offline, refresh=args.refresh, progress=progress,
+                                arch=args.arch or "x86_64")
+        if args.json:
+            emit_json(ready)
+        else:
+            print(f"testbed ready to boot: kernel {ready['abi']} ({ready['arch']}), module "
+                  f"{ready['module']}, {len(ready['guest_modules'])} guest modules "
+                  f"(cache {ready['cache']})")
+        return 0
+    inst = testbed.resolve_instance(args.name, args.arch)
     if args.action == "up":
         state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout,
-                           offline=args.offline, refresh=args.refresh, progress=progress)
+                           offline=args.offline, refresh=args.refresh, progress=progress,
+                           instance=inst)
         if args.json:
             emit_json(state)
         else:
-            print(f"testbed up ({state['accel'].upper()}, kernel {state.get('kernel')}, "
+            print(f"testbed {_label(inst)}up ({state['accel'].upper()}, kernel {state.get('kernel')}, "
                   f"booted in {state.get('boot_seconds')} s)")
             print(f"address: {state['address']}")
             print(f"token:   {state['token_file']}")
         return 0
-    if args.action == "prepare":
-        ready = testbed.prepare(offline=args.offline, refresh=args.refresh, progress=progress)
-        if args.json:
-            emit_json(ready)
-        else:
-            print(f"testbed ready to boot: kernel {ready['abi']}, module {ready['module']}, "
-                  f"{len(ready['guest_modules'])} guest modules (cache {ready['cache']})")
-        return 0
     if args.action == "status":
-        state = testbed.status()
+        state = testbed.status(inst)
         if args.json:
             emit_json(state)
         elif state["up"]:
@@ -97,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         if not cmd:
             print("ksim testbed exec: no command (ksim testbed exec -- CMD)", file=sys.stderr)
             return 2
-        result = testbed.exec_(" ".join(cmd), timeout=args.timeout)
+        result = testbed.exec_(" ".join(cmd), timeout=args.timeout, instance=inst)
         if args.json:
             emit_json(result)
         else:
@@ -105,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(result["stderr"])
         return int(result["rc"])
     if args.action == "down":
-        result = testbed.down(progress=progress)
+        result = testbed.down(progress=progress, instance=inst)
         if args.json:
             emit_json(result)
         else:

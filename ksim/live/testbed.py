@@ -60,8 +60,83 @@ def token_path() -> Path:
     return cache_dir() / "token"
 
 
-def _state_path() -> Path:
-    return cache_dir() / "state.json"
+# -- instances ----------------------------------------------------------------------
+# Several guests may run at once, each an *instance*: a name, an architecture, a port,
+# and files of its own (state, console, QEMU log, QMP socket, initramfs).  The default
+# instance (name "") is the x86-64 testbed on port 7070 whose files lie directly in
+# cache_dir(), as they always have; "arm64" is the arm64 testbed (port 7071); any other
+# name is a further guest (`ksim testbed up --name b`), its files in
+# cache_dir()/instances/NAME.  The kernels, modules and token are shared by all.
+
+ARCHES = ("x86_64", "arm64")
+#: the instance `--arch` picks when no name is given, and its default port
+ARCH_INSTANCE = {"x86_64": "", "arm64": "arm64"}
+DEFAULT_PORTS = {"": DEFAULT_PORT, "arm64": 7071}
+_INSTANCE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]{0,23}")
+
+
+class Instance(NamedTuple):
+    """One guest: ``name`` ("" for the default testbed) and ``arch``."""
+
+    name: str
+    arch: str
+
+    @property
+    def dir(self) -> Path:
+        """Where its state, console log, QEMU log, QMP socket and initramfs live."""
+        if not self.name:
+            return cache_dir()
+        path = cache_dir() / "instances" / self.name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    @property
+    def label(self) -> str:
+        return self.name or "default"
+
+    @property
+    def qemu_name(self) -> str:
+        """QEMU's -name, by which a stray guest of this instance is recognised."""
+        return "ksim-testbed" + (f"-{self.name}" if self.name else "")
+
+    @property
+    def default_port(self) -> int | None:
+        return DEFAULT_PORTS.get(self.name)
+
+
+def resolve_instance(name: str | None = None, arch: str | None = None) -> Instance:
+    """The instance ``name`` (default: the one ``arch`` names; none: the x86-64 testbed)
+    of architecture ``arch`` (default: the one it runs, else arm64 for "arm64" and
+    x86_64 for any other name).  The default instance is always x86-64 and "arm64"
+    always arm64."""
+    if arch is not None and arch not in ARCHES:
+        aliases = {"aarch64": "arm64", "x86-64": "x86_64", "amd64": "x86_64", "x86": "x86_64"}
+        if arch not in aliases:
+            raise TargetError(f"unknown testbed architecture {arch!r} (one of {', '.join(ARCHES)})")
+        arch = aliases[arch]
+    if name is None:
+        name = ARCH_INSTANCE[arch or "x86_64"]
+    if name and not _INSTANCE_NAME.fullmatch(name):
+        raise TargetError(f"testbed instance name {name!r}: lower-case letters, digits, - and _ "
+                          "(at most 24, starting with a letter or digit)")
+    fixed = {"": "x86_64", "arm64": "arm64"}.get(name)
+    if fixed is not None:
+        if arch is not None and arch != fixed:
+            raise TargetError(f"the testbed instance {name or 'default'!r} is {fixed}, not {arch} "
+                              "(name another instance with --name)")
+        return Instance(name, fixed)
+    if arch is None:
+        state = _read_state(Instance(name, "x86_64"))
+        arch = str(state.get("arch", "x86_64")) if state else "x86_64"
+    return Instance(name, arch)
+
+
+def _as_instance(inst: Instance | str | None) -> Instance:
+    return inst if isinstance(inst, Instance) else resolve_instance(inst)
+
+
+def _state_path(inst: Instance | None = None) -> Path:
+    return (inst.dir if inst else cache_dir()) / "state.json"
 
 
 def _quiet(msg: str) -> None:
@@ -447,7 +522,7 @@ def load_test_module(src: Path, state: dict[str, Any], progress: Progress = _qui
     ko = build_test_module(src, str(state["abi"]), progress)
     name = ko.stem
     out = exec_(f"if grep -q '^{name} ' /proc/modules; then rmmod {name} || exit 3; fi; "
-                f"insmod {ko}", timeout=60)
+                f"insmod {ko}", timeout=60, instance=str(state.get("instance") or ""))
     if out["rc"] != 0:
         raise TargetError(f"loading {name} in the guest failed ({out['rc']}): "
                           f"{(out['stderr'] or out['stdout']).strip()}")
@@ -667,10 +742,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def qemu_command(vmlinux: Path, initramfs: Path, port: int, accel: str) -> list[str]:
-    d = cache_dir()
+def qemu_command(vmlinux: Path, initramfs: Path, port: int, accel: str,
+                 inst: Instance | None = None) -> list[str]:
+    """QEMU's command line for the x86-64 instance ``inst`` (default: the default testbed)."""
+    inst = inst or Instance("", "x86_64")
+    d = inst.dir
     return [
-        "qemu-system-x86_64", "-name", "ksim-testbed",
+        "qemu-system-x86_64", "-name", inst.qemu_name,
         "-kernel", str(vmlinux), "-initrd", str(initramfs),
         "-append", "console=ttyS0 panic=-1 oops=panic nokaslr quiet loglevel=4",
         "-m", "1G", "-smp", "2",
@@ -690,17 +768,25 @@ def qemu_command(vmlinux: Path, initramfs: Path, port: int, accel: str) -> list[
     ]
 
 
-def _pid_is_qemu(pid: int) -> bool:
+QEMU_BINARIES = (b"qemu-system-x86_64", b"qemu-system-aarch64")
+
+
+def _pid_is_qemu(pid: int, inst: Instance | None = None) -> bool:
+    """Whether ``pid`` is a testbed's QEMU (``inst``'s, when given)."""
     try:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
         return False
-    return bool(cmdline) and cmdline[0].endswith(b"qemu-system-x86_64") and b"ksim-testbed" in cmdline
+    if not cmdline or not cmdline[0].endswith(QEMU_BINARIES):
+        return False
+    if inst is not None:
+        return inst.qemu_name.encode() in cmdline
+    return any(arg.startswith(b"ksim-testbed") for arg in cmdline)
 
 
-def _read_state() -> dict[str, Any] | None:
+def _read_state(inst: Instance | None = None) -> dict[str, Any] | None:
     try:
-        return json.loads(_state_path().read_text())
+        return json.loads(_state_path(inst).read_text())
     except (OSError, ValueError):
         return None
 
@@ -715,14 +801,14 @@ def _ping(port: int, timeout: float = 3.0) -> dict[str, Any] | None:
         return None
 
 
-def _boot(vmlinux: Path, initramfs: Path, port: int, accel: str, timeout: float,
+def _boot(command: list[str], inst: Instance, port: int, accel: str, timeout: float,
           progress: Progress) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
-    d = cache_dir()
+    d = inst.dir
     console = d / "console.log"
     console.write_bytes(b"")
     (d / "qmp.sock").unlink(missing_ok=True)
     with open(d / "qemu.log", "wb") as qlog:
-        proc = subprocess.Popen(qemu_command(vmlinux, initramfs, port, accel), stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL,
                                 stdout=qlog, stderr=subprocess.STDOUT, start_new_session=True)
     start = time.monotonic()
     shown = 0
@@ -731,7 +817,7 @@ def _boot(vmlinux: Path, initramfs: Path, port: int, accel: str, timeout: float,
             if proc.poll() is not None:
                 raise TargetError(f"qemu ({accel}) exited with {proc.returncode}: "
                                   + (d / "qemu.log").read_text(errors="replace")[-800:]
-                                  + _console_tail())
+                                  + _console_tail(inst))
             text = console.read_text(errors="replace")
             for line in text.splitlines()[shown:]:
                 if line.startswith("ksim-init:") or "kerninst" in line or "kerninstd:" in line:
@@ -739,37 +825,43 @@ def _boot(vmlinux: Path, initramfs: Path, port: int, accel: str, timeout: float,
             shown = len(text.splitlines())
             if "Kernel panic" in text or ("kerninstd exited" in text
                                           and "kerninstd: listening" not in text):
-                raise TargetError("guest failed to start kerninstd" + _console_tail())
+                raise TargetError("guest failed to start kerninstd" + _console_tail(inst))
             if "kerninstd: listening" in text:
                 info = _ping(port, timeout=10)
                 if info is not None:
                     return proc, info
             time.sleep(0.5)
-        raise TargetTimeout(f"kerninstd did not answer within {timeout:g} s ({accel})" + _console_tail())
+        raise TargetTimeout(f"kerninstd did not answer within {timeout:g} s ({accel})"
+                            + _console_tail(inst))
     except BaseException:
         _stop_pid(proc.pid)
         proc.wait(10)
         raise
 
 
-def _console_tail(lines: int = 25) -> str:
+def _console_tail(inst: Instance | None = None, lines: int = 25) -> str:
     try:
-        text = (cache_dir() / "console.log").read_text(errors="replace")
+        text = ((inst.dir if inst else cache_dir()) / "console.log").read_text(errors="replace")
     except OSError:
         return ""
     return "\nguest console (last lines):\n" + "\n".join(text.splitlines()[-lines:])
 
 
 def prepare(*, offline: bool = False, refresh: bool = False,
-            progress: Progress = _quiet) -> dict[str, Any]:
+            progress: Progress = _quiet, arch: str = "x86_64") -> dict[str, Any]:
     """Everything `up` needs before it boots: the kernel ABI, the host's packages, the
     unpacked kernel, its ELF vmlinux, kerninst.ko and the guest's module list.  What the
     cache already holds is used as it is (no apt, no network); what is missing is
     fetched, installed or built.  ``offline`` fetches and installs nothing and names
     all that would need it instead (kerninst.ko is still built when the compiler, make
-    and the headers are installed: that needs no network)."""
+    and the headers are installed: that needs no network).  ``arch`` "arm64" prepares
+    the arm64 testbed (ksim.live.arm64bed), of the same kernel ABI."""
     abi = resolve_abi(progress, offline=offline, refresh=refresh)
     progress(f"kernel ABI {abi}")
+    if resolve_instance(None, arch).arch == "arm64":
+        from ksim.live import arm64bed
+
+        return arm64bed.prepare(abi, offline=offline, progress=progress)
     needs = missing(abi)
     if offline and needs:
         raise TargetError(f"offline, and the testbed cache ({cache_dir()}) or this host lacks "
@@ -786,38 +878,63 @@ def prepare(*, offline: bool = False, refresh: bool = False,
     root = kernel_root(abi, progress, offline=offline)
     vmlinux = extract_vmlinux(root / "boot" / f"vmlinuz-{abi}-amd64", cache_dir() / f"vmlinux-{abi}")
     ko = build_module(abi, progress, offline=offline)
-    return {"abi": abi, "cache": str(cache_dir()), "kernel_root": str(root),
+    return {"abi": abi, "arch": "x86_64", "cache": str(cache_dir()), "kernel_root": str(root),
             "vmlinux": str(vmlinux), "module": str(ko),
             "guest_modules": [str(m) for m in guest_modules(root, abi)]}
 
 
+def _choose_port(inst: Instance, port: int | None) -> int:
+    if port is None:
+        default = inst.default_port
+        return default if default is not None and _port_free(default) else _free_port()
+    if not _port_free(port):
+        raise TargetError(f"port {port} on 127.0.0.1 is in use")
+    return port
+
+
 def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TIMEOUT,
-       offline: bool = False, refresh: bool = False, progress: Progress = _quiet) -> dict[str, Any]:
-    """Boot the testbed (or return the running one) and return its state."""
-    current = status()
+       offline: bool = False, refresh: bool = False, progress: Progress = _quiet,
+       instance: Instance | str | None = None, arch: str | None = None) -> dict[str, Any]:
+    """Boot the testbed ``instance`` (default: the x86-64 testbed on port 7070; with
+    ``arch`` "arm64", the arm64 one on 7071), or return it if it is running, and return
+    its state.  ``port`` defaults to the instance's own (7070, 7071), or a free one."""
+    inst = instance if isinstance(instance, Instance) else resolve_instance(instance, arch)
+    current = status(inst)
     if current["up"]:
         progress(f"already up at {current['address']}")
         return current
-    down()
+    down(instance=inst)
     t0 = time.monotonic()
-    ready = prepare(offline=offline, refresh=refresh, progress=progress)
-    abi, root, vmlinux, ko = (ready["abi"], Path(ready["kernel_root"]), Path(ready["vmlinux"]),
-                              Path(ready["module"]))
+    ready = prepare(offline=offline, refresh=refresh, progress=progress, arch=inst.arch)
+    abi = ready["abi"]
     ensure_token()
-    if port is None:
-        port = DEFAULT_PORT if _port_free(DEFAULT_PORT) else _free_port()
-    elif not _port_free(port):
-        raise TargetError(f"port {port} on 127.0.0.1 is in use")
-    initramfs = make_initramfs(root, abi, ko, port, cache_dir() / f"initramfs-{abi}.cpio")
-    accels = ["kvm", "tcg"] if accel == "auto" and kvm_usable() else [
-        "tcg" if accel == "auto" else accel]
+    port = _choose_port(inst, port)
+    if inst.arch == "arm64":
+        from ksim.live import arm64bed
+
+        initramfs = arm64bed.make_initramfs(ready, port, inst.dir / f"initramfs-{abi}-arm64.cpio")
+        accels = ["tcg"]
+        if accel == "kvm":
+            raise TargetError("the arm64 testbed runs under TCG only (this host is not arm64)")
+    else:
+        initramfs = make_initramfs(Path(ready["kernel_root"]), abi, Path(ready["module"]), port,
+                                   inst.dir / f"initramfs-{abi}.cpio")
+        accels = ["kvm", "tcg"] if accel == "auto" and kvm_usable() else [
+            "tcg" if accel == "auto" else accel]
     prepared = time.monotonic() - t0
     last: Exception | None = None
     for acc in accels:
-        progress(f"booting {abi} under {acc.upper()} (-smp 2 -m 1G), kerninstd on port {port}")
+        if inst.arch == "arm64":
+            from ksim.live import arm64bed
+
+            command = arm64bed.qemu_command(ready, initramfs, port, inst)
+        else:
+            command = qemu_command(Path(ready["vmlinux"]), initramfs, port, acc, inst)
+        where = "" if not inst.name else f" as instance {inst.name}"
+        progress(f"booting {abi} ({inst.arch}){where} under {acc.upper()}, kerninstd on port {port}")
         t1 = time.monotonic()
         try:
-            proc, info = _boot(vmlinux, initramfs, port, acc, timeout, progress)
+            proc, info = _boot(command, inst, port, acc, timeout, progress)
         except TargetError as exc:
             last = exc
             progress(f"{acc.upper()} boot failed: {str(exc).splitlines()[0]}")
@@ -827,21 +944,34 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
             "token_file": str(token_path()), "accel": acc, "abi": abi,
             "kernel": info.get("kernel"), "boot_seconds": round(time.monotonic() - t1, 1),
             "prepare_seconds": round(prepared, 1), "started": time.time(),
-            "console": str(cache_dir() / "console.log"), "qmp": str(cache_dir() / "qmp.sock"),
+            "console": str(inst.dir / "console.log"), "qmp": str(inst.dir / "qmp.sock"),
+            "instance": inst.name, "arch": inst.arch,
         }
-        _state_path().write_text(json.dumps(state, indent=2))
+        _state_path(inst).write_text(json.dumps(state, indent=2))
         progress(f"up in {state['boot_seconds']} s: {state['address']} (token {state['token_file']})")
         return state
     assert last is not None
     raise last
 
 
-def status() -> dict[str, Any]:
-    state = _read_state()
-    if not state or not _pid_is_qemu(int(state.get("pid", 0))):
-        return {"up": False, "cache": str(cache_dir())}
+def status(instance: Instance | str | None = None) -> dict[str, Any]:
+    """Whether the testbed ``instance`` (default: the x86-64 one) is up, and where."""
+    inst = _as_instance(instance)
+    state = _read_state(inst)
+    if not state or not _pid_is_qemu(int(state.get("pid", 0)), inst):
+        return {"up": False, "cache": str(cache_dir()), "instance": inst.name, "arch": inst.arch}
     info = _ping(int(state["port"]))
     return {**state, "up": info is not None, "qemu_running": True, "responding": info is not None}
+
+
+def instances() -> list[dict[str, Any]]:
+    """The status of every instance that has a state file (running or not)."""
+    found = [Instance("", "x86_64")] if _state_path().exists() else []
+    base = cache_dir() / "instances"
+    if base.is_dir():
+        found += [resolve_instance(p.name) for p in sorted(base.iterdir())
+                  if (p / "state.json").exists() and _INSTANCE_NAME.fullmatch(p.name)]
+    return [status(i) for i in found]
 
 
 def _stop_pid(pid: int, grace: float = 10.0) -> None:
@@ -875,10 +1005,12 @@ def _qmp_quit(path: Path) -> None:
             f.readline()
 
 
-def down(progress: Progress = _quiet) -> dict[str, Any]:
-    state = _read_state()
+def down(progress: Progress = _quiet, *, instance: Instance | str | None = None) -> dict[str, Any]:
+    """Stop the testbed ``instance`` (default: the x86-64 one); no other is touched."""
+    inst = _as_instance(instance)
+    state = _read_state(inst)
     stopped = False
-    if state and _pid_is_qemu(int(state.get("pid", 0))):
+    if state and _pid_is_qemu(int(state.get("pid", 0)), inst):
         pid = int(state["pid"])
         try:
             _qmp_quit(Path(state["qmp"]))
@@ -887,14 +1019,19 @@ def down(progress: Progress = _quiet) -> dict[str, Any]:
         _stop_pid(pid, grace=5.0)
         stopped = True
         progress(f"stopped qemu (pid {pid})")
-    _state_path().unlink(missing_ok=True)
-    return {"up": False, "stopped": stopped}
+    _state_path(inst).unlink(missing_ok=True)
+    return {"up": False, "stopped": stopped, "instance": inst.name}
 
 
-def exec_(cmd: str, timeout: float = 120.0) -> dict[str, Any]:
-    state = _read_state()
+def exec_(cmd: str, timeout: float = 120.0, *,
+          instance: Instance | str | None = None) -> dict[str, Any]:
+    """Run the shell command ``cmd`` in the guest of ``instance`` (default: x86-64)."""
+    inst = _as_instance(instance)
+    state = _read_state(inst)
     if not state:
-        raise TargetError("the testbed is not up (ksim testbed up)")
+        flag = "" if not inst.name else (" --arch arm64" if inst.name == "arm64"
+                                         else f" --name {inst.name}")
+        raise TargetError(f"the testbed{flag} is not up (ksim testbed up{flag})")
     from ksim.live.client import Connection
 
     with Connection("127.0.0.1", int(state["port"]), token_file=str(token_path()),

@@ -3,6 +3,9 @@
 Test modules import the fixtures they use (``from ksim.live.testing import testbed,
 target``).  ``testbed`` is session-scoped: the first test boots the testbed (or
 finds it already up), and the session ends by stopping it only if it started it.
+``testbed_arm64`` and ``target_arm64`` do the same for the arm64 testbed, and
+``instance_testbed(NAME)`` boots a further guest of its own (a second x86-64 one
+for a fleet, say) for as long as its ``with`` block lasts.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import struct
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -140,5 +144,40 @@ def testbed() -> Iterator[dict[str, Any]]:
 @pytest.fixture
 def target(testbed: dict[str, Any]) -> Iterator[LiveTarget]:
     t = LiveTarget("127.0.0.1", int(testbed["port"]), token_file=testbed["token_file"])
+    yield t
+    t.close()
+
+
+def _say(name: str) -> tb.Progress:
+    return lambda m: print(f"testbed {name}: {m}", flush=True)
+
+
+@contextmanager
+def instance_testbed(name: str, *, arch: str | None = None, port: int | None = None,
+                     timeout: float = tb.BOOT_TIMEOUT) -> Iterator[dict[str, Any]]:
+    """The testbed instance ``name`` (``arch`` x86_64 unless it is "arm64"), booted on
+    ``port`` (default: its own, else a free one) or found running; stopped at the end
+    only if this booted it.  ``with instance_testbed("b", port=7072) as b:`` gives a
+    second x86-64 guest beside the default testbed."""
+    inst = tb.resolve_instance(name, arch)
+    already = tb.status(inst)["up"]
+    state = tb.up(instance=inst, port=port, timeout=timeout, progress=_say(inst.label))
+    try:
+        yield state
+    finally:
+        if not already:
+            tb.down(instance=inst)
+
+
+@pytest.fixture(scope="session")
+def testbed_arm64() -> Iterator[dict[str, Any]]:
+    """The arm64 testbed (instance "arm64", port 7071), booted once per session."""
+    with instance_testbed("arm64", arch="arm64") as state:
+        yield state
+
+
+@pytest.fixture
+def target_arm64(testbed_arm64: dict[str, Any]) -> Iterator[LiveTarget]:
+    t = connect(testbed_arm64)
     yield t
     t.close()
