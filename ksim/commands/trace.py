@@ -12,6 +12,13 @@ it, then every map is printed as bpftrace's language prints it (--json: the same
 data as JSON lines).  Ctrl-C stops the run; the maps are printed all the same (exit
 status 130) and the kernel's text is restored, as after every trace.
 
+Fleets (docs/trace.md): --target with a comma-separated list of targets, or
+--fleet FILE (one ADDRESS [TOKEN_FILE] a line), runs the program on every host at
+once and prints the maps merged (--by-host: each host's); printf's lines are
+prefixed with the host; a host that fails is reported and the others go on (exit
+status 1).  --prometheus HOST:PORT serves the maps as Prometheus metrics while the
+trace runs (one target or many).
+
 --json writes one JSON record per line, in the order things happen, as bpftrace's
 ``-f json`` does (attached_probes, printf, time, value, map, hist, lost_events),
 then ksim's own: lost_keys (a map that had no room for a key), summary (maps,
@@ -53,8 +60,23 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "over the program's config block; default 4096)")
     p.add_argument("--stats", action="store_true",
                    help="print how long attaching, detaching and the whole run took (stderr)")
+    p.add_argument("--fleet", metavar="FILE",
+                   help="run on every host FILE names (one ADDRESS [TOKEN_FILE] a line), "
+                        "as --target A,B,... does")
+    p.add_argument("--by-host", action="store_true",
+                   help="a fleet prints each host's maps (prefixed with the host), not the "
+                        "merged ones")
+    p.add_argument("--prometheus", metavar="HOST:PORT", type=_prometheus_address,
+                   help="serve the maps as Prometheus metrics at http://HOST:PORT/metrics "
+                        "while the trace runs")
     add_json_flag(p)
     p.set_defaults(func=run)
+
+
+def _prometheus_address(text: str) -> str:
+    from ksim.trace.prometheus import parse_address
+
+    return parse_address(text)
 
 
 def _max_map_keys(text: str) -> int:
@@ -205,6 +227,13 @@ def _until_stopped(progress: Any, period: float = 0.2) -> None:
             time.sleep(period)
 
 
+def _fleet_wanted(args: argparse.Namespace) -> bool:
+    """Whether the command runs as a fleet: many targets, a fleet file, or a
+    Prometheus endpoint (served by the fleet's machinery, for one target too)."""
+    return bool(getattr(args, "fleet", None) or "," in (args.target or "")
+                or getattr(args, "prometheus", None))
+
+
 def _json_line(value: Any) -> None:
     sys.stdout.write(json.dumps(value) + "\n")
     sys.stdout.flush()
@@ -251,6 +280,8 @@ def run(args: argparse.Namespace) -> int:
         stream.write(out.text)
         stream.flush()
 
+    if _fleet_wanted(args):
+        return _run_fleet(args)
     try:
         source, filename = source_of(args)
         report = _traced(args, source, filename, announce, write)
@@ -272,3 +303,134 @@ def run(args: argparse.Namespace) -> int:
             print("stats: " + " ".join(f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}"
                                        for k, v in stats.items()), file=sys.stderr)
     return 130 if report["interrupted"] else report.get("exit_code", 0)
+
+
+class _FleetPrinter:
+    """A fleet's output on stdout (JSON lines with --json), a host's lines prefixed
+    ``[host] `` (a ``host`` field in JSON), failures on stderr."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import threading
+
+        self.json = bool(args.json)
+        self.lock = threading.Lock()
+        #: per host, whether its text so far ends a line (a prefix goes before the next)
+        self.at_line: dict[str, bool] = {}
+
+    def output(self, host: str | None, out: Any) -> None:
+        from ksim.trace.output import record
+
+        with self.lock:
+            if self.json:
+                rec = record(out.kind, out.data)
+                _json_line(rec if host is None else {**rec, "host": host})
+                return
+            stream = sys.stderr if out.kind == "lost_keys" else sys.stdout
+            text = out.text
+            if host is not None:
+                lines = text.splitlines(keepends=True)
+                start = self.at_line.get(host, True)
+                text = "".join((f"[{host}] " if (i or start) and line != "\n" else "") + line
+                               for i, line in enumerate(lines))
+                if lines:
+                    self.at_line[host] = lines[-1].endswith("\n")
+            stream.write(text)
+            stream.flush()
+
+    def attached(self, run: Any, session: Any) -> None:
+        n = session.probe_count()
+        with self.lock:
+            if self.json:
+                rec: dict[str, Any] = {"type": "attached_probes", "data": {"probes": n}}
+                _json_line(rec if run.fleet.single else {**rec, "host": run.label})
+            else:
+                head = "" if run.fleet.single else f"[{run.label}] "
+                print(f"{head}Attaching {n} probe{'s' if n != 1 else ''}...", flush=True)
+
+    def host_failed(self, run: Any, exc: BaseException) -> None:
+        from ksim.errors import KsimError
+
+        code = exc.code if isinstance(exc, KsimError) else type(exc).__name__
+        with self.lock:
+            if self.json:
+                _json_line({"type": "host_error", "host": run.label, "target": run.host.spec,
+                            "stage": run.stage, "error": code, "message": str(exc)})
+            print(f"ksim: host {run.label} failed ({run.stage}): {exc}", file=sys.stderr,
+                  flush=True)
+
+
+def _fleet_hosts(args: argparse.Namespace) -> list[Any]:
+    from ksim.trace.errors import TraceError
+    from ksim.trace.fleet import hosts, parse_targets, read_fleet
+
+    if args.fleet:
+        if "," in (args.target or "") or args.target != "unicorn":
+            raise TraceError("give the hosts with --fleet FILE or --target A,B,... (one of them)")
+        return hosts(read_fleet(args.fleet))
+    specs = parse_targets(args.target)
+    return hosts([(s if "://" in s or ":" in s else f"{s}:{args.image}", t) for s, t in specs])
+
+
+def _run_fleet(args: argparse.Namespace) -> int:
+    """The program on every host of the fleet (ksim.trace.fleet), maps merged; with
+    --prometheus, served as metrics while it runs."""
+    from ksim.errors import KsimError
+    from ksim.trace.fleet import Fleet, Options
+
+    printer = _FleetPrinter(args)
+    exporter = None
+    try:
+        source, filename = source_of(args)
+        fleet_hosts = _fleet_hosts(args)
+        options = Options(splice=args.splice, seed=args.seed, iterations=args.iterations,
+                          while_cmd=args.while_cmd, pid=args.pid,
+                          max_map_keys=args.max_map_keys, params=tuple(args.params or ()))
+        fleet = Fleet(source, fleet_hosts, filename=filename, options=options, sink=printer,
+                      by_host=args.by_host)
+        if args.prometheus:
+            from ksim.trace.prometheus import Exporter
+
+            try:
+                exporter = Exporter(args.prometheus)
+            except OSError as exc:
+                from ksim.trace.errors import TraceError
+
+                raise TraceError(f"cannot serve Prometheus metrics at {args.prometheus}: "
+                                 f"{exc.strerror or exc}") from None
+            fleet.exporter = exporter
+            print(f"serving Prometheus metrics at {exporter.url}", file=sys.stderr, flush=True)
+        result = fleet.run()
+    except KsimError as exc:
+        if not args.json:
+            raise
+        _json_line({"type": "error", "error": exc.code, "message": str(exc)})
+        return 2
+    finally:
+        if exporter is not None:
+            exporter.close()
+    if fleet.single and result.ok:
+        report = dict(result.ok[0].report or {})
+        stats = report.pop("stats")
+    else:
+        report, stats = result.summary(), {
+            r.label: (r.report or {}).get("stats") for r in result.ok}
+    if args.json:
+        _json_line({"type": "summary", "data": report})
+        _json_line({"type": "stats", **(stats if fleet.single else {"hosts": stats})})
+    else:
+        for r in result.ok:
+            for name, why in (r.report or {}).get("skipped", {}).items():
+                head = "" if fleet.single else f"[{r.label}] "
+                print(f"{head}skipped {name}: {why}", file=sys.stderr)
+        if result.failed:
+            print(f"ksim: {len(result.failed)} of {len(result.runs)} host"
+                  f"{'s' if len(result.runs) != 1 else ''} failed: "
+                  + ", ".join(r.label for r in result.failed), file=sys.stderr)
+        if args.stats:
+            for r in result.ok:
+                head = "" if fleet.single else f"[{r.label}] "
+                st = (r.report or {}).get("stats", {})
+                print(head + "stats: " + " ".join(
+                    f"{k}={v:.6f}" if isinstance(v, float) else f"{k}={v}"
+                    for k, v in st.items()), file=sys.stderr)
+    return result.status
