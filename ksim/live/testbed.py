@@ -249,9 +249,9 @@ def _build_needs(abi: str, what: str) -> list[Need]:
     return needs
 
 
-def _kernel_complete(root: Path, abi: str) -> bool:
-    return ((root / ".complete").exists() and (root / "boot" / f"vmlinuz-{abi}-amd64").exists()
-            and (root / "lib" / "modules" / f"{abi}-amd64" / "modules.dep").exists())
+def _kernel_complete(root: Path, abi: str, flavour: str = "amd64") -> bool:
+    return ((root / ".complete").exists() and (root / "boot" / f"vmlinuz-{abi}-{flavour}").exists()
+            and (root / "lib" / "modules" / f"{abi}-{flavour}" / "modules.dep").exists())
 
 
 def _image_package(abi: str) -> str:
@@ -406,26 +406,37 @@ def resolve_abi(progress: Progress = _quiet, *, offline: bool = False,
 # -- kernel, module, initramfs ------------------------------------------------------
 def kernel_root(abi: str, progress: Progress = _quiet, *, offline: bool = False) -> Path:
     """The unpacked linux-image-ABI-amd64-unsigned package (vmlinuz and modules), cached."""
-    root = cache_dir() / f"linux-{abi}"
-    if _kernel_complete(root, abi):
+    return unpack_kernel(cache_dir() / f"linux-{abi}", cache_dir() / "debs", abi, "amd64",
+                         _image_package(abi), progress, offline=offline)
+
+
+def unpack_kernel(root: Path, debs: Path, abi: str, flavour: str, package: str,
+                  progress: Progress = _quiet, *, offline: bool = False,
+                  apt_name: str | None = None) -> Path:
+    """The kernel package ``package`` (``apt_name`` to apt, e.g. with :arm64) unpacked
+    in ``root`` with its modules indexed, downloaded to ``debs`` first if it is not
+    there; nothing is done when ``root`` is complete."""
+    if _kernel_complete(root, abi, flavour):
         return root
-    debs = cache_dir() / "debs"
-    debs.mkdir(exist_ok=True)
-    package = _image_package(abi)
-    if not _cached_debs(abi):
+    debs.mkdir(parents=True, exist_ok=True)
+
+    def cached() -> list[Path]:
+        return sorted(debs.glob(f"{package}_*.deb"))
+
+    if not cached():
         if offline:
             raise TargetError(f"offline, and {package} is neither unpacked in {root} nor "
                               f"downloaded to {debs}")
         progress(f"downloading {package}")
         try:
-            _run(["apt-get", "download", package], cwd=debs, timeout=900)
+            _run(["apt-get", "download", apt_name or package], cwd=debs, timeout=900)
         except TargetError as exc:
             raise TargetError(f"the kernel package {package} is not in {debs}, and "
                               f"downloading it failed: {exc}") from None
-    deb = _cached_debs(abi)[-1]
+    deb = cached()[-1]
     progress(f"unpacking {deb.name}")
     shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
+    root.mkdir(parents=True)
     _run(["dpkg-deb", "-x", str(deb), str(root)])
     # Debian generates modules.dep in postinst; guest_modules reads it.
     depmod = _sbin_tool("depmod")
@@ -433,7 +444,7 @@ def kernel_root(abi: str, progress: Progress = _quiet, *, offline: bool = False)
         _provide([Need("depmod, to index the modules of the kernel package", "kmod")],
                  progress, offline)
         depmod = _sbin_tool("depmod") or "depmod"
-    _run([depmod, "-b", str(root), f"{abi}-amd64"])
+    _run([depmod, "-b", str(root), f"{abi}-{flavour}"])
     (root / ".complete").touch()
     return root
 
@@ -475,22 +486,51 @@ def _kbuild(src: Path, sources: tuple[str, ...], build: Path, ko_name: str, abi:
     """Build the module in ``src`` with kbuild against the ABI's headers, in ``build``
     (a copy, so the source tree never holds build outputs; rebuilt when the sources change).
     A module already built from these sources needs neither the headers nor a compiler."""
-    digest = _digest(src, sources)
+    return kbuild([src / n for n in sources], build, ko_name, headers_dir(abi), progress,
+                  needs=lambda: _build_needs(abi, ko_name), offline=offline)
+
+
+def kbuild(files: list[Path], build: Path, ko_name: str, headers: Path, progress: Progress,
+           *, make_vars: tuple[str, ...] = (), needs: Callable[[], list[Need]] | None = None,
+           offline: bool = False, what: str = "") -> Path:
+    """Build ``files`` (a kbuild Makefile and the sources) with kbuild against the kernel
+    headers in ``headers`` (``make_vars`` such as ARCH= and CROSS_COMPILE= added), in
+    ``build``; rebuilt only when the files change.  Before building, ``needs()`` names
+    what the host lacks for it, which is installed.  The compiler's output is kept in
+    ``build``.log, which a failure names."""
+    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
     ko = build / ko_name
     if _module_built(build, ko_name, digest):
         return ko
-    _provide(_build_needs(abi, ko_name), progress, offline)
-    progress(f"building {ko_name}")
+    if needs is not None:
+        _provide(needs(), progress, offline)
+    progress(f"building {ko_name}" + (f" {what}" if what else ""))
     # Built beside the cached build and swapped in only when it succeeded: sources that
     # do not compile leave the previous module in the cache, and a second build running
     # at the same time has a directory of its own.
     work = build.with_name(f"{build.name}.build-{os.getpid()}")
+    log = build.with_name(f"{build.name}.log")
     shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    work.mkdir(parents=True)
     try:
-        for name in sources:
-            shutil.copy(src / name, work / name)
-        _run(["make", "-C", str(headers_dir(abi)), f"M={work}", "modules"], timeout=300)
+        for f in files:
+            shutil.copy(f, work / f.name)
+        cmd = ["make", "-C", str(headers), f"M={work}", *make_vars, "modules"]
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True, timeout=300, stdin=subprocess.DEVNULL)
+        except subprocess.TimeoutExpired:
+            raise TargetTimeout(f"{' '.join(cmd)}: no result after 300 s") from None
+        except FileNotFoundError:
+            raise TargetError("make: not installed (not found on PATH)") from None
+        log.write_text(f"$ {' '.join(cmd)}\n{proc.stdout}")
+        if proc.returncode:
+            errors = [line.replace(f"{work}/", "") for line in proc.stdout.splitlines()
+                      if "error" in line.lower()]
+            shown = (errors or proc.stdout.strip().splitlines())[:8]
+            raise TargetError(f"{ko_name}{' ' + what if what else ''} does not build "
+                              f"(make exited with {proc.returncode}):\n  "
+                              + "\n  ".join(shown) + f"\nthe build log: {log}")
         (work / ".source").write_text(digest)
         shutil.rmtree(build, ignore_errors=True)
         work.rename(build)
@@ -537,13 +577,13 @@ def _module_name(path: str) -> str:
     return name.replace("-", "_")
 
 
-def guest_modules(root: Path, abi: str) -> list[Path]:
+def guest_modules(root: Path, abi: str, flavour: str = "amd64") -> list[Path]:
     """GUEST_MODULES and what they depend on, in load order: what `modprobe
     --show-depends` prints, read from the unpacked package's modules.dep, so that no
     host tool (nor the host's own kernel's modules) is involved.  Soft dependencies
     (modules.softdep) are optional by definition and not followed; none of these
     modules has one in 6.1."""
-    base = root / "lib" / "modules" / f"{abi}-amd64"
+    base = root / "lib" / "modules" / f"{abi}-{flavour}"
     try:
         text = (base / "modules.dep").read_text()
     except OSError as exc:
@@ -848,20 +888,26 @@ def _console_tail(inst: Instance | None = None, lines: int = 25) -> str:
 
 
 def prepare(*, offline: bool = False, refresh: bool = False,
-            progress: Progress = _quiet, arch: str = "x86_64") -> dict[str, Any]:
+            progress: Progress = _quiet, arch: str = "x86_64",
+            module_sources: list[Path] | None = None) -> dict[str, Any]:
     """Everything `up` needs before it boots: the kernel ABI, the host's packages, the
     unpacked kernel, its ELF vmlinux, kerninst.ko and the guest's module list.  What the
     cache already holds is used as it is (no apt, no network); what is missing is
     fetched, installed or built.  ``offline`` fetches and installs nothing and names
     all that would need it instead (kerninst.ko is still built when the compiler, make
     and the headers are installed: that needs no network).  ``arch`` "arm64" prepares
-    the arm64 testbed (ksim.live.arm64bed), of the same kernel ABI."""
+    the arm64 testbed (ksim.live.arm64bed), of the same kernel ABI; there,
+    ``module_sources`` (a kbuild Makefile and what it builds into kerninst.ko) may
+    stand in for kmod/."""
     abi = resolve_abi(progress, offline=offline, refresh=refresh)
     progress(f"kernel ABI {abi}")
     if resolve_instance(None, arch).arch == "arm64":
         from ksim.live import arm64bed
 
-        return arm64bed.prepare(abi, offline=offline, progress=progress)
+        return arm64bed.prepare(abi, offline=offline, progress=progress, refresh=refresh,
+                                module_sources=module_sources)
+    if module_sources is not None:
+        raise TargetError("the x86-64 testbed boots kmod/'s kerninst.ko only")
     needs = missing(abi)
     if offline and needs:
         raise TargetError(f"offline, and the testbed cache ({cache_dir()}) or this host lacks "
@@ -894,10 +940,12 @@ def _choose_port(inst: Instance, port: int | None) -> int:
 
 def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TIMEOUT,
        offline: bool = False, refresh: bool = False, progress: Progress = _quiet,
-       instance: Instance | str | None = None, arch: str | None = None) -> dict[str, Any]:
+       instance: Instance | str | None = None, arch: str | None = None,
+       module_sources: list[Path] | None = None) -> dict[str, Any]:
     """Boot the testbed ``instance`` (default: the x86-64 testbed on port 7070; with
     ``arch`` "arm64", the arm64 one on 7071), or return it if it is running, and return
-    its state.  ``port`` defaults to the instance's own (7070, 7071), or a free one."""
+    its state.  ``port`` defaults to the instance's own (7070, 7071), or a free one.
+    ``module_sources``: see prepare (arm64 only)."""
     inst = instance if isinstance(instance, Instance) else resolve_instance(instance, arch)
     current = status(inst)
     if current["up"]:
@@ -905,7 +953,8 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
         return current
     down(instance=inst)
     t0 = time.monotonic()
-    ready = prepare(offline=offline, refresh=refresh, progress=progress, arch=inst.arch)
+    ready = prepare(offline=offline, refresh=refresh, progress=progress, arch=inst.arch,
+                    module_sources=module_sources)
     abi = ready["abi"]
     ensure_token()
     port = _choose_port(inst, port)
@@ -945,7 +994,7 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
             "kernel": info.get("kernel"), "boot_seconds": round(time.monotonic() - t1, 1),
             "prepare_seconds": round(prepared, 1), "started": time.time(),
             "console": str(inst.dir / "console.log"), "qmp": str(inst.dir / "qmp.sock"),
-            "instance": inst.name, "arch": inst.arch,
+            "instance": inst.name, "arch": inst.arch, "module": ready["module"],
         }
         _state_path(inst).write_text(json.dumps(state, indent=2))
         progress(f"up in {state['boot_seconds']} s: {state['address']} (token {state['token_file']})")
