@@ -10,7 +10,15 @@ whole kernels, on local processes or a Ray cluster (docs/verify.md).
 """
 
 from ksim.verify.campaign import Outcome, digest, reproducer
-from ksim.verify.cases import ImageSource, Target, VerifyCase, image_source, make_cases, parse_case, select
+from ksim.verify.cases import (
+           ImageSource,
+           Target,
+           VerifyCase,
+           image_source,
+           make_cases,
+           parse_case,
+           select,
+)
 from ksim.verify.engines import LocalEngine, RayEngine, engine_for
 
 __all__ = ["ImageSource", "LocalEngine", "Outcome", "RayEngine", "Target", "VerifyCase", "digest",

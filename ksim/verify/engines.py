@@ -18,6 +18,7 @@ engine.
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import multiprocessing
 import os
@@ -101,7 +102,7 @@ class RayEngine:
                                      f"{RAY_EXTRA}") from None
         if not ray.is_initialized():
             try:
-                ray.init(address=self.address, logging_level="ERROR", log_to_driver=False,
+                ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
                          include_dashboard=False, configure_logging=True)
             except Exception as exc:  # noqa: BLE001 - Ray raises many kinds when it cannot connect
                 raise ClusterUnavailable(f"cannot reach the Ray cluster at {self.address!r}: "
