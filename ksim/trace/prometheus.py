@@ -95,7 +95,7 @@ class MapCollector:
         from prometheus_client.core import (
             CounterMetricFamily,
             GaugeMetricFamily,
-            HistogramMetricFamily,
+            Metric,
             SummaryMetricFamily,
         )
 
@@ -115,7 +115,7 @@ class MapCollector:
             if kind == "count":
                 family = CounterMetricFamily(metric, doc, labels=labels)
             elif kind in ("hist", "lhist"):
-                family = HistogramMetricFamily(metric, doc, labels=labels)
+                family = Metric(metric, doc, "histogram")
             elif kind == "avg":
                 family = SummaryMetricFamily(metric, doc, labels=labels)
             else:
@@ -126,8 +126,8 @@ class MapCollector:
                         continue
                     label_values = [str(p) for p in key] + [host]
                     if kind in ("hist", "lhist"):
-                        bks, total, _ = buckets(kind, values, snap.lhist)
-                        family.add_metric(label_values, bks, total)
+                        _histogram(family, dict(zip(labels, label_values, strict=True)),
+                                   *buckets(kind, values, snap.lhist))
                     elif kind == "avg":
                         family.add_metric(label_values, count_value=values[1],
                                           sum_value=signed(values[0]))
@@ -136,6 +136,17 @@ class MapCollector:
                     else:
                         family.add_metric(label_values, scalar(kind, values))
             yield family
+
+
+def _histogram(family: Any, labels: dict[str, str], bks: list[tuple[str, float]],
+               total: float, count: int) -> None:
+    """A histogram's samples, ``_count`` and ``_sum`` included also when a bucket's
+    ``le`` is negative (HistogramMetricFamily leaves both out then: bpftrace's hist()
+    always has a bucket below 0, ``le="-1"``)."""
+    for le, n in bks:
+        family.add_sample(family.name + "_bucket", {**labels, "le": le}, n)
+    family.add_sample(family.name + "_count", labels, float(count))
+    family.add_sample(family.name + "_sum", labels, total)
 
 
 class Exporter:
