@@ -25,7 +25,32 @@
  *   - undo an owner's text when its session ends or the device is closed, and
  *     every text byte it changed on unload, newest first.
  *
- * The ABI is in kerninst.h.  Written for Linux 6.1 x86-64 (Debian 12).
+ * The ABI is in kerninst.h.  Written for Linux 6.1 (Debian 12) on x86-64 and
+ * arm64.  As kprobes splits kernel/kprobes.c from arch/<arch>/kernel/kprobes,
+ * everything that depends on the instruction set or the trap path is behind a
+ * small internal contract, one section per architecture ("the architecture's
+ * half", below); the rest is shared:
+ *
+ *   KI_TRAP_LEN, ki_trap_insn        the trap ksim routes (x86: int3; arm64: BRK
+ *                                    #KERNINST_ARM64_BRK_IMM), as text bytes
+ *   KI_INSN_ALIGN                    text writes and trap sites start and end
+ *                                    on it (x86: 1; arm64: whole instructions)
+ *   KI_PROBE_REACH, KI_FTRACE_LEAD   how far before a range a kprobe, and after
+ *                                    it an ftrace location, still cover it
+ *   KI_JUMP_ENTRY_SIZE               a jump-label site's size without
+ *                                    arch_jump_entry_size
+ *   ki_arch_resolve()                the architecture's unexported symbols
+ *   ki_arch_trap_register/unregister route trap hits (ki_trap_dispatch)
+ *   ki_arch_text_hazards()           hazards only the architecture knows
+ *   ki_arch_check_text_write()       what a text write may hold
+ *   ki_arch_write_dest()             where a CPU meeting a write half-made goes
+ *   ki_arch_check_jumps()            the jumps a text write makes, checked
+ *   ki_jump_dest()                   where a jump ksim writes leads
+ *   ki_arch_poke_text_batch()        write a checked batch of text writes
+ *   ki_poke_code()                   write patch code (not yet reachable)
+ *   ki_arch_fill_code()              what unused patch code holds
+ *   ki_arch_cpus_lock/unlock()       taken before the hazard and text locks
+ *   ki_sync(), ki_canonical(), ki_arch_info()
  */
 #define pr_fmt(fmt) "kerninst: " fmt
 
@@ -56,12 +81,24 @@
 #include <linux/static_call.h>
 #include <linux/capability.h>
 #include <linux/security.h>
+#include <linux/cpu.h>
 #include <asm/current.h>
 #include <asm/smp.h>
-#include <asm/sync_core.h>
 #include <asm/ptrace.h>
 #include <asm/unaligned.h>
+#ifdef CONFIG_X86_64
+#include <asm/sync_core.h>
 #include <asm/text-patching.h>
+#elif defined(CONFIG_ARM64)
+#include <asm/alternative.h>
+#include <asm/brk-imm.h>
+#include <asm/cacheflush.h>
+#include <asm/debug-monitors.h>
+#include <asm/insn.h>
+#include <asm/patching.h>
+#else
+#error "kerninst is written for x86-64 and arm64"
+#endif
 
 #include "kerninst.h"
 
@@ -80,15 +117,42 @@
  * one per write (128: 52,495, 2.6 s, but no gain for 10,000).
  */
 #define KI_SPAN_GAP 64
+#ifdef CONFIG_X86_64
 #define KI_INT3 0xcc
 #define KI_JMP32 0xe9
 #define KI_JMP8 0xeb
+#define KI_TRAP_LEN 1
+#define KI_INSN_ALIGN 1
 /*
  * How far before a range a kprobe can still cover it: an optimized kprobe
  * replaces its instruction with a 5-byte jmp (JMP32_INSN_SIZE,
  * arch/x86/include/asm/text-patching.h), so one at addr - 4 reaches addr.
  */
-#define KI_OPTPROBE_REACH 4
+#define KI_PROBE_REACH 4
+/* An ftrace location is the 5-byte call itself (ftrace_location_range answers for it). */
+#define KI_FTRACE_LEAD 0
+#define KI_JUMP_ENTRY_SIZE JMP32_INSN_SIZE
+static const u8 ki_trap_insn[KI_TRAP_LEN] = { KI_INT3 };
+#else /* CONFIG_ARM64 */
+/* BRK #KERNINST_ARM64_BRK_IMM: the Arm ARM's BRK, imm16 in bits 20:5 */
+#define KI_BRK (AARCH64_BREAK_MON | (KERNINST_ARM64_BRK_IMM << 5))
+#define KI_TRAP_LEN AARCH64_INSN_SIZE
+#define KI_INSN_ALIGN AARCH64_INSN_SIZE
+/* arm64 has no optimized kprobes: a kprobe's BRK covers its own instruction only. */
+#define KI_PROBE_REACH 0
+/*
+ * A function's ftrace site is two instructions (-fpatchable-function-entry=2,
+ * DYNAMIC_FTRACE_WITH_REGS): "mov x9, x30", which ftrace_init_nop writes at
+ * boot, then the nop ftrace turns into "bl ftrace_caller".  dyn_ftrace's ip is
+ * the second (ftrace_call_adjust, arch/arm64/include/asm/ftrace.h); ftrace_caller
+ * relies on the first having run just before it, so both are the location.
+ */
+#define KI_FTRACE_LEAD AARCH64_INSN_SIZE
+#define KI_JUMP_ENTRY_SIZE AARCH64_INSN_SIZE
+static const u8 ki_trap_insn[KI_TRAP_LEN] = {
+	KI_BRK & 0xff, (KI_BRK >> 8) & 0xff, (KI_BRK >> 16) & 0xff, KI_BRK >> 24,
+};
+#endif
 
 /*
  * Functions the kernel does not export to modules.  They are found through
@@ -98,7 +162,6 @@
  */
 typedef unsigned long (*ki_lookup_fn)(const char *name);
 static ki_lookup_fn ki_lookup;
-static void *(*ki_text_poke)(void *addr, const void *opcode, size_t len);
 static struct mutex *ki_text_mutex;
 static void *(*ki_module_alloc)(unsigned long size);
 static void (*ki_module_memfree)(void *region);
@@ -144,7 +207,9 @@ static const struct {
 	{ "jump_label_lock", &ki_jump_label_lock, KERNINST_HAZARD_JUMP_LABEL },
 	{ "jump_label_unlock", &ki_jump_label_unlock, KERNINST_HAZARD_JUMP_LABEL },
 	{ "jump_label_text_reserved", &ki_jump_label_text_reserved, KERNINST_HAZARD_JUMP_LABEL },
+#ifdef CONFIG_HAVE_STATIC_CALL_INLINE	/* else there are no static-call sites in text */
 	{ "static_call_text_reserved", &ki_static_call_text_reserved, KERNINST_HAZARD_STATIC_CALL },
+#endif
 	{ "get_kprobe", &ki_get_kprobe, KERNINST_HAZARD_KPROBE },
 	{ "within_kprobe_blacklist", &ki_within_kprobe_blacklist, KERNINST_HAZARD_BLACKLIST },
 	{ "search_exception_tables", &ki_search_exception_tables, KERNINST_HAZARD_EXTABLE },
@@ -205,7 +270,9 @@ static unsigned long ki_trap_path_range[ARRAY_SIZE(ki_trap_path)][2];
  * whenever a module has come or gone; written under ki_lock.
  */
 #define KI_DIE_AHEAD 16
+#ifdef CONFIG_X86_64
 static struct atomic_notifier_head *ki_die_chain;
+#endif
 static unsigned long ki_die_ahead[KI_DIE_AHEAD][2];
 static unsigned int ki_die_nahead;
 
@@ -358,12 +425,48 @@ static int ki_resolve(const char *name, void *out)
 	return 0;
 }
 
+#ifdef CONFIG_X86_64
+/* --- the architecture's half (x86-64): symbols -------------------------- */
+static void *(*ki_text_poke)(void *addr, const void *opcode, size_t len);
+
+static int ki_arch_resolve(void)
+{
+	int ret = ki_resolve("text_poke", &ki_text_poke);
+
+	ki_die_chain = (void *)ki_lookup("die_chain");
+	if (!ki_die_chain)
+		pr_warn("kernel symbol die_chain not found: die notifiers ahead of kerninst's "
+			"are not kept from text pokes\n");
+	return ret;
+}
+#else /* CONFIG_ARM64 */
+/* --- the architecture's half (arm64): symbols ----------------------------- */
+static int (*ki_patch_text_nosync)(void *addr, u32 insn);
+static int (*ki_patch_text)(void *addrs[], u32 insns[], int cnt);
+static void (*ki_register_kernel_break_hook)(struct break_hook *hook);
+static void (*ki_unregister_kernel_break_hook)(struct break_hook *hook);
+/* the per-cpu task pointer kept as current (entry_task_switch, arch/arm64/kernel/process.c) */
+static unsigned long ki_entry_task;
+
+static int ki_arch_resolve(void)
+{
+	int ret = 0;
+
+	ret |= ki_resolve("aarch64_insn_patch_text_nosync", &ki_patch_text_nosync);
+	ret |= ki_resolve("aarch64_insn_patch_text", &ki_patch_text);
+	ret |= ki_resolve("register_kernel_break_hook", &ki_register_kernel_break_hook);
+	ret |= ki_resolve("unregister_kernel_break_hook", &ki_unregister_kernel_break_hook);
+	ret |= ki_resolve("__entry_task", &ki_entry_task);
+	return ret;
+}
+#endif
+
 static int ki_resolve_all(void)
 {
 	int ret = 0;
 	size_t i;
 
-	ret |= ki_resolve("text_poke", &ki_text_poke);
+	ret |= ki_arch_resolve();
 	ret |= ki_resolve("text_mutex", &ki_text_mutex);
 	ret |= ki_resolve("module_alloc", &ki_module_alloc);
 	ret |= ki_resolve("module_memfree", &ki_module_memfree);
@@ -390,10 +493,6 @@ static int ki_resolve_all(void)
 		}
 	}
 	ki_arch_jump_entry_size = (void *)ki_lookup("arch_jump_entry_size");
-	ki_die_chain = (void *)ki_lookup("die_chain");
-	if (!ki_die_chain)
-		pr_warn("kernel symbol die_chain not found: die notifiers ahead of kerninst's "
-			"are not kept from text pokes\n");
 	ki_kallsyms_lookup_size_offset = (void *)ki_lookup("kallsyms_lookup_size_offset");
 	for (i = 0; i < ARRAY_SIZE(ki_trap_path); i++) {
 		unsigned long addr = ki_lookup(ki_trap_path[i]), size = 1, offset;
@@ -491,12 +590,22 @@ static bool ki_in_data(unsigned long addr, size_t len)
  * if the kernel runs 4-level paging; a non-canonical access then raises #GP and
  * ex_handler_uaccess WARNs.  __VIRTUAL_MASK_SHIFT follows pgtable_l5_enabled().
  */
+#ifdef CONFIG_X86_64
 static bool ki_canonical(unsigned long addr)
 {
 	unsigned int shift = 64 - (__VIRTUAL_MASK_SHIFT + 1);
 
 	return (unsigned long)((long)(addr << shift) >> shift) == addr;
 }
+#else /* CONFIG_ARM64 */
+/* arm64: an address of the TTBR0 or TTBR1 half, its top bits copies of bit VA_BITS - 1. */
+static bool ki_canonical(unsigned long addr)
+{
+	unsigned int shift = 64 - VA_BITS;
+
+	return (unsigned long)((long)(addr << shift) >> shift) == addr;
+}
+#endif
 
 /*
  * within_kprobe_blacklist() walks the whole blacklist (thousands of entries:
@@ -636,7 +745,7 @@ static u32 ki_bug_flag(const struct bug_entry *bug)
 /* What addr_conflict() in kernel/jump_label.c takes a site to cover. */
 static u32 ki_jump_size(struct jump_entry *entry)
 {
-	return ki_arch_jump_entry_size ? ki_arch_jump_entry_size(entry) : JMP32_INSN_SIZE;
+	return ki_arch_jump_entry_size ? ki_arch_jump_entry_size(entry) : KI_JUMP_ENTRY_SIZE;
 }
 
 #ifdef CONFIG_HAVE_STATIC_CALL_INLINE
@@ -717,28 +826,35 @@ static void ki_index_core_tables(void)
 		nj, ns, nb);
 }
 
-/* What the index records over [addr, end] (end inclusive, as in addr_conflict). */
-static u32 ki_core_table_hazards(unsigned long addr, unsigned long end)
+/* What index @hz (@n entries by address, none longer than @reach) records over [addr, end]. */
+static u32 ki_hz_search(const struct ki_hz *hz, unsigned int n, u32 reach, unsigned long addr,
+			unsigned long end)
 {
-	unsigned int lo = 0, hi = ki_core_nhz, mid;
+	unsigned int lo = 0, hi = n, mid;
 	const struct ki_hz *z;
 	u32 h = 0;
 
 	while (lo < hi) {	/* the first entry that starts after end */
 		mid = lo + (hi - lo) / 2;
-		if (ki_core_hz[mid].addr <= end)
+		if (hz[mid].addr <= end)
 			lo = mid + 1;
 		else
 			hi = mid;
 	}
 	while (lo > 0) {
-		z = &ki_core_hz[--lo];
-		if (z->addr + ki_core_hz_reach <= addr)
+		z = &hz[--lo];
+		if (z->addr + reach <= addr)
 			break;
 		if (z->addr + z->len > addr)
 			h |= z->flags;
 	}
 	return h;
+}
+
+/* What the index records over [addr, end] (end inclusive, as in addr_conflict). */
+static u32 ki_core_table_hazards(unsigned long addr, unsigned long end)
+{
+	return ki_hz_search(ki_core_hz, ki_core_nhz, ki_core_hz_reach, addr, end);
 }
 
 /* The same from a live module's own tables, as the kernel's module lookups read them. */
@@ -794,6 +910,150 @@ static u32 ki_kernel_table_hazards(unsigned long addr, unsigned long end)
 	return h;
 }
 
+#ifdef CONFIG_X86_64
+/* --- the architecture's half (x86-64): hazards ---------------------------- */
+
+/* Every x86 hazard is one of the kernel's tables, asked above. */
+static u32 ki_arch_text_hazards(unsigned long addr, unsigned long end, struct module *mod)
+{
+	return 0;
+}
+
+static void ki_arch_index(void)
+{
+}
+
+static void ki_arch_index_free(void)
+{
+}
+
+/* What a hazard-lock holder takes first: nothing on x86. */
+static void ki_arch_cpus_lock(void)
+{
+}
+
+static void ki_arch_cpus_unlock(void)
+{
+}
+#else /* CONFIG_ARM64 */
+/* --- the architecture's half (arm64): hazards ----------------------------- */
+
+/*
+ * Core kernel text's alternatives (.altinstructions, __alt_instructions ..
+ * __alt_instructions_end; struct alt_instr, arch/arm64/include/asm/alternative.h),
+ * indexed at load like the kernel's other tables.  apply_alternatives_all
+ * rewrote them at boot from the cpu features, with branches of the replacement
+ * rebased to the original place; the kernel reads their bytes as the
+ * original's in later patching (alternative callbacks, KVM's va-mask updates),
+ * so ksim never moves or overwrites them.  A module's are applied before its
+ * text runs and kept in no struct module field: not indexed.
+ */
+static struct ki_hz *ki_alt_hz;
+static unsigned int ki_alt_n;
+static u32 ki_alt_reach;
+
+static void ki_arch_index(void)
+{
+	struct alt_instr *alts;
+	unsigned long n, i;
+	struct ki_hz *z;
+
+	n = ki_table("__alt_instructions", "__alt_instructions_end", sizeof(*alts),
+		     (void **)&alts);
+	if (!n) {
+		pr_warn("no .altinstructions table: alternatives are not kept from text pokes\n");
+		ki_unchecked |= KERNINST_HAZARD_ALTERNATIVE;
+		return;
+	}
+	z = kvmalloc_array(n, sizeof(*z), GFP_KERNEL);
+	if (!z) {
+		ki_unchecked |= KERNINST_HAZARD_ALTERNATIVE;
+		return;
+	}
+	for (i = 0; i < n; i++) {
+		/* ALT_ORIG_PTR: the offset is from the field itself */
+		z[i] = (struct ki_hz){ (unsigned long)&alts[i].orig_offset + alts[i].orig_offset,
+				       max_t(u32, alts[i].orig_len, 1), KERNINST_HAZARD_ALTERNATIVE };
+		ki_alt_reach = max(ki_alt_reach, z[i].len);
+	}
+	sort(z, n, sizeof(*z), ki_hz_cmp, NULL);
+	ki_alt_hz = z;
+	ki_alt_n = n;
+	pr_info("indexed %lu alternatives\n", n);
+}
+
+static void ki_arch_index_free(void)
+{
+	kvfree(ki_alt_hz);
+}
+
+/* The HINT space (Arm ARM C6.2 "HINT"): CRm:op2 in bits 11:5. */
+#define KI_HINT_MASK 0xfffff01fu
+#define KI_HINT 0xd503201fu
+#define KI_HINT_OP(insn) (((insn) >> 5) & 0x7f)
+
+/*
+ * Branch protection.  A BTI instruction is a landing pad: with BTI enforced, a
+ * BR/BLR to anything else takes a Branch Target exception, and so does one to
+ * ksim's B written over it (as do PACIASP/PACIBSP, implicit landing pads, when
+ * the kernel is built for BTI).  The pointer-authentication checks (AUT*,
+ * RETAA/RETAB) are what kprobes refuses to step (aarch64_insn_is_steppable_hint,
+ * arch/arm64/kernel/probes/decode-insn.c): they authenticate LR against SP
+ * where they stand.  PACIASP and the other signing hints kprobes steps out of
+ * line, and so may ksim move them, with SP and LR as at the site.
+ */
+static bool ki_branch_prot(u32 insn)
+{
+	if ((insn & 0xfffffbffu) == 0xd65f0bffu)	/* RETAA, RETAB */
+		return true;
+	if ((insn & KI_HINT_MASK) != KI_HINT)
+		return false;
+	switch (KI_HINT_OP(insn)) {
+	case 0x20: case 0x22: case 0x24: case 0x26:	/* BTI, BTI c, BTI j, BTI jc */
+		return true;
+	case 0x0c: case 0x0e:				/* AUTIA1716, AUTIB1716 */
+	case 0x1c: case 0x1d: case 0x1e: case 0x1f:	/* AUTIAZ, AUTIASP, AUTIBZ, AUTIBSP */
+		return true;
+#ifdef CONFIG_ARM64_BTI_KERNEL
+	case 0x19: case 0x1b:				/* PACIASP, PACIBSP: landing pads */
+		return true;
+#endif
+	}
+	return false;
+}
+
+static u32 ki_arch_text_hazards(unsigned long addr, unsigned long end, struct module *mod)
+{
+	unsigned long a;
+	u32 h = 0, insn;
+
+	if (!mod)
+		h |= ki_hz_search(ki_alt_hz, ki_alt_n, ki_alt_reach, addr, end);
+	for (a = ALIGN_DOWN(addr, AARCH64_INSN_SIZE); a <= end; a += AARCH64_INSN_SIZE) {
+		if (copy_from_kernel_nofault(&insn, (void *)a, sizeof(insn)))
+			return h | KERNINST_HAZARD_NOT_TEXT;
+		if (ki_branch_prot(le32_to_cpu(insn)))
+			h |= KERNINST_HAZARD_BRANCH_PROT;
+	}
+	return h;
+}
+
+/*
+ * aarch64_insn_patch_text stops the machine with the CPU hotplug lock held:
+ * taken before the jump-label lock and text_mutex, as static_key_enable and
+ * kprobes' arm_kprobe take it.
+ */
+static void ki_arch_cpus_lock(void)
+{
+	cpus_read_lock();
+}
+
+static void ki_arch_cpus_unlock(void)
+{
+	cpus_read_unlock();
+}
+#endif
+
 /*
  * jump_label_text_reserved() is called with the jump-label lock held (as
  * check_kprobe_address_safe does): a module's jump entries are sorted under it
@@ -843,7 +1103,7 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 	if (ki_blacklisted(addr, len, mod))
 		h |= KERNINST_HAZARD_BLACKLIST;
 	/* The end is inclusive in these three (lookup_rec, addr_conflict). */
-	if (ki_ftrace_location_range && ki_ftrace_location_range(addr, end))
+	if (ki_ftrace_location_range && ki_ftrace_location_range(addr, end + KI_FTRACE_LEAD))
 		h |= KERNINST_HAZARD_FTRACE;
 	/* Jump labels, static calls and the bug table (the module's tables are read under the jump-label lock). */
 	if (mod)
@@ -852,9 +1112,10 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 		h |= ki_core_table_hazards(addr, end);
 	else
 		h |= ki_kernel_table_hazards(addr, end);
+	h |= ki_arch_text_hazards(addr, end, mod);
 	/* get_kprobe walks an RCU hash list: preemption off is its read-side section. */
 	if (ki_get_kprobe)
-		for (a = addr - KI_OPTPROBE_REACH; a <= end; a++)
+		for (a = addr - KI_PROBE_REACH; a <= end; a++)
 			if (ki_get_kprobe((void *)a)) {
 				h |= KERNINST_HAZARD_KPROBE;
 				break;
@@ -872,29 +1133,44 @@ out:
 /* ------------------------------------------------------------------------- */
 /* trap dispatch                                                              */
 
-static int ki_die_notify(struct notifier_block *nb, unsigned long val, void *data)
+/*
+ * The patch a trap at @site goes to, or 0: called from the architecture's trap
+ * handler, in NMI-like context, reading the routes under RCU only.
+ */
+static unsigned long ki_trap_patch(unsigned long site)
 {
-	struct die_args *args = data;
-	struct pt_regs *regs = args->regs;
 	struct ki_route *r;
-	unsigned long site;
-	int ret = NOTIFY_DONE;
+	unsigned long patch = 0;
 
-	if (val != DIE_INT3 || !regs || user_mode(regs))
-		return NOTIFY_DONE;
-	/* int3 is a trap: ip already points past the one-byte instruction. */
-	site = regs->ip - 1;
 	rcu_read_lock();
 	hash_for_each_possible_rcu(ki_routes, r, hnode, site) {
 		if (r->site == site) {
-			regs->ip = r->patch;
+			patch = r->patch;
 			atomic_inc(&ki_trap_hits);
-			ret = NOTIFY_STOP;
 			break;
 		}
 	}
 	rcu_read_unlock();
-	return ret;
+	return patch;
+}
+
+#ifdef CONFIG_X86_64
+/* --- the architecture's half (x86-64): the int3 path's die notifier ------- */
+
+static int ki_die_notify(struct notifier_block *nb, unsigned long val, void *data)
+{
+	struct die_args *args = data;
+	struct pt_regs *regs = args->regs;
+	unsigned long patch;
+
+	if (val != DIE_INT3 || !regs || user_mode(regs))
+		return NOTIFY_DONE;
+	/* int3 is a trap: ip already points past the one-byte instruction. */
+	patch = ki_trap_patch(regs->ip - 1);
+	if (!patch)
+		return NOTIFY_DONE;
+	regs->ip = patch;
+	return NOTIFY_STOP;
 }
 
 static struct notifier_block ki_die_nb = {
@@ -934,6 +1210,21 @@ static void ki_find_die_ahead(void)
 	WRITE_ONCE(ki_die_nahead, n);
 }
 
+static int ki_arch_trap_register(void)
+{
+	int ret = register_die_notifier(&ki_die_nb);
+
+	if (!ret)
+		ki_find_die_ahead();
+	return ret;
+}
+
+static void ki_arch_trap_unregister(void)
+{
+	/* atomic_notifier_chain_unregister waits for running notifiers (synchronize_rcu). */
+	unregister_die_notifier(&ki_die_nb);
+}
+
 static void ki_do_sync_core(void *info)
 {
 	sync_core();
@@ -949,6 +1240,68 @@ static void ki_sync(void)
 {
 	on_each_cpu(ki_do_sync_core, NULL, 1);
 }
+
+#else /* CONFIG_ARM64 */
+/* --- the architecture's half (arm64): a kernel break hook ------------------ */
+
+/*
+ * A BRK #KERNINST_ARM64_BRK_IMM in kernel text (el1_dbg -> do_debug_exception
+ * -> brk_handler -> call_break_hook, arch/arm64/kernel/debug-monitors.c, all
+ * noinstr or NOKPROBE_SYMBOL: the kprobes blacklist keeps pokes out of them).
+ * BRK is an exception taken with ELR on the instruction itself: the site is
+ * the pc, and the CPU resumes wherever the pc is set.
+ */
+static int ki_brk_handler(struct pt_regs *regs, unsigned long esr)
+{
+	unsigned long patch;
+
+	if (user_mode(regs))
+		return DBG_HOOK_ERROR;
+	patch = ki_trap_patch(instruction_pointer(regs));
+	if (!patch)
+		return DBG_HOOK_ERROR;	/* the kernel's "Unexpected kernel BRK" */
+	instruction_pointer_set(regs, patch);
+	return DBG_HOOK_HANDLED;
+}
+
+static struct break_hook ki_brk_hook = {
+	.fn = ki_brk_handler,
+	.imm = KERNINST_ARM64_BRK_IMM,
+};
+
+/* No die notifier runs on the BRK path before the break hooks. */
+static void ki_find_die_ahead(void)
+{
+}
+
+static int ki_arch_trap_register(void)
+{
+	ki_register_kernel_break_hook(&ki_brk_hook);
+	return 0;
+}
+
+static void ki_arch_trap_unregister(void)
+{
+	/* unregister_debug_hook waits for running hooks (synchronize_rcu). */
+	ki_unregister_kernel_break_hook(&ki_brk_hook);
+}
+
+static void ki_do_isb(void *info)
+{
+	isb();
+}
+
+/*
+ * Serialise every CPU: after this returns, every CPU has taken an interrupt
+ * (a context synchronisation event) since the caller's last write, and none is
+ * still inside the BRK handler with a route (it runs with interrupts masked,
+ * so the IPI waits for it).
+ */
+static void ki_sync(void)
+{
+	on_each_cpu(ki_do_isb, NULL, 1);
+}
+#endif
 
 /* The owned route at site; caller holds ki_lock (temporary routes live only inside a poke). */
 static struct ki_route *ki_route_at(unsigned long site)
@@ -1128,6 +1481,32 @@ static void ki_block_free(struct ki_block *b)
 /* ------------------------------------------------------------------------- */
 /* text poking                                                                */
 
+static void ki_resched(u32 i)
+{
+	if (i % KI_RESCHED_EVERY == KI_RESCHED_EVERY - 1)
+		cond_resched();
+}
+
+/*
+ * One write of a batch.  A write into text has its record (an existing one of
+ * the owner, or one reserved for it) and, when it is longer than a byte, the
+ * destination of the temporary int3 it goes in through.
+ */
+struct ki_write {
+	unsigned long addr;
+	u32 len;
+	bool text;
+	bool fresh;			/* its record joins the log with it */
+	bool int3;			/* writes an int3 into text: needs a route at its site */
+	unsigned long dest;
+	struct ki_splice *rec;
+	const u8 *old;
+	const u8 *new;
+};
+
+#ifdef CONFIG_X86_64
+/* --- the architecture's half (x86-64): text poking ------------------------- */
+
 /*
  * Where a CPU that hits the temporary int3 of a multi-byte write must go: the
  * destination of the jump being written, or of the jump being removed.  Both
@@ -1176,29 +1555,6 @@ static void ki_poke_code(unsigned long addr, const u8 *new, u32 len)
 		len -= chunk;
 	}
 }
-
-static void ki_resched(u32 i)
-{
-	if (i % KI_RESCHED_EVERY == KI_RESCHED_EVERY - 1)
-		cond_resched();
-}
-
-/*
- * One write of a batch.  A write into text has its record (an existing one of
- * the owner, or one reserved for it) and, when it is longer than a byte, the
- * destination of the temporary int3 it goes in through.
- */
-struct ki_write {
-	unsigned long addr;
-	u32 len;
-	bool text;
-	bool fresh;			/* its record joins the log with it */
-	bool int3;			/* writes an int3 into text: needs a route at its site */
-	unsigned long dest;
-	struct ki_splice *rec;
-	const u8 *old;
-	const u8 *new;
-};
 
 /* The three writing steps of ki_poke_text_batch. */
 enum ki_phase {
@@ -1380,6 +1736,188 @@ static void ki_poke_text_batch(struct ki_write *w, u32 n)
 	}
 }
 
+static void ki_arch_poke_text_batch(struct ki_write *w, u32 n)
+{
+	ki_poke_text_batch(w, n);
+}
+
+/* Any bytes may be written into text. */
+static int ki_arch_check_text_write(const struct ki_write *w)
+{
+	return 0;
+}
+
+/* A multi-byte write goes in through a temporary int3, whose destination it needs. */
+static int ki_arch_write_dest(struct ki_write *w)
+{
+	if (w->len < 2)
+		return 0;
+	w->dest = ki_int3_dest(w->addr, w->old, w->new, w->len);
+	return w->dest ? 0 : -EINVAL;
+}
+
+/* Unused patch code holds int3. */
+static void ki_arch_fill_code(void *base, unsigned long size)
+{
+	memset(base, KI_INT3, size);
+}
+
+static void ki_arch_info(struct kerninst_info *info)
+{
+	/* Per-cpu symbols are offsets from the per-cpu base in GS (zero-based on x86-64). */
+	info->current_task = (unsigned long)&current_task;
+	info->cpu_number = (unsigned long)&cpu_number;
+}
+
+#else /* CONFIG_ARM64 */
+/* --- the architecture's half (arm64): text poking -------------------------- */
+
+struct ki_batch;
+static int ki_check_jump_dest(struct ki_batch *b, unsigned long dest);
+
+/*
+ * A B or BL's destination (imm26, +-128 MB), where ksim's jumps and the
+ * kernel's direct calls lead; 0 for any other instruction.
+ */
+static unsigned long ki_insn_dest(unsigned long addr, u32 insn)
+{
+	if (!aarch64_insn_is_b(insn) && !aarch64_insn_is_bl(insn))
+		return 0;
+	return addr + (long)sign_extend64((insn & 0x03ffffffu) << 2, 27);
+}
+
+/* Where a jump ksim wrote at @addr leads: a B at its first instruction (0: none). */
+static unsigned long ki_jump_dest(unsigned long addr, const u8 *bytes, u32 len)
+{
+	u32 insn;
+
+	if (len < AARCH64_INSN_SIZE)
+		return 0;
+	insn = get_unaligned_le32(bytes);
+	return aarch64_insn_is_b(insn) ? ki_insn_dest(addr, insn) : 0;
+}
+
+/*
+ * A text write of whole instructions: a 4-byte aligned address and length.  A
+ * BRK #KERNINST_ARM64_BRK_IMM goes in alone (a 4-byte write), so that its
+ * route is checked where it stands.
+ */
+static int ki_arch_check_text_write(const struct ki_write *w)
+{
+	u32 i;
+
+	if (!IS_ALIGNED(w->addr | w->len, AARCH64_INSN_SIZE))
+		return -EINVAL;
+	for (i = 0; w->len > KI_TRAP_LEN && i < w->len; i += AARCH64_INSN_SIZE)
+		if (get_unaligned_le32(w->new + i) == KI_BRK)
+			return -EINVAL;
+	return 0;
+}
+
+/* A batch goes in under stop_machine: no CPU meets a write half made. */
+static int ki_arch_write_dest(struct ki_write *w)
+{
+	return 0;
+}
+
+/* Patch code is written an instruction at a time, each word as it will be with @new laid over. */
+static void ki_poke_code(unsigned long addr, const u8 *new, u32 len)
+{
+	unsigned long at = ALIGN_DOWN(addr, AARCH64_INSN_SIZE), end = addr + len;
+	u8 word[AARCH64_INSN_SIZE];
+	u32 i, n = 0;
+
+	for (; at < end; at += AARCH64_INSN_SIZE) {
+		memcpy(word, (const void *)at, sizeof(word));
+		for (i = 0; i < AARCH64_INSN_SIZE; i++)
+			if (at + i >= addr && at + i < end)
+				word[i] = new[at + i - addr];
+		WARN_ON_ONCE(ki_patch_text_nosync((void *)at, get_unaligned_le32(word)));
+		ki_resched(n++);
+	}
+}
+
+/*
+ * Change live kernel text for a whole batch of non-overlapping writes at once.
+ * One instruction's 4-byte aligned store is single-copy atomic to instruction
+ * fetch, but the Arm ARM lets another CPU execute an instruction that changes
+ * under it only between a few kinds (B, BL, NOP, BRK, ...: "concurrent
+ * modification and execution of instructions"), and ksim replaces arbitrary
+ * ones.  So, as kprobes arms and disarms its BRKs in 6.1
+ * (aarch64_insn_patch_text, arch/arm64/kernel/patching.c), every instruction of
+ * the batch is written with aarch64_insn_patch_text_nosync (the fixmap alias,
+ * then the cache maintenance to the point of unification) while stop_machine
+ * holds every other CPU, which then executes an ISB.  No temporary trap is
+ * needed: no CPU runs kernel text meanwhile.  A batch of more than
+ * KI_STOP_WORDS instructions takes several stops, each of whole writes (the
+ * patch code they lead to is in before the first; between two stops a CPU may
+ * meet some of the batch's writes and not others, as on x86 between two
+ * syncs).  Caller holds cpus_read_lock (as stop_machine_cpuslocked requires),
+ * text_mutex and ki_lock.
+ */
+/* A stop_machine's instructions; used under text_mutex, which every caller holds. */
+#define KI_STOP_WORDS 1024
+static void *ki_stop_addrs[KI_STOP_WORDS];
+static u32 ki_stop_insns[KI_STOP_WORDS];
+
+static void ki_arch_poke_text_batch(struct ki_write *w, u32 n)
+{
+	u32 i, k, words = 0;
+
+	for (i = 0; i < n; i++) {
+		/* A write is never split: whole writes per stop (a batch of up to 256 in one). */
+		if (words + w[i].len / AARCH64_INSN_SIZE > KI_STOP_WORDS) {
+			WARN_ON_ONCE(ki_patch_text(ki_stop_addrs, ki_stop_insns, words));
+			words = 0;
+		}
+		for (k = 0; k < w[i].len; k += AARCH64_INSN_SIZE, words++) {
+			ki_stop_addrs[words] = (void *)(w[i].addr + k);
+			ki_stop_insns[words] = get_unaligned_le32(w[i].new + k);
+		}
+	}
+	if (words)
+		WARN_ON_ONCE(ki_patch_text(ki_stop_addrs, ki_stop_insns, words));
+}
+
+/*
+ * The B or BL instructions text write @w makes (ksim writes whole
+ * instructions), checked (ki_check_jump_dest).
+ */
+static int ki_arch_check_jumps(struct ki_batch *b, struct ki_write *w)
+{
+	unsigned long dest;
+	u32 i;
+	int ret;
+
+	for (i = 0; i < w->len; i += AARCH64_INSN_SIZE) {
+		dest = ki_insn_dest(w->addr + i, get_unaligned_le32(w->new + i));
+		if (!dest)
+			continue;
+		ret = ki_check_jump_dest(b, dest);
+		if (ret)
+			return ret;
+	}
+	return 0;
+}
+
+/* Unused patch code holds BRK #FAULT_BRK_IMM, as the BPF JIT fills its holes. */
+static void ki_arch_fill_code(void *base, unsigned long size)
+{
+	u32 *p = base;
+	unsigned long i;
+
+	for (i = 0; i < size / sizeof(*p); i++)
+		p[i] = cpu_to_le32(AARCH64_BREAK_FAULT);
+}
+
+static void ki_arch_info(struct kerninst_info *info)
+{
+	/* Per-cpu symbols are offsets from this CPU's base in TPIDR_EL1 (__my_cpu_offset). */
+	info->current_task = ki_entry_task;
+	info->cpu_number = (unsigned long)&cpu_number;
+}
+#endif
+
 /*
  * @o's newest live write at [addr, addr + len) whose current bytes are @cur:
  * the record a write of old bytes @cur changes, by the log's rule.
@@ -1446,27 +1984,25 @@ static unsigned int ki_unsplice_batch(struct ki_splice **s, u32 n, struct ki_wri
 	u32 i, k = 0;
 
 	for (i = 0; i < n; i++) {
-		unsigned long dest = ki_int3_dest(s[i]->addr, s[i]->cur, s[i]->orig, s[i]->len);
-
 		if (copy_from_kernel_nofault(cur, (void *)s[i]->addr, s[i]->len) ||
 		    memcmp(cur, s[i]->cur, s[i]->len)) {
 			pr_warn("text at %#lx changed behind ksim; left as is\n", s[i]->addr);
 			left++;
 			continue;
 		}
-		if (s[i]->len > 1 && !dest) {
+		w[k] = (struct ki_write){ .addr = s[i]->addr, .len = s[i]->len, .text = true,
+					  .rec = s[i], .old = s[i]->cur, .new = s[i]->orig };
+		if (ki_arch_write_dest(&w[k])) {
 			pr_warn("no int3 destination to restore %#lx; left as is\n", s[i]->addr);
 			left++;
 			continue;
 		}
-		w[k++] = (struct ki_write){ .addr = s[i]->addr, .len = s[i]->len, .text = true,
-					    .dest = dest, .rec = s[i], .old = s[i]->cur,
-					    .new = s[i]->orig };
+		k++;
 	}
 	if (!k)
 		return left;
 	sort(w, k, sizeof(*w), ki_cmp_write_addr, NULL);	/* by address, for the span pokes */
-	ki_poke_text_batch(w, k);
+	ki_arch_poke_text_batch(w, k);
 	for (i = 0; i < k; i++)
 		ki_splice_forget(w[i].rec);
 	return left;
@@ -1610,17 +2146,19 @@ static int ki_check_trap(struct ki_owner *o, unsigned long site, unsigned long p
 	struct ki_route *r;
 	int ret;
 
-	if (!ki_in_text(site, 1) || !ki_in_code(patch, 1))
+	if (!ki_in_text(site, KI_TRAP_LEN) || !ki_in_code(patch, 1))
 		return -ERANGE;
+	if (!IS_ALIGNED(site | patch, KI_INSN_ALIGN))
+		return -EINVAL;
 	ret = ki_write_locked();
 	if (ret)
 		return ret;
-	if (ki_text_hazards(site, 1))
+	if (ki_text_hazards(site, KI_TRAP_LEN))
 		return -EPERM;
 	ret = ki_check_block(o, KERNINST_REGION_CODE, patch, 1);
 	if (ret)
 		return ret;
-	if (ki_text_held(o, site, 1))
+	if (ki_text_held(o, site, KI_TRAP_LEN))
 		return -EADDRINUSE;
 	r = ki_route_at(site);
 	if (r && old && r->owner == o) {
@@ -1651,6 +2189,28 @@ static struct ki_write *ki_batch_write_at(struct ki_batch *b, unsigned long addr
 	return addr < w->addr + w->len ? w : NULL;
 }
 
+/*
+ * Where a jump text write makes leads, checked: into text (core kernel text or
+ * a live module's) or into a patch block of @b's owner.  -EADDRINUSE into
+ * another owner's block; -ENOEXEC anywhere else (the patch area between
+ * blocks, data, kerninst itself, user space).
+ */
+static int ki_check_jump_dest(struct ki_batch *b, unsigned long dest)
+{
+	int ret;
+
+	if (ki_in_text(dest, 1))
+		return 0;
+	if (ki_in_code(dest, 1)) {
+		ret = ki_check_block(b->o, KERNINST_REGION_CODE, dest, 1);
+		return ret == -ERANGE ? -ENOEXEC : ret;
+	}
+	return -ENOEXEC;
+}
+
+#ifdef CONFIG_X86_64
+/* --- the architecture's half (x86-64): the jumps a write makes ------------- */
+
 /* The byte at @addr once batch @b is made: its write's new byte there, else memory's. */
 static int ki_byte_after(struct ki_batch *b, unsigned long addr, u8 *byte)
 {
@@ -1665,10 +2225,7 @@ static int ki_byte_after(struct ki_batch *b, unsigned long addr, u8 *byte)
 
 /*
  * The jump at @at once batch @b is made (jmp rel32 or jmp rel8; none: 0), when
- * it ends past @reach: it must lead into text (core kernel text or a live
- * module's) or into a patch block of @b's owner.  -EADDRINUSE into another
- * owner's block; -ENOEXEC anywhere else (the patch area between blocks, data,
- * kerninst itself, user space).
+ * it ends past @reach, checked (ki_check_jump_dest).
  */
 static int ki_check_jump_at(struct ki_batch *b, unsigned long at, unsigned long reach)
 {
@@ -1689,13 +2246,7 @@ static int ki_check_jump_at(struct ki_batch *b, unsigned long at, unsigned long 
 			return ret;
 	}
 	dest = ki_jump_dest(at, insn, n);
-	if (ki_in_text(dest, 1))
-		return 0;
-	if (ki_in_code(dest, 1)) {
-		ret = ki_check_block(b->o, KERNINST_REGION_CODE, dest, 1);
-		return ret == -ERANGE ? -ENOEXEC : ret;
-	}
-	return -ENOEXEC;
+	return ki_check_jump_dest(b, dest);
 }
 
 /* Whether ksim wrote a jump's first byte at @at: a write of @b or a live record starts there. */
@@ -1721,7 +2272,7 @@ static bool ki_written_at(struct ki_batch *b, unsigned long at)
  * immediate's, say) is not taken for a jump.  ksim writes whole instructions
  * from their first byte, so its jumps are all found.
  */
-static int ki_check_jumps(struct ki_batch *b, struct ki_write *w)
+static int ki_arch_check_jumps(struct ki_batch *b, struct ki_write *w)
 {
 	unsigned long at;
 	int ret = ki_check_jump_at(b, w->addr, w->addr);
@@ -1731,6 +2282,7 @@ static int ki_check_jumps(struct ki_batch *b, struct ki_write *w)
 			ret = ki_check_jump_at(b, at, w->addr);
 	return ret;
 }
+#endif
 
 /*
  * Whether @o may retire its route at @site: not while an int3 is still there,
@@ -1742,19 +2294,21 @@ static int ki_check_untrap(struct ki_batch *b, unsigned long site, struct ki_rou
 	struct ki_owner *o = b->o;
 	struct ki_route *r = ki_route_at(site);
 	struct ki_write *w;
-	u8 byte;
+	u8 insn[KI_TRAP_LEN];
 
-	if (!ki_in_text(site, 1))
+	if (!ki_in_text(site, KI_TRAP_LEN))
 		return -ERANGE;
 	if (!r)
 		return -ENOENT;
 	if (r->owner != o)
 		return -EADDRINUSE;
-	if (copy_from_kernel_nofault(&byte, (void *)site, 1))
+	if (copy_from_kernel_nofault(insn, (void *)site, KI_TRAP_LEN))
 		return -EFAULT;
-	if (byte == KI_INT3) {
+	if (!memcmp(insn, ki_trap_insn, KI_TRAP_LEN)) {
+		/* ksim writes a trap alone, so one write takes it out whole */
 		w = ki_batch_write_at(b, site);
-		if (!w || w->new[site - w->addr] == KI_INT3)
+		if (!w || site + KI_TRAP_LEN > w->addr + w->len ||
+		    !memcmp(w->new + (site - w->addr), ki_trap_insn, KI_TRAP_LEN))
 			return -EBUSY;
 	}
 	*route = r;
@@ -1803,7 +2357,7 @@ static int ki_check_write(struct ki_batch *b, struct ki_write *w)
 	u32 i;
 
 	if (ki_in_text(w->addr, w->len)) {
-		if (w->len > KERNINST_MAX_TEXT_WRITE)
+		if (w->len > KERNINST_MAX_TEXT_WRITE || ki_arch_check_text_write(w))
 			return -EINVAL;
 		if (ki_text_held(o, w->addr, w->len))
 			return -EADDRINUSE;
@@ -1816,19 +2370,19 @@ static int ki_check_write(struct ki_batch *b, struct ki_write *w)
 				return ret;
 			if (ki_text_hazards(w->addr, w->len))
 				return -EPERM;
-			ret = ki_check_jumps(b, w);
+			ret = ki_arch_check_jumps(b, w);
 			if (ret) {
 				b->failed = w - b->w;
 				return ret;
 			}
-			w->int3 = w->len == 1 && w->new[0] == KI_INT3;
+			w->int3 = w->len == KI_TRAP_LEN && !memcmp(w->new, ki_trap_insn, KI_TRAP_LEN);
 		}
 		w->text = true;
-		if (w->len > 1) {
-			w->dest = ki_int3_dest(w->addr, w->old, w->new, w->len);
-			if (!w->dest)
-				return -EINVAL;
-			/* A trap route inside a multi-byte write would be overwritten. */
+		ret = ki_arch_write_dest(w);
+		if (ret)
+			return ret;
+		if (w->len > KI_TRAP_LEN) {
+			/* A trap route inside a multi-instruction write would be overwritten. */
 			for (i = 0; i < w->len; i++)
 				if (ki_routed_after(b, w->addr + i))
 					return -EBUSY;
@@ -1962,7 +2516,7 @@ static void ki_apply(struct ki_batch *b)
 		b->tw[n++] = w;
 	}
 	if (n)
-		ki_poke_text_batch(b->tw, n);
+		ki_arch_poke_text_batch(b->tw, n);
 	for (i = 0; i < n; i++)
 		ki_splice_log(b->tw[i].rec, b->tw[i].fresh, b->tw[i].new);
 	for (i = 0; i < b->nr; i++)
@@ -2108,6 +2662,7 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 	}
 	sort_r(b.rsorted, b.nr, sizeof(u32), ki_cmp_rop, NULL, &b);
 	sort_r(b.wsorted, b.nw, sizeof(u32), ki_cmp_write, NULL, &b);
+	ki_arch_cpus_lock();
 	ki_hazard_lock();
 	mutex_lock(ki_text_mutex);
 	/* All or nothing: every change checked, everything reserved, every old byte compared. */
@@ -2122,6 +2677,7 @@ static long ki_ioc_poke(struct kerninst_poke __user *uarg)
 		ki_apply(&b);
 	mutex_unlock(ki_text_mutex);
 	ki_hazard_unlock();
+	ki_arch_cpus_unlock();
 unlock_owner:
 	mutex_unlock(&ki_lock);
 	if (ret == -ESTALE || ret == -ENOEXEC) {
@@ -2149,9 +2705,11 @@ static int ki_owner_drop(struct ki_owner *o)
 	struct ki_block *b, *btmp;
 	unsigned int left;
 
+	ki_arch_cpus_lock();
 	mutex_lock(ki_text_mutex);
 	left = ki_unsplice_where(ki_splice_of, o);
 	mutex_unlock(ki_text_mutex);
+	ki_arch_cpus_unlock();
 	if (left) {
 		o->flags |= KERNINST_OWNER_KEPT | KERNINST_OWNER_ORPHAN;
 		if (!o->name[0])
@@ -2558,9 +3116,6 @@ static long ki_ioc_info(void __user *uarg)
 		.code_size = ki_first_code->size,
 		.data_start = ki_first_data->start,
 		.data_size = ki_first_data->size,
-		/* Per-cpu symbols are offsets from the per-cpu base in GS (zero-based on x86-64). */
-		.current_task = (unsigned long)&current_task,
-		.cpu_number = (unsigned long)&cpu_number,
 		.task_pid_offset = offsetof(struct task_struct, pid),
 		.task_pid_size = sizeof(pid_t),
 		.nr_cpus = num_online_cpus(),
@@ -2570,6 +3125,7 @@ static long ki_ioc_info(void __user *uarg)
 	};
 
 	BUILD_BUG_ON(sizeof(((struct task_struct *)NULL)->comm) != 16);
+	ki_arch_info(&info);
 	return copy_to_user(uarg, &info, sizeof(info)) ? -EFAULT : 0;
 }
 
@@ -2595,7 +3151,7 @@ static long ki_ioc_set_trap(struct kerninst_trap __user *uarg)
 
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
-	if (!ki_in_text(req.site, 1))
+	if (!ki_in_text(req.site, KI_TRAP_LEN))
 		return -ERANGE;
 	r = kzalloc(sizeof(*r), GFP_KERNEL);
 	if (!r)
@@ -2626,7 +3182,7 @@ static long ki_ioc_clear_trap(struct kerninst_trap __user *uarg)
 
 	if (copy_from_user(&req, uarg, sizeof(req)))
 		return -EFAULT;
-	if (!ki_in_text(req.site, 1))
+	if (!ki_in_text(req.site, KI_TRAP_LEN))
 		return -ERANGE;
 	mutex_lock(&ki_lock);
 	o = ki_owner_find(req.owner);
@@ -2710,7 +3266,7 @@ static struct ki_area *ki_area_new(u32 region, unsigned long size)
 	a->size = size;
 	a->region = region;
 	if (region == KERNINST_REGION_CODE) {
-		memset(base, KI_INT3, size);
+		ki_arch_fill_code(base, size);
 		ki_set_memory_ro(a->start, size >> PAGE_SHIFT);
 		ki_set_memory_x(a->start, size >> PAGE_SHIFT);
 	} else {
@@ -2992,11 +3548,13 @@ static unsigned int ki_unsplice_all(void)
 	struct ki_splice *s, *tmp;
 	unsigned int left;
 
+	ki_arch_cpus_lock();
 	mutex_lock(ki_text_mutex);
 	left = ki_unsplice_where(ki_splice_any, NULL);
 	list_for_each_entry_safe(s, tmp, &ki_splices, node)
 		ki_splice_forget(s);
 	mutex_unlock(ki_text_mutex);
+	ki_arch_cpus_unlock();
 	return left;
 }
 
@@ -3030,19 +3588,19 @@ static int __init ki_init(void)
 	if (ret)
 		goto fail;
 	ki_index_core_tables();
-	ret = register_die_notifier(&ki_die_nb);
+	ki_arch_index();
+	ret = ki_arch_trap_register();
 	if (ret)
 		goto fail;
-	ki_find_die_ahead();
 	ret = register_module_notifier(&ki_module_nb);
 	if (ret) {
-		unregister_die_notifier(&ki_die_nb);
+		ki_arch_trap_unregister();
 		goto fail;
 	}
 	ret = misc_register(&ki_dev);
 	if (ret) {
 		unregister_module_notifier(&ki_module_nb);
-		unregister_die_notifier(&ki_die_nb);
+		ki_arch_trap_unregister();
 		goto fail;
 	}
 	pr_info("abi %d: text %#lx-%#lx, patch area %#lx+%#lx, data heap %#lx+%#lx, hazard checks %s\n",
@@ -3053,6 +3611,7 @@ static int __init ki_init(void)
 fail:
 	ki_free_regions(false);
 	kvfree(ki_core_hz);
+	ki_arch_index_free();
 	return ret;
 }
 
@@ -3070,14 +3629,14 @@ static void __exit ki_exit(void)
 	left = ki_unsplice_all();
 	ki_forget_all();
 	mutex_unlock(&ki_lock);
-	/* atomic_notifier_chain_unregister waits for running notifiers (synchronize_rcu). */
-	unregister_die_notifier(&ki_die_nb);
+	ki_arch_trap_unregister();
 	synchronize_rcu_tasks();
 	if (left)
 		/* Text may still jump there: better a leak than a jump into freed memory. */
 		pr_err("%u text writes could not be undone; the patch areas stay allocated\n", left);
 	ki_free_regions(left != 0);
 	kvfree(ki_core_hz);
+	ki_arch_index_free();
 	ki_bl_memo_free();
 	pr_info("unloaded (%u kept owners undone, %d trap hits dispatched)\n", owners,
 		atomic_read(&ki_trap_hits));

@@ -29,10 +29,18 @@
  * confidentiality nothing is read (LOCKDOWN_DBG_READ_KERNEL): -EROFS.  Undo
  * (restoring text, clearing routes, dropping owners) is never refused.
  *
- * Jumps: a write into text that makes a jump (jmp rel32 or rel8 from its first
- * byte, a single e9/eb byte completing one, or new displacement bytes of a jump
- * ksim wrote) must lead into kernel or module text or into a patch block of the
- * writing owner: -EADDRINUSE into another owner's block, -ENOEXEC anywhere else.
+ * Jumps: a write into text that makes a jump (x86-64: jmp rel32 or rel8 from its
+ * first byte, a single e9/eb byte completing one, or new displacement bytes of a
+ * jump ksim wrote; arm64: a B or BL instruction it writes) must lead into kernel
+ * or module text or into a patch block of the writing owner: -EADDRINUSE into
+ * another owner's block, -ENOEXEC anywhere else.
+ *
+ * Architectures: x86-64 and arm64, with the same structures and commands.  On
+ * arm64 a text write and a trap site are whole instructions (4-byte aligned
+ * address and length, else -EINVAL), the trap is BRK #KERNINST_ARM64_BRK_IMM,
+ * a batch's text writes all go in at once under stop_machine (as
+ * aarch64_insn_patch_text does), and the per-cpu offsets of INFO are from
+ * TPIDR_EL1's per-cpu base (current_task is the per-cpu __entry_task).
  */
 #ifndef KERNINST_H
 #define KERNINST_H
@@ -81,6 +89,18 @@ typedef uint64_t __u64;
 #define KERNINST_HAZARD_WARN        (1u << 7) /* the ud2 of a WARN() (find_bug, BUGFLAG_WARNING) */
 #define KERNINST_HAZARD_NOT_TEXT    (1u << 8) /* neither core kernel text nor one live module's text */
 #define KERNINST_HAZARD_UNKNOWN     (1u << 9) /* a check could not be made (a kernel symbol is missing) */
+/* arm64 only (an x86-64 module never sets them): */
+#define KERNINST_HAZARD_ALTERNATIVE (1u << 10) /* instructions of an alternative (.altinstructions) */
+#define KERNINST_HAZARD_BRANCH_PROT (1u << 11) /* a BTI landing pad, or a pointer-authentication
+						* check kprobes refuses to step (autiasp, retaa, ...) */
+
+/*
+ * The trap ksim routes: int3 (0xcc) on x86-64; on arm64 BRK with this
+ * immediate, one no kernel user takes (arch/arm64/include/asm/brk-imm.h:
+ * kprobes 0x004-0x006, FAULT 0x100, kgdb 0x400-0x7ff, BUG/WARN 0x800, KASAN
+ * 0x900-0x9ff, CFI 0x8000-0x83ff).
+ */
+#define KERNINST_ARM64_BRK_IMM 0x2b5
 
 struct kerninst_version {
 	__u32 version;   /* KERNINST_ABI_VERSION of the loaded module */

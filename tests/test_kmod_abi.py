@@ -27,6 +27,7 @@ def c_values(tmp_path: Path) -> dict[str, int]:
         lines.append(f'printf("LIMIT_{limit} %d\\n", KERNINST_{limit});')
     for name in abi.HAZARDS:
         lines.append(f'printf("HAZARD_{name} %u\\n", KERNINST_HAZARD_{name.upper()});')
+    lines.append('printf("ARM64_BRK_IMM %d\\n", KERNINST_ARM64_BRK_IMM);')
     lines.append('printf("VERSION %d\\n", KERNINST_ABI_VERSION); return 0; }')
     src, exe = tmp_path / "abi.c", tmp_path / "abi"
     src.write_text("\n".join(lines))
@@ -52,6 +53,8 @@ def test_table_matches_the_header(tmp_path: Path) -> None:
         assert c[f"LIMIT_{limit}"] == value, limit
     for name, bit in abi.HAZARDS.items():
         assert c[f"HAZARD_{name}"] == bit, name
+    assert c["ARM64_BRK_IMM"] == abi.ARM64_BRK_IMM
+    assert abi.TRAPS["aarch64"] == (0xD4200000 | c["ARM64_BRK_IMM"] << 5).to_bytes(4, "little")
 
 
 def test_every_ioctl_in_the_header_is_in_the_table() -> None:

@@ -14,10 +14,11 @@ from dataclasses import dataclass
 
 ABI_VERSION = 4
 DEVICE = "/dev/kerninst"
-#: the architecture (a ``ksim.arch`` name) kmod/kerninst.c is written for: its trap
-#: dispatch is the int3 handler's, its patch area lies within rel32 reach of text.
-#: The module's info names no architecture, so this is where a live kernel's is
-#: decided (``LiveTarget.arch``: an "arch" in the daemon's info reply wins).
+#: the architecture (a ``ksim.arch`` name) of a live kernel whose daemon names none:
+#: kmod/kerninst.c is built for x86-64 and arm64, and the module's info names no
+#: architecture, so kerninstd says which one it runs on (its info's "arch", from
+#: ``uname -m``: ``MACHINES``), and a daemon that does not is taken for x86-64
+#: (``LiveTarget.arch``).
 MACHINE = "x86_64"
 IOC_MAGIC = "K"
 
@@ -48,7 +49,21 @@ HAZARDS: dict[str, int] = {
     "warn": 1 << 7,         # the ud2 of a WARN() (find_bug, BUGFLAG_WARNING)
     "not_text": 1 << 8,     # neither core kernel text nor one live module's text
     "unknown": 1 << 9,      # a check could not be made (its kernel symbol is missing)
+    # arm64 only (an x86-64 module never sets them)
+    "alternative": 1 << 10,  # instructions of an alternative (.altinstructions)
+    "branch_prot": 1 << 11,  # a BTI landing pad, or a pointer-authentication check
 }
+
+#: KERNINST_ARM64_BRK_IMM: the immediate of the BRK the arm64 module routes
+ARM64_BRK_IMM = 0x2B5
+#: the trap instruction the module routes, by the architecture its kernel runs (a
+#: ``ksim.arch`` name): what a client writes where a trap route waits
+TRAPS: dict[str, bytes] = {
+    "x86_64": b"\xcc",                                                 # int3
+    "aarch64": (0xD4200000 | ARM64_BRK_IMM << 5).to_bytes(4, "little"),  # BRK #imm16
+}
+#: ``uname -m`` of a kernel the module runs on -> that architecture's ``ksim.arch`` name
+MACHINES: dict[str, str] = {"x86_64": "x86_64", "aarch64": "aarch64"}
 
 # KERNINST_OWNER_* flag name -> bit.
 OWNER_FLAGS: dict[str, int] = {
