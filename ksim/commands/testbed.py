@@ -37,6 +37,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     pre = actions.add_parser("prepare", help="fetch, install and build what `up` needs, "
                              "without booting")
     for q in (up, pre):
+        q.add_argument("--kmod", default=None, metavar="DIR",
+                       help="arm64: build kerninst.ko from DIR (a kbuild Makefile and its "
+                            "sources; kmod/kerninst.h when DIR lacks it) instead of kmod/, "
+                            "e.g. tests/kmod_arm64_standin while kmod/ does not build for arm64")
         q.add_argument("--offline", action="store_true",
                        help="use only the cache and the installed packages; name what is "
                             "missing instead of fetching it")
@@ -68,6 +72,16 @@ def _progress(json_mode: bool) -> Any:
     return show
 
 
+def _kmod(args: argparse.Namespace) -> Any:
+    if args.kmod is None:
+        return None
+    from pathlib import Path
+
+    from ksim.live import arm64bed
+
+    return arm64bed.module_dir_sources(Path(args.kmod))
+
+
 def _label(inst: Any) -> str:
     return "" if not inst.name else f"{inst.name} ({inst.arch}) "
 
@@ -78,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(args.json)
     if args.action == "prepare":
         ready = testbed.prepare(offline=args.offline, refresh=args.refresh, progress=progress,
-                                arch=args.arch or "x86_64")
+                                arch=args.arch or "x86_64", module_sources=_kmod(args))
         if args.json:
             emit_json(ready)
         else:
@@ -90,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout,
                            offline=args.offline, refresh=args.refresh, progress=progress,
-                           instance=inst)
+                           instance=inst, module_sources=_kmod(args))
         if args.json:
             emit_json(state)
         else:

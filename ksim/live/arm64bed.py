@@ -207,21 +207,65 @@ def _build_needs(abi: str) -> list[tb.Need]:
     return needs
 
 
-def module_sources() -> list[Path]:
+def module_sources_default() -> list[Path]:
     return [tb.REPO / "kmod" / n for n in tb.KMOD_SOURCES]
+
+
+def module_dir_sources(directory: Path) -> list[Path]:
+    """What kbuild builds a kerninst.ko from in ``directory``: its Makefile (or Kbuild),
+    .c and .h files, and kmod/kerninst.h (the ABI) when it has no copy of its own."""
+    if not directory.is_dir():
+        raise TargetError(f"{directory}: no such directory (the module sources to build)")
+    files = sorted(p for p in directory.iterdir()
+                   if p.name in ("Makefile", "Kbuild") or p.suffix in (".c", ".h"))
+    if not any(p.name in ("Makefile", "Kbuild") for p in files):
+        raise TargetError(f"{directory}: no kbuild Makefile")
+    if not any(p.name == "kerninst.h" for p in files):
+        files.append(tb.REPO / "kmod" / "kerninst.h")
+    return files
+
+
+STANDIN = tb.REPO / "tests" / "kmod_arm64_standin"
+
+
+def _build_name(files: list[Path]) -> str:
+    """The cache directory's name for a module built from ``files`` (not kmod/)."""
+    return f"kmod-{hashlib.sha256(str(files).encode()).hexdigest()[:8]}"
+
+
+def cross_cc(progress: tb.Progress = tb._quiet) -> str:
+    """aarch64-linux-gnu-gcc with a static C library for arm64 test programs
+    (libc6-dev-arm64-cross), installed when missing."""
+    needs = []
+    if shutil.which(f"{CROSS_COMPILE}gcc") is None:
+        needs.append(tb.Need("the arm64 cross compiler, for test programs", "gcc-aarch64-linux-gnu"))
+    if not Path(f"/usr/{CROSS_COMPILE[:-1]}/lib/libc.a").exists():
+        needs.append(tb.Need("arm64's static C library, for test programs",
+                             "libc6-dev-arm64-cross"))
+    tb._provide(needs, progress, offline=False)
+    return f"{CROSS_COMPILE}gcc"
 
 
 def build_module(abi: str, progress: tb.Progress = tb._quiet, *, offline: bool = False,
                  sources: list[Path] | None = None) -> Path:
     """kmod/ (or ``sources``: a Makefile and the files it builds) cross-built for arm64
     against the ABI's arm64 headers, in the cache; rebuilt when the sources change."""
-    files = sources or module_sources()
+    files = sources or module_sources_default()
     tb._provide(_build_needs(abi), progress, offline)
     tree = headers(abi, progress, offline=offline)
-    name = "kmod" if sources is None else f"kmod-{hashlib.sha256(str(files).encode()).hexdigest()[:8]}"
+    name = "kmod" if sources is None else _build_name(files)
     return tb.kbuild(files, arm64_dir() / f"{name}-{abi}", "kerninst.ko", tree, progress,
                      make_vars=(f"ARCH={ARCH}", f"CROSS_COMPILE={CROSS_COMPILE}"),
                      needs=lambda: _build_needs(abi), offline=offline, what=f"for {ARCH}")
+
+
+def build_test_module(files: list[Path], name: str, ko_name: str, abi: str,
+                      progress: tb.Progress = tb._quiet) -> Path:
+    """A test module (ksim.live.testbed.build_test_module) cross-built for arm64."""
+    tb._provide(_build_needs(abi), progress, False)
+    return tb.kbuild(files, arm64_dir() / f"testmod-{name}-{abi}", ko_name, headers(abi, progress),
+                     progress, make_vars=(f"ARCH={ARCH}", f"CROSS_COMPILE={CROSS_COMPILE}"),
+                     needs=lambda: _build_needs(abi), what=f"for {ARCH}")
 
 
 # -- the userland ---------------------------------------------------------------------
@@ -318,6 +362,7 @@ def prepare(abi: str, *, offline: bool = False, progress: tb.Progress = tb._quie
     ko = build_module(abi, progress, offline=offline, sources=module_sources)
     return {"abi": abi, "arch": ARCH, "cache": str(arm64_dir()), "kernel_root": str(root),
             "vmlinux": str(image), "module": str(ko), "userland": str(land),
+            "module_source": str((module_sources or module_sources_default())[0].parent),
             "guest_modules": [str(m) for m in tb.guest_modules(root, abi, ARCH)]}
 
 

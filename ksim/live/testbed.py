@@ -545,13 +545,20 @@ def build_module(abi: str, progress: Progress = _quiet, *, offline: bool = False
                    progress, offline)
 
 
-def build_test_module(src: Path, abi: str, progress: Progress = _quiet) -> Path:
+def build_test_module(src: Path, abi: str, progress: Progress = _quiet,
+                      arch: str = "x86_64") -> Path:
     """Build a test module (a directory with a kbuild Makefile and NAME.c, e.g.
-    tests/kmod_warn) against the ABI's headers, into the cache the guest sees
-    through 9p; returns the .ko path, which insmod in the guest accepts as is."""
+    tests/kmod_warn) against the ABI's headers (``arch`` "arm64": cross-built against
+    the arm64 ones), into the cache the guest sees through 9p; returns the .ko path,
+    which insmod in the guest accepts as is."""
     sources = tuple(sorted(p.name for p in src.iterdir()
                            if p.name in ("Makefile", "Kbuild") or p.suffix in (".c", ".h")))
     (c_file,) = [n for n in sources if n.endswith(".c")]
+    if arch == "arm64":
+        from ksim.live import arm64bed
+
+        return arm64bed.build_test_module([src / n for n in sources], src.name,
+                                          c_file[:-2] + ".ko", abi, progress)
     return _kbuild(src, sources, cache_dir() / f"testmod-{src.name}-{abi}",
                    c_file[:-2] + ".ko", abi, progress)
 
@@ -559,7 +566,7 @@ def build_test_module(src: Path, abi: str, progress: Progress = _quiet) -> Path:
 def load_test_module(src: Path, state: dict[str, Any], progress: Progress = _quiet) -> str:
     """Build the test module in ``src`` and (re)load it in the running testbed; returns its name.
     A module of the same name already loaded is unloaded first, so the guest runs this build."""
-    ko = build_test_module(src, str(state["abi"]), progress)
+    ko = build_test_module(src, str(state["abi"]), progress, str(state.get("arch", "x86_64")))
     name = ko.stem
     out = exec_(f"if grep -q '^{name} ' /proc/modules; then rmmod {name} || exit 3; fi; "
                 f"insmod {ko}", timeout=60, instance=str(state.get("instance") or ""))
@@ -865,7 +872,8 @@ def _boot(command: list[str], inst: Instance, port: int, accel: str, timeout: fl
             shown = len(text.splitlines())
             if "Kernel panic" in text or ("kerninstd exited" in text
                                           and "kerninstd: listening" not in text):
-                raise TargetError("guest failed to start kerninstd" + _console_tail(inst))
+                raise TargetError("guest failed to start kerninstd" + _why_not(text)
+                                  + _console_tail(inst))
             if "kerninstd: listening" in text:
                 info = _ping(port, timeout=10)
                 if info is not None:
@@ -877,6 +885,16 @@ def _boot(command: list[str], inst: Instance, port: int, accel: str, timeout: fl
         _stop_pid(proc.pid)
         proc.wait(10)
         raise
+
+
+def _why_not(console: str) -> str:
+    """What the console says about kerninst.ko when it did not load."""
+    if "ksim-init: insmod kerninst.ko FAILED" not in console:
+        return ""
+    said = [line.split("] ", 1)[-1].strip() for line in console.splitlines()
+            if re.search(r"\bkerninst: |insmod: can't insert '/kerninst.ko'", line)]
+    return (": kerninst.ko did not load in the guest"
+            + "".join(f"\n  {line}" for line in dict.fromkeys(said)))
 
 
 def _console_tail(inst: Instance | None = None, lines: int = 25) -> str:
@@ -951,6 +969,8 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
     if current["up"]:
         progress(f"already up at {current['address']}")
         return current
+    if inst.arch == "arm64" and accel == "kvm":
+        raise TargetError("the arm64 testbed runs under TCG only (this host is not arm64)")
     down(instance=inst)
     t0 = time.monotonic()
     ready = prepare(offline=offline, refresh=refresh, progress=progress, arch=inst.arch,
@@ -963,8 +983,6 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
 
         initramfs = arm64bed.make_initramfs(ready, port, inst.dir / f"initramfs-{abi}-arm64.cpio")
         accels = ["tcg"]
-        if accel == "kvm":
-            raise TargetError("the arm64 testbed runs under TCG only (this host is not arm64)")
     else:
         initramfs = make_initramfs(Path(ready["kernel_root"]), abi, Path(ready["module"]), port,
                                    inst.dir / f"initramfs-{abi}.cpio")
@@ -995,6 +1013,7 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
             "prepare_seconds": round(prepared, 1), "started": time.time(),
             "console": str(inst.dir / "console.log"), "qmp": str(inst.dir / "qmp.sock"),
             "instance": inst.name, "arch": inst.arch, "module": ready["module"],
+            "module_source": ready.get("module_source", str(REPO / "kmod")),
         }
         _state_path(inst).write_text(json.dumps(state, indent=2))
         progress(f"up in {state['boot_seconds']} s: {state['address']} (token {state['token_file']})")

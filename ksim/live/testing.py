@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from ksim.errors import KsimError, TargetDied
+from ksim.errors import KsimError, TargetDied, TargetError
 from ksim.live import testbed as tb
 from ksim.live.client import LiveTarget
 
@@ -46,19 +46,28 @@ BAD_DMESG = re.compile(r"Oops|BUG:|WARNING:|general protection|Kernel panic|ftra
                        r"kerninst: .*(cannot|changed)")
 
 
-def program(name: str, source: str) -> Path:
-    """Compile a static C program on the host, into the cache the guest sees through 9p."""
-    out = tb.cache_dir() / "bin" / name
+def program(name: str, source: str, arch: str = "x86_64") -> Path:
+    """Compile a static C program on the host, into the cache the guest sees through 9p
+    (at the same path in the x86-64 and the arm64 guest); for ``arch`` "arm64" with
+    aarch64-linux-gnu-gcc, installing libc6-dev-arm64-cross (its static C library)
+    when it is missing."""
+    if arch == "arm64":
+        from ksim.live import arm64bed
+
+        out = arm64bed.arm64_dir() / "bin" / name
+        cc = arm64bed.cross_cc()
+    else:
+        out, cc = tb.cache_dir() / "bin" / name, "gcc"
     src = out.with_suffix(".c")
     out.parent.mkdir(exist_ok=True)
     if not out.exists() or not src.exists() or src.read_text() != source:
         src.write_text(source)
-        subprocess.run(["gcc", "-O2", "-static", "-o", str(out), str(src)], check=True)
+        subprocess.run([cc, "-O2", "-static", "-o", str(out), str(src)], check=True)
     return out
 
 
-def getppid_loop() -> Path:
-    return program("getppid_loop", GETPPID_LOOP)
+def getppid_loop(arch: str = "x86_64") -> Path:
+    return program("getppid_loop", GETPPID_LOOP, arch)
 
 
 def plain_site(target: LiveTarget, name: str) -> int:
@@ -154,14 +163,16 @@ def _say(name: str) -> tb.Progress:
 
 @contextmanager
 def instance_testbed(name: str, *, arch: str | None = None, port: int | None = None,
-                     timeout: float = tb.BOOT_TIMEOUT) -> Iterator[dict[str, Any]]:
+                     timeout: float = tb.BOOT_TIMEOUT,
+                     module_sources: list[Path] | None = None) -> Iterator[dict[str, Any]]:
     """The testbed instance ``name`` (``arch`` x86_64 unless it is "arm64"), booted on
     ``port`` (default: its own, else a free one) or found running; stopped at the end
     only if this booted it.  ``with instance_testbed("b", port=7072) as b:`` gives a
     second x86-64 guest beside the default testbed."""
     inst = tb.resolve_instance(name, arch)
     already = tb.status(inst)["up"]
-    state = tb.up(instance=inst, port=port, timeout=timeout, progress=_say(inst.label))
+    state = tb.up(instance=inst, port=port, timeout=timeout, progress=_say(inst.label),
+                  module_sources=module_sources)
     try:
         yield state
     finally:
@@ -171,9 +182,42 @@ def instance_testbed(name: str, *, arch: str | None = None, port: int | None = N
 
 @pytest.fixture(scope="session")
 def testbed_arm64() -> Iterator[dict[str, Any]]:
-    """The arm64 testbed (instance "arm64", port 7071), booted once per session."""
-    with instance_testbed("arm64", arch="arm64") as state:
-        yield state
+    """The arm64 testbed (instance "arm64", port 7071), booted once per session with
+    kmod/'s kerninst.ko.  While kmod/ does not build for arm64 it boots with the
+    stand-in (tests/kmod_arm64_standin), and the state says so: ``standin`` holds the
+    build's error; tests that need the real module take ``kerninst_arm64``, which
+    skips them then.  A running arm64 testbed is used as it is."""
+    from ksim.live import arm64bed
+
+    inst = tb.resolve_instance("arm64")
+    already = tb.status(inst)["up"]
+    standin: str | None = None
+    try:
+        state = tb.up(instance=inst, progress=_say("arm64"))
+    except TargetError as exc:
+        if "does not build" not in str(exc) and "kerninst.ko did not load" not in str(exc):
+            raise
+        standin = str(exc).split("\nguest console")[0]
+        _say("arm64")(f"booting with the stand-in module: {standin}")
+        state = tb.up(instance=inst, progress=_say("arm64"),
+                      module_sources=arm64bed.module_dir_sources(arm64bed.STANDIN))
+    if standin is None and state.get("module_source") != str(tb.REPO / "kmod"):
+        standin = f"the running arm64 testbed's module is built from {state.get('module_source')}"
+    try:
+        yield {**state, "standin": standin}
+    finally:
+        if not already:
+            tb.down(instance=inst)
+
+
+@pytest.fixture
+def kerninst_arm64(testbed_arm64: dict[str, Any]) -> dict[str, Any]:
+    """The arm64 testbed, running kmod/'s kerninst.ko (the test is skipped if it runs the
+    stand-in)."""
+    if testbed_arm64["standin"]:
+        pytest.skip("the arm64 testbed runs the stand-in module: kmod/ does not build for "
+                    f"arm64: {testbed_arm64['standin']}")
+    return testbed_arm64
 
 
 @pytest.fixture
