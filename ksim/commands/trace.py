@@ -355,7 +355,7 @@ class _FleetPrinter:
             if self.json:
                 _json_line({"type": "host_error", "host": run.label, "target": run.host.spec,
                             "stage": run.stage, "error": code, "message": str(exc)})
-            print(f"ksim: host {run.label} failed ({run.stage}): {exc}", file=sys.stderr,
+            print(f"ksim: host {run.label} failed ({run.stage}): {str(exc).strip()}", file=sys.stderr,
                   flush=True)
 
 

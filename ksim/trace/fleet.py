@@ -577,7 +577,10 @@ class Fleet:
             r.thread.start()
         with HeldInterrupt() as held:
             while any(r.thread.is_alive() for r in self.runs):
-                if held.pending and not self.stop.is_set():
+                if held.pending:
+                    # the first Ctrl-C stops every host's run; a later one waits, as one
+                    # host's trace holds it, until every host's text is restored
+                    held.pending = False
                     self.interrupted = True
                     self.stop.set()
                 for r in self.runs:
