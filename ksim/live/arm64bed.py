@@ -216,6 +216,7 @@ def module_dir_sources(directory: Path) -> list[Path]:
     .c and .h files, and kmod/kerninst.h (the ABI) when it has no copy of its own."""
     if not directory.is_dir():
         raise TargetError(f"{directory}: no such directory (the module sources to build)")
+    directory = directory.resolve()
     files = sorted(p for p in directory.iterdir()
                    if p.name in ("Makefile", "Kbuild") or p.suffix in (".c", ".h"))
     if not any(p.name in ("Makefile", "Kbuild") for p in files):
@@ -251,10 +252,12 @@ def build_module(abi: str, progress: tb.Progress = tb._quiet, *, offline: bool =
     """kmod/ (or ``sources``: a Makefile and the files it builds) cross-built for arm64
     against the ABI's arm64 headers, in the cache; rebuilt when the sources change."""
     files = sources or module_sources_default()
+    build = arm64_dir() / f"{'kmod' if sources is None else _build_name(files)}-{abi}"
+    if tb.module_built(files, build, "kerninst.ko"):  # no headers, compiler or network
+        return build / "kerninst.ko"
     tb._provide(_build_needs(abi), progress, offline)
     tree = headers(abi, progress, offline=offline)
-    name = "kmod" if sources is None else _build_name(files)
-    return tb.kbuild(files, arm64_dir() / f"{name}-{abi}", "kerninst.ko", tree, progress,
+    return tb.kbuild(files, build, "kerninst.ko", tree, progress,
                      make_vars=(f"ARCH={ARCH}", f"CROSS_COMPILE={CROSS_COMPILE}"),
                      needs=lambda: _build_needs(abi), offline=offline, what=f"for {ARCH}")
 
@@ -262,9 +265,12 @@ def build_module(abi: str, progress: tb.Progress = tb._quiet, *, offline: bool =
 def build_test_module(files: list[Path], name: str, ko_name: str, abi: str,
                       progress: tb.Progress = tb._quiet) -> Path:
     """A test module (ksim.live.testbed.build_test_module) cross-built for arm64."""
+    build = arm64_dir() / f"testmod-{name}-{abi}"
+    if tb.module_built(files, build, ko_name):
+        return build / ko_name
     tb._provide(_build_needs(abi), progress, False)
-    return tb.kbuild(files, arm64_dir() / f"testmod-{name}-{abi}", ko_name, headers(abi, progress),
-                     progress, make_vars=(f"ARCH={ARCH}", f"CROSS_COMPILE={CROSS_COMPILE}"),
+    return tb.kbuild(files, build, ko_name, headers(abi, progress), progress,
+                     make_vars=(f"ARCH={ARCH}", f"CROSS_COMPILE={CROSS_COMPILE}"),
                      needs=lambda: _build_needs(abi), what=f"for {ARCH}")
 
 

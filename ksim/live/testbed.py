@@ -490,6 +490,16 @@ def _kbuild(src: Path, sources: tuple[str, ...], build: Path, ko_name: str, abi:
                   needs=lambda: _build_needs(abi, ko_name), offline=offline)
 
 
+def files_digest(files: list[Path]) -> str:
+    """What a module built from ``files`` is cached under (as _digest)."""
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+
+
+def module_built(files: list[Path], build: Path, ko_name: str) -> bool:
+    """Whether ``build`` holds ``ko_name`` built from ``files`` as they are now."""
+    return _module_built(build, ko_name, files_digest(files))
+
+
 def kbuild(files: list[Path], build: Path, ko_name: str, headers: Path, progress: Progress,
            *, make_vars: tuple[str, ...] = (), needs: Callable[[], list[Need]] | None = None,
            offline: bool = False, what: str = "") -> Path:
@@ -498,7 +508,7 @@ def kbuild(files: list[Path], build: Path, ko_name: str, headers: Path, progress
     ``build``; rebuilt only when the files change.  Before building, ``needs()`` names
     what the host lacks for it, which is installed.  The compiler's output is kept in
     ``build``.log, which a failure names."""
-    digest = hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()[:16]
+    digest = files_digest(files)
     ko = build / ko_name
     if _module_built(build, ko_name, digest):
         return ko
