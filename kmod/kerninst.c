@@ -90,7 +90,7 @@
 #include <asm/sync_core.h>
 #include <asm/text-patching.h>
 #elif defined(CONFIG_ARM64)
-#include <asm/alternative.h>
+#include <linux/delay.h>
 #include <asm/brk-imm.h>
 #include <asm/cacheflush.h>
 #include <asm/debug-monitors.h>
@@ -433,6 +433,7 @@ static int ki_arch_resolve(void)
 {
 	int ret = ki_resolve("text_poke", &ki_text_poke);
 
+	ret |= ki_resolve("text_mutex", &ki_text_mutex);
 	ki_die_chain = (void *)ki_lookup("die_chain");
 	if (!ki_die_chain)
 		pr_warn("kernel symbol die_chain not found: die notifiers ahead of kerninst's "
@@ -445,8 +446,16 @@ static int (*ki_patch_text_nosync)(void *addr, u32 insn);
 static int (*ki_patch_text)(void *addrs[], u32 insns[], int cnt);
 static void (*ki_register_kernel_break_hook)(struct break_hook *hook);
 static void (*ki_unregister_kernel_break_hook)(struct break_hook *hook);
-/* the per-cpu task pointer kept as current (entry_task_switch, arch/arm64/kernel/process.c) */
-static unsigned long ki_entry_task;
+/*
+ * kallsyms lists data symbols only with KALLSYMS_ALL, which Debian's arm64
+ * kernel leaves out: text_mutex cannot be found there.  On arm64 no other
+ * writer of text takes it but kprobes' arming (jump labels and ftrace write
+ * under their own locks, with aarch64_insn_patch_text_nosync's patch_lock per
+ * instruction), and a batch goes in under stop_machine, which no CPU is inside
+ * a write of another's during; without the kernel's, a mutex of kerninst's
+ * serialises its own pokes.
+ */
+static DEFINE_MUTEX(ki_own_text_mutex);
 
 static int ki_arch_resolve(void)
 {
@@ -456,8 +465,61 @@ static int ki_arch_resolve(void)
 	ret |= ki_resolve("aarch64_insn_patch_text", &ki_patch_text);
 	ret |= ki_resolve("register_kernel_break_hook", &ki_register_kernel_break_hook);
 	ret |= ki_resolve("unregister_kernel_break_hook", &ki_unregister_kernel_break_hook);
-	ret |= ki_resolve("__entry_task", &ki_entry_task);
+	ki_text_mutex = (void *)ki_lookup("text_mutex");
+	if (!ki_text_mutex)
+		ki_text_mutex = &ki_own_text_mutex;
 	return ret;
+}
+
+/*
+ * The per-cpu slot that holds the current task.  arm64 keeps current in SP_EL0
+ * and in the per-cpu __entry_task (entry_task_switch, arch/arm64/kernel/
+ * process.c), a data symbol kallsyms lacks without KALLSYMS_ALL.  So it is found
+ * as the slot near cpu_number whose value is current on every CPU, asked on each
+ * CPU (an IPI, where current is the task that CPU switched to last) in
+ * KI_CURRENT_ROUNDS rounds and in the loading task: __entry_task, or the
+ * runqueue's curr, which the scheduler sets just before it.
+ */
+#define KI_CURRENT_WINDOW (512UL << 10)	/* bytes each side of cpu_number */
+#define KI_CURRENT_ROUNDS 4
+static unsigned long *ki_current_slots;	/* a bit per 8-byte slot of the window */
+static unsigned long ki_entry_task;
+
+static void ki_current_round(void *unused)
+{
+	unsigned long start = ALIGN_DOWN((unsigned long)&cpu_number, 8) - KI_CURRENT_WINDOW;
+	unsigned long base = (unsigned long)this_cpu_ptr(&cpu_number) - (unsigned long)&cpu_number;
+	unsigned long i, val;
+
+	for_each_set_bit(i, ki_current_slots, 2 * KI_CURRENT_WINDOW / 8)
+		if (copy_from_kernel_nofault(&val, (void *)(start + base + 8 * i), sizeof(val)) ||
+		    val != (unsigned long)current)
+			clear_bit(i, ki_current_slots);
+}
+
+static void ki_find_current(void)
+{
+	unsigned long n = 2 * KI_CURRENT_WINDOW / 8, i;
+	int round;
+
+	ki_current_slots = kvzalloc(BITS_TO_LONGS(n) * sizeof(long), GFP_KERNEL);
+	if (!ki_current_slots)
+		return;
+	bitmap_fill(ki_current_slots, n);
+	for (round = 0; round < KI_CURRENT_ROUNDS; round++) {
+		preempt_disable();
+		ki_current_round(NULL);
+		preempt_enable();
+		on_each_cpu(ki_current_round, NULL, 1);
+		msleep(5);
+	}
+	i = find_first_bit(ki_current_slots, n);
+	if (i < n)
+		ki_entry_task = ALIGN_DOWN((unsigned long)&cpu_number, 8) - KI_CURRENT_WINDOW + 8 * i;
+	else
+		pr_warn("no per-cpu slot holds the current task: INFO's current_task is 0\n");
+	kvfree(ki_current_slots);
+	ki_current_slots = NULL;
 }
 #endif
 
@@ -467,7 +529,6 @@ static int ki_resolve_all(void)
 	size_t i;
 
 	ret |= ki_arch_resolve();
-	ret |= ki_resolve("text_mutex", &ki_text_mutex);
 	ret |= ki_resolve("module_alloc", &ki_module_alloc);
 	ret |= ki_resolve("module_memfree", &ki_module_memfree);
 	ret |= ki_resolve("set_memory_ro", &ki_set_memory_ro);
@@ -939,52 +1000,21 @@ static void ki_arch_cpus_unlock(void)
 /* --- the architecture's half (arm64): hazards ----------------------------- */
 
 /*
- * Core kernel text's alternatives (.altinstructions, __alt_instructions ..
- * __alt_instructions_end; struct alt_instr, arch/arm64/include/asm/alternative.h),
- * indexed at load like the kernel's other tables.  apply_alternatives_all
- * rewrote them at boot from the cpu features, with branches of the replacement
- * rebased to the original place; the kernel reads their bytes as the
- * original's in later patching (alternative callbacks, KVM's va-mask updates),
- * so ksim never moves or overwrites them.  A module's are applied before its
- * text runs and kept in no struct module field: not indexed.
+ * Alternatives (.altinstructions) are no hazard at run time: arm64 keeps the
+ * table in init memory (__alt_instructions is between __inittext_begin and
+ * __inittext_end, arch/arm64/kernel/vmlinux.lds.S), applies it once at boot
+ * (apply_alternatives_all) and frees it with the rest of init; a module's are
+ * applied before its text runs.  Nothing rewrites an alternative after that, and
+ * its instructions are moved as any others.  ki_arch_index finds the current
+ * task instead (it needs the CPUs up, as the tables do).
  */
-static struct ki_hz *ki_alt_hz;
-static unsigned int ki_alt_n;
-static u32 ki_alt_reach;
-
 static void ki_arch_index(void)
 {
-	struct alt_instr *alts;
-	unsigned long n, i;
-	struct ki_hz *z;
-
-	n = ki_table("__alt_instructions", "__alt_instructions_end", sizeof(*alts),
-		     (void **)&alts);
-	if (!n) {
-		pr_warn("no .altinstructions table: alternatives are not kept from text pokes\n");
-		ki_unchecked |= KERNINST_HAZARD_ALTERNATIVE;
-		return;
-	}
-	z = kvmalloc_array(n, sizeof(*z), GFP_KERNEL);
-	if (!z) {
-		ki_unchecked |= KERNINST_HAZARD_ALTERNATIVE;
-		return;
-	}
-	for (i = 0; i < n; i++) {
-		/* ALT_ORIG_PTR: the offset is from the field itself */
-		z[i] = (struct ki_hz){ (unsigned long)&alts[i].orig_offset + alts[i].orig_offset,
-				       max_t(u32, alts[i].orig_len, 1), KERNINST_HAZARD_ALTERNATIVE };
-		ki_alt_reach = max(ki_alt_reach, z[i].len);
-	}
-	sort(z, n, sizeof(*z), ki_hz_cmp, NULL);
-	ki_alt_hz = z;
-	ki_alt_n = n;
-	pr_info("indexed %lu alternatives\n", n);
+	ki_find_current();
 }
 
 static void ki_arch_index_free(void)
 {
-	kvfree(ki_alt_hz);
 }
 
 /* The HINT space (Arm ARM C6.2 "HINT"): CRm:op2 in bits 11:5. */
@@ -1027,8 +1057,6 @@ static u32 ki_arch_text_hazards(unsigned long addr, unsigned long end, struct mo
 	unsigned long a;
 	u32 h = 0, insn;
 
-	if (!mod)
-		h |= ki_hz_search(ki_alt_hz, ki_alt_n, ki_alt_reach, addr, end);
 	for (a = ALIGN_DOWN(addr, AARCH64_INSN_SIZE); a <= end; a += AARCH64_INSN_SIZE) {
 		if (copy_from_kernel_nofault(&insn, (void *)a, sizeof(insn)))
 			return h | KERNINST_HAZARD_NOT_TEXT;

@@ -40,7 +40,8 @@
  * address and length, else -EINVAL), the trap is BRK #KERNINST_ARM64_BRK_IMM,
  * a batch's text writes all go in at once under stop_machine (as
  * aarch64_insn_patch_text does), and the per-cpu offsets of INFO are from
- * TPIDR_EL1's per-cpu base (current_task is the per-cpu __entry_task).
+ * TPIDR_EL1's per-cpu base (current_task: a per-cpu slot holding the current
+ * task, __entry_task's; 0 when none was found).
  */
 #ifndef KERNINST_H
 #define KERNINST_H
@@ -89,9 +90,8 @@ typedef uint64_t __u64;
 #define KERNINST_HAZARD_WARN        (1u << 7) /* the ud2 of a WARN() (find_bug, BUGFLAG_WARNING) */
 #define KERNINST_HAZARD_NOT_TEXT    (1u << 8) /* neither core kernel text nor one live module's text */
 #define KERNINST_HAZARD_UNKNOWN     (1u << 9) /* a check could not be made (a kernel symbol is missing) */
-/* arm64 only (an x86-64 module never sets them): */
-#define KERNINST_HAZARD_ALTERNATIVE (1u << 10) /* instructions of an alternative (.altinstructions) */
-#define KERNINST_HAZARD_BRANCH_PROT (1u << 11) /* a BTI landing pad, or a pointer-authentication
+/* arm64 only (an x86-64 module never sets it): */
+#define KERNINST_HAZARD_BRANCH_PROT (1u << 10) /* a BTI landing pad, or a pointer-authentication
 						* check kprobes refuses to step (autiasp, retaa, ...) */
 
 /*

@@ -35,6 +35,7 @@ import weakref
 from dataclasses import dataclass
 
 from ksim.analysis.abi import ArchSupport
+from ksim.errors import TargetFault
 from ksim.image.image import Image
 from ksim.image.model import Function
 
@@ -70,8 +71,14 @@ def summary(image: Image, support: ArchSupport, func: Function) -> Summary:
         if stored is not None:
             found = Summary(*stored)
         else:
-            comp = compact.compute(image, support, func)
-            found = Summary(comp.own_writes, comp.worst, comp.calls_out, comp.jumps_out)
+            try:
+                comp = compact.compute(image, support, func)
+            except TargetFault:
+                # its code cannot be read (init text a running kernel has freed, that
+                # a __ref caller still names): it may write all the convention allows
+                found = Summary(frozenset(), True, (), ())
+            else:
+                found = Summary(comp.own_writes, comp.worst, comp.calls_out, comp.jumps_out)
         memo[func.address] = found
     return found
 

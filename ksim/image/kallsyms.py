@@ -64,9 +64,11 @@ def load_kallsyms(
     image_path: str | os.PathLike[str] | None = None,
     reader: MemoryReader | None = None,
     identity: bytes | None = None,
+    arch: str = "x86_64",
 ) -> Image:
     """An Image from a kallsyms-format file, with code from ``image_path`` or ``reader``
-    (``identity``: what names the running kernel the reader reads; see Image)."""
+    (``identity``: what names the running kernel the reader reads; see Image; ``arch``:
+    the ``ksim.arch`` name of its code)."""
     source = str(symbols_path)
     try:
         with open(symbols_path, "rb") as f:
@@ -85,7 +87,7 @@ def load_kallsyms(
     symbols = list(_with_sizes(entries, sections))
     return Image(
         str(image_path if image_path is not None else symbols_path),
-        "x86_64",
+        arch,
         "vmlinux",
         sections,
         symbols,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import copy
 import hashlib
 import itertools
 import os
@@ -208,9 +209,12 @@ class KprobeCounter:
     5-byte entry nop) the kprobe is ftrace-based (KPROBES_ON_FTRACE): ftrace
     rewrites only that nop, which ksim never writes (the module refuses, the
     planner's entry point is the instruction after it), so the two never share
-    a byte.  Probe optimisation is switched off while it exists so that an int3
-    probe elsewhere stays one and never jump-patches bytes near a splice
-    (kernel/kprobes.c optimizes after a delay; /proc/sys/debug/kprobes-optimization).
+    a byte.  (arm64: a function's first instruction is the ``mov x9, x30`` of its
+    two-instruction ftrace location, where the kprobe is a BRK of its own, and the
+    planner's entry point is after both.)  Probe optimisation is switched off
+    while it exists so that an int3 probe elsewhere stays one and never
+    jump-patches bytes near a splice (kernel/kprobes.c optimizes after a delay;
+    /proc/sys/debug/kprobes-optimization; a kernel without OPTPROBES has none).
     """
 
     name = "kprobe"
@@ -222,8 +226,12 @@ class KprobeCounter:
         self.event = f"ksim_oracle_{os.getpid()}_{address & 0xffffffff:x}"
         symbol, offset = target.symbolize(address)
         self.probe = f"{symbol}+{offset}"
-        self._saved_opt = target.tracefs(self.OPTIMIZATION).strip() or "1"
-        target.tracefs(self.OPTIMIZATION, "w", "0")
+        try:
+            self._saved_opt: str | None = target.tracefs(self.OPTIMIZATION).strip() or "1"
+        except TargetError:
+            self._saved_opt = None  # a kernel without optimized kprobes (arm64) has no such file
+        if self._saved_opt is not None:
+            target.tracefs(self.OPTIMIZATION, "w", "0")
         target.tracefs(f"{self.TRACEFS}/kprobe_events", "a", f"p:{self.event} {self.probe}\n")
         target.tracefs(f"{self.TRACEFS}/events/kprobes/{self.event}/enable", "w", "1")
         self._closed = False
@@ -243,7 +251,8 @@ class KprobeCounter:
         t = self.TRACEFS
         self.target.tracefs(f"{t}/events/kprobes/{self.event}/enable", "w", "0")
         self.target.tracefs(f"{t}/kprobe_events", "a", f"-:{self.event}\n")
-        self.target.tracefs(self.OPTIMIZATION, "w", self._saved_opt)
+        if self._saved_opt is not None:
+            self.target.tracefs(self.OPTIMIZATION, "w", self._saved_opt)
 
     def __enter__(self) -> KprobeCounter:
         return self
@@ -299,11 +308,18 @@ class LiveTarget:
     @cached_property
     def arch(self) -> Arch:
         """The kernel's architecture: as the daemon's info says, else the one the
-        kernel module is built for."""
+        kernel module is built for; its trap is the module's."""
         from ksim.arch import get_arch
         from ksim.live.abi import MACHINE
 
-        return get_arch(str(self.info.get("arch", MACHINE)))
+        arch = get_arch(str(self.info.get("arch", MACHINE)))
+        trap = self.info.get("trap")
+        if trap and bytes.fromhex(str(trap)) != arch.trap:
+            # the module's trap, the one its routes wait for (on arm64 a BRK of an
+            # immediate of its own, not the kprobes one the toy targets take)
+            arch = copy.copy(arch)
+            arch.trap = bytes.fromhex(str(trap))
+        return arch
 
     @cached_property
     def kallsyms_path(self) -> Path:
@@ -334,7 +350,7 @@ class LiveTarget:
         # the kallsyms file's name says which kernel, where its text is and which
         # modules are loaded: what an analysis store of this kernel is found by
         return load_kallsyms(self.kallsyms_path, reader=self._image_read,
-                             identity=self.kallsyms_path.stem.encode())
+                             identity=self.kallsyms_path.stem.encode(), arch=self.arch.name)
 
     def _image_read(self, address: int, size: int) -> bytes:
         """What the image reads: core kernel text as it was before this client's pokes

@@ -653,7 +653,11 @@ class Daemon:
         return {}
 
     def op_info(self, session: Session) -> dict[str, Any]:
-        return {**self.info, "kernel": os.uname().release, "allow_exec": self.allow_exec,
+        machine = os.uname().machine
+        arch = abi.MACHINES.get(machine, machine)
+        return {**self.info, "kernel": os.uname().release, "arch": arch,
+                "trap": abi.TRAPS[arch].hex() if arch in abi.TRAPS else None,
+                "allow_exec": self.allow_exec,
                 "code_free": self.code.bytes_free, "data_free": self.data.bytes_free,
                 "areas": self.code.describe() + self.data.describe(),
                 "modules": modules_digest()}

@@ -49,8 +49,6 @@ HAZARDS: dict[str, tuple[type[SpliceError], str]] = {
     "bug": (BugSite, "a BUG site (__bug_table): handle_bug finds its ud2 by address"),
     "extable": (ExtableSite, "an instruction with an exception-table fix-up (__ex_table), "
                              "found by address when it faults"),
-    "alternative": (UnsafeSite, "an alternative's instructions (.altinstructions): the kernel "
-                                "chose them from the cpu's features at boot"),
     "branch_prot": (UnsafeSite, "a BTI landing pad or a pointer-authentication check "
                                 "(autiasp, retaa): kprobes refuses to step it"),
     "unknown": (UnsafeSite, "the kernel could not tell whether this text may be touched"),

@@ -118,16 +118,18 @@ class SiteFacts:
 
     def entry(self, func: Function) -> Point:
         """The function's entry point.  When the function starts with an ftrace
-        location (the 5-byte ``call __fentry__`` / nop the kernel rewrites when
-        tracing starts), the entry point is the instruction after it: it runs
-        exactly as often, with the same arguments, and ftrace keeps its bytes -- also
-        while a tracer (a kprobe, bpftrace) uses that location."""
+        location (x86-64: the 5-byte ``call __fentry__`` / nop the kernel rewrites
+        when tracing starts; arm64: its two patchable-entry instructions, ``mov x9,
+        x30`` and the nop ftrace makes a ``bl``), the entry point is the instruction
+        after it: it runs exactly as often, with the same arguments, and ftrace keeps
+        its bytes -- also while a tracer (a kprobe, bpftrace) uses that location."""
         address = self.analysis(func).points.entry
         code = self.function_code(func)
-        first = code.insns[0] if code.insns and code.insns[0].address == address else None
-        if first is not None and "ftrace" in code.hazards.get(address, ()) \
-                and first.flow in (Flow.SEQ, Flow.CALL) and first.end < code.end:
-            address = first.end
+        for insn in code.insns:
+            if insn.address != address or "ftrace" not in code.hazards.get(address, ()) \
+                    or insn.flow not in (Flow.SEQ, Flow.CALL) or insn.end >= code.end:
+                break
+            address = insn.end
         return Point(address, PointKind.ENTRY, func.name)
 
     def points(self, func: Function, kind: PointKind) -> list[Point]:
