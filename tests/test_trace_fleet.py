@@ -298,16 +298,36 @@ def test_the_endpoint_serves_every_hosts_maps_as_metrics() -> None:
 
 
 # --- the live testbed: two guests -------------------------------------------------------------
-FUNC = "__x64_sys_getppid"
+# a system call nothing else in the guests makes (the testbed is shared: other
+# programs call getppid), so that the kernels' kprobes count only the workload's
+FUNC = "__x64_sys_getsid"
 CALLS = 2000
+GETSID_LOOP = r"""
+#include <stdlib.h>
+#include <unistd.h>
+/* Calls getsid(0) exactly N times. */
+int main(int argc, char **argv)
+{
+    long n = argc > 1 ? atol(argv[1]) : 1000, i, s = 0;
+    for (i = 0; i < n; i++)
+        s += getsid(0);
+    return s == 0;
+}
+"""
+
+
+def getsid_loop() -> str:
+    from ksim.live.testing import program
+
+    return str(program("ksimfleet", GETSID_LOOP))
 
 
 @pytest.mark.live
 @pytest.mark.slow
 def test_a_fleet_of_two_guests_counts_what_their_kprobes_count(testbed) -> None:
-    from ksim.live.testing import connect, getppid_loop, instance_testbed
+    from ksim.live.testing import connect, instance_testbed
 
-    loop = getppid_loop()
+    loop = getsid_loop()
     with instance_testbed("fleet", port=7074) as second:
         beds = {"127.0.0.1:7070": testbed, f"127.0.0.1:{second['port']}": second}
         clients = {label: connect(bed) for label, bed in beds.items()}
@@ -330,7 +350,7 @@ def test_a_fleet_of_two_guests_counts_what_their_kprobes_count(testbed) -> None:
     assert all(n >= CALLS for n in hits.values()), hits
     merged = result.summary()["maps"]
     assert merged["@calls"] == sum(hits.values())
-    assert merged["@by"]["getppid_loop"] >= 2 * CALLS
+    assert merged["@by"] == {"ksimfleet": 2 * CALLS}
     for label, n in hits.items():
         assert samples[("ksim_trace_calls_total", (("host", label),))] == n
     assert sum(v for (name, _), v in samples.items() if name == "ksim_trace_calls_total") == \
@@ -340,13 +360,53 @@ def test_a_fleet_of_two_guests_counts_what_their_kprobes_count(testbed) -> None:
 @pytest.mark.live
 @pytest.mark.slow
 def test_a_guest_down_is_reported_and_the_other_guests_maps_printed(testbed, capsys) -> None:
-    from ksim.live.testing import getppid_loop
-
     down = f"127.0.0.1:{closed_port()}"
     status = main(["trace", "-e", f"kprobe:{FUNC} {{ @calls = count(); }}", "--while",
-                   f"{getppid_loop()} 100", "--target", f"{testbed['address']},live://{down}"])
+                   f"{getsid_loop()} 100", "--target", f"{testbed['address']},live://{down}"])
     out, err = capsys.readouterr()
     assert status == 1
     assert f"ksim: host {down} failed (connect)" in err
     assert "[127.0.0.1:7070] Attaching 1 probe...\n" in out
     assert int(out.split("@calls: ")[1].split()[0]) >= 100
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_a_guest_that_goes_away_mid_run_is_reported_and_the_other_goes_on(testbed) -> None:
+    """kerninstd of the second guest is killed while the fleet runs (its /init starts
+    another): that host fails in its run, the first runs on until stopped and its
+    maps are the fleet's."""
+    import threading
+    import time
+
+    from ksim.live.testing import connect, instance_testbed, restart_kerninstd
+
+    with instance_testbed("fleet", port=7074) as second:
+        fleet = Fleet(f"kprobe:{FUNC} {{ @calls = count(); }}",
+                      [Host("a", testbed["address"], testbed["token_file"]),
+                       Host("b", second["address"], second["token_file"])])
+        out: dict[str, Any] = {}
+        runner = threading.Thread(target=lambda: out.setdefault("result", fleet.run()))
+        runner.start()
+        try:
+            deadline = time.monotonic() + 120
+            while any(r.state != "attached" for r in fleet.runs):
+                assert time.monotonic() < deadline and runner.is_alive()
+                time.sleep(0.2)
+            restart_kerninstd(connect(second), second).close()
+            while fleet.runs[1].state != "failed":
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            a = connect(testbed)
+            try:
+                a.run(while_cmd=f"{getsid_loop()} 100")
+            finally:
+                a.close()
+        finally:
+            fleet.stop.set()
+            runner.join(120)
+    result = out["result"]
+    assert [r.label for r in result.failed] == ["b"] and result.status == 1
+    failure = result.summary()["failed"][0]
+    assert failure["stage"] == "run" and failure["error"] == "target-died", failure
+    assert result.summary()["maps"]["@calls"] >= 100

@@ -310,17 +310,17 @@ class FleetSession(TraceSession):
         self._action(("END",), super().end)
 
     def run_intervals(self, now: int | None = None) -> None:
-        """As TraceSession.run_intervals, each run of an interval probe one action."""
+        """As TraceSession.run_intervals (once per call, however many periods went
+        by), each run one action, by the fleet's clock: the k-th run of an interval
+        probe on every host is due at one time, k periods after the first host
+        started running, so that a group's maps cover one window on every host."""
         now = time.monotonic_ns() if now is None else now
+        epoch = self.host_run.fleet.epoch(now)
         for i, (period, probe, name) in enumerate(self.intervals):
-            due = self._next_interval[i]
-            if due is None:
-                self._next_interval[i] = now + period
-            elif now >= due:
-                self._next_interval[i] = now + period
-                self._ticks[i] += 1
-                self._action(("interval", i, self._ticks[i]),
-                             functools.partial(self._interval, probe, name))
+            k = (now - epoch) // period
+            if k > self._ticks[i]:
+                self._ticks[i] = k
+                self._action(("interval", i, k), functools.partial(self._interval, probe, name))
 
     def _interval(self, probe: Any, name: str) -> None:
         from .errors import TraceError
@@ -372,8 +372,9 @@ class HostRun:
         self.stage = "connect"
         self.report: dict[str, Any] | None = None
         self.final: dict[str, MapSnapshot] = {}
-        #: the action groups this host delivered
+        #: the action groups this host delivered; per interval probe, its last run
         self.delivered: set[tuple[Any, ...]] = set()
+        self.ticks: dict[int, int] = {}
         self.thread = threading.Thread(target=self.main, name=f"ksim-fleet-{host.label}",
                                        daemon=True)
 
@@ -386,7 +387,18 @@ class HostRun:
 
     def deliver(self, tag: tuple[Any, ...], items: list[Item]) -> None:
         self.delivered.add(tag)
+        if tag[0] == "interval":
+            self.ticks[tag[1]] = tag[2]
         self.fleet.merger.deliver(self, tag, items)
+
+    def past(self, tag: tuple[Any, ...]) -> bool:
+        """Whether this host will not deliver ``tag`` (it ended, or ran the interval
+        probe of a later window: it started after that window)."""
+        if tag == ("END",):
+            return self.state in ("done", "failed")
+        if self.finished:
+            return True
+        return tag[0] == "interval" and self.ticks.get(tag[1], 0) > tag[2]
 
     def main(self) -> None:
         try:
@@ -466,9 +478,12 @@ class HostRun:
         def check() -> None:
             if progress is not None:
                 progress()
-            if fleet.exporter is not None and time.monotonic() - last[0] >= fleet.options.refresh:
+            if time.monotonic() - last[0] >= fleet.options.refresh:
                 last[0] = time.monotonic()
-                fleet.publish(self, session.snapshots())
+                if fleet.exporter is not None:
+                    fleet.publish(self, session.snapshots())
+                else:
+                    self._heartbeat(session)
             if fleet.stop.is_set():
                 raise Exited()
 
@@ -482,6 +497,15 @@ class HostRun:
         except Exited:
             fleet.stop.set()        # exit() here, or the fleet stopped: every host stops
         return fleet.interrupted
+
+
+    @staticmethod
+    def _heartbeat(session: FleetSession) -> None:
+        """One word of a map read: a live host that went away is found while the
+        others run (a program that prints or has intervals talks to it anyway)."""
+        for lay in session.layouts.values():
+            session.m.target.read(lay.base, 8)
+            return
 
 
 class Merger:
@@ -503,8 +527,7 @@ class Merger:
         with self.lock:
             for tag in list(self.pending):
                 got = self.pending[tag]
-                waiting = [r for r in self.fleet.runs if r.label not in got and not (
-                    r.finished if tag != ("END",) else r.state in ("done", "failed"))]
+                waiting = [r for r in self.fleet.runs if r.label not in got and not r.past(tag)]
                 if waiting:
                     return
                 del self.pending[tag]
@@ -556,6 +579,8 @@ class Fleet:
         self.merger = Merger(self)
         self.stop = threading.Event()
         self.interrupted = False
+        self._epoch: int | None = None
+        self._epoch_lock = threading.Lock()
 
     @property
     def single(self) -> bool:
@@ -563,6 +588,14 @@ class Fleet:
 
     def prefix(self, run: HostRun) -> str | None:
         return None if self.single else run.label
+
+    def epoch(self, now: int) -> int:
+        """When the first host started running (monotonic ns): interval probes' runs
+        are due every period after it."""
+        with self._epoch_lock:
+            if self._epoch is None:
+                self._epoch = now
+            return self._epoch
 
     def publish(self, run: HostRun, snaps: dict[str, MapSnapshot]) -> None:
         if self.exporter is not None:
@@ -637,8 +670,11 @@ class Fleet:
     def _print_line(self, got: list[tuple[HostRun, list[Item]]], lines: list[list[Output]],
                     at: int) -> None:
         mine = [ls[at] if at < len(ls) else None for ls in lines]
-        if all(o is not None and o.text == mine[0].text for o in mine):  # type: ignore[union-attr]
-            self.sink.output(None, mine[0])  # type: ignore[arg-type]
+        first = mine[0]
+        # time() prints the client's clock (one clock for every host): once
+        if first is not None and all(o is not None and (
+                o.text == first.text or o.kind == first.kind == "time") for o in mine):
+            self.sink.output(None, first)
             return
         for (run, _), out in zip(got, mine, strict=True):
             if out is not None:
