@@ -7,7 +7,8 @@ import sys
 
 from ksim.cli import emit_json
 
-NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "cli", "all")
+NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "cli", "verify",
+         "all")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -35,8 +36,14 @@ def run(args: argparse.Namespace) -> int:
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     ctx = Context(mode=mode, progress=not args.no_progress)
-    doc = runner.run(runner.names_for(args.name), ctx, out=None if args.json else sys.stdout,
-                     json_path=args.output, plot_path=args.plot)
+    if args.name == "verify":  # ksim verify's engines (ksim/bench/verify.py), not part of "all"
+        from ksim.bench import verify
+
+        doc = verify.document(ctx, out=None if args.json else sys.stdout, json_path=args.output,
+                              plot_path=args.plot)
+    else:
+        doc = runner.run(runner.names_for(args.name), ctx, out=None if args.json else sys.stdout,
+                         json_path=args.output, plot_path=args.plot)
     if args.json:
         emit_json(doc)
     failed = [n for n, e in doc["benchmarks"].items() if e["status"] == "error"]

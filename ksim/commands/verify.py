@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     todo = cases.make_cases(targets, args.cases, args.seed, args.splice, args.snippet)
     engine = engines.engine_for(args.cluster, args.workers)
     try:
+        if isinstance(engine, engines.RayEngine):
+            engine.connect()
         outcome = campaign.run(source, todo, engine,
                                results=Path(args.results) if args.results else None,
                                progress=not args.no_progress)

@@ -22,6 +22,7 @@ import logging
 import math
 import multiprocessing
 import os
+import socket
 import tempfile
 import threading
 from collections.abc import Iterator, Sequence
@@ -101,6 +102,7 @@ class RayEngine:
             raise ClusterUnavailable(f"--cluster needs Ray, which is not installed ({exc}): "
                                      f"{RAY_EXTRA}") from None
         if not ray.is_initialized():
+            _reachable(self.address)
             try:
                 ray.init(address=self.address, logging_level=logging.ERROR, log_to_driver=False,
                          include_dashboard=False, configure_logging=True)
@@ -108,6 +110,13 @@ class RayEngine:
                 raise ClusterUnavailable(f"cannot reach the Ray cluster at {self.address!r}: "
                                          f"{type(exc).__name__}: {exc}") from None
         return ray
+
+    def connect(self) -> None:
+        """Join the cluster now (run() does it too): a cluster that cannot be reached
+        is an error before anything starts."""
+        ray = self._ray()
+        if not self.workers:
+            self.workers = max(1, int(ray.cluster_resources().get("CPU", 1)))
 
     def run(self, source: ImageSource, cases: Sequence[VerifyCase]) -> Iterator[Records]:
         ray = self._ray()
@@ -134,6 +143,19 @@ class RayEngine:
             return
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _reachable(address: str, timeout: float = 5.0) -> None:
+    """A HOST:PORT address answers (ray.init waits for ever for one that does not)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return  # "auto", "ray://...": Ray's own forms
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+            pass
+    except OSError as exc:
+        raise ClusterUnavailable(f"cannot reach the Ray cluster at {address!r}: "
+                                 f"{exc.strerror or exc}") from None
 
 
 def _ray_chunk(key: str, name: str, refs: list[Any], cases: list[tuple[Any, ...]]) -> Records:
