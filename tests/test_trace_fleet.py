@@ -410,3 +410,28 @@ def test_a_guest_that_goes_away_mid_run_is_reported_and_the_other_goes_on(testbe
     failure = result.summary()["failed"][0]
     assert failure["stage"] == "run" and failure["error"] == "target-died", failure
     assert result.summary()["maps"]["@calls"] >= 100
+
+
+def test_a_host_that_refuses_the_program_is_reported_and_the_others_run(capsys) -> None:
+    """The arm64 toy kernel has no __x64_sys_getppid: that host refuses the program
+    when it attaches; the x86-64 one runs it."""
+    status = main(["trace", "-e", "kprobe:__x64_sys_getppid { @ = count(); } END { print(1); }",
+                   *RUN, "--json", "--target", "unicorn:toy,unicorn:toy-arm64"])
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    errors = [r for r in records if r["type"] == "host_error"]
+    assert status == 1
+    assert [(e["host"], e["stage"], e["error"]) for e in errors] == \
+        [("unicorn:toy-arm64", "attach", "trace-semantic")]
+    assert "unknown function or symbol '__x64_sys_getppid'" in errors[0]["message"]
+    assert {"type": "value", "data": 1} in records       # END ran on the other host
+    summary = next(r["data"] for r in records if r["type"] == "summary")
+    assert list(summary["hosts"]) == ["unicorn:toy"]
+
+
+def test_a_fleet_file_names_the_hosts(tmp_path, capsys) -> None:
+    _, one, _ = trace_out(capsys)
+    fleet = tmp_path / "hosts"
+    fleet.write_text("unicorn:toy\nunicorn:toy   # the same kernel twice\n")
+    status, two, _ = trace_out(capsys, "--fleet", str(fleet))
+    assert status == 0
+    assert int(blocks(two)["@bytes"].split(": ")[1]) == 2 * int(blocks(one)["@bytes"].split(": ")[1])
