@@ -17,7 +17,9 @@ What the fleet prints:
   time: the k-th run of an interval probe on every host is one group, printed once
   every host still running delivered it.  A map they print (``print(@m)``, the maps
   at the end) is printed once, merged over the hosts; a line that is the same on
-  every host is printed once, a line that differs is printed per host, prefixed;
+  every host is printed once (time()'s too: the client's clock), a line that
+  differs is printed per host, prefixed.  The k-th run of an interval probe is due
+  at one time on every host (the fleet's clock), so a group covers one window;
 - exit() on any host ends the run on every host (the program asked to stop).
 
 Merging (:func:`merge_value`): count and sum add, hist and lhist add bucket by
