@@ -373,11 +373,30 @@ class DifferentialRules:
     status_loads: frozenset[str]
     trace_bit: int
     #: the mnemonic prefix of instructions unicorn's code hook sees once per
-    #: iteration (x86-64: rep)
+    #: iteration (x86-64: rep; "": none)
     repeat_prefix: str
     #: first bytes that mark a prefixed instruction (prefixes a relocator must keep:
     #: points a splice gets wrong most easily)
     prefix_bytes: frozenset[int]
+    #: operands of an instruction that writes below the stack pointer and moves it
+    #: over what it wrote, whatever its mnemonic (AArch64: a pre-indexed store with
+    #: writeback to sp, ``stp x29, x30, [sp, #-0x30]!``)
+    pushing_operands: re.Pattern[str] = re.compile(r"(?!)")
+    #: where a call leaves its return address: a register (AArch64: the link
+    #: register x30, which a return branches through), or None: on top of the
+    #: stack, ``stack_slot`` bytes a return pops (x86-64)
+    link_reg: str | None = None
+    stack_slot: int = 8
+    #: the stack pointer's alignment at a call (AArch64: 16, which SP-based
+    #: accesses check)
+    stack_align: int = 8
+    #: whether the per-cpu register holds an offset that code adds to a per-cpu
+    #: variable's link-time address (AArch64: TPIDR_EL1, ``__my_cpu_offset``)
+    #: rather than the base of this CPU's area (x86-64: the GS base)
+    percpu_offset: bool = False
+    #: the system register that holds the current task (AArch64: SP_EL0, which
+    #: ``get_current`` reads), or None: current is per-cpu data (x86-64)
+    current_reg: str | None = None
 
 
 @dataclass(frozen=True)

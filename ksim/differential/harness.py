@@ -11,9 +11,10 @@ error class and message are kept).
 What differs between architectures is theirs (``Arch.emulation``, with its
 ``DifferentialRules``): unicorn's registers, the status flags and the bits the
 ABI keeps clear, the per-cpu base, the breakpoint's interrupt, the BUG
-instruction, and which instructions end a run.  x86-64 declares them, and the
-examples below are its; AArch64 declares no rules yet (its calls leave the
-return address in the link register, not on the stack), and a Harness refuses it.
+instruction, which instructions end a run, and where a call leaves its return
+address.  x86-64 and AArch64 declare them; the examples below are x86-64's,
+with AArch64's differences in brackets.  An architecture that declares none is
+refused by a Harness.
 
 The machine
 -----------
@@ -33,23 +34,29 @@ The machine
   which decides what leaving the function means.
 * The run starts at the point with seeded general-purpose registers and status
   flags (DF clear, as the kernel's ABI keeps it), the stack pointer inside a
-  mapped stack, and a per-cpu base (GS base).  The patch area lies just past the image's last
+  mapped stack, and a per-cpu base (GS base) [TPIDR_EL1 holds the offset that
+  carries the image's per-cpu variables into the direct map; SP_EL0, current,
+  a task in the heap window; the link register x30 a user address, so that
+  returning from the function is leaving it].  The patch area lies just past the image's last
   section (within rel32 reach of its text), with the counter variable on its own
   page after the code.
 * Calls are stepped over: when control reaches an address outside the function
-  (and outside the patch) while the top of the stack holds the return address of
-  one of the function's call instructions, the callee and its six argument
-  registers are recorded, the return address popped, and RAX, the other
+  (and outside the patch) while the top of the stack [the link register] holds
+  the return address of one of the function's call instructions, the callee and
+  its argument registers are recorded, the return address popped [left in the
+  link register, as the callee's RET leaves it], and RAX, the other
   caller-saved registers and the status flags set to values derived from (seed,
   callee, number of calls so far).  Any other departure ends the run: a return
   past the starting frame, a jump out of the function, a fault, an instruction
   whose effect is not deterministic or not the function's own business (rdtsc,
-  rdrand, port I/O, MSRs, control registers, hlt, ...), a breakpoint that is not
+  rdrand, port I/O, MSRs, control registers, hlt, ... [ERET, SVC/HVC/SMC, WFI,
+  TLB maintenance, the counters, writes to system registers but DAIF and
+  NZCV, UDF]), a breakpoint that is not
   the splice's own trap (``trap``), and control reaching the alignment filler after the
   function's code or the middle of a splice's window (the planner relies on
   neither happening; a springboard slot counts as the splice's only when the
   point's own short jump goes there).
-* The BUG instruction (``ud2``) is handled as Linux's ``handle_bug`` does: at an
+* The BUG instruction (``ud2`` [``BRK #0x800``]) is handled as Linux's ``handle_bug`` does: at an
   address the image's ``__bug_table`` lists as a WARN the run goes on after it
   (the warning is recorded), elsewhere it ends the run (``bug``, or ``bug-insn``
   where the table lists no BUG).  A fault at an
@@ -57,7 +64,7 @@ The machine
   recover there, and only there.  These are looked up by the address the CPU
   reports, so an instruction moved into a patch loses its entry, as it would in
   the kernel.
-* The trap tactic's trap is dispatched as the kernel's int3 handler does: the
+* The trap tactic's trap is dispatched as the kernel's int3 [BRK] handler does: the
   interrupted code continues at the patch with its registers and stack.
 
 Budgets
@@ -82,7 +89,8 @@ The comparison
   that depends on where its translation blocks began, which a splice changes;
 * the ordered list of memory writes (address, size, value): the spliced run may
   add writes only to the counter and to stack bytes below the stack pointer
-  (kernel code has no red zone), and the final bytes of everything the original
+  (kernel code has no red zone; what a push [a store pre-indexed below sp with
+  writeback] writes there is not dead), and the final bytes of everything the original
   run wrote must be the same;
 * the stepped-over calls with their arguments, and the WARNs passed;
 * how often the patch ran against how often the point was reached, and the
@@ -144,8 +152,15 @@ STACK_PAGES = 8
 FRAME_LIMIT = PAGE
 #: this CPU's per-cpu base (inside the heap window)
 PERCPU_BASE = 0xFFFF_8881_3FC0_0000
-#: emu_start's end address: non-canonical, never reached by the code (a page of
-#: it is asked for by unicorn itself when it stops, and refused quietly)
+#: the current task, where an architecture keeps it in a register (inside the
+#: heap window; where it is per-cpu data, the filler says)
+CURRENT_TASK = HEAP + HEAP_PAGES * PAGE // 2
+#: the return address a run starts with where calls leave it in a link register:
+#: a user address, never text, where returning from the function is leaving it
+RETURN_ADDRESS = 0x0000_7E7E_0000_0000
+#: emu_start's end address: non-canonical, never reached by the code (its page,
+#: or on AArch64 the page below it, is asked for by unicorn itself when it
+#: stops, and refused quietly)
 _UNTIL = 0x5A5A_5A5A_5A5A_5000
 #: pages a run may map beyond the image's stack, patch and counter pages
 LAZY_PAGES = 256
@@ -375,7 +390,9 @@ class Harness:
         #: the registers a run seeds and compares, and those a stepped-over callee
         #: leaves behind (the convention's caller-saved ones)
         self.gprs = cpu.gprs
-        self.clobbered = tuple(r for r in cpu.gprs if r in arch.convention.caller_saved)
+        rules = self.rules
+        self.clobbered = tuple(r for r in cpu.gprs if r in arch.convention.caller_saved
+                               and r != rules.link_reg)
         #: the status flags' name in instructions' register effects and liveness
         self.flags = arch.flags_reg
         self.facts = facts if facts is not None else SiteFacts(image, arch)
@@ -399,6 +416,14 @@ class Harness:
         #: every address the kernel finds or rewrites by itself
         self.table_sites = frozenset(a for ref in TextRef for a in tables.addresses(ref))
         self.abi = _abi(image, self.counter)
+        #: what the per-cpu register holds: this CPU's base, or (an offset added to
+        #: per-cpu variables' link-time addresses) the offset that carries the
+        #: image's per-cpu section there
+        self.percpu_value = PERCPU_BASE
+        if rules.percpu_offset:
+            start = (image.address_of("__per_cpu_start") if _has_symbol(image, "__per_cpu_start")
+                     else kernel[0].address)
+            self.percpu_value = (PERCPU_BASE - start) & _MASK64
         self.cs = capstone.Cs(cpu.cs_arch, cpu.cs_mode)
         #: what fills the patch area around the code, and pages code may only jump
         #: to: the architecture's padding, which traps if it is ever executed
@@ -748,6 +773,7 @@ class _Machine:
         self.rules = ctx.h.rules
         self.uc = unicorn.Uc(cpu.uc_arch, cpu.uc_mode)
         self.uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
+        self.uc_page: int = self.uc.ctl_get_page_size()  # type: ignore[attr-defined]
         self.phys: dict[int, int] = {}  # virtual page -> physical page
         self.virt: dict[int, int] = {}  # physical page -> virtual page
         self.perms: dict[int, int] = {}
@@ -799,7 +825,7 @@ class _Machine:
 
     def _on_tlb_fill(self, vaddr: int, access: int, entry: Any) -> bool:
         page = vaddr & ~(PAGE - 1)
-        if page == _UNTIL:
+        if page == _UNTIL or page == _UNTIL - PAGE:
             return False
         perms = self.perms.get(page)
         if perms is None:
@@ -807,7 +833,8 @@ class _Machine:
         if perms is None or not perms & _NEED.get(access, 0):
             self.denied = (vaddr, access)
             return False
-        entry.paddr = self.phys[page]
+        # unicorn's own pages may be smaller than ours (AArch64: 1 KB)
+        entry.paddr = self.phys[page] + (vaddr & (PAGE - 1) & -self.uc_page)
         entry.perms = perms
         return True
 
@@ -841,8 +868,9 @@ class _Machine:
             return
         # unicorn calls the hook again for each iteration of a rep-prefixed string
         # instruction: the point is reached once per execution, not per iteration
-        again = (address == previous
-                 and self._insn(address, size).mnemonic.startswith(self.rules.repeat_prefix))
+        repeat = self.rules.repeat_prefix
+        again = (address == previous and bool(repeat)
+                 and self._insn(address, size).mnemonic.startswith(repeat))
         if address == (ctx.patch.code_address if self.spliced else ctx.point) and not again:
             if self.hits >= ctx.budget:
                 self._stop("budget", address, "point")
@@ -872,16 +900,17 @@ class _Machine:
         insn = self._insn(address, min(size, longest))
         text = f"{insn.mnemonic} {insn.op_str}".strip()
         operation = _base(insn.mnemonic)
-        if self.h.arch.is_breakpoint(insn):
-            if not (self.spliced and address == ctx.patch.trap_site):
-                self._stop("trap", address)
-        elif insn.raw == self.cpu.bug_insn:
+        if insn.raw == self.cpu.bug_insn:
+            # (before the breakpoints: AArch64's BUG instruction is a BRK)
             if address in self.h.warn_sites:
                 # handle_bug -> report_bug: a WARN is reported and skipped
                 self.warnings.append(address)
                 self._set(self.cpu.pc, address + len(insn.raw))
             else:
                 self._stop("bug" if address in self.h.bug_sites else "bug-insn", address)
+        elif self.h.arch.is_breakpoint(insn):
+            if not (self.spliced and address == ctx.patch.trap_site):
+                self._stop("trap", address)
         elif operation in self.rules.status_loads:
             self.popped_flags = True
         elif operation in self.rules.forbidden or self.rules.forbidden_operands.search(insn.op_str):
@@ -894,7 +923,7 @@ class _Machine:
         rsp = self._reg(self.cpu.sp)
         below = vaddr + size <= rsp
         writer = self.decoded.get(self.pc)
-        if below and (writer is None or _base(writer.mnemonic) not in self.rules.pushing):
+        if below and (writer is None or not self._pushes(writer)):
             # below the stack pointer and not pushed there: dead (kernel code has no
             # red zone), e.g. mb()'s "lock add dword ptr [rsp - 4], 0", which writes
             # back whatever the snippets' own pushes left there
@@ -912,6 +941,11 @@ class _Machine:
                     rsp = max(rsp, self.entry_rsp)
                 ok = rsp - FRAME_LIMIT <= vaddr and vaddr + size <= rsp
             self.extra_ok.append(ok)
+
+    def _pushes(self, insn: Insn) -> bool:
+        """Whether ``insn`` writes below the stack pointer and moves it over what it wrote."""
+        rules = self.rules
+        return _base(insn.mnemonic) in rules.pushing or bool(rules.pushing_operands.search(insn.op_str))
 
     def _on_interrupt(self, intno: int) -> None:
         cpu = self.cpu
@@ -940,18 +974,22 @@ class _Machine:
         self._stop(kind, rip, f"{_ACCESS.get(access, 'access')} {vaddr:#x}")
 
     def _leave(self, address: int) -> None:
-        # a call left its return address on top of the stack (as on x86-64; an
-        # architecture whose calls leave it in a link register declares no
-        # DifferentialRules yet)
+        # a call left the return address of one of the function's calls on top of
+        # the stack (x86-64) or in the link register (AArch64)
+        link = self.rules.link_reg
         rsp = self._reg(self.cpu.sp)
-        top = self.read_u64(rsp)
-        if top is not None and top in self.ctx.returns:
-            self._step_over(address, rsp, top)
+        ret = self.read_u64(rsp) if link is None else self._reg(link)
+        # (a link register still holds it once control is there: a call at the
+        # end of the code, stepped over, is not called again)
+        if ret is not None and ret in self.ctx.returns and (link is None or address != ret):
+            self._step_over(address, rsp, ret)
             return
-        self._stop("return" if rsp > self.start_rsp else "jump-out", address)
+        # past the starting frame, or (a link register) back where the run began
+        returned = rsp > self.start_rsp or (link is not None and address == RETURN_ADDRESS)
+        self._stop("return" if returned else "jump-out", address)
 
     def _step_over(self, callee: int, rsp: int, ret: int) -> None:
-        h, cpu = self.h, self.cpu
+        h, cpu, link = self.h, self.cpu, self.rules.link_reg
         self.calls.append(Call(callee, tuple(self._reg(r) for r in h.arch.arg_regs)))
         self.unsettled -= {*h.clobbered, h.flags}
         rng = random.Random(_key(self.seed, "call", callee, len(self.calls)))
@@ -959,7 +997,12 @@ class _Machine:
             self._set(name, _value(rng))
         status = self._reg(cpu.status_reg)
         self._set(cpu.status_reg, (status & ~cpu.status_mask) | _random_status(cpu, rng))
-        self._set(cpu.sp, rsp + 8)
+        if link is None:
+            self._set(cpu.sp, rsp + self.rules.stack_slot)
+        else:
+            # the callee returned through the link register, which still holds
+            # where it went
+            self.unsettled.discard(link)
         self._set(cpu.pc, ret)
 
     def _insn(self, address: int, size: int) -> Insn:
@@ -1049,17 +1092,29 @@ class _Machine:
         for name in self.h.gprs:
             if name != cpu.sp:
                 self._set(name, _value(rng, pointers=0.6))
-        self.start_rsp = STACK + STACK_PAGES * PAGE // 2 - 8 * rng.randrange(64)
+        rules = self.rules
+        self.start_rsp = (STACK + STACK_PAGES * PAGE // 2 - 8 * rng.randrange(64)) \
+            & -rules.stack_align
         self._set(cpu.sp, self.start_rsp)
         self._set(cpu.status_reg, cpu.status_reset | _random_status(cpu, rng))
+        if rules.link_reg is not None:
+            # where the function returns to: no text, so that returning is leaving
+            self._set(rules.link_reg, RETURN_ADDRESS)
         # every other register starts at zero, as a new unicorn instance has them
-        self._set(cpu.percpu_reg, PERCPU_BASE)
+        self._set(cpu.percpu_reg, self.h.percpu_value)
+        if rules.current_reg is not None:
+            self._set(rules.current_reg, CURRENT_TASK)
         started = time.monotonic()
         try:
             uc.emu_start(self.ctx.point, _UNTIL, timeout=int(TIMEOUT_S * 1e6))
         except unicorn.UcError as exc:
             if self.exit is None and self.error is None:
-                self.exit = Exit("error", self._reg(cpu.pc), str(exc))
+                if self.denied is not None:
+                    # a page fault unicorn stopped at without calling the interrupt
+                    # hook (AArch64's data and prefetch aborts)
+                    self._fault(self._reg(cpu.pc))
+                else:
+                    self.exit = Exit("error", self._reg(cpu.pc), str(exc))
         if self.error is not None:
             raise self.error
         if self.exit is None:
