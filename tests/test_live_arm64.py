@@ -1,0 +1,126 @@
+"""ksim on a live arm64 kernel: Debian's arm64 kernel in qemu-system-aarch64 (TCG), with
+kmod/'s kerninst.ko and kerninstd in the guest (``ksim testbed up --arch arm64``).
+
+Each count is checked against the kernel's own kprobe at the function, under both
+splices: a ``B`` to the patch (jmp) and a ``BRK #KERNINST_ARM64_BRK_IMM`` routed
+by the module's break hook (trap), and the function's text is byte for byte as it
+was afterwards.  A wildcard attaches in one batch; two clients cannot take each
+other's text.  Kept short for TCG: the guest boots in seconds, each count is a few
+thousand system calls.
+"""
+
+# ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ksim.commands.count import count
+from ksim.errors import AlreadySpliced, TextOwned
+from ksim.kapi import Manager
+from ksim.live import abi, testing
+from ksim.live.testing import (  # noqa: F401
+    dmesg_problems,
+    kerninst_arm64,
+    target_arm64,
+    testbed_arm64,
+)
+
+pytestmark = [pytest.mark.live]
+
+FUNC = "__arm64_sys_getpriority"
+N = 3000
+#: calls getpriority(2) and setpriority(2) (to nice 0, as it is) N times each (arg 1),
+#: as plain system calls: nothing else in the guest calls them
+SYSCALLS = r"""
+#include <stdlib.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(int argc, char **argv)
+{
+    long n = argc > 1 ? atol(argv[1]) : 1, i;
+    for (i = 0; i < n; i++) {
+        syscall(SYS_getpriority, PRIO_PROCESS, 0);
+        syscall(SYS_setpriority, PRIO_PROCESS, 0, 0);
+    }
+    return 0;
+}
+"""
+
+
+def _spec(testbed: dict[str, Any]) -> str:
+    return f"live://127.0.0.1:{testbed['port']}"
+
+
+def _loop(n: int) -> str:
+    return f"{testing.program('arm64_priority', SYSCALLS, 'arm64')} {n}"
+
+
+def _text(t: Any, name: str, size: int = 64) -> bytes:
+    """The function's first bytes as they are in the running kernel."""
+    return bytes(t.read(t.lookup(name), size))
+
+
+def test_the_module_is_the_arm64_one(kerninst_arm64, target_arm64):
+    t = target_arm64
+    assert t.arch.name == "aarch64" and t.info["arch"] == "aarch64"
+    # the module's own trap, not the kprobes BRK (0x004)
+    assert t.arch.trap == abi.TRAPS["aarch64"]
+    assert int.from_bytes(t.arch.trap, "little") == 0xD4200000 | abi.ARM64_BRK_IMM << 5
+    assert t.info["current_task"] != 0  # the per-cpu slot that holds current was found
+    # a function's two ftrace instructions (mov x9, x30; nop) are the kernel's
+    start = t.lookup(FUNC)
+    found = t.text_hazards([(start, 4), (start + 4, 4), (start + 8, 4)])
+    assert "ftrace" in found[0] and "ftrace" in found[1] and "ftrace" not in found[2]
+    # text writes and trap sites are whole instructions
+    assert t.text_hazards([(start + 2, 1)])[0] == t.text_hazards([(start, 4)])[0]
+
+
+@pytest.mark.parametrize("splice", ["jmp", "trap"])
+def test_count_matches_the_kprobe_and_text_is_restored(kerninst_arm64, target_arm64, splice):
+    t = target_arm64
+    before = _text(t, FUNC, 256)
+    report = count(FUNC, _spec(kerninst_arm64), splice=splice, oracle="kprobe",
+                   while_cmd=_loop(N))
+    assert report["tactic"] == splice
+    assert report["oracle_kind"] == "kprobe"
+    assert report["count"] == report["oracle"] == N, report
+    assert _text(t, FUNC, 256) == before
+    assert not [k for k in t.kept() if k.get("writes")]
+    assert dmesg_problems(t) == []
+
+
+def test_a_wildcard_attaches_in_one_batch(kerninst_arm64, target_arm64):
+    t = target_arm64
+    names = ("__arm64_sys_getpriority", "__arm64_sys_setpriority")
+    before = {n: _text(t, n) for n in names}
+    report = count("__arm64_sys_*etpriority", _spec(kerninst_arm64), splice="jmp",
+                   oracle="kprobe", while_cmd=_loop(N))
+    rows = {r["function"]: r for r in report["rows"]}
+    assert set(rows) == set(names), sorted(rows)
+    for name in names:
+        assert rows[name]["tactic"] == "jmp"
+        assert rows[name]["count"] == rows[name]["oracle"] == N, rows[name]
+    assert {n: _text(t, n) for n in names} == before
+    assert dmesg_problems(t) == []
+
+
+def test_two_clients_cannot_take_each_others_text(kerninst_arm64, target_arm64):
+    spec = _spec(kerninst_arm64)
+    before = _text(target_arm64, FUNC)
+    with Manager.attach(spec) as a, Manager.attach(spec) as b:
+        point = a.entry_point(FUNC)
+        va = a.malloc()
+        a.insert_many([point], va.atomic_assign(va + 1), splice="jmp")
+        assert _text(target_arm64, FUNC) != before
+        vb = b.malloc()
+        for splice in ("jmp", "trap"):
+            with pytest.raises((TextOwned, AlreadySpliced)):
+                b.insert_many([b.entry_point(FUNC)], vb.atomic_assign(vb + 1), splice=splice)
+        # a's splice still counts
+        target_arm64.exec(_loop(100))
+        assert a.read_array([va])[0] >= 100
+    assert _text(target_arm64, FUNC) == before
+    assert dmesg_problems(target_arm64) == []
