@@ -108,3 +108,21 @@ def test_kerninst_builds_for_arm64(testbed_arm64):
         pytest.xfail(f"kmod/ does not build for arm64 yet: {exc}")
     head = ko.read_bytes()[:20]
     assert head[:4] == b"\x7fELF" and int.from_bytes(head[18:20], "little") == 183  # EM_AARCH64
+
+
+def test_bpftrace_runs_in_a_guest_whose_userland_has_it():
+    """`up --arch arm64 --with bpftrace`: Debian's arm64 bpftrace and its libraries in
+    the userland (a guest of its own, with the stand-in module: bpftrace needs none),
+    its kprobe counting a cross-built program's getppid calls exactly."""
+    loop = getppid_loop("arm64")
+    with testing.instance_testbed("arm64-bpftrace", arch="arm64", tools=("bpftrace",),
+                                  module_sources=arm64bed.module_dir_sources(
+                                      arm64bed.STANDIN)) as state:
+        assert state["tools"] == ["bpftrace"]
+        out = tb.exec_(
+            "bpftrace -e 'kprobe:__arm64_sys_getppid { @n = count(); } "
+            "interval:s:15 { exit(); }' > /tmp/bt.out 2>&1 & "
+            "until grep -q Attaching /tmp/bt.out; do sleep 0.5; done; sleep 1; "
+            f"{loop} 2000; wait; cat /tmp/bt.out", timeout=120, instance="arm64-bpftrace")
+    assert out["rc"] == 0, out
+    assert "@n: 2000" in out["stdout"].split("2000\n", 1)[1], out["stdout"]

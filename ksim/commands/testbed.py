@@ -41,6 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        help="arm64: build kerninst.ko from DIR (a kbuild Makefile and its "
                             "sources; kmod/kerninst.h when DIR lacks it) instead of kmod/, "
                             "e.g. tests/kmod_arm64_standin while kmod/ does not build for arm64")
+        q.add_argument("--with", dest="tools", action="append", default=[], metavar="TOOL",
+                       help="a program the guest runs (bpftrace): added to the arm64 guest's "
+                            "userland, installed on the host for the x86-64 guest")
         q.add_argument("--offline", action="store_true",
                        help="use only the cache and the installed packages; name what is "
                             "missing instead of fetching it")
@@ -92,7 +95,8 @@ def run(args: argparse.Namespace) -> int:
     progress = _progress(args.json)
     if args.action == "prepare":
         ready = testbed.prepare(offline=args.offline, refresh=args.refresh, progress=progress,
-                                arch=args.arch or "x86_64", module_sources=_kmod(args))
+                                arch=args.arch or "x86_64", module_sources=_kmod(args),
+                                tools=tuple(args.tools))
         if args.json:
             emit_json(ready)
         else:
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "up":
         state = testbed.up(port=args.port, accel=args.accel, timeout=args.timeout,
                            offline=args.offline, refresh=args.refresh, progress=progress,
-                           instance=inst, module_sources=_kmod(args))
+                           instance=inst, module_sources=_kmod(args), tools=tuple(args.tools))
         if args.json:
             emit_json(state)
         else:

@@ -130,7 +130,9 @@ def download(packages: list[str], dest: Path, progress: tb.Progress, *,
 
 
 def _debs(dest: Path, package: str) -> list[Path]:
-    return sorted(dest.glob(f"{package}_*_{ARCH}.deb"), key=lambda p: p.stat().st_mtime)
+    """The downloaded .deb files of ``package`` (arm64, or arch-independent), oldest first."""
+    return sorted([*dest.glob(f"{package}_*_{ARCH}.deb"), *dest.glob(f"{package}_*_all.deb")],
+                  key=lambda p: p.stat().st_mtime)
 
 
 # -- the kernel -----------------------------------------------------------------------
@@ -279,25 +281,72 @@ def _userland_dirs() -> list[Path]:
     return sorted(p for p in arm64_dir().glob("userland-*") if (p / ".complete").exists())
 
 
+#: Programs the userland may carry besides kerninstd's Python, by name (`up --with`):
+#: the package, and the program it puts in /usr/bin.  bpftrace's closure is 23 packages
+#: (LLVM 14, clang 14, libbpfcc, ICU, z3, ...): 57 MB of downloads, 280 MB unpacked.
+TOOLS = {"bpftrace": ("bpftrace", "bpftrace")}
+
+
+def _has_tools(root: Path, tools: tuple[str, ...]) -> bool:
+    return all((root / "usr" / "bin" / TOOLS[t][1]).exists() for t in tools)
+
+
+def _closure(packages: list[str]) -> list[str]:
+    """``packages`` and what they depend on (Depends and Pre-Depends), arm64 or all,
+    as apt names them."""
+    out = tb._run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests",
+                   "--no-conflicts", "--no-breaks", "--no-replaces", "--no-enhances",
+                   *(f"{p}:{ARCH}" for p in packages)])
+    found = []
+    for line in out.splitlines():
+        if line.startswith((" ", "<")):
+            continue
+        name = line.strip()
+        if name.endswith(f":{ARCH}"):
+            name = name[:-len(ARCH) - 1]
+        elif ":" in name:
+            continue  # another architecture's (an amd64 alternative)
+        found.append(name)
+    return list(dict.fromkeys(found))
+
+
+def check_tools(tools: tuple[str, ...]) -> tuple[str, ...]:
+    unknown = [t for t in tools if t not in TOOLS]
+    if unknown:
+        raise TargetError(f"the arm64 userland cannot carry {', '.join(unknown)} "
+                          f"(it can carry: {', '.join(TOOLS)})")
+    return tuple(sorted(set(tools)))
+
+
 def userland(progress: tb.Progress = tb._quiet, *, offline: bool = False,
-             refresh: bool = False) -> Path:
+             refresh: bool = False, tools: tuple[str, ...] = ()) -> Path:
     """The arm64 userland kerninstd runs on (USERLAND_PACKAGES unpacked, usr-merged,
-    the standard library compiled), named after the packages it was made of.  The
-    newest complete one is used as it is; with ``refresh`` (or none yet) the packages
-    apt offers now are downloaded and a new one made if they changed."""
-    made = _userland_dirs()
+    the standard library compiled) and ``tools`` (TOOLS) with their dependencies, named
+    after the packages it was made of.  The newest complete one that has the tools is
+    used as it is; with ``refresh`` (or none yet) the packages apt offers now are
+    downloaded and a new one made if they changed."""
+    tools = check_tools(tools)
+    made = [d for d in _userland_dirs() if _has_tools(d, tools)]
     if made and not refresh:
         return max(made, key=lambda p: p.stat().st_mtime)
     debs = arm64_dir() / "debs"
-    missing = [p for p in USERLAND_PACKAGES if not _debs(debs, p)]
+    packages = list(USERLAND_PACKAGES)
+    if tools:
+        if offline:
+            raise TargetError(f"offline, and no arm64 userland in {arm64_dir()} has "
+                              + ", ".join(tools))
+        _enable_foreign_arch(progress)
+        packages += [p for p in _closure([TOOLS[t][0] for t in tools]) if p not in packages]
+    missing = [p for p in packages if not _debs(debs, p)]
     if missing or refresh:
-        download(list(USERLAND_PACKAGES) if refresh else missing, debs, progress, offline=offline)
-    files = [_debs(debs, p)[-1] for p in USERLAND_PACKAGES]
+        download(packages if refresh else missing, debs, progress, offline=offline)
+    files = [_debs(debs, p)[-1] for p in packages]
     key = hashlib.sha256("\n".join(f.name for f in files).encode()).hexdigest()[:12]
     root = arm64_dir() / f"userland-{key}"
     if (root / ".complete").exists():
         return root
-    progress(f"unpacking the arm64 userland ({len(files)} packages)")
+    progress(f"unpacking the arm64 userland ({len(files)} packages"
+             + (f", with {', '.join(tools)})" if tools else ")"))
     work = root.with_name(f"{root.name}.tmp-{os.getpid()}")
     shutil.rmtree(work, ignore_errors=True)
     try:
@@ -359,16 +408,18 @@ def boot_needs() -> list[tb.Need]:
 
 
 def prepare(abi: str, *, offline: bool = False, progress: tb.Progress = tb._quiet,
-            refresh: bool = False, module_sources: list[Path] | None = None) -> dict[str, Any]:
+            refresh: bool = False, module_sources: list[Path] | None = None,
+            tools: tuple[str, ...] = ()) -> dict[str, Any]:
     """Everything the arm64 guest needs before it boots, from the cache when it holds it."""
     tb._provide(boot_needs(), progress, offline)
     root = kernel_root(abi, progress, offline=offline)
     image = kernel_image(root, abi)
-    land = userland(progress, offline=offline, refresh=refresh)
+    land = userland(progress, offline=offline, refresh=refresh, tools=tools)
     ko = build_module(abi, progress, offline=offline, sources=module_sources)
     return {"abi": abi, "arch": ARCH, "cache": str(arm64_dir()), "kernel_root": str(root),
             "vmlinux": str(image), "module": str(ko), "userland": str(land),
             "module_source": str((module_sources or module_sources_default())[0].parent),
+            "tools": [t for t in TOOLS if _has_tools(land, (t,))],
             "guest_modules": [str(m) for m in tb.guest_modules(root, abi, ARCH)]}
 
 

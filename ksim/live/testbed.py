@@ -917,7 +917,8 @@ def _console_tail(inst: Instance | None = None, lines: int = 25) -> str:
 
 def prepare(*, offline: bool = False, refresh: bool = False,
             progress: Progress = _quiet, arch: str = "x86_64",
-            module_sources: list[Path] | None = None) -> dict[str, Any]:
+            module_sources: list[Path] | None = None,
+            tools: tuple[str, ...] = ()) -> dict[str, Any]:
     """Everything `up` needs before it boots: the kernel ABI, the host's packages, the
     unpacked kernel, its ELF vmlinux, kerninst.ko and the guest's module list.  What the
     cache already holds is used as it is (no apt, no network); what is missing is
@@ -926,16 +927,18 @@ def prepare(*, offline: bool = False, refresh: bool = False,
     and the headers are installed: that needs no network).  ``arch`` "arm64" prepares
     the arm64 testbed (ksim.live.arm64bed), of the same kernel ABI; there,
     ``module_sources`` (a kbuild Makefile and what it builds into kerninst.ko) may
-    stand in for kmod/."""
+    stand in for kmod/, and ``tools`` (e.g. "bpftrace") are added to the guest's arm64
+    userland (the x86-64 guest runs the host's programs: ensure_tools installs them)."""
     abi = resolve_abi(progress, offline=offline, refresh=refresh)
     progress(f"kernel ABI {abi}")
     if resolve_instance(None, arch).arch == "arm64":
         from ksim.live import arm64bed
 
         return arm64bed.prepare(abi, offline=offline, progress=progress, refresh=refresh,
-                                module_sources=module_sources)
+                                module_sources=module_sources, tools=tools)
     if module_sources is not None:
         raise TargetError("the x86-64 testbed boots kmod/'s kerninst.ko only")
+    ensure_tools(tools, progress)
     needs = missing(abi)
     if offline and needs:
         raise TargetError(f"offline, and the testbed cache ({cache_dir()}) or this host lacks "
@@ -969,14 +972,19 @@ def _choose_port(inst: Instance, port: int | None) -> int:
 def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TIMEOUT,
        offline: bool = False, refresh: bool = False, progress: Progress = _quiet,
        instance: Instance | str | None = None, arch: str | None = None,
-       module_sources: list[Path] | None = None) -> dict[str, Any]:
+       module_sources: list[Path] | None = None, tools: tuple[str, ...] = ()) -> dict[str, Any]:
     """Boot the testbed ``instance`` (default: the x86-64 testbed on port 7070; with
     ``arch`` "arm64", the arm64 one on 7071), or return it if it is running, and return
     its state.  ``port`` defaults to the instance's own (7070, 7071), or a free one.
-    ``module_sources``: see prepare (arm64 only)."""
+    ``module_sources`` and ``tools``: see prepare."""
     inst = instance if isinstance(instance, Instance) else resolve_instance(instance, arch)
     current = status(inst)
     if current["up"]:
+        lacking = [t for t in tools if inst.arch == "arm64" and t not in current.get("tools", [])]
+        if lacking:
+            raise TargetError(f"the running arm64 testbed's userland has no {', '.join(lacking)}: "
+                              "ksim testbed down --arch arm64, then up --arch arm64 "
+                              + " ".join(f"--with {t}" for t in lacking))
         progress(f"already up at {current['address']}")
         return current
     if inst.arch == "arm64" and accel == "kvm":
@@ -984,7 +992,7 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
     down(instance=inst)
     t0 = time.monotonic()
     ready = prepare(offline=offline, refresh=refresh, progress=progress, arch=inst.arch,
-                    module_sources=module_sources)
+                    module_sources=module_sources, tools=tools)
     abi = ready["abi"]
     ensure_token()
     port = _choose_port(inst, port)
@@ -1024,6 +1032,8 @@ def up(*, port: int | None = None, accel: str = "auto", timeout: float = BOOT_TI
             "console": str(inst.dir / "console.log"), "qmp": str(inst.dir / "qmp.sock"),
             "instance": inst.name, "arch": inst.arch, "module": ready["module"],
             "module_source": ready.get("module_source", str(REPO / "kmod")),
+            **({"userland": ready["userland"], "tools": ready["tools"]} if "userland" in ready
+               else {}),
         }
         _state_path(inst).write_text(json.dumps(state, indent=2))
         progress(f"up in {state['boot_seconds']} s: {state['address']} (token {state['token_file']})")

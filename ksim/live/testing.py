@@ -164,7 +164,8 @@ def _say(name: str) -> tb.Progress:
 @contextmanager
 def instance_testbed(name: str, *, arch: str | None = None, port: int | None = None,
                      timeout: float = tb.BOOT_TIMEOUT,
-                     module_sources: list[Path] | None = None) -> Iterator[dict[str, Any]]:
+                     module_sources: list[Path] | None = None,
+                     tools: tuple[str, ...] = ()) -> Iterator[dict[str, Any]]:
     """The testbed instance ``name`` (``arch`` x86_64 unless it is "arm64"), booted on
     ``port`` (default: its own, else a free one) or found running; stopped at the end
     only if this booted it.  ``with instance_testbed("b", port=7072) as b:`` gives a
@@ -172,7 +173,7 @@ def instance_testbed(name: str, *, arch: str | None = None, port: int | None = N
     inst = tb.resolve_instance(name, arch)
     already = tb.status(inst)["up"]
     state = tb.up(instance=inst, port=port, timeout=timeout, progress=_say(inst.label),
-                  module_sources=module_sources)
+                  module_sources=module_sources, tools=tools)
     try:
         yield state
     finally:
