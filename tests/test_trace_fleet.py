@@ -435,3 +435,33 @@ def test_a_fleet_file_names_the_hosts(tmp_path, capsys) -> None:
     status, two, _ = trace_out(capsys, "--fleet", str(fleet))
     assert status == 0
     assert int(blocks(two)["@bytes"].split(": ")[1]) == 2 * int(blocks(one)["@bytes"].split(": ")[1])
+
+
+@pytest.mark.live
+@pytest.mark.slow
+def test_a_fleets_intervals_print_merged_windows_that_add_up_to_the_kprobes(testbed, capsys) -> None:
+    """Each interval prints the fleet's count of its window and clears it on every
+    host: the windows and the end add up to the two kernels' kprobes' hits."""
+    from ksim.live.testing import connect, instance_testbed
+
+    with instance_testbed("fleet", port=7074) as second:
+        beds = (testbed, second)
+        clients = [connect(bed) for bed in beds]
+        oracles = [t.oracle_counter(t.lookup(FUNC)) for t in clients]
+        try:
+            status = main(["trace", "-e", f"kprobe:{FUNC} {{ @calls = count(); }} "
+                           "interval:ms:300 { time(\"tick\\n\"); print(@calls); clear(@calls); }",
+                           "--while", f"{getsid_loop()} {CALLS}; sleep 1; {getsid_loop()} {CALLS}",
+                           "--target", ",".join(bed["address"] for bed in beds)])
+        finally:
+            hits = [o.count for o in oracles]
+            for o, t in zip(oracles, clients, strict=True):
+                o.close()
+                t.close()
+    out = capsys.readouterr().out
+    assert status == 0
+    lines = out.splitlines()
+    assert all(not line.startswith("[") or line.endswith(" probes...") for line in lines), out
+    windows = [int(line.split(": ")[1]) for line in lines if line.startswith("@calls: ")]
+    assert sum(windows) == sum(hits) == 4 * CALLS, (windows, hits)
+    assert lines.count("tick") >= 3     # one line per window (the client's clock), not per host

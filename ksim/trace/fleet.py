@@ -527,7 +527,8 @@ class Merger:
 
     def flush(self) -> None:
         with self.lock:
-            for tag in list(self.pending):
+            # END last: a host that ended early delivers it before the others' intervals
+            for tag in sorted(self.pending, key=lambda tag: tag == ("END",)):
                 got = self.pending[tag]
                 waiting = [r for r in self.fleet.runs if r.label not in got and not r.past(tag)]
                 if waiting:
