@@ -50,6 +50,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--refresh", action="store_true",
                        help="use the newest 6.1 kernel ABI apt offers, not the cached one")
     st = actions.add_parser("status", help="is the testbed up, and where")
+    st.add_argument("--all", action="store_true",
+                    help="every instance that has been booted (state files), up or not")
     ex = actions.add_parser("exec", help="run a shell command in the guest")
     ex.add_argument("--timeout", type=float, default=120.0,
                     help="seconds the command may run (default 120)")
@@ -103,6 +105,16 @@ def run(args: argparse.Namespace) -> int:
             print(f"testbed ready to boot: kernel {ready['abi']} ({ready['arch']}), module "
                   f"{ready['module']}, {len(ready['guest_modules'])} guest modules "
                   f"(cache {ready['cache']})")
+        return 0
+    if args.action == "status" and args.all:
+        every = testbed.instances()
+        if args.json:
+            emit_json(every)
+        for state in [] if args.json else every:
+            name = state.get("instance") or "default"
+            print(f"{name:16} {state.get('arch', 'x86_64'):7} "
+                  + (f"up   {state['address']} (kernel {state.get('kernel')}, qemu pid "
+                     f"{state['pid']})" if state["up"] else "down"))
         return 0
     inst = testbed.resolve_instance(args.name, args.arch)
     if args.action == "up":

@@ -189,10 +189,20 @@ def headers(abi: str, progress: tb.Progress = tb._quiet, *, offline: bool = Fals
             (tree / name).symlink_to(KBUILD / name)
         (tree / ".complete").touch()
         shutil.rmtree(top, ignore_errors=True)
-        work.rename(top)
+        _publish(work, top)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return root
+
+
+def _publish(work: Path, final: Path) -> None:
+    """Rename the finished ``work`` to ``final``; if another `up` or `prepare` made
+    ``final`` first (the same packages, so the same content), keep theirs."""
+    try:
+        work.rename(final)
+    except OSError:
+        if not final.is_dir():
+            raise
 
 
 def _build_needs(abi: str) -> list[tb.Need]:
@@ -356,7 +366,7 @@ def userland(progress: tb.Progress = tb._quiet, *, offline: bool = False,
         _merge_usr(work)
         _compile_stdlib(work, progress)
         (work / ".complete").write_text(json.dumps([f.name for f in files], indent=1) + "\n")
-        work.rename(root)
+        _publish(work, root)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return root
