@@ -465,3 +465,30 @@ def test_a_fleets_intervals_print_merged_windows_that_add_up_to_the_kprobes(test
     windows = [int(line.split(": ")[1]) for line in lines if line.startswith("@calls: ")]
     assert sum(windows) == sum(hits) == 4 * CALLS, (windows, hits)
     assert lines.count("tick") >= 3     # one line per window (the client's clock), not per host
+
+
+def test_ctrl_c_stops_every_host_and_the_merged_maps_print() -> None:
+    """SIGINT while two emulated kernels run a long workload: every host stops,
+    detaches and runs END, the merged maps print, and the status is 130."""
+    import signal
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ksim", "trace", "-e",
+         'kprobe:vfs_read { @ = count(); } END { printf("end\\n"); }',
+         "--iterations", "10000000", "--target", "unicorn:toy,unicorn:toy"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        attached = [proc.stdout.readline() for _ in range(2)]
+        assert sorted(attached) == ["[unicorn:toy#2] Attaching 2 probes...\n",
+                                    "[unicorn:toy] Attaching 2 probes...\n"]
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert out.startswith("end\n@: ") and int(out.split("@: ")[1]) > 0, out
