@@ -126,3 +126,6 @@ def test_bpftrace_runs_in_a_guest_whose_userland_has_it():
             f"{loop} 2000; wait; cat /tmp/bt.out", timeout=120, instance="arm64-bpftrace")
     assert out["rc"] == 0, out
     assert "@n: 2000" in out["stdout"].split("2000\n", 1)[1], out["stdout"]
+    # down stopped that guest and no other
+    assert not tb._pid_is_qemu(int(state["pid"]))
+    assert not tb.status("arm64-bpftrace")["up"] and tb.status("arm64")["up"]

@@ -6,6 +6,10 @@ A private KSIM_TESTBED_DIR keeps these away from the shared testbed's files.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,3 +79,27 @@ def test_an_instance_not_up_is_reported_down_and_exec_names_it():
     with pytest.raises(TargetError, match=r"--arch arm64 is not up"):
         tb.exec_("true", instance="arm64")
     assert tb.down(instance="b") == {"up": False, "stopped": False, "instance": "b"}
+
+
+def _ksim(*args: str, cache: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ksim", "testbed", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ,
+                                                      "KSIM_TESTBED_DIR": str(cache)})
+
+
+def test_the_command_line_names_the_instance(private_cache):
+    proc = _ksim("status", "--name", "b", "--json", cache=private_cache)
+    assert proc.returncode == 1 and json.loads(proc.stdout)["instance"] == "b"
+    proc = _ksim("status", "--arch", "arm64", "--json", cache=private_cache)
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout) == {"up": False, "cache": str(private_cache),
+                                       "instance": "arm64", "arch": "arm64"}
+    proc = _ksim("exec", "--arch", "arm64", "--", "true", cache=private_cache)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "the testbed --arch arm64 is not up (ksim testbed up --arch arm64)" in proc.stderr
+    proc = _ksim("down", "--name", "b", cache=private_cache)
+    assert proc.returncode == 0 and proc.stdout == "was not running\n"
+    proc = _ksim("up", "--arch", "arm64", "--accel", "kvm", cache=private_cache)
+    assert proc.returncode != 0 and "runs under TCG only" in proc.stderr
+    proc = _ksim("status", "--all", "--json", cache=private_cache)
+    assert proc.returncode == 0 and json.loads(proc.stdout) == []
