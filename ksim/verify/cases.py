@@ -21,6 +21,7 @@ import hashlib
 import os
 import random
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -141,19 +142,19 @@ def point_name(image: Image, func: Function, offset: int | None) -> str:
     return base if offset is None else f"{base}+{offset:#x}"
 
 
-_DUPLICATES: dict[int, frozenset[str]] = {}
+_DUPLICATES: weakref.WeakKeyDictionary[Image, frozenset[str]] = weakref.WeakKeyDictionary()
 
 
 def _duplicated(image: Image, func: Function) -> bool:
     """Whether another function of the image (at another address) has ``func``'s name."""
-    names = _DUPLICATES.get(id(image))
+    names = _DUPLICATES.get(image)
     if names is None:
         seen: dict[str, int] = {}
         dup: set[str] = set()
         for f in image.functions:
             if seen.setdefault(f.name, f.address) != f.address:
                 dup.add(f.name)
-        names = _DUPLICATES[id(image)] = frozenset(dup)
+        names = _DUPLICATES[image] = frozenset(dup)
     return func.name in names
 
 

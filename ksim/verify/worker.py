@@ -112,6 +112,11 @@ def checker(key: str, source: ImageSource | None = None, store: bytes | None = N
     return found
 
 
+def forget() -> None:
+    """Drop this process's checkers (the next campaign loads its image afresh)."""
+    _CHECKERS.clear()
+
+
 def has_checker(key: str) -> bool:
     return key in _CHECKERS
 
