@@ -871,7 +871,7 @@ static void ki_index_core_tables(void)
 			z[n++] = (struct ki_hz){ jump_entry_code(&jumps[i]), ki_jump_size(&jumps[i]),
 						 KERNINST_HAZARD_JUMP_LABEL };
 	for (i = 0; i < nb; i++)
-		z[n++] = (struct ki_hz){ ki_bug_addr(&bugs[i]), 1, ki_bug_flag(&bugs[i]) };
+		z[n++] = (struct ki_hz){ ki_bug_addr(&bugs[i]), KI_INSN_ALIGN, ki_bug_flag(&bugs[i]) };
 #ifdef CONFIG_HAVE_STATIC_CALL_INLINE
 	for (i = 0; i < ns; i++)
 		if (!ki_static_call_is_init(&sites[i]))
@@ -945,7 +945,7 @@ static u32 ki_module_table_hazards(struct module *mod, unsigned long addr, unsig
 #ifdef CONFIG_GENERIC_BUG
 	for (i = 0; i < mod->num_bugs; i++) {
 		a = ki_bug_addr(&mod->bug_table[i]);
-		if (a >= addr && a <= end)
+		if (a + KI_INSN_ALIGN > addr && a <= end)
 			h |= ki_bug_flag(&mod->bug_table[i]);
 	}
 #endif
@@ -963,7 +963,8 @@ static u32 ki_kernel_table_hazards(unsigned long addr, unsigned long end)
 		h |= KERNINST_HAZARD_JUMP_LABEL;
 	if (ki_static_call_text_reserved && ki_static_call_text_reserved((void *)addr, (void *)end))
 		h |= KERNINST_HAZARD_STATIC_CALL;
-	for (a = addr; a <= end; a++) {
+	/* instructions start on KI_INSN_ALIGN: the one holding addr, and every one after */
+	for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN); a <= end; a += KI_INSN_ALIGN) {
 		bug = ki_find_bug ? ki_find_bug(a) : NULL;
 		if (bug)
 			h |= ki_bug_flag(bug);
@@ -1106,8 +1107,9 @@ static void ki_hazard_unlock(void)
  * kprobes whose optimized jump would reach into it and, as x86 optprobes
  * refuse to move them (can_optimize, arch/x86/kernel/kprobes/opt.c),
  * instructions with an exception-table entry.  The exception and bug tables
- * are keyed by an instruction's first byte, so every byte is asked.  The
- * caller holds ki_hazard_lock().
+ * are keyed by an instruction's first byte, so every byte where an instruction
+ * may start is asked (x86-64: every byte; arm64: every 4-byte aligned one,
+ * from the instruction that holds addr).  The caller holds ki_hazard_lock().
  */
 static u32 ki_text_hazards(unsigned long addr, u32 len)
 {
@@ -1143,12 +1145,13 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 	h |= ki_arch_text_hazards(addr, end, mod);
 	/* get_kprobe walks an RCU hash list: preemption off is its read-side section. */
 	if (ki_get_kprobe)
-		for (a = addr - KI_PROBE_REACH; a <= end; a++)
+		for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN) - KI_PROBE_REACH; a <= end;
+		     a += KI_INSN_ALIGN)
 			if (ki_get_kprobe((void *)a)) {
 				h |= KERNINST_HAZARD_KPROBE;
 				break;
 			}
-	for (a = addr; a <= end; a++)
+	for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN); a <= end; a += KI_INSN_ALIGN)
 		if (ki_search_exception_tables && ki_search_exception_tables(a))
 			h |= KERNINST_HAZARD_EXTABLE;
 	if (ki_unchecked)

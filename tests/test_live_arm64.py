@@ -23,6 +23,7 @@ from ksim.live import abi, testing
 from ksim.live.testing import (  # noqa: F401
     dmesg_problems,
     kerninst_arm64,
+    read_u64,
     target_arm64,
     testbed_arm64,
 )
@@ -78,6 +79,29 @@ def test_the_module_is_the_arm64_one(kerninst_arm64, target_arm64):
     assert t.text_hazards([(start + 2, 1)])[0] == t.text_hazards([(start, 4)])[0]
 
 
+#: BRK #0x800 (BUG_BRK_IMM: BUG and WARN), AUTIASP
+BUG_BRK, AUTIASP = 0xD4210000, 0xD50323BF
+
+
+def test_the_kernels_tables_and_branch_protection_are_hazards(kerninst_arm64, target_arm64):
+    """Every BUG/WARN BRK is a bug-table hazard, every AUTIASP a branch-protection one,
+    and an instruction with an exception-table entry (a user access) an extable one."""
+    t = target_arm64
+    seen: set[str] = set()
+    for name in ("kfree", "__put_task_struct", "strncpy_from_user", FUNC):
+        start = t.lookup(name)
+        code = t.read(start, 512)
+        words = [int.from_bytes(code[i:i + 4], "little") for i in range(0, len(code), 4)]
+        found = t.text_hazards([(start + 4 * i, 4) for i in range(len(words))])
+        for word, names in zip(words, found, strict=True):
+            if word == BUG_BRK:
+                assert names & {"warn", "bug"}, (name, names)
+            if word == AUTIASP:
+                assert "branch_prot" in names, (name, names)
+            seen |= names
+    assert {"warn", "branch_prot", "extable", "ftrace"} <= seen, seen
+
+
 @pytest.mark.parametrize("splice", ["jmp", "trap"])
 def test_count_matches_the_kprobe_and_text_is_restored(kerninst_arm64, target_arm64, splice):
     t = target_arm64
@@ -123,4 +147,24 @@ def test_two_clients_cannot_take_each_others_text(kerninst_arm64, target_arm64):
         target_arm64.exec(_loop(100))
         assert a.read_array([va])[0] >= 100
     assert _text(target_arm64, FUNC) == before
+    assert dmesg_problems(target_arm64) == []
+
+
+def test_a_kept_splice_outlives_its_client_and_comes_out_whole(kerninst_arm64, target_arm64):
+    spec = _spec(kerninst_arm64)
+    before = _text(target_arm64, FUNC)
+    name = f"arm64-kept-{id(spec):x}"
+    m = Manager.attach(spec)
+    v = m.malloc()
+    m.insert_many([m.entry_point(FUNC)], v.atomic_assign(v + 1), splice="trap")
+    m.target.keep(name=name)
+    m.target.close()
+    (kept,) = [k for k in target_arm64.kept() if k["name"] == name]
+    assert kept["writes"] and kept["routes"] and kept["session"] is None
+    target_arm64.exec(_loop(200))
+    assert read_u64(target_arm64, v.address) >= 200  # still counting, its client gone
+    assert _text(target_arm64, FUNC) != before
+    target_arm64.remove_kept(name)
+    assert _text(target_arm64, FUNC) == before
+    assert not [k for k in target_arm64.kept() if k["name"] == name]
     assert dmesg_problems(target_arm64) == []
