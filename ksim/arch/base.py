@@ -397,6 +397,10 @@ class DifferentialRules:
     #: the system register that holds the current task (AArch64: SP_EL0, which
     #: ``get_current`` reads), or None: current is per-cpu data (x86-64)
     current_reg: str | None = None
+    #: unicorn's CPU model for the runs (None: unicorn's default); AArch64: the
+    #: one with every architecture extension, LSE atomics among them, which
+    #: kernel code uses where the CPU has them
+    cpu_model: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""The real kernel the benchmarks measure: Debian's 6.1 amd64 package.
+"""The real kernels the benchmarks measure: Debian's 6.1 amd64 package (and its
+arm64 counterpart, ``debian_kernel(arch="arm64")``, see below).
 
 ``debian_kernel()`` returns the paths of a decompressed ELF ``vmlinux``, its symbol
 list in /proc/kallsyms format, ``e100.ko`` and ``ext4.ko`` — all under ``~/.cache/ksim/``.
@@ -18,6 +19,36 @@ list in /proc/kallsyms format, ``e100.ko`` and ``ext4.ko`` — all under ``~/.ca
   takes a second byte), ``kallsyms_markers``, ``kallsyms_seqs_of_names`` (6.1.y
   backport), ``kallsyms_token_table`` and ``kallsyms_token_index``.  The first
   character of each expanded name is its type letter, as in /proc/kallsyms.
+
+arm64 (``linux-image-<abi>-arm64-unsigned``, fetched the same way once
+``dpkg --add-architecture arm64`` and ``apt-get update`` have run):
+
+* ``vmlinuz`` is the flat ``Image`` (arch/arm64/kernel/image.h: the header's
+  ``text_offset`` at 8, ``image_size`` at 16, bss included; gzip'd in some
+  packages), loaded at ``_text``; there is no ELF in the package, and its
+  ``System.map`` is a one-line stub ("The real System.map is in the
+  linux-image-<version>-dbg package").  The -dbg package's ELF vmlinux with
+  its full symbol table is some 800 MB; the Image's own kallsyms table (the
+  same decoder as amd64's, offsets relative to ``kallsyms_relative_base``
+  without absolute per-cpu symbols) names every function, which is what the
+  differential runs need.  It has no data symbols (CONFIG_KALLSYMS_ALL is off
+  on arm64), so the section bounds come from the text symbols (``_etext``,
+  ``_sinittext``, ``_einittext``) and the header.
+* The kernel is relocatable and linked with ``--no-apply-dynamic-relocs``
+  (arch/arm64/Makefile): every absolute pointer in the Image is zero until
+  ``__relocate_kernel`` (arch/arm64/kernel/pi/relocate.c in later kernels,
+  head.S in 6.1) applies ``.rela.dyn``.  Its R_AARCH64_RELATIVE entries
+  (``Elf64_Rela``: offset, info 1027, addend) are found as the one long run of
+  them and applied for the link address (no KASLR displacement), which also
+  gives ``kallsyms_relative_base``.
+* The address-keyed tables are found by their content and their
+  ``__start_``/``__stop_`` symbols added to the kallsyms file:
+  ``__bug_table`` (12-byte entries whose first field leads to a ``BRK #0x800``),
+  ``__ex_table`` (12-byte entries whose instruction and fix-up both lead into
+  text, sorted by instruction as scripts/sorttable leaves them),
+  ``__jump_table`` (16-byte entries whose code is a NOP or a B and whose target
+  is text) and ``__mcount_loc`` (ascending absolute text addresses, after
+  relocation).  ``load_arm64_image`` makes the Image from both.
 """
 
 from __future__ import annotations
@@ -27,11 +58,16 @@ import os
 import re
 import struct
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal, overload
 
 from ksim.errors import KsimError, MalformedImage
 from ksim.image.bzimage import decompress_bzimage as bzimage_payload
+
+if TYPE_CHECKING:
+    from ksim.image.image import Image
 
 CACHE = Path(os.environ.get("KSIM_CACHE", Path.home() / ".cache" / "ksim"))
 BENCH_CACHE = CACHE / "bench"
@@ -57,8 +93,37 @@ class DebianKernel:
         return {"abi": self.abi, "package": self.deb.name}
 
 
-def debian_kernel() -> DebianKernel:
-    """Fetch (once) and unpack the Debian kernel; everything stays in ~/.cache/ksim."""
+@dataclass(frozen=True)
+class DebianArm64Kernel:
+    abi: str            # e.g. "6.1.0-56-arm64"
+    deb: Path
+    image: Path         # the flat Image, relocated for its link address (no ELF)
+    kallsyms: Path      # /proc/kallsyms format: the Image's own table, plus the
+                        # bounds of the tables found in it
+    base: int           # where the Image is linked (_text)
+
+    def as_dict(self) -> dict[str, str]:
+        return {"abi": self.abi, "package": self.deb.name}
+
+    def load(self) -> Image:
+        return load_arm64_image(self.image, self.kallsyms, self.base)
+
+
+@overload
+def debian_kernel(arch: Literal["amd64"] = "amd64") -> DebianKernel: ...
+
+
+@overload
+def debian_kernel(arch: Literal["arm64"]) -> DebianArm64Kernel: ...
+
+
+def debian_kernel(arch: str = "amd64") -> DebianKernel | DebianArm64Kernel:
+    """Fetch (once) and unpack the Debian kernel of ``arch`` ("amd64" or "arm64");
+    everything stays in ~/.cache/ksim."""
+    if arch == "arm64":
+        return _debian_arm64_kernel()
+    if arch != "amd64":
+        raise KernelUnavailable(f"no Debian kernel for {arch!r} (amd64 or arm64)")
     deb = _find_or_fetch_deb()
     abi = _abi_of(deb)
     root = BENCH_CACHE / abi
@@ -195,21 +260,38 @@ def _token_table(data: bytes) -> tuple[int, list[bytes]]:
     digits = b"".join(bytes([c]) + b"\0" for c in b"0123456789")
     for m in re.finditer(re.escape(digits), data):
         start = m.start()
-        for _ in range(ord("0")):  # back to token 0
+        # back to token 0, which is the one kallsyms_token_index follows; the
+        # digits are not always token 48 (arm64)
+        for _ in range(256):
+            found = _tokens_at(data, start)
+            if found is not None:
+                return start, found
             if start < 2 or data[start - 1] != 0:
                 break
-            start = data.rfind(b"\0", 0, start - 1) + 1
-        offsets, k = [], start
-        for _ in range(256):
-            end = data.find(b"\0", k)
-            if end <= k:
-                break
-            offsets.append(k - start)
-            k = end + 1
-        index_at = (k + 7) & ~7
-        if len(offsets) == 256 and data[index_at:index_at + 512] == struct.pack("<256H", *offsets):
-            return start, [data[start + o:data.index(b"\0", start + o)] for o in offsets]
+            previous = data.rfind(b"\0", 0, start - 1) + 1
+            # token 0 may follow a non-NUL byte (arm64: kallsyms_seqs_of_names)
+            for at in range(start - 2, previous, -1):
+                found = _tokens_at(data, at)
+                if found is not None:
+                    return at, found
+            start = previous
     raise KernelUnavailable("kallsyms_token_table not found")
+
+
+def _tokens_at(data: bytes, start: int) -> list[bytes] | None:
+    """The 256 tokens of a kallsyms_token_table at ``start``, if kallsyms_token_index
+    follows them there."""
+    offsets, k = [], start
+    for _ in range(256):
+        end = data.find(b"\0", k)
+        if end <= k:
+            break
+        offsets.append(k - start)
+        k = end + 1
+    index_at = (k + 7) & ~7
+    if len(offsets) == 256 and data[index_at:index_at + 512] == struct.pack("<256H", *offsets):
+        return [data[start + o:data.index(b"\0", start + o)] for o in offsets]
+    return None
 
 
 def _num_syms(data: bytes, table: int, tokens: list[bytes]) -> tuple[int, int]:
@@ -241,3 +323,236 @@ def _names(data: bytes, at: int, count: int, tokens: list[bytes]) -> tuple[list[
         out.append(b"".join(tokens[b] for b in data[at:at + n]))
         at += n
     return out, at
+
+
+# --- arm64: the flat Image ----------------------------------------------------------
+ARM64_PACKAGE_GLOB = "linux-image-*-arm64-unsigned_*_arm64.deb"
+#: Elf64_Rela's r_info of R_AARCH64_RELATIVE (aaelf64 5.7.12): type 1027, no symbol
+_R_AARCH64_RELATIVE = 1027
+#: BUG()/WARN(): BRK #BUG_BRK_IMM (arch/arm64/include/asm/brk-imm.h)
+_BRK_BUG = 0xD4200000 | 0x800 << 5
+_NOP = 0xD503201F
+#: fewest entries a run of content must have to be taken for a table
+_TABLE_MIN = 64
+
+
+def _debian_arm64_kernel() -> DebianArm64Kernel:
+    deb = _find_or_fetch(ARM64_PACKAGE_GLOB, "arm64")
+    m = re.match(r"linux-image-(.+-arm64)-unsigned_", deb.name)
+    if m is None:
+        raise KernelUnavailable(f"unexpected package name {deb.name}")
+    abi = m.group(1)
+    root = BENCH_CACHE / abi
+    image, syms, based = root / "Image", root / "kallsyms", root / "base"
+    if not (image.exists() and syms.exists() and based.exists()):
+        root.mkdir(parents=True, exist_ok=True)
+        _unpack(deb, root, [f"./boot/vmlinuz-{abi}"])
+        raw = (root / "boot" / f"vmlinuz-{abi}").read_bytes()
+        if raw[:2] == b"\x1f\x8b":
+            import gzip
+
+            raw = gzip.decompress(raw)
+        data, base, symbols = arm64_image(raw)
+        tmp = image.with_suffix(".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(image)
+        syms.write_text(to_kallsyms_text(symbols))
+        based.write_text(f"{base:#x}\n")
+    return DebianArm64Kernel(abi, deb, image, syms, int(based.read_text(), 16))
+
+
+def _find_or_fetch(pattern: str, arch: str) -> Path:
+    found = sorted(glob.glob(str(BENCH_CACHE / pattern)))
+    if found:
+        return Path(found[-1])
+    BENCH_CACHE.mkdir(parents=True, exist_ok=True)
+    out = _run(["apt-cache", "search", "--names-only",
+                rf"^linux-image-[0-9.]+-[0-9]+-{arch}-unsigned$"])
+    names = re.findall(rf"^(linux-image-(\S+)-{arch}-unsigned)\s", out, re.M)
+    if not names:
+        raise KernelUnavailable(f"apt knows no linux-image-*-{arch}-unsigned package (run "
+                                f"dpkg --add-architecture {arch}; apt-get update)")
+    name = max(names, key=lambda item: [int(x) for x in re.findall(r"\d+", item[1])])[0]
+    _run(["apt-get", "download", f"{name}:{arch}"], cwd=BENCH_CACHE)
+    found = sorted(glob.glob(str(BENCH_CACHE / pattern)))
+    if not found:
+        raise KernelUnavailable(f"apt-get download {name}:{arch} left no package in {BENCH_CACHE}")
+    return Path(found[-1])
+
+
+def arm64_image(raw: bytes) -> tuple[bytes, int, list[tuple[int, str, str]]]:
+    """(the Image relocated for its link address, that address, its symbols with
+    the tables' bounds) of an arm64 Image (see the module docstring)."""
+    if raw[56:60] != b"ARM\x64":
+        raise KernelUnavailable("not an arm64 Image (no ARM\\x64 magic at 56)")
+    data = bytearray(raw)
+    relocations = _rela_run(raw)
+    base = min(addend for _offset, addend in relocations) & ~0x1FFFFF
+    for offset, addend in relocations:
+        at = offset - base
+        if not 0 <= at <= len(data) - 8:
+            raise KernelUnavailable(f"relocation at {offset:#x} outside the Image")
+        struct.pack_into("<Q", data, at, addend)
+    symbols = _arm64_kallsyms(bytes(data))
+    named = {n: a for a, _t, n in symbols}
+    if not base < named.get("_stext", 0) < named.get("_etext", 0) <= base + len(data):
+        raise KernelUnavailable(f"_stext.._etext is not text of an Image linked at {base:#x}")
+    # the header is _text (kallsyms keeps no symbol before _stext)
+    image_size = struct.unpack_from("<Q", raw, 16)[0]
+    symbols += [(base, "T", "_text"), (base + max(image_size, len(data)), "B", "_end")]
+    named["_text"] = base
+    text = (named["_text"], named["_etext"])
+    init = (named["_sinittext"], named["_einittext"])
+    symbols += _arm64_tables(bytes(data), base, (text, init))
+    return bytes(data), base, symbols
+
+
+def _rela_run(raw: bytes) -> list[tuple[int, int]]:
+    """(offset, addend) of every entry of .rela.dyn: the longest run of 24-byte
+    R_AARCH64_RELATIVE entries."""
+    info = struct.pack("<Q", _R_AARCH64_RELATIVE)
+    best: list[tuple[int, int]] = []
+    run: list[tuple[int, int]] = []
+    previous = -1
+    for m in re.finditer(re.escape(info), raw):
+        at = m.start() - 8
+        if at % 8 or at < 0:
+            continue
+        if at != previous + 24:
+            run = []
+        offset, _info, addend = struct.unpack_from("<QQQ", raw, at)
+        run.append((offset, addend))
+        previous = at
+        if len(run) > len(best):
+            best = run
+    if len(best) < 1000:
+        raise KernelUnavailable("no .rela.dyn in the Image")
+    return best
+
+
+def _arm64_kallsyms(data: bytes) -> list[tuple[int, str, str]]:
+    """The kallsyms table of a relocated Image: CONFIG_KALLSYMS_BASE_RELATIVE
+    without absolute per-cpu symbols, every address kallsyms_relative_base plus
+    an unsigned offset."""
+    table, tokens = _token_table(data)
+    count, names_at = _num_syms(data, table, tokens)
+    names, _ = _names(data, names_at, count, tokens)
+    base = struct.unpack_from("<Q", data, names_at - 16)[0]
+    for pad in (0, 4):
+        offsets = struct.unpack_from(f"<{count}I", data, names_at - 16 - pad - 4 * count)
+        addrs = [base + o for o in offsets]
+        if addrs == sorted(addrs):
+            break
+    else:
+        raise KernelUnavailable("kallsyms_offsets not found before kallsyms_num_syms")
+    return [(a, n[:1].decode(), n[1:].decode("ascii", "replace"))
+            for a, n in zip(addrs, names, strict=True)]
+
+
+def _arm64_tables(data: bytes, base: int,
+                  texts: tuple[tuple[int, int], ...]) -> list[tuple[int, str, str]]:
+    """``__start_X``/``__stop_X`` of the tables found in the Image by their content."""
+    import array
+
+    def in_text(address: int) -> bool:
+        return any(lo <= address < hi for lo, hi in texts) and not address & 3
+
+    def word(address: int) -> int:
+        return int.from_bytes(data[address - base:address - base + 4], "little")
+
+    lo = texts[0][1] - base  # the tables lie past the text
+    lo += -lo & 7
+    words = array.array("i")
+    words.frombytes(data[lo:len(data) - (len(data) - lo) % 4])
+    (tlo, thi), (ilo, ihi) = texts
+    # the 4-byte fields that lead into text (relative to themselves)
+    leads = bytearray(len(words))
+    for k, v in enumerate(words):
+        to = base + lo + 4 * k + v
+        if (tlo <= to < thi or ilo <= to < ihi) and not to & 3:
+            leads[k] = 1
+
+    def longest(ok: Callable[[int], bool], stride: int) -> tuple[int, int]:
+        best, start, n = (0, 0), 0, 0
+        for phase in range(stride):
+            n = 0
+            for k in range(phase, len(words) - stride, stride):
+                if ok(k):
+                    if n == 0:
+                        start = k
+                    n += 1
+                    if n > best[1]:
+                        best = (start, n)
+                else:
+                    n = 0
+        return best
+
+    def target(k: int) -> int:
+        return base + lo + 4 * k + words[k]
+
+    out: list[tuple[int, str, str]] = []
+
+    def add(name: str, found: tuple[int, int], entry: int) -> None:
+        start, n = found
+        if n >= _TABLE_MIN:
+            at = base + lo + 4 * start
+            out.extend([(at, "D", f"__start_{name}"), (at + n * entry, "D", f"__stop_{name}")])
+
+    add("__bug_table", longest(lambda k: bool(leads[k]) and word(target(k)) == _BRK_BUG, 3), 12)
+    # (.altinstructions has the same shape, but its instructions are not all
+    # loads and stores: "Loads and Stores" is op0 x1x0, Arm ARM C4.1)
+    add("__ex_table", longest(lambda k: bool(leads[k] and leads[k + 1])
+                              and word(target(k)) & 0x0A000000 == 0x08000000
+                              and (k < 3 or target(k - 3) <= target(k)), 3), 12)
+    add("__jump_table", longest(lambda k: bool(leads[k] and leads[k + 1]) and (
+        word(target(k)) == _NOP or word(target(k)) >> 26 == 0b000101), 4), 16)
+    # __mcount_loc: absolute addresses of the first of each function's two
+    # patchable-entry NOPs (-fpatchable-function-entry=2)
+    quads = array.array("Q")
+    quads.frombytes(data[lo:len(data) - (len(data) - lo) % 8])
+    best, start, n = (0, 0), 0, 0
+    for k, q in enumerate(quads):
+        if in_text(q) and word(q) == _NOP:
+            if n == 0:
+                start = k
+            n += 1
+            if n > best[1]:
+                best = (start, n)
+        else:
+            n = 0
+    if best[1] >= _TABLE_MIN:
+        at = base + lo + 8 * best[0]
+        out += [(at, "D", "__start_mcount_loc"), (at + 8 * best[1], "D", "__stop_mcount_loc")]
+    return out
+
+
+def load_arm64_image(image: Path, kallsyms: Path, base: int) -> Image:
+    """An arm64 kernel Image from its flat bytes and its symbols (what
+    :func:`debian_kernel` ``(arch="arm64")`` made): text from ``_text`` to
+    ``_etext``, read-only data to ``_sinittext``, init text to ``_einittext``,
+    data to the end of the file and bss to ``_end``."""
+    from ksim.image.image import Image
+    from ksim.image.kallsyms import _with_sizes, parse_kallsyms
+    from ksim.image.model import Section
+
+    data = image.read_bytes()
+    entries = parse_kallsyms(kallsyms.read_text(), str(kallsyms))
+    at = {name: addr for addr, _t, name, _m in entries}
+
+    def section(name: str, lo: int, hi: int, executable: bool, writable: bool,
+                with_data: bool = True) -> Section:
+        return Section(name, lo, hi - lo, executable, writable,
+                       data[lo - base:hi - base] if with_data else b"")
+
+    end_of_file = base + len(data)
+    sections = (
+        section(".text", base, at["_etext"], True, False),
+        section(".rodata", at["_etext"], at["_sinittext"], False, False),
+        section(".init.text", at["_sinittext"], at["_einittext"], True, False),
+        section(".data", at["_einittext"], end_of_file, False, True),
+        section(".bss", end_of_file, max(at["_end"], end_of_file), False, True, False),
+    )
+    symbols = list(_with_sizes(entries, sections))
+    return Image(str(image), "aarch64", "vmlinux", sections, symbols,
+                 bindings={name: "global" if t.isupper() else "local"
+                           for _a, t, name, _m in entries})

@@ -772,6 +772,8 @@ class _Machine:
         self.cpu = cpu = ctx.h.cpu
         self.rules = ctx.h.rules
         self.uc = unicorn.Uc(cpu.uc_arch, cpu.uc_mode)
+        if self.rules.cpu_model is not None:
+            self.uc.ctl_set_cpu_model(self.rules.cpu_model)  # type: ignore[attr-defined]
         self.uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]
         self.uc_page: int = self.uc.ctl_get_page_size()  # type: ignore[attr-defined]
         self.phys: dict[int, int] = {}  # virtual page -> physical page

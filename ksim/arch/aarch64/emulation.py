@@ -67,6 +67,10 @@ DIFFERENTIAL = DifferentialRules(
     # this CPU's per-cpu offset (arch/arm64/include/asm/percpu.h, __my_cpu_offset)
     # and current (arch/arm64/include/asm/current.h: get_current reads sp_el0)
     percpu_offset=True, current_reg="sp_el0",
+    # unicorn's default (a Cortex-A72, Armv8.0) has no LSE atomics (LDADD, CAS,
+    # ...), which the kernel's atomics take when the CPU has them; pointer
+    # authentication and BTI stay off (SCTLR_EL1 is zero): PACIASP is a NOP
+    cpu_model=A.UC_CPU_ARM64_MAX,
 )
 
 EMULATION = Emulation(
