@@ -116,6 +116,20 @@ def test_count_matches_the_kprobe_and_text_is_restored(kerninst_arm64, target_ar
     assert dmesg_problems(t) == []
 
 
+def test_a_pid_filter_counts_one_process_only(kerninst_arm64, target_arm64):
+    """Snippets find the current task through the per-cpu slot INFO names (arm64 keeps
+    current in SP_EL0; the module found the slot that holds it on every CPU)."""
+    t = target_arm64
+    go = f"/tmp/ksim-go-{id(t):x}"
+    prog = testing.program("arm64_priority", SYSCALLS, "arm64")
+    pid = int(t.exec(f"sh -c 'while [ ! -e {go} ]; do sleep 0.1; done; exec {prog} 2000' "
+                     ">/dev/null 2>&1 & echo $!").split()[0])
+    report = count(FUNC, _spec(kerninst_arm64), splice="jmp", oracle="none", pid=pid,
+                   while_cmd=f"touch {go}; {prog} 3000; "
+                             f"while kill -0 {pid} 2>/dev/null; do sleep 0.1; done; rm {go}")
+    assert report["count"] == 2000, report
+
+
 def test_a_wildcard_attaches_in_one_batch(kerninst_arm64, target_arm64):
     t = target_arm64
     names = ("__arm64_sys_getpriority", "__arm64_sys_setpriority")
