@@ -228,3 +228,19 @@ def test_without_ray_cluster_names_the_extra(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert "pip install 'ksim[cluster]'" in done.stderr
+
+
+def test_the_benchmark_smoke(capsys, tmp_path):
+    """``ksim bench verify`` (smoke: the toy kernel, local processes) writes a
+    results document of the benchmarks' schema, every run with the same verdicts."""
+    from ksim.bench.common import validate
+
+    out = tmp_path / "verify.json"
+    status = main(["bench", "verify", "--smoke", "--json", "--no-progress", "--output", str(out)])
+    doc = json.loads(capsys.readouterr().out)
+    assert status == 0 and validate(doc) == [], doc
+    assert json.loads(out.read_text()) == doc
+    entry = doc["benchmarks"]["verify"]
+    rows = entry["results"]["rows"]
+    assert [(r["engine"], r["workers"]) for r in rows] == [("local", 1), ("local", 2)]
+    assert len({r["verdicts"] for r in rows}) == 1 and all(r["cases_per_second"] for r in rows)

@@ -253,9 +253,11 @@ def parse_case(image: Image, text: str) -> VerifyCase:
                       "NAME@0xADDR[+0xOFF]")
     name = m["name"]
     if m["at"] is not None:
-        func = image.function_at(int(m["at"], 16))
-        if func is None or func.address != int(m["at"], 16) or func.name != name:
+        at = int(m["at"], 16)
+        found = next((f for f in image.functions if f.address == at and f.name == name), None)
+        if found is None:
             raise BadCase(f"--case {shown}: no function {name} at {m['at']} in {image.module}")
+        func = found
     else:
         func = image.function(name)
     offset = int(m["off"], 0) if m["off"] is not None else None
