@@ -146,6 +146,17 @@ def test_debian_named_points(capsys, debian_kernel):
     assert status == 0 and s["points"] == 4 and s["cases"] == 12, s
 
 
+def test_debian_modules(capsys, debian_kernel):
+    status, s = verify(capsys, "--image", "debian:e100.ko", "--cases", "2")
+    assert status == 0 and s["image"] == "debian:e100.ko" and s["points"] > 50, s
+    assert s["non_equivalent"] == 0 and s["equivalent"] >= 0.8 * s["cases"]
+    status, s = verify(capsys, "--image", str(debian_kernel.ext4), "--sample", "100")
+    assert status == 0 and s["cases"] == 100 and s["non_equivalent"] == 0, s
+    status = main(["verify", "--image", "debian:nfs.ko", "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert status == 2 and doc["error"] == "image" and "debian:e100.ko" in doc["message"]
+
+
 # --- bad input ----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,code", [
     (["--functions", "no_such_function_xyz"], "unknown-symbol"),

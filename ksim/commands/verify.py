@@ -1,6 +1,6 @@
 """``ksim verify``: check that every splice keeps the kernel's behaviour (docs/verify.md).
 
-    ksim verify [--image debian|toy|toy-arm64|PATH] [--functions PATTERN] [--sample K]
+    ksim verify [--image debian|debian:MODULE.ko|toy|toy-arm64|PATH] [--functions PATTERN] [--sample K]
                 [--cases N] [--seed S] [--program FILE.bt] [--cluster ADDRESS]
                 [--workers N] [--results FILE.jsonl] [--json]
     ksim verify [--image ...] --case ID
@@ -41,8 +41,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description=help_text(__doc__),
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image", default=None, metavar="IMAGE",
-                   help="debian (default: the testbed's Debian kernel), toy, toy-arm64, or "
-                        "the path of a vmlinux or module")
+                   help="debian (default: the testbed's Debian kernel), debian:e100.ko or "
+                        "debian:ext4.ko (its modules), toy, toy-arm64, or the path of a vmlinux "
+                        "or module")
     p.add_argument("--kallsyms", default=None, metavar="FILE",
                    help="with --image PATH: a symbol list (/proc/kallsyms format) for an ELF "
                         "without symbols")

@@ -81,18 +81,27 @@ class ImageSource:
 
 def image_source(spec: str | None, kallsyms: str | None = None) -> ImageSource:
     """``--image``: None or "debian" (the testbed's Debian kernel, fetched once into
-    the cache ksim.bench.kernel shares with the testbed), a bundled image's name
+    the cache ksim.bench.kernel shares with the testbed; "debian:e100.ko" and
+    "debian:ext4.ko" its modules there), a bundled image's name
     ("toy", "toy-arm64") or a path to an ELF kernel or module (with ``kallsyms``, a
     symbol list for an ELF without symbols)."""
     from ksim.errors import ImageError
 
-    if spec is None or spec == DEFAULT_IMAGE:
+    if spec is None or spec == DEFAULT_IMAGE or spec.startswith(DEFAULT_IMAGE + ":"):
         if kallsyms is not None:
             raise BadCase("--kallsyms goes with --image PATH, not the Debian kernel")
         from ksim.bench.kernel import debian_kernel
 
         k = debian_kernel()
-        return ImageSource(DEFAULT_IMAGE, str(k.vmlinux), str(k.kallsyms))
+        if spec is None or spec == DEFAULT_IMAGE:
+            return ImageSource(DEFAULT_IMAGE, str(k.vmlinux), str(k.kallsyms))
+        modules = {"e100.ko": k.e100, "ext4.ko": k.ext4}
+        module = spec.split(":", 1)[1]
+        if module not in modules:
+            raise ImageError(f"--image {spec}: the Debian kernel's cache holds "
+                             f"{', '.join(f'{DEFAULT_IMAGE}:{m}' for m in modules)} (or give a "
+                             "module's path)")
+        return ImageSource(spec, str(modules[module]))
     from ksim.image.resolve import image_path
 
     path = image_path(spec)

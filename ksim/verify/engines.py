@@ -134,7 +134,15 @@ class RayEngine:
                 running.append(task.remote(key, source.name, refs, pending.pop()))
             done, running = ray.wait(running, num_returns=1)
             for ref in done:
-                yield ray.get(ref)
+                try:
+                    records = ray.get(ref)
+                except ray.exceptions.RayError as exc:
+                    for other in running:
+                        ray.cancel(other)
+                    raise ClusterUnavailable(f"the Ray cluster at {self.address} failed a task "
+                                             f"(the cases recorded so far are kept): "
+                                             f"{type(exc).__name__}: {exc}") from None
+                yield records
 
     def close(self) -> None:
         try:
