@@ -923,7 +923,8 @@ class _Machine:
     def _on_write(self, access: int, paddr: int, size: int, value: int) -> None:
         vaddr = self.virt[paddr & ~(PAGE - 1)] | (paddr & (PAGE - 1))
         rsp = self._reg(self.cpu.sp)
-        below = vaddr + size <= rsp
+        # (the stack's own pages: the heap, and AArch64's image, lie below it too)
+        below = STACK <= vaddr and vaddr + size <= rsp
         writer = self.decoded.get(self.pc)
         if below and (writer is None or not self._pushes(writer)):
             # below the stack pointer and not pushed there: dead (kernel code has no
