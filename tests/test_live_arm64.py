@@ -24,6 +24,7 @@ from ksim.live.testing import (  # noqa: F401
     dmesg_problems,
     kerninst_arm64,
     read_u64,
+    restart_kerninstd,
     target_arm64,
     testbed_arm64,
 )
@@ -182,3 +183,26 @@ def test_a_kept_splice_outlives_its_client_and_comes_out_whole(kerninst_arm64, t
     assert _text(target_arm64, FUNC) == before
     assert not [k for k in target_arm64.kept() if k["name"] == name]
     assert dmesg_problems(target_arm64) == []
+
+
+def test_a_kept_splice_outlives_kerninstd_and_unload_undoes_it(kerninst_arm64, target_arm64):
+    spec = _spec(kerninst_arm64)
+    t = target_arm64
+    before = _text(t, FUNC)
+    name = f"arm64-unload-{id(spec):x}"
+    m = Manager.attach(spec)
+    v = m.malloc()
+    m.insert_many([m.entry_point(FUNC)], v.atomic_assign(v + 1), splice="jmp")
+    m.target.keep(name=name)
+    m.target.close()
+    spliced = _text(t, FUNC)
+    assert spliced != before
+    t = restart_kerninstd(t, kerninst_arm64)           # the module keeps it
+    try:
+        assert [k["name"] for k in t.kept()] == [name]
+        assert _text(t, FUNC) == spliced
+        t = restart_kerninstd(t, kerninst_arm64, unload=True)   # unload undoes it
+        assert t.kept() == [] and _text(t, FUNC) == before
+        assert dmesg_problems(t) == []
+    finally:
+        t.close()
