@@ -155,7 +155,8 @@ struct kerninst_route {
  * splice-log records with their temporary trap routes) is reserved before the
  * first byte changes.  The writes into text go in with one int3 -> sync ->
  * tail -> sync -> head -> sync sequence for the whole batch, as
- * text_poke_bp_batch does.  On -ESTALE, failed_index names the write whose old
+ * text_poke_bp_batch does (arm64: under stop_machine, as
+ * aarch64_insn_patch_text does).  On -ESTALE, failed_index names the write whose old
  * bytes differ from memory; on -ENOEXEC, the write whose jump leads outside.
  */
 struct kerninst_poke {
@@ -229,8 +230,9 @@ struct kerninst_block {
 /*
  * An area of the patch area or of the data heap.  The module makes one of
  * each at load (INFO names them) and more on demand (AREA_ADD): module_alloc
- * memory, within rel32 reach of kernel text, patch areas filled with int3 and
- * never writable and executable at once.  An added area that holds no block
+ * memory, within rel32 reach of kernel text (arm64: module space, within a
+ * B's +-128 MB of it without KASLR), patch areas filled with int3 (arm64: BRK
+ * #0x100) and never writable and executable at once.  An added area that holds no block
  * goes back (AREA_DROP).
  */
 struct kerninst_area {
@@ -323,7 +325,8 @@ struct kerninst_state {
  *           bug-table instruction, or a check that could not be made)
  *   EINVAL  malformed request (sizes, overlapping writes, two changes of one
  *           route in a batch, no int3 destination: an int3 written into text
- *           needs a route at its site)
+ *           needs a route at its site; arm64: a text write or trap site that is
+ *           not whole 4-byte aligned instructions, a trap not written alone)
  *   ENOSPC  max_routes trap routes or max_splices text writes are live, or
  *           max_area_bytes of areas; nothing was changed
  *   ENOMEM  the kernel has no memory for a record; nothing was changed
