@@ -12,10 +12,11 @@ state, and compares what both runs did (ksim.differential): equivalent, refused
 by the planner (an answer too), or NOT equivalent.
 
 The image is the testbed's Debian kernel unless --image names another.  The
-points are the entries of the functions --functions names (comma-separated
-names, wildcards, NAME+OFFSET, or 'all', the default), or those a ksim trace
-program's kprobe and kretprobe probes splice (--program); --sample K checks a
-seeded sample of K of them.  Each point gets --cases seeded cases (default 1),
+points are those of the functions --functions names (comma-separated names,
+wildcards, NAME+OFFSET, or 'all', the default): their entries, or the kinds
+--points names (entry, exit, block, callsite); or those a ksim trace program's
+kprobe and kretprobe probes splice (--program).  --sample K checks a seeded
+sample of K of them.  Each point gets --cases seeded cases (default 1),
 their seeds derived from --seed.
 
 Cases run on local processes (--workers, default one per CPU) or on a Ray
@@ -49,6 +50,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "without symbols")
     p.add_argument("--functions", default="all", metavar="PATTERN",
                    help="names, wildcards, NAME+OFFSET, or 'all' (default), comma-separated")
+    p.add_argument("--points", default="entry", metavar="KINDS",
+                   help="which points of each function: entry (default), exit, block, callsite, "
+                        "comma-separated")
     p.add_argument("--sample", type=count_arg, default=None, metavar="K",
                    help="a seeded sample of K of the points")
     p.add_argument("--cases", type=count_arg, default=1, metavar="N",
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
                             ("--results", args.results)):
             if given:
                 raise BadCase(f"--case runs one case here: it takes no {flag}")
+    if args.program is not None and args.points != "entry":
+        raise BadCase("--program's probes say which points are spliced: it takes no --points")
     if args.program is not None and args.functions != "all":
         raise BadCase("give the points with --functions or --program, not both")
     source = cases.image_source(args.image, args.kallsyms)
@@ -111,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
             targets = sorted(rng.sample(targets, args.sample),
                              key=lambda t: (t.func.address, t.offset or 0))
     else:
-        targets = cases.select(check.image, args.functions, sample=args.sample, seed=args.seed)
+        targets = cases.select(check.image, args.functions, sample=args.sample, seed=args.seed,
+                               kinds=_kinds(args.points), facts=check.harness.facts)
     todo = cases.make_cases(targets, args.cases, args.seed, args.splice, args.snippet)
     engine = engines.engine_for(args.cluster, args.workers)
     try:
@@ -130,6 +137,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_summary(summary)
     return 1 if summary["non_equivalent"] or summary["errors"] else 0
+
+
+def _kinds(text: str) -> tuple[str, ...]:
+    from ksim.verify.cases import POINT_KINDS
+    from ksim.verify.errors import BadCase
+
+    kinds = tuple(k.strip() for k in text.split(","))
+    bad = [k for k in kinds if k not in POINT_KINDS]
+    if bad or not kinds:
+        raise BadCase(f"--points {text!r}: {', '.join(map(repr, bad)) or 'nothing'} is no kind of "
+                      f"point (one or more of {', '.join(POINT_KINDS)})")
+    return tuple(dict.fromkeys(kinds))
 
 
 def _one_case(check: Any, args: argparse.Namespace) -> int:

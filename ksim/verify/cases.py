@@ -31,10 +31,13 @@ from ksim.differential import SNIPPETS
 from ksim.errors import KsimError, UnknownSymbol
 from ksim.image.image import Image
 from ksim.image.model import Function
+from ksim.splice.sites import SiteFacts
 from ksim.verify.errors import BadCase
 
 #: what ``--splice`` takes: the Manager's policies, or one tactic exactly
 POLICIES = ("auto", "jmp", "trap", "jmp+displace", "springboard")
+#: the kinds of points --points takes (PointKind's values)
+POINT_KINDS = ("entry", "exit", "block", "callsite")
 #: the image checked when none is named
 DEFAULT_IMAGE = "debian"
 
@@ -181,12 +184,14 @@ def make_cases(targets: Sequence[Target], count: int, seed: int, policy: str = "
 
 
 # --- selecting points -------------------------------------------------------------------
-def select(image: Image, pattern: str, *, sample: int | None = None, seed: int = 0) -> list[Target]:
+def select(image: Image, pattern: str, *, sample: int | None = None, seed: int = 0,
+           kinds: Sequence[str] = ("entry",), facts: SiteFacts | None = None) -> list[Target]:
     """The points ``--functions`` names: a comma-separated list of ``all``, wildcards
-    (``vfs_*``: every matching function's entry), names (an entry) and
-    ``NAME+OFFSET`` (an instruction), in address order, each once.  ``sample`` keeps
-    a seeded sample of that many.  UnknownSymbol when a name or wildcard matches
-    nothing."""
+    (``vfs_*``: every matching function), names and ``NAME+OFFSET`` (an
+    instruction), in address order, each once.  A function gives its points of
+    ``kinds`` (POINT_KINDS; its entry by default: no analysis needed here; the
+    others from ``facts``).  ``sample`` keeps a seeded sample of that many points.
+    UnknownSymbol when a name or wildcard matches nothing."""
     from ksim.commands.count import parse_point
 
     items = [p.strip() for p in pattern.split(",")]
@@ -229,11 +234,57 @@ def select(image: Image, pattern: str, *, sample: int | None = None, seed: int =
                 raise OutsideText(f"{item}: the offset {spec.offset:#x} is past the end of "
                                   f"{func.name} ({func.size:#x} bytes)")
             add(func, spec.offset or None)
-    targets = sorted(chosen.values(), key=lambda t: (t.func.address, t.offset or 0))
+    targets = sorted(chosen.values(), key=_order)
+    if tuple(kinds) != ("entry",):
+        if facts is None:
+            raise KsimError("points of other kinds than entries need the image's site facts")
+        return _expand(image, facts, targets, kinds, sample, seed)
     if sample is not None and sample < len(targets):
         rng = random.Random(repr(("ksim-verify-sample", seed)))
-        targets = sorted(rng.sample(targets, sample), key=lambda t: (t.func.address, t.offset or 0))
+        targets = sorted(rng.sample(targets, sample), key=_order)
     return targets
+
+
+def _order(t: Target) -> tuple[int, int]:
+    return (t.func.address, -1 if t.offset is None else t.offset)
+
+
+def _expand(image: Image, facts: SiteFacts, targets: list[Target], kinds: Sequence[str],
+            sample: int | None, seed: int) -> list[Target]:
+    """Each function's points of ``kinds`` (NAME+OFFSET targets stay as they are).
+    With ``sample``, functions are taken in a seeded order until that many points
+    are found: only those functions are analysed."""
+    order = list(targets)
+    if sample is not None:
+        random.Random(repr(("ksim-verify-sample", seed))).shuffle(order)
+    out: dict[tuple[int, int | None], Target] = {}
+    for t in order:
+        points = [t] if t.offset is not None else _points_of(image, facts, t.func, kinds)
+        for p in points:
+            out.setdefault((p.func.address, p.offset), p)
+        if sample is not None and len(out) >= sample:
+            break
+    chosen = list(out.values())[:sample] if sample is not None else list(out.values())
+    return sorted(chosen, key=_order)
+
+
+def _points_of(image: Image, facts: SiteFacts, func: Function, kinds: Sequence[str]) -> list[Target]:
+    """The function's points of ``kinds``; its entry alone when it cannot be analysed
+    (its case then says why)."""
+    from ksim.analysis.points import PointKind
+
+    try:
+        entry = facts.entry(func).address
+        addresses: list[int | None] = [None] if "entry" in kinds else []
+        for kind in kinds:
+            if kind != "entry":
+                addresses += [p.address for p in facts.points(func, PointKind(kind))
+                              if not ("entry" in kinds and p.address == entry)]
+    except KsimError:
+        return [Target(point_name(image, func, None), func, None)]
+    offsets = sorted({None if a is None else a - func.address for a in addresses},
+                     key=lambda o: -1 if o is None else o)
+    return [Target(point_name(image, func, o), func, o) for o in offsets]
 
 
 # --- ids ----------------------------------------------------------------------------------
@@ -273,7 +324,7 @@ def parse_case(image: Image, text: str) -> VerifyCase:
     if offset is not None and func.size and offset >= func.size:
         raise BadCase(f"--case {shown}: the offset {offset:#x} is past the end of {func.name} "
                       f"({func.size:#x} bytes)")
-    return VerifyCase(point, func.address, offset or None, policy, snippet, int(seed_text))
+    return VerifyCase(point, func.address, offset, policy, snippet, int(seed_text))
 
 
 def check_policy(policy: str) -> str:
