@@ -89,9 +89,10 @@ The comparison
   that depends on where its translation blocks began, which a splice changes;
 * the ordered list of memory writes (address, size, value): the spliced run may
   add writes only to the counter and to stack bytes below the stack pointer
-  (kernel code has no red zone; what a push [a store pre-indexed below sp with
-  writeback] writes there is not dead), and the final bytes of everything the original
-  run wrote must be the same;
+  (kernel code has no red zone: a write into the stack's pages below the stack
+  pointer is dead and not compared, unless a push [a store pre-indexed below sp
+  with writeback] made it), and the final bytes of everything the original run
+  wrote must be the same;
 * the stepped-over calls with their arguments, and the WARNs passed;
 * how often the patch ran against how often the point was reached, and the
   counter against that number (zero for the empty snippet).

@@ -63,7 +63,7 @@ DIFFERENTIAL = DifferentialRules(
     repeat_prefix="",
     prefix_bytes=frozenset(),
     # BL and BLR leave the return address in x30; RET branches through it
-    link_reg="x30", stack_slot=16, stack_align=16,
+    link_reg="x30", stack_align=16,
     # this CPU's per-cpu offset (arch/arm64/include/asm/percpu.h, __my_cpu_offset)
     # and current (arch/arm64/include/asm/current.h: get_current reads sp_el0)
     percpu_offset=True, current_reg="sp_el0",
