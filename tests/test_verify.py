@@ -166,12 +166,26 @@ def test_debian_vmlinux_few_hundred_cases(capsys, debian_kernel):
     assert (one["equivalent"], one["refused"]) == (two["equivalent"], two["refused"])
 
 
-def test_debian_named_points(capsys, debian_kernel):
+def test_debian_named_points(capsys, debian_kernel, tmp_path):
     """Names, NAME+OFFSET and a name several static functions carry (given with
     the function's address)."""
     status, s = verify(capsys, "--functions", "resched_cpu,resched_cpu+0x24,vfs_read,stop_nmi+5",
                        "--cases", "3")
     assert status == 0 and s["points"] == 4 and s["cases"] == 12, s
+    # a static function's name that others share: its cases name it with its address
+    from collections import Counter
+
+    from ksim.image import load_kallsyms
+
+    image = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
+    names = Counter(f.name for f in {f.address: f for f in image.functions}.values())
+    shared = next(n for n, k in sorted(names.items()) if k > 1 and not n.startswith("_"))
+    records = tmp_path / "shared.jsonl"
+    status, s = verify(capsys, "--functions", shared, "--results", str(records))
+    [record] = [json.loads(line) for line in records.read_text().splitlines()]
+    assert record["case"].startswith(f"{shared}@0x"), record
+    status, again = verify(capsys, "--case", record["case"])
+    assert again["status"] == record["status"] and again["point"] == record["point"]
 
 
 def test_debian_modules(capsys, debian_kernel):
