@@ -52,6 +52,20 @@ int main(int argc, char **argv)
 """
 
 
+#: calls getpriority(2) until killed, at nice 19 (so that kerninstd keeps a CPU)
+GETPRIORITY = r"""
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void)
+{
+    nice(19);
+    for (;;)
+        syscall(SYS_getpriority, PRIO_PROCESS, 0);
+}
+"""
+
+
 def _spec(testbed: dict[str, Any]) -> str:
     return f"live://127.0.0.1:{testbed['port']}"
 
@@ -206,3 +220,29 @@ def test_a_kept_splice_outlives_kerninstd_and_unload_undoes_it(kerninst_arm64, t
         assert dmesg_problems(t) == []
     finally:
         t.close()
+
+
+def test_splices_go_in_and_out_while_both_cpus_run_the_function(kerninst_arm64, target_arm64):
+    """Pokes under stop_machine and BRK routes retired after an IPI to every CPU, while
+    two processes (at nice 19, so that kerninstd keeps a CPU) call the function without
+    pause: each round counts more, nothing breaks, the text ends as it began."""
+    t = target_arm64
+    before = _text(t, FUNC)
+    prog = testing.program("arm64_getpriority", GETPRIORITY, "arm64")
+    t.exec(f"( {prog} & {prog} & ) >/dev/null 2>&1")
+    try:
+        with Manager.attach(_spec(kerninst_arm64)) as m:
+            v = m.malloc()
+            point = m.entry_point(FUNC)
+            last = 0
+            for splice in ("jmp", "trap", "jmp", "trap"):
+                (handle,) = m.insert_many([point], v.atomic_assign(v + 1), splice=splice)
+                t.exec("sleep 0.2")
+                m.remove_many([handle])
+                now = m.read_array([v])[0]
+                assert now > last, (splice, now, last)
+                last = now
+    finally:
+        t.exec("killall arm64_getpriority; true")
+    assert _text(t, FUNC) == before
+    assert dmesg_problems(t) == []
