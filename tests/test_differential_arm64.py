@@ -224,3 +224,31 @@ def test_debian_arm64_random_cases_are_equivalent(debian):
           f"{counts}")
     if count >= 100:
         assert {r.tactic for r in results if r.equivalent} == set(TACTICS), counts
+
+
+# --- findings on Debian's arm64 kernel --------------------------------------------------
+def test_snippet_saves_are_not_the_originals_writes(debian):
+    """round_jiffies_up_relative+0x4 (its second patchable-entry NOP), counter by
+    jmp: the snippet saves x13 (zero) at what becomes the function's frame, the
+    very bytes the function writes next; the harness took that save for the
+    function's write and then the function's own write for an extra one."""
+    func = debian.image.function("round_jiffies_up_relative")
+    result = debian.run_case(Case(func.name, func.address + 4, "jmp", "counter", 3209701049))
+    assert result.equivalent, result.describe()
+
+
+@pytest.mark.xfail(strict=True, reason="the planner splices between a load-exclusive and "
+                   "its store-exclusive: the snippet's own LDAXR/STLXR on the counter "
+                   "clears the monitor, the function's STLXR always fails and its retry "
+                   "loop runs the snippet forever (kprobes refuses such points: "
+                   "arch/arm64/kernel/probes/decode-insn.c, is_probed_address_atomic)")
+@pytest.mark.parametrize("tactic", ["jmp", "trap"])
+def test_no_splice_inside_an_exclusive_sequence(debian, tactic):
+    """rtnl_getlink+0x368 is ``sub w3, w1, w2`` between ``ldxr w1, [x5]`` and
+    ``stlxr w4, w3, [x5]`` (an atomic decrement's LL/SC loop): spliced with the
+    counter, the spliced run loops until its budget (the patch ran 101 times, the
+    point was reached twice).  Refused, or equivalent."""
+    func = debian.image.function("rtnl_getlink")
+    result = debian.run_case(Case(func.name, func.address + 0x368, tactic, "counter",
+                                  2603569354))
+    assert result.equivalent or result.refused, result.describe()

@@ -256,6 +256,9 @@ class Run:
     #: original run: registers (and "flags") dead at the point that were not
     #: written after it was last reached: the snippet may have left them changed
     unsettled: frozenset[str] = frozenset()
+    #: per write (spliced run): whether the snippets' code made it (never one of
+    #: the original's, even where it writes the same bytes as the original's next)
+    own: list[bool] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -787,6 +790,7 @@ class _Machine:
         self.error: BaseException | None = None
         self.writes: list[MemWrite] = []
         self.extra_ok: list[bool] = []
+        self.own: list[bool] = []
         self.calls: list[Call] = []
         self.warnings: list[int] = []
         self.hits = self.executed = self.steps = 0
@@ -945,6 +949,7 @@ class _Machine:
                     rsp = max(rsp, self.entry_rsp)
                 ok = rsp - FRAME_LIMIT <= vaddr and vaddr + size <= rsp
             self.extra_ok.append(ok)
+            self.own.append(self.ctx.code_lo <= self.pc < self.ctx.body_hi)
 
     def _pushes(self, insn: Insn) -> bool:
         """Whether ``insn`` writes below the stack pointer and moves it over what it wrote."""
@@ -1142,7 +1147,7 @@ class _Machine:
         regs = {name: self._reg(name) for name in self.h.gprs}
         return Run(exit, regs, self._reg(cpu.status_reg), self.writes, self.extra_ok,
                    self.calls, self.hits, self.executed, self.steps, self.warnings, counter, final,
-                   frozenset(self.unsettled))
+                   frozenset(self.unsettled), self.own)
 
 
 def _both(ctx: _Context) -> tuple[Run, Run]:
@@ -1191,12 +1196,15 @@ def _compare(ctx: _Context, o: Run, s: Run) -> list[str]:
 
 def _compare_writes(o: Run, s: Run) -> list[str]:
     """The spliced run's writes must be the original's, in order, plus writes of its
-    own to the counter and to dead stack; the original's final bytes must be there."""
+    own to the counter and to dead stack (the snippets' writes are always its own:
+    a saved register that happens to equal the original's next write is not it);
+    the original's final bytes must be there."""
     out: list[str] = []
     i = 0
     extras: set[int] = set()
-    for k, (w, ok) in enumerate(zip(s.writes, s.extra_ok, strict=True)):
-        if i < len(o.writes) and w == o.writes[i]:
+    own = s.own or [False] * len(s.writes)
+    for k, (w, ok, mine) in enumerate(zip(s.writes, s.extra_ok, own, strict=True)):
+        if not mine and i < len(o.writes) and w == o.writes[i]:
             i += 1
         elif ok:
             extras.update(range(w.address, w.address + w.size))
