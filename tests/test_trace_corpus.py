@@ -343,9 +343,6 @@ import base64, json, os, select, signal, subprocess, sys, threading, time, zlib
 spec = json.load(open(sys.argv[1]))
 run = spec["run"]
 names = [t["name"] for t in spec["tools"]]
-for n in names:
-    os.mkfifo(f"{run}/go-{n}")
-os.mkfifo(f"{run}/ready")
 procs, lines, ready = {}, {n: [] for n in names}, {n: threading.Event() for n in names}
 
 def reader(name, p, begin):
@@ -398,11 +395,41 @@ for n in got:
         os.close(go)
     except OSError as exc:
         status.setdefault("go_failed", {})[n] = str(exc)
+def wchan(pid):
+    try:
+        return open(f"/proc/{pid}/wchan").read()
+    except OSError:
+        return ""
+
+# bpftrace 0.17 polls its rings with a 100 ms epoll_wait and sees the exit flag only
+# when that call is interrupted: a SIGINT handled while it is anywhere else (a loaded
+# TCG guest leaves it runnable for long) is lost, and it sleeps on.  One asleep in
+# epoll_wait seconds after the SIGINT lost it (a pending one would have woken it):
+# it gets another, as at a terminal.  Elsewhere (printing its maps, after its
+# handler is gone) it is left alone.
+def interrupt_again(until):
+    while time.time() < until and any(p.poll() is None for p in procs.values()):
+        time.sleep(5.0)
+        for p in procs.values():
+            if p.poll() is None and wchan(p.pid) == "do_epoll_wait":
+                p.send_signal(signal.SIGINT)
+                status["interrupted_again"] = status.get("interrupted_again", 0) + 1
+
 until = time.time() + 180
+threading.Thread(target=interrupt_again, args=(until,), daemon=True).start()
 for n, p in procs.items():
     try:
         p.wait(max(30.0, until - time.time()))   # each bpftrace gets 30 s to exit at least
     except subprocess.TimeoutExpired:
+        # where it is stuck, in the kernel, and what the kernel said meanwhile
+        try:
+            stack = open(f"/proc/{p.pid}/stack").read()
+        except OSError as exc:
+            stack = str(exc)
+        dmesg = subprocess.run("dmesg | tail -40", shell=True, capture_output=True,
+                               text=True).stdout
+        lines[n].append(f"\n[killed after {time.time() - start:.0f} s; kernel stack:\n"
+                        f"{stack}\ndmesg:\n{dmesg}]\n")
         p.kill()
         p.wait()
 status["exit_s"] = round(time.time() - start, 1)
@@ -746,7 +773,10 @@ def run_batch(testbed: dict[str, Any], batch: Batch) -> dict[str, Outputs]:
     waiter = connect(testbed)
     lock = threading.Lock()
     try:
-        t.exec_checked(f"mkdir -p {run}")
+        # the fifos exist before anyone opens them: a ksim trace that attaches before the
+        # driver has started would otherwise create its go file as a plain file (<>)
+        t.exec_checked(f"mkdir -p {run} && cd {run} && mkfifo ready "
+                       + " ".join(f"go-{n}" for n in names))
 
         def drive() -> None:
             try:
@@ -789,7 +819,8 @@ def run_batch(testbed: dict[str, Any], batch: Batch) -> dict[str, Outputs]:
         waiter.close()
     theirs = json.loads(zlib.decompress(base64.b64decode(data)))
     print(f"\nbatch {names}: bpftrace ready at {theirs['bpftrace_s']} s, ksim at "
-          f"{theirs['ksim_s']} s, workload done at {theirs['workload_s']} s")
+          f"{theirs['ksim_s']} s, workload done at {theirs['workload_s']} s, exited at "
+          f"{theirs['exit_s']} s (interrupted again: {theirs.get('interrupted_again', 0)})")
     dump = work / "last"
     dump.mkdir(exist_ok=True)
     out = {}
