@@ -6,16 +6,21 @@
  *
  *   - report where things are (text range, per-cpu offsets, task layout);
  *   - read any kernel address without faulting, write only ksim's data heap;
- *   - own a patch area (executable, reachable by rel32 from kernel text) and a
- *     data heap (reachable by disp32), both made of areas from module_alloc()
- *     that are added on demand and given back when empty;
+ *   - own a patch area (executable, reachable by rel32 from kernel text; arm64:
+ *     by a B, +-128 MB, without KASLR) and a data heap (reachable by disp32),
+ *     both made of areas from module_alloc() that are added on demand and given
+ *     back when empty;
  *   - answer whether text may be touched, asking the kernel itself (the checks
  *     kprobes makes: ftrace, jump labels, static calls, kprobes, the blacklist,
- *     exception and bug tables), with the kernel's tables indexed at load;
- *   - change kernel or module text, SMP-safely, with the int3 -> sync -> tail ->
- *     sync -> head protocol, after checking the old bytes and those hazards,
- *     for a whole batch of writes at once (as text_poke_bp_batch does);
- *   - route int3 hits at ksim's own sites to their patches (a DIE_INT3 notifier);
+ *     exception and bug tables; on arm64 also BTI landing pads and the
+ *     pointer-authentication checks kprobes will not step), with the kernel's
+ *     tables indexed at load where kallsyms lists them;
+ *   - change kernel or module text, SMP-safely, after checking the old bytes and
+ *     those hazards, for a whole batch of writes at once: on x86-64 with the
+ *     int3 -> sync -> tail -> sync -> head protocol (as text_poke_bp_batch
+ *     does), on arm64 under stop_machine (as aarch64_insn_patch_text does);
+ *   - route trap hits at ksim's own sites to their patches (x86-64: int3, a
+ *     DIE_INT3 notifier; arm64: BRK #KERNINST_ARM64_BRK_IMM, a break hook);
  *   - know who holds what: every live text write, trap route and patch-area or
  *     heap block belongs to one owner (a client session, or a kept owner that
  *     outlives kerninstd), and no owner may change what another holds;
