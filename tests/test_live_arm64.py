@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ksim.commands.count import count
-from ksim.errors import AlreadySpliced, TextOwned
+from ksim.errors import AlreadySpliced, OutOfMemory, TextOwned
 from ksim.kapi import Manager
 from ksim.live import abi, testing
 from ksim.live.testing import (  # noqa: F401
@@ -245,4 +245,40 @@ def test_splices_go_in_and_out_while_both_cpus_run_the_function(kerninst_arm64, 
     finally:
         t.exec("killall arm64_getpriority; true")
     assert _text(t, FUNC) == before
+    assert dmesg_problems(t) == []
+
+
+PARAMS = "/sys/module/kerninst/parameters"
+
+
+def test_a_batch_past_the_modules_limits_changes_nothing(kerninst_arm64, target_arm64):
+    """max_routes and max_splices bound what one batch may pin: past them the batch is
+    refused (OutOfMemory) before any instruction changes, and within them it goes in."""
+    t = target_arm64
+    names = ("__arm64_sys_getpriority", "__arm64_sys_setpriority")
+    before = {n: _text(t, n) for n in names}
+    saved = {n: int(t.exec_checked(f"cat {PARAMS}/{n}")) for n in ("max_routes", "max_splices")}
+    try:
+        with Manager.attach(_spec(kerninst_arm64)) as m:
+            vs = m.malloc_array(2)
+            points = [m.entry_point(n) for n in names]
+
+            def snippet(p: Any) -> Any:
+                v = vs[points.index(p)]
+                return v.atomic_assign(v + 1)
+
+            for name, splice in (("max_routes", "trap"), ("max_splices", "jmp")):
+                t.exec_checked(f"echo 1 > {PARAMS}/{name}")
+                with pytest.raises(OutOfMemory):
+                    m.insert_many(points, snippet, splice=splice)
+                assert {n: _text(t, n) for n in names} == before
+                t.exec_checked(f"echo {saved[name]} > {PARAMS}/{name}")
+                handles = m.insert_many(points, snippet, splice=splice)
+                t.exec(_loop(100))
+                assert m.read_array(vs) >= [100, 100]
+                m.remove_many(handles)
+    finally:
+        for n, v in saved.items():
+            t.exec_checked(f"echo {v} > {PARAMS}/{n}")
+    assert {n: _text(t, n) for n in names} == before
     assert dmesg_problems(t) == []
