@@ -237,18 +237,44 @@ def test_snippet_saves_are_not_the_originals_writes(debian):
     assert result.equivalent, result.describe()
 
 
-@pytest.mark.xfail(strict=True, reason="the planner splices between a load-exclusive and "
-                   "its store-exclusive: the snippet's own LDAXR/STLXR on the counter "
-                   "clears the monitor, the function's STLXR always fails and its retry "
-                   "loop runs the snippet forever (kprobes refuses such points: "
-                   "arch/arm64/kernel/probes/decode-insn.c, is_probed_address_atomic)")
 @pytest.mark.parametrize("tactic", ["jmp", "trap"])
 def test_no_splice_inside_an_exclusive_sequence(debian, tactic):
     """rtnl_getlink+0x368 is ``sub w3, w1, w2`` between ``ldxr w1, [x5]`` and
-    ``stlxr w4, w3, [x5]`` (an atomic decrement's LL/SC loop): spliced with the
-    counter, the spliced run loops until its budget (the patch ran 101 times, the
-    point was reached twice).  Refused, or equivalent."""
+    ``stlxr w4, w3, [x5]`` (an atomic decrement's LL/SC loop).  Spliced with the
+    counter, the snippet's own LDAXR/STLXR made the function's STLXR fail every
+    time and its retry loop ran the snippet until the budget (the patch ran 101
+    times, the point was reached twice).  The point and the store-exclusive are
+    refused, as kprobes refuses them; the instructions around the loop splice."""
     func = debian.image.function("rtnl_getlink")
-    result = debian.run_case(Case(func.name, func.address + 0x368, tactic, "counter",
-                                  2603569354))
-    assert result.equivalent or result.refused, result.describe()
+    for offset in (0x368, 0x36C):
+        result = debian.run_case(Case(func.name, func.address + offset, tactic, "counter",
+                                      2603569354))
+        assert result.refused and "store-exclusive" in result.reason, result.describe()
+    for offset in (0x360, 0x370):
+        result = debian.run_case(Case(func.name, func.address + offset, tactic, "counter",
+                                      2603569354))
+        assert result.equivalent, result.describe()
+
+
+def test_exclusive_sequences():
+    """AArch64's in_exclusive_sequence: after a load-exclusive up to its
+    store-exclusive, looking back at most 16 instructions (kprobes' rule)."""
+    from ksim.arch import get_arch
+
+    arch = get_arch("aarch64")
+    words = [0x91025AC5,   # add x5, x22, #0x96
+             0x885F7CA1,   # ldxr w1, [x5]
+             0x4B020023,   # sub w3, w1, w2
+             0x8804FCA3,   # stlxr w4, w3, [x5]
+             0x35FFFFA4,   # cbnz w4, .-12
+             0xD65F03C0]   # ret
+    code = b"".join(w.to_bytes(4, "little") for w in words)
+    insns = list(arch.decode(code, 0xFFFF800008000000))
+    assert [i.mnemonic for i in insns] == ["add", "ldxr", "sub", "stlxr", "cbnz", "ret"]
+    assert [arch.in_exclusive_sequence(insns, k) for k in range(len(insns))] == \
+        [False, False, True, True, False, False]
+    # beyond 16 instructions back, a load-exclusive is not looked for
+    far = [insns[1]] + [insns[2]] * 16 + [insns[3]]
+    assert not arch.in_exclusive_sequence(far, 17)
+    assert arch.in_exclusive_sequence(far, 16)
+    assert not get_arch("x86_64").in_exclusive_sequence(insns, 2)

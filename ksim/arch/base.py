@@ -539,6 +539,14 @@ class Arch(Protocol):
         someone's probe, never to be moved or overwritten."""
         ...
 
+    def in_exclusive_sequence(self, insns: Sequence[Insn], index: int) -> bool:
+        """Whether ``insns[index]`` (consecutive instructions of one function) lies
+        between a load-exclusive and its store-exclusive, the store included: code
+        run before it (a branch to a patch, the snippets' memory accesses, a trap's
+        exception return) may clear the exclusive monitor, and the store would
+        then fail on every retry of its loop.  x86-64 has no such sequences."""
+        ...
+
     def jmp(self, src: int, dst: int) -> bytes:
         """A jmp_size-byte jump at ``src`` to ``dst``; OutOfRange if it cannot reach."""
         ...

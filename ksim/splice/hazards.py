@@ -49,6 +49,9 @@ HAZARDS: dict[str, tuple[type[SpliceError], str]] = {
     "bug": (BugSite, "a BUG site (__bug_table): handle_bug finds its ud2 by address"),
     "extable": (ExtableSite, "an instruction with an exception-table fix-up (__ex_table), "
                              "found by address when it faults"),
+    "exclusive": (UnsafeSite, "between a load-exclusive and its store-exclusive: code run "
+                              "there may clear the exclusive monitor and the store then "
+                              "fails on every retry (kprobes refuses it too)"),
     "branch_prot": (UnsafeSite, "a BTI landing pad or a pointer-authentication check "
                                 "(autiasp, retaa): kprobes refuses to step it"),
     "unknown": (UnsafeSite, "the kernel could not tell whether this text may be touched"),

@@ -340,6 +340,12 @@ def _must_stay(arch: Arch, func: FunctionCode, insn: Insn) -> set[str]:
     found = set(func.hazards.get(insn.address, ()))
     if arch.is_breakpoint(insn):
         found.add("breakpoint")
+    try:
+        index = func.index_of(insn.address)
+    except NotOnBoundary:  # filler a window spills over, past the function's code
+        return found
+    if arch.in_exclusive_sequence(func.insns, index):
+        found.add("exclusive")
     return found
 
 

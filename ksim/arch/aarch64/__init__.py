@@ -59,6 +59,14 @@ KPROBES_BRK_IMM = 0x004
 _BRK, _HLT, _IMM16_MASK = 0xD4200000, 0xD4400000, 0xFFE0001F
 #: alignment filler: NOP and UDF #0
 _FILLERS = frozenset({0xD503201F, 0x00000000})
+#: the exclusive loads and stores (Arm ARM C6.2), and how far back kprobes looks
+#: for the load before a point (MAX_ATOMIC_CONTEXT_SIZE, arch/arm64/kernel/probes/
+#: decode-insn.c)
+_LOAD_EXCLUSIVE = frozenset({"ldxr", "ldxrb", "ldxrh", "ldxp",
+                             "ldaxr", "ldaxrb", "ldaxrh", "ldaxp"})
+_STORE_EXCLUSIVE = frozenset({"stxr", "stxrb", "stxrh", "stxp",
+                              "stlxr", "stlxrb", "stlxrh", "stlxp"})
+_ATOMIC_CONTEXT = 16
 
 
 # --- components ---------------------------------------------------------------------------
@@ -176,6 +184,18 @@ class AArch64:
     def is_breakpoint(self, insn: Insn) -> bool:
         word = int.from_bytes(insn.raw, "little") & _IMM16_MASK
         return insn.size == 4 and word in (_BRK, _HLT)
+
+    def in_exclusive_sequence(self, insns: Sequence[Insn], index: int) -> bool:
+        # kprobes' is_probed_address_atomic (arch/arm64/kernel/probes/decode-insn.c):
+        # back from the instruction before, at most MAX_ATOMIC_CONTEXT_SIZE
+        # instructions, a store-exclusive first means outside, a load-exclusive
+        # inside
+        for insn in reversed(insns[max(0, index - _ATOMIC_CONTEXT):index]):
+            if insn.mnemonic in _STORE_EXCLUSIVE:
+                return False
+            if insn.mnemonic in _LOAD_EXCLUSIVE:
+                return True
+        return False
 
     @property
     def jump_tables(self) -> JumpTableIdioms:

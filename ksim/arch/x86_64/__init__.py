@@ -130,6 +130,9 @@ class X86_64:
     def is_breakpoint(self, insn: Insn) -> bool:
         return insn.mnemonic == "int3"  # cc, with or without prefixes
 
+    def in_exclusive_sequence(self, insns: Sequence[Insn], index: int) -> bool:
+        return False  # locked instructions are single instructions
+
     @property
     def jump_tables(self) -> JumpTableIdioms:
         from .jumptables import JUMP_TABLES
