@@ -12,8 +12,9 @@
  *     back when empty;
  *   - answer whether text may be touched, asking the kernel itself (the checks
  *     kprobes makes: ftrace, jump labels, static calls, kprobes, the blacklist,
- *     exception and bug tables; on arm64 also BTI landing pads and the
- *     pointer-authentication checks kprobes will not step), with the kernel's
+ *     exception and bug tables; on arm64 also BTI landing pads, the
+ *     pointer-authentication checks kprobes will not step and exclusive
+ *     sequences), with the kernel's
  *     tables indexed at load where kallsyms lists them;
  *   - change kernel or module text, SMP-safely, after checking the old bytes and
  *     those hazards, for a whole batch of writes at once: on x86-64 with the
@@ -1058,6 +1059,38 @@ static bool ki_branch_prot(u32 insn)
 	return false;
 }
 
+/*
+ * Whether the instruction at @a is inside an exclusive sequence: after a
+ * load-exclusive with no store-exclusive between, looking back at most
+ * KI_ATOMIC_CONTEXT instructions and not before the symbol that holds @a -- the
+ * test of kprobes' arm_kprobe_decode_insn (is_probed_address_atomic,
+ * arch/arm64/kernel/probes/decode-insn.c: MAX_ATOMIC_CONTEXT_SIZE).  A trap or a
+ * patch run there clears the exclusive monitor (an exception return does, and
+ * the patch's own exclusives), and the store-exclusive then fails on every retry.
+ * Without symbol sizes the test is not made, as kprobes skips it.
+ */
+#define KI_ATOMIC_CONTEXT (128 / AARCH64_INSN_SIZE)
+static bool ki_in_exclusive(unsigned long a)
+{
+	unsigned long size, offset, stop, at;
+	u32 insn;
+
+	if (!ki_kallsyms_lookup_size_offset || !ki_kallsyms_lookup_size_offset(a, &size, &offset))
+		return false;
+	stop = a - min_t(unsigned long, offset & ~3UL, KI_ATOMIC_CONTEXT * AARCH64_INSN_SIZE);
+	for (at = a; at > stop; ) {
+		at -= AARCH64_INSN_SIZE;
+		if (copy_from_kernel_nofault(&insn, (void *)at, sizeof(insn)))
+			return false;
+		insn = le32_to_cpu(insn);
+		if (aarch64_insn_is_store_ex(insn))
+			return false;
+		if (aarch64_insn_is_load_ex(insn))
+			return true;
+	}
+	return false;
+}
+
 static u32 ki_arch_text_hazards(unsigned long addr, unsigned long end, struct module *mod)
 {
 	unsigned long a;
@@ -1068,6 +1101,8 @@ static u32 ki_arch_text_hazards(unsigned long addr, unsigned long end, struct mo
 			return h | KERNINST_HAZARD_NOT_TEXT;
 		if (ki_branch_prot(le32_to_cpu(insn)))
 			h |= KERNINST_HAZARD_BRANCH_PROT;
+		if (ki_in_exclusive(a))
+			h |= KERNINST_HAZARD_EXCLUSIVE;
 	}
 	return h;
 }

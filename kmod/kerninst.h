@@ -90,9 +90,11 @@ typedef uint64_t __u64;
 #define KERNINST_HAZARD_WARN        (1u << 7) /* the ud2 of a WARN() (find_bug, BUGFLAG_WARNING) */
 #define KERNINST_HAZARD_NOT_TEXT    (1u << 8) /* neither core kernel text nor one live module's text */
 #define KERNINST_HAZARD_UNKNOWN     (1u << 9) /* a check could not be made (a kernel symbol is missing) */
-/* arm64 only (an x86-64 module never sets it): */
+/* arm64 only (an x86-64 module never sets them): */
 #define KERNINST_HAZARD_BRANCH_PROT (1u << 10) /* a BTI landing pad, or a pointer-authentication
 						* check kprobes refuses to step (autiasp, retaa, ...) */
+#define KERNINST_HAZARD_EXCLUSIVE   (1u << 11) /* after a load-exclusive, before its store-exclusive
+						* (kprobes' is_probed_address_atomic) */
 
 /*
  * The trap ksim routes: int3 (0xcc) on x86-64; on arm64 BRK with this

@@ -117,6 +117,35 @@ def test_the_kernels_tables_and_branch_protection_are_hazards(kerninst_arm64, ta
     assert {"warn", "branch_prot", "extable", "ftrace"} <= seen, seen
 
 
+def _is_load_ex(word: int) -> bool:     # aarch64_insn_is_load_ex (asm/insn.h)
+    return word & 0x3F400000 == 0x08400000
+
+
+def _is_store_ex(word: int) -> bool:    # aarch64_insn_is_store_ex
+    return word & 0x3F400000 == 0x08000000
+
+
+def test_an_exclusive_sequence_is_a_hazard(kerninst_arm64, target_arm64):
+    """What kprobes refuses on arm64 (is_probed_address_atomic): every instruction after
+    a load-exclusive up to its store-exclusive; the load itself may be spliced."""
+    t = target_arm64
+    start = t.lookup("rtnl_getlink")   # an LDXR/STLXR loop (a refcount's decrement)
+    code = t.read(start, 0x800)
+    words = [int.from_bytes(code[i:i + 4], "little") for i in range(0, len(code), 4)]
+    found = t.text_hazards([(start + 4 * i, 4) for i in range(len(words))])
+    sequences = 0
+    for i, word in enumerate(words):
+        if not _is_load_ex(word):
+            continue
+        ends = [j for j in range(i + 1, min(i + 32, len(words))) if _is_store_ex(words[j])]
+        if not ends or any(_is_load_ex(w) for w in words[i + 1:ends[0]]):
+            continue
+        sequences += 1
+        assert "exclusive" not in found[i]
+        assert all("exclusive" in found[k] for k in range(i + 1, ends[0] + 1)), hex(4 * i)
+    assert sequences
+
+
 @pytest.mark.parametrize("splice", ["jmp", "trap"])
 def test_count_matches_the_kprobe_and_text_is_restored(kerninst_arm64, target_arm64, splice):
     t = target_arm64

@@ -49,8 +49,9 @@ HAZARDS: dict[str, int] = {
     "warn": 1 << 7,         # the ud2 of a WARN() (find_bug, BUGFLAG_WARNING)
     "not_text": 1 << 8,     # neither core kernel text nor one live module's text
     "unknown": 1 << 9,      # a check could not be made (its kernel symbol is missing)
-    # arm64 only (an x86-64 module never sets it)
+    # arm64 only (an x86-64 module never sets them)
     "branch_prot": 1 << 10,  # a BTI landing pad, or a pointer-authentication check
+    "exclusive": 1 << 11,    # between a load-exclusive and its store-exclusive
 }
 
 #: KERNINST_ARM64_BRK_IMM: the immediate of the BRK the arm64 module routes
