@@ -242,7 +242,7 @@ def test_a_kept_splice_outlives_kerninstd_and_unload_undoes_it(kerninst_arm64, t
     assert spliced != before
     t = restart_kerninstd(t, kerninst_arm64)           # the module keeps it
     try:
-        assert [k["name"] for k in t.kept()] == [name]
+        assert name in [k["name"] for k in t.kept()]
         assert _text(t, FUNC) == spliced
         t = restart_kerninstd(t, kerninst_arm64, unload=True)   # unload undoes it
         assert t.kept() == [] and _text(t, FUNC) == before
