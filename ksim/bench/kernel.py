@@ -498,7 +498,10 @@ def _arm64_tables(data: bytes, base: int,
             at = base + lo + 4 * start
             out.extend([(at, "D", f"__start_{name}"), (at + n * entry, "D", f"__stop_{name}")])
 
-    add("__bug_table", longest(lambda k: bool(leads[k]) and word(target(k)) == _BRK_BUG, 3), 12)
+    # (a BUG in exit text, which kallsyms does not bound, too)
+    top = base + len(data)
+    add("__bug_table", longest(lambda k: base <= target(k) < top and not target(k) & 3
+                               and word(target(k)) == _BRK_BUG, 3), 12)
     # (.altinstructions has the same shape, but its instructions are not all
     # loads and stores: "Loads and Stores" is op0 x1x0, Arm ARM C4.1)
     add("__ex_table", longest(lambda k: bool(leads[k] and leads[k + 1])
