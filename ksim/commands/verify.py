@@ -109,27 +109,20 @@ def run(args: argparse.Namespace) -> int:
     if args.program is not None:
         from ksim.verify.program import program_targets
 
-        targets = program_targets(args.program, check.harness.facts)
-        if args.sample is not None and args.sample < len(targets):
-            import random
-
-            rng = random.Random(repr(("ksim-verify-sample", args.seed)))
-            targets = sorted(rng.sample(targets, args.sample),
-                             key=lambda t: (t.func.address, t.offset or 0))
+        targets = cases.sample_of(program_targets(args.program, check.harness.facts),
+                                  args.sample, args.seed)
     else:
         targets = cases.select(check.image, args.functions, sample=args.sample, seed=args.seed,
                                kinds=_kinds(args.points), facts=check.harness.facts)
     todo = cases.make_cases(targets, args.cases, args.seed, args.splice, args.snippet)
     engine = engines.engine_for(args.cluster, args.workers)
     try:
-        if isinstance(engine, engines.RayEngine):
-            engine.connect()
+        engine.connect()
         outcome = campaign.run(source, todo, engine,
                                results=Path(args.results) if args.results else None,
                                progress=not args.no_progress)
     finally:
-        if isinstance(engine, engines.RayEngine):
-            engine.close()
+        engine.close()
     summary = outcome.summary()
     summary["points"] = len(targets)
     if args.json:

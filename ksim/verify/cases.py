@@ -239,10 +239,15 @@ def select(image: Image, pattern: str, *, sample: int | None = None, seed: int =
         if facts is None:
             raise KsimError("points of other kinds than entries need the image's site facts")
         return _expand(image, facts, targets, kinds, sample, seed)
-    if sample is not None and sample < len(targets):
-        rng = random.Random(repr(("ksim-verify-sample", seed)))
-        targets = sorted(rng.sample(targets, sample), key=_order)
-    return targets
+    return sample_of(targets, sample, seed)
+
+
+def sample_of(targets: Sequence[Target], sample: int | None, seed: int) -> list[Target]:
+    """A seeded sample of ``sample`` targets (all of them when None), in address order."""
+    if sample is None or sample >= len(targets):
+        return list(targets)
+    rng = random.Random(repr(("ksim-verify-sample", seed)))
+    return sorted(rng.sample(list(targets), sample), key=_order)
 
 
 def _order(t: Target) -> tuple[int, int]:

@@ -64,6 +64,12 @@ class LocalEngine:
     def __init__(self, workers: int | None = None) -> None:
         self.workers = max(1, workers or os.cpu_count() or 1)
 
+    def connect(self) -> None:
+        """Nothing to join: the processes are started by run()."""
+
+    def close(self) -> None:
+        """Nothing to leave: run()'s processes are gone when it returns."""
+
     def run(self, source: ImageSource, cases: Sequence[VerifyCase]) -> Iterator[Records]:
         key = image_key(source)
         check = worker.checker(key, source)
