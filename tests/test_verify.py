@@ -199,6 +199,29 @@ def test_debian_modules(capsys, debian_kernel):
     assert status == 2 and doc["error"] == "image" and "debian:e100.ko" in doc["message"]
 
 
+def test_debian_arm64(capsys, tmp_path):
+    """Debian's arm64 kernel (a flat Image and its kallsyms table), where AArch64's
+    differential rules are declared."""
+    from ksim.bench import kernel as kmod
+
+    try:
+        kmod.debian_kernel("arm64")
+    except kmod.KernelUnavailable as exc:  # pragma: no cover - no package registry
+        pytest.skip(str(exc))
+    results = tmp_path / "arm64.jsonl"
+    status, s = verify(capsys, "--image", "debian-arm64", "--sample", "60", "--results",
+                       str(results))
+    if status == 2:  # no rules declared: the harness says so
+        assert "differential" in s["message"], s
+        return
+    assert s["image"] == "debian-arm64" and s["cases"] == 60 and s["errors"] == 0, s
+    record = json.loads(results.read_text().splitlines()[0])
+    line = campaign.reproducer(cases.image_source("debian-arm64"), record["case"])
+    assert line == f"ksim verify --image debian-arm64 --case {record['case']}"
+    _, again = verify(capsys, *shlex.split(line)[2:])
+    assert again["status"] == record["status"] and again["point"] == record["point"]
+
+
 # --- bad input ----------------------------------------------------------------------------
 @pytest.mark.parametrize("argv,code", [
     (["--functions", "no_such_function_xyz"], "unknown-symbol"),

@@ -1,6 +1,7 @@
 """``ksim verify``: check that every splice keeps the kernel's behaviour (docs/verify.md).
 
-    ksim verify [--image debian|debian:MODULE.ko|toy|toy-arm64|PATH] [--functions PATTERN] [--sample K]
+    ksim verify [--image debian|debian:MODULE.ko|debian-arm64|toy|toy-arm64|PATH]
+                [--functions PATTERN] [--points KINDS] [--sample K]
                 [--cases N] [--seed S] [--program FILE.bt] [--cluster ADDRESS]
                 [--workers N] [--results FILE.jsonl] [--json]
     ksim verify [--image ...] --case ID
@@ -43,8 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image", default=None, metavar="IMAGE",
                    help="debian (default: the testbed's Debian kernel), debian:e100.ko or "
-                        "debian:ext4.ko (its modules), toy, toy-arm64, or the path of a vmlinux "
-                        "or module")
+                        "debian:ext4.ko (its modules), debian-arm64 (Debian's arm64 kernel), "
+                        "toy, toy-arm64, or the path of a vmlinux or module")
     p.add_argument("--kallsyms", default=None, metavar="FILE",
                    help="with --image PATH: a symbol list (/proc/kallsyms format) for an ELF "
                         "without symbols")

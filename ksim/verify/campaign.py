@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ksim.verify.cases import DEFAULT_IMAGE, ImageSource, VerifyCase
+from ksim.verify.cases import ARM64_IMAGE, DEFAULT_IMAGE, ImageSource, VerifyCase
 from ksim.verify.engines import LocalEngine, RayEngine
 from ksim.verify.errors import ResultsFileError
 from ksim.verify.worker import DIFFERENT, EQUIVALENT, ERROR, REFUSED, verdict
@@ -85,9 +85,10 @@ def reproducer(source: ImageSource, case_id: str) -> str:
     """The one-line command that runs exactly this case again."""
     import shlex
 
+    named = source.name in (DEFAULT_IMAGE, ARM64_IMAGE) or source.name.startswith(DEFAULT_IMAGE + ":")
     image = "" if source.name == DEFAULT_IMAGE else f" --image {shlex.quote(source.name)}"
     kallsyms = f" --kallsyms {shlex.quote(source.kallsyms)}" \
-        if source.kallsyms is not None and source.name != DEFAULT_IMAGE else ""
+        if source.kallsyms is not None and not named else ""
     return f"ksim verify{image}{kallsyms} --case {shlex.quote(case_id)}"
 
 

@@ -40,6 +40,8 @@ POLICIES = ("auto", "jmp", "trap", "jmp+displace", "springboard")
 POINT_KINDS = ("entry", "exit", "block", "callsite")
 #: the image checked when none is named
 DEFAULT_IMAGE = "debian"
+#: Debian's arm64 kernel of the same release (a flat Image and its kallsyms table)
+ARM64_IMAGE = "debian-arm64"
 
 
 # --- the image ----------------------------------------------------------------------
@@ -52,10 +54,16 @@ class ImageSource:
     name: str
     elf: str
     kallsyms: str | None = None
+    #: a flat arm64 Image (no ELF) linked at this address, with ``kallsyms``
+    base: int | None = None
 
     def load(self) -> Image:
         from ksim.image import load_image, load_kallsyms
 
+        if self.base is not None and self.kallsyms is not None:
+            from ksim.bench.kernel import load_arm64_image
+
+            return load_arm64_image(Path(self.elf), Path(self.kallsyms), self.base)
         if self.kallsyms is not None:
             return load_kallsyms(self.kallsyms, self.elf)
         return load_image(self.elf)
@@ -68,7 +76,8 @@ class ImageSource:
         return out
 
     @staticmethod
-    def from_files(name: str, files: dict[str, bytes], directory: Path) -> ImageSource:
+    def from_files(name: str, files: dict[str, bytes], directory: Path,
+                   base: int | None = None) -> ImageSource:
         """The same image from shipped bytes, written once into ``directory``."""
         directory.mkdir(parents=True, exist_ok=True)
         paths: dict[str, str] = {}
@@ -79,17 +88,25 @@ class ImageSource:
                 tmp.write_bytes(data)
                 tmp.replace(path)
             paths[key] = str(path)
-        return ImageSource(name, paths["elf"], paths.get("kallsyms"))
+        return ImageSource(name, paths["elf"], paths.get("kallsyms"), base)
 
 
 def image_source(spec: str | None, kallsyms: str | None = None) -> ImageSource:
     """``--image``: None or "debian" (the testbed's Debian kernel, fetched once into
     the cache ksim.bench.kernel shares with the testbed; "debian:e100.ko" and
-    "debian:ext4.ko" its modules there), a bundled image's name
+    "debian:ext4.ko" its modules there; "debian-arm64" Debian's arm64 kernel of the
+    same release), a bundled image's name
     ("toy", "toy-arm64") or a path to an ELF kernel or module (with ``kallsyms``, a
     symbol list for an ELF without symbols)."""
     from ksim.errors import ImageError
 
+    if spec == ARM64_IMAGE:
+        if kallsyms is not None:
+            raise BadCase("--kallsyms goes with --image PATH, not the Debian kernel")
+        from ksim.bench.kernel import debian_kernel
+
+        a = debian_kernel("arm64")
+        return ImageSource(ARM64_IMAGE, str(a.image), str(a.kallsyms), a.base)
     if spec is None or spec == DEFAULT_IMAGE or spec.startswith(DEFAULT_IMAGE + ":"):
         if kallsyms is not None:
             raise BadCase("--kallsyms goes with --image PATH, not the Debian kernel")

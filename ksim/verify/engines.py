@@ -137,7 +137,7 @@ class RayEngine:
         running: list[Any] = []
         while pending or running:
             while pending and len(running) < self.workers:
-                running.append(task.remote(key, source.name, refs, pending.pop()))
+                running.append(task.remote(key, (source.name, source.base), refs, pending.pop()))
             done, running = ray.wait(running, num_returns=1)
             for ref in done:
                 try:
@@ -172,15 +172,16 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
                                  f"{exc.strerror or exc}") from None
 
 
-def _ray_chunk(key: str, name: str, refs: list[Any], cases: list[tuple[Any, ...]]) -> Records:
-    """A Ray task: a chunk of cases on this worker process's checker for the image,
-    made from the object store's copy the first time."""
+def _ray_chunk(key: str, image: tuple[str, int | None], refs: list[Any],
+               cases: list[tuple[Any, ...]]) -> Records:
+    """A Ray task: a chunk of cases on this worker process's checker for the image
+    (its name and base), made from the object store's copy the first time."""
     if not worker.has_checker(key):
         import ray
 
         files, store = ray.get(refs)
         directory = Path(tempfile.gettempdir()) / "ksim-verify" / key
-        worker.checker(key, ImageSource.from_files(name, files, directory), store)
+        worker.checker(key, ImageSource.from_files(image[0], files, directory, image[1]), store)
     return worker.run_chunk(key, cases)
 
 
