@@ -8,6 +8,18 @@ census lists the families of instructions that a careless splice changes:
   patch.  ksim moves them as ``push <original return address>; jmp <operand>``.
 * ``warn``, ``bug``, ``extable``, ``ftrace``, ``jump_label``, ``static_call`` — the
   kernel finds or rewrites these by address (``ksim.image.tables``): never moved.
+  On arm64 a WARN/BUG site is a ``BRK #0x800``, and an ftrace location is the pair
+  of its patchable entry (``mov x9, x30`` once the kernel booted, then the nop that
+  becomes ``bl ftrace_caller``): both instructions are sites.
+* arm64 only: ``branch_prot`` — a BTI landing pad or a pointer-authentication check
+  (``autiasp``, ``retaa`` ...), which the kerninst module refuses (BRANCH_PROT);
+  ``exclusive`` — an instruction after a load-exclusive up to its store-exclusive
+  (EXCLUSIVE, kprobes' ``is_probed_address_atomic``): never moved either.
+
+On arm64 the planner is asked with the hazards the kerninst module adds on a
+running kernel from the instructions' bytes (``branch_prot``; ``ARM64_BTI_KERNEL``
+is off in Debian's config, so ``paciasp`` is no landing pad), besides the image's
+tables, as the Manager asks on the live testbed.
 
 Per site it asks the real planner, with the inputs the Manager uses (``SiteFacts``):
 
@@ -38,8 +50,13 @@ from ksim.bench.corpus import CodeSet
 
 NAME = "census"
 TITLE = "Sites splicing could break in real kernel code: how many, refused, moved safely"
-FAMILIES = ("indirect_call", "warn", "bug", "extable", "ftrace", "jump_label", "static_call")
+FAMILIES = ("indirect_call", "warn", "bug", "extable", "ftrace", "jump_label", "static_call",
+            "branch_prot", "exclusive")
+#: the families of instructions the kernel needs where they are (never moved)
+HAZARD_FAMILIES = FAMILIES[1:]
 JMP_FAMILY = ("jmp", "jmp+displace", "springboard")
+#: the name of Debian's arm64 vmlinux among the census's objects
+ARM64_VMLINUX = "vmlinux (arm64)"
 
 
 class Census:
@@ -51,7 +68,10 @@ class Census:
 
         self.image = image
         self.arch = get_arch(image.arch)
-        self.facts = SiteFacts(image, self.arch)
+        # the planner before the hazard rules: no exclusive sequences either
+        self.bare_arch = _WithoutExclusives(self.arch)
+        ask = branch_prot_hazards(image) if image.arch == "aarch64" else None
+        self.facts = SiteFacts(image, self.arch, ask=ask)
         text_end = max(end for _s, end in image.text_regions)
         self.area = (text_end + 0x100000) & ~0xFFF
         # the planner's decisions do not depend on the snippet's bytes: any one
@@ -62,6 +82,10 @@ class Census:
     def sites(self, family: str) -> list[int]:
         if family == "indirect_call":
             return list(self._indirect_calls())
+        if family in ("branch_prot", "exclusive"):
+            if self.image.arch != "aarch64":
+                return []
+            return list(self._branch_prot() if family == "branch_prot" else self._exclusives())
         from ksim.image.tables import TextRef
 
         return list(self.image.tables.addresses(TextRef(family)))
@@ -80,6 +104,34 @@ class Census:
                 if flow is Flow.CALL_INDIRECT:
                     yield address
 
+    def _words(self) -> Iterator[tuple[Any, int, int]]:
+        """(function, address, instruction word) of every function's code (AArch64)."""
+        for func in self.image.functions:
+            try:
+                code = self.image.code(func)
+            except Exception:  # noqa: BLE001 - a symbol without bytes
+                continue
+            for k in range(0, len(code) - 3, 4):
+                yield func, func.address + k, int.from_bytes(code[k:k + 4], "little")
+
+    def _branch_prot(self) -> Iterator[int]:
+        for _func, address, word in self._words():
+            if is_branch_prot(word):
+                yield address
+
+    def _exclusives(self) -> Iterator[int]:
+        """The instructions the planner finds inside an exclusive sequence, in the
+        functions that have a load-exclusive."""
+        funcs = {func for func, _a, word in self._words() if word & 0x3FC00000 == 0x08400000}
+        for func in sorted(funcs, key=lambda f: f.address):
+            try:
+                insns = self.facts.function_code(func).insns
+            except Exception:  # noqa: BLE001 - an unanalysable function
+                continue
+            for index, insn in enumerate(insns):
+                if self.arch.in_exclusive_sequence(insns, index):
+                    yield insn.address
+
     # --- the questions ----------------------------------------------------------------
     def code(self, address: int, *, rules: bool) -> Any:
         code = self.facts.function_code(self.facts.point_at(address))
@@ -95,7 +147,8 @@ class Census:
 
         try:
             code = self.code(address, rules=rules)
-            return "spliced:" + planner.plan(self.arch, self.request(code, address, "auto")).tactic
+            arch = self.arch if rules else self.bare_arch
+            return "spliced:" + planner.plan(arch, self.request(code, address, "auto")).tactic
         except KsimError as exc:
             return "refused:" + type(exc).__name__
 
@@ -109,17 +162,18 @@ class Census:
             code = self.code(address, rules=rules)
         except KsimError:
             return False
+        arch = self.arch if rules else self.bare_arch
         for insn in code.insns:
             if not address - self.arch.jmp_size < insn.address < address:
                 continue
             req = self.request(code, insn.address, "auto")
             try:
-                planner.check_point(self.arch, req)
+                planner.check_point(arch, req)
             except KsimError:
                 continue
             for tactic in JMP_FAMILY:
                 try:
-                    patch = planner.TACTICS[tactic](self.arch, req)
+                    patch = planner.TACTICS[tactic](arch, req)
                 except KsimError:
                     continue
                 if not isinstance(patch, str) and any(
@@ -146,11 +200,53 @@ class Census:
             for point in points:
                 counts[slot + 1] += 1
                 try:
-                    planner.plan(self.arch, self.request(code, point, "jmp"))
+                    planner.plan(self.arch if rules else self.bare_arch,
+                                 self.request(code, point, "jmp"))
                     counts[slot] += 1
                 except KsimError:
                     pass
         return counts[0], counts[1], counts[2], counts[3]
+
+
+class _WithoutExclusives:
+    """The architecture as the planner saw it before it knew exclusive sequences."""
+
+    def __init__(self, arch: Any) -> None:
+        self._arch = arch
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._arch, name)
+
+    def in_exclusive_sequence(self, insns: Any, index: int) -> bool:
+        return False
+
+
+def is_branch_prot(word: int, *, bti_kernel: bool = False) -> bool:
+    """The kerninst module's BRANCH_PROT test of an instruction word (ki_branch_prot,
+    kmod/kerninst.c): BTI, the AUT* hints, RETAA/RETAB, and PACIASP/PACIBSP when the
+    kernel is built for BTI (an implicit landing pad then)."""
+    if word & 0xFFFFFBFF == 0xD65F0BFF:  # RETAA, RETAB
+        return True
+    if word & 0xFFFFF01F != 0xD503201F:  # not a hint
+        return False
+    op = (word >> 5) & 0x7F
+    return op in (0x20, 0x22, 0x24, 0x26, 0x0C, 0x0E, 0x1C, 0x1D, 0x1E, 0x1F) or (
+        bti_kernel and op in (0x19, 0x1B))
+
+
+def branch_prot_hazards(image: Any) -> Any:
+    """What the kerninst module answers from the bytes of arm64 text (BRANCH_PROT),
+    read from the image: the Manager's question on the live kernel, as a HazardQuery."""
+    def ask(ranges: Any) -> list[frozenset[str]]:
+        out = []
+        for address, length in ranges:
+            start = address & ~3
+            data = image.read(start, (address + length - start + 3) & ~3)
+            found = any(is_branch_prot(int.from_bytes(data[k:k + 4], "little"))
+                        for k in range(0, len(data) - 3, 4))
+            out.append(frozenset({"branch_prot"}) if found else frozenset())
+        return out
+    return ask
 
 
 def measure(name: str, image: Any, per_family: int | None, functions: int | None,
@@ -206,7 +302,12 @@ def measure(name: str, image: Any, per_family: int | None, functions: int | None
         label: {"entry": _share(c[0], c[1]), "block": _share(c[2], c[3]),
                 "entries": c[1], "blocks": c[3]}
         for label, c in (("with_rules", cov[True]), ("without_rules", cov[False]))}
-    return {"families": families, "jmp_coverage": coverage, "functions_sampled": len(funcs)}
+    out: dict[str, Any] = {"arch": image.arch, "families": families, "jmp_coverage": coverage,
+                           "functions_sampled": len(funcs)}
+    if image.arch == "aarch64":
+        ftrace = set(census.sites("ftrace"))
+        out["ftrace_pairs"] = sum(1 for a in ftrace if a + 4 in ftrace and a - 4 not in ftrace)
+    return out
 
 
 def _where(image: Any, address: int) -> str:
@@ -237,6 +338,16 @@ def images(ctx: Context) -> tuple[list[CodeSet], list[str]]:
         notes.append(f"Debian kernel {k.abi} ({k.deb.name})")
     except kmod.KernelUnavailable as exc:
         notes.append(f"Debian kernel objects left out: {exc}")
+    try:
+        if ctx.smoke:
+            raise kmod.KernelUnavailable("smoke run: the arm64 kernel is left out")
+        a = kmod.debian_kernel(arch="arm64")
+        image = a.load()
+        out.append(CodeSet(ARM64_VMLINUX, image, list(image.functions), "whole object"))
+        notes.append(f"Debian arm64 kernel {a.abi} ({a.deb.name}): the flat Image with its own "
+                     "kallsyms and the tables found in it; ARM64_BTI_KERNEL is off in its config")
+    except kmod.KernelUnavailable as exc:
+        notes.append(f"Debian arm64 vmlinux left out: {exc}")
     out.append(toy_set())
     return out, notes
 
@@ -254,12 +365,12 @@ def run(ctx: Context) -> Section:
         for family, f in r["families"].items():
             if not f["sites"]:
                 continue
-            rows.append([name, family, f["sites"], f["examined"], f["spliced_at_site"],
+            rows.append([name, r["arch"], family, f["sites"], f["examined"], f["spliced_at_site"],
                          f["refused_at_site"], f["moved_without_rules"], f["moved_now"]])
     sites = Table("Sites per family: spliced or refused at the site; moved into a patch (by a "
                   "splice at the site or a neighbouring jmp window) without the hazard rules, "
                   "and now",
-                  ["object", "family", "sites", "examined", "spliced", "refused",
+                  ["object", "arch", "family", "sites", "examined", "spliced", "refused",
                    "moved before", "moved now"], rows)
     cov_rows = []
     for name, r in out.items():
@@ -274,7 +385,13 @@ def run(ctx: Context) -> Section:
         notes.append(f"{ctx.mode} run: up to {per_family} sites per family and {functions} "
                      "functions per object for coverage, sampled with a fixed seed")
     notes.append("'entry now' is the instruction after the fentry call where a function "
-                 "starts with one (an ftrace location is never overwritten)")
+                 "starts with one (an ftrace location is never overwritten); on arm64 after "
+                 "the ftrace pair")
+    if ARM64_VMLINUX in out:
+        notes.append(f"{ARM64_VMLINUX}: {out[ARM64_VMLINUX].get('ftrace_pairs')} ftrace pairs "
+                     "(both instructions are ftrace sites); a WARN/BUG BRK #0x800 is refused "
+                     "before the rules too (a BRK is a breakpoint to the planner); 'moved "
+                     "before' for exclusive is the planner without its exclusive-sequence rule")
     return Section(out, [sites, cov], notes, {"per_family": per_family, "functions": functions})
 
 

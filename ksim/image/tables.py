@@ -9,6 +9,7 @@ never move them:
   (``search_exception_tables``, kernel/extable.c);
 * ``__mcount_loc`` -- the ``call __fentry__`` (built as a 5-byte nop) of each traceable
   function, patched when ftrace starts (``ftrace_process_locs``, kernel/trace/ftrace.c);
+  on arm64 the two instructions of its patchable entry, both recorded here;
 * ``__jump_table`` -- jump-label sites, rewritten when a static key flips
   (kernel/jump_label.c);
 * ``.static_call_sites`` -- static-call call sites, re-targeted at run time
@@ -198,6 +199,12 @@ def kernel_tables(image: Image) -> KernelTables:
         for k, (addr, _key) in enumerate(_STATIC_CALL_SITE.iter_unpack(data))
     ]
     sites[TextRef.FTRACE] = [addr for (addr,) in _ULONG.iter_unpack(raw[_MCOUNT_LOC.section][1])]
+    if getattr(image, "arch", None) == "aarch64":
+        # -fpatchable-function-entry=2: __mcount_loc holds the first of the two
+        # instructions (``mov x9, x30`` once ftrace_init_nop ran), and the second is
+        # the nop ftrace makes a ``bl ftrace_caller`` (dyn_ftrace.ip,
+        # ftrace_call_adjust in arch/arm64/include/asm/ftrace.h): both are ftrace's
+        sites[TextRef.FTRACE] += [addr + 4 for addr in sites[TextRef.FTRACE]]
 
     regions = image.text_regions
     starts = [start for start, _end in regions]
