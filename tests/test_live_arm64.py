@@ -83,7 +83,7 @@ def test_the_module_is_the_arm64_one(kerninst_arm64, target_arm64):
     t = target_arm64
     assert t.arch.name == "aarch64" and t.info["arch"] == "aarch64"
     # the module's own trap, not the kprobes BRK (0x004)
-    assert t.arch.trap == abi.TRAPS["aarch64"]
+    assert t.arch.trap == t.arch.trap_with(abi.TRAP_IMMEDIATES["aarch64"])
     assert int.from_bytes(t.arch.trap, "little") == 0xD4200000 | abi.ARM64_BRK_IMM << 5
     assert t.info["current_task"] != 0  # the per-cpu slot that holds current was found
     # a function's two ftrace instructions (mov x9, x30; nop) are the kernel's

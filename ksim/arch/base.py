@@ -534,6 +534,12 @@ class Arch(Protocol):
         is no work of the function."""
         ...
 
+    def trap_with(self, immediate: int | None) -> bytes:
+        """The trap instruction carrying ``immediate`` where the architecture's has one
+        (AArch64: BRK #imm16, the number a kernel's break hooks dispatch on); None,
+        or an architecture whose trap has none (x86-64's int3): ``trap``."""
+        ...
+
     def is_breakpoint(self, insn: Insn) -> bool:
         """Whether ``insn`` is a breakpoint (the trap instruction, in any encoding):
         someone's probe, never to be moved or overwritten."""

@@ -56,12 +56,10 @@ HAZARDS: dict[str, int] = {
 
 #: KERNINST_ARM64_BRK_IMM: the immediate of the BRK the arm64 module routes
 ARM64_BRK_IMM = 0x2B5
-#: the trap instruction the module routes, by the architecture its kernel runs (a
-#: ``ksim.arch`` name): what a client writes where a trap route waits
-TRAPS: dict[str, bytes] = {
-    "x86_64": b"\xcc",                                                 # int3
-    "aarch64": (0xD4200000 | ARM64_BRK_IMM << 5).to_bytes(4, "little"),  # BRK #imm16
-}
+#: the immediate of the trap the module routes, by the architecture its kernel runs
+#: (a ``ksim.arch`` name) where that trap has one: a client writes the Arch's
+#: ``trap_with(immediate)`` where a route waits (x86-64's int3 has none)
+TRAP_IMMEDIATES: dict[str, int] = {"aarch64": ARM64_BRK_IMM}
 #: ``uname -m`` of a kernel the module runs on -> that architecture's ``ksim.arch`` name
 MACHINES: dict[str, str] = {"x86_64": "x86_64", "aarch64": "aarch64"}
 

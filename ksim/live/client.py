@@ -313,12 +313,15 @@ class LiveTarget:
         from ksim.live.abi import MACHINE
 
         arch = get_arch(str(self.info.get("arch", MACHINE)))
-        trap = self.info.get("trap")
-        if trap and bytes.fromhex(str(trap)) != arch.trap:
+        immediate = self.info.get("trap_immediate")
+        trap = (arch.trap_with(immediate) if isinstance(immediate, int)
+                # a kerninstd that gave the trap's bytes instead
+                else bytes.fromhex(str(self.info["trap"])) if self.info.get("trap") else arch.trap)
+        if trap != arch.trap:
             # the module's trap, the one its routes wait for (on arm64 a BRK of an
             # immediate of its own, not the kprobes one the toy targets take)
             arch = copy.copy(arch)
-            arch.trap = bytes.fromhex(str(trap))
+            arch.trap = trap
         return arch
 
     @cached_property

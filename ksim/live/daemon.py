@@ -656,7 +656,7 @@ class Daemon:
         machine = os.uname().machine
         arch = abi.MACHINES.get(machine, machine)
         return {**self.info, "kernel": os.uname().release, "arch": arch,
-                "trap": abi.TRAPS[arch].hex() if arch in abi.TRAPS else None,
+                "trap_immediate": abi.TRAP_IMMEDIATES.get(arch),
                 "allow_exec": self.allow_exec,
                 "code_free": self.code.bytes_free, "data_free": self.data.bytes_free,
                 "areas": self.code.describe() + self.data.describe(),

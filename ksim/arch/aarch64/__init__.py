@@ -181,6 +181,13 @@ class AArch64:
     def is_filler(self, insn: Insn) -> bool:
         return insn.size == 4 and int.from_bytes(insn.raw, "little") in _FILLERS
 
+    def trap_with(self, immediate: int | None) -> bytes:
+        if immediate is None:
+            return self.trap
+        if not 0 <= immediate <= 0xFFFF:
+            raise ValueError(f"BRK's immediate is 16 bits, not {immediate:#x}")
+        return (_BRK | immediate << 5).to_bytes(4, "little")
+
     def is_breakpoint(self, insn: Insn) -> bool:
         word = int.from_bytes(insn.raw, "little") & _IMM16_MASK
         return insn.size == 4 and word in (_BRK, _HLT)

@@ -127,6 +127,11 @@ class X86_64:
     def is_filler(self, insn: Insn) -> bool:
         return insn.mnemonic.rsplit(" ", 1)[-1] in regs.FILLERS
 
+    def trap_with(self, immediate: int | None) -> bytes:
+        if immediate is not None:
+            raise ValueError(f"int3 carries no immediate (asked for {immediate:#x})")
+        return self.trap
+
     def is_breakpoint(self, insn: Insn) -> bool:
         return insn.mnemonic == "int3"  # cc, with or without prefixes
 
