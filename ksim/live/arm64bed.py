@@ -433,21 +433,7 @@ def prepare(abi: str, *, offline: bool = False, progress: tb.Progress = tb._quie
             "guest_modules": [str(m) for m in tb.guest_modules(root, abi, ARCH)]}
 
 
-INIT = r"""#!/bin/busybox sh
-/bin/busybox --install -s /bin
-export PATH=/bin
-mount -t proc proc /proc
-mount -t sysfs sys /sys
-mount -t devtmpfs dev /dev
-echo "ksim-init: loading modules"
-for m in $(cat /modules.list); do insmod /modules/$m || echo "ksim-init: insmod $m failed"; done
-insmod /kerninst.ko || echo "ksim-init: insmod kerninst.ko FAILED"
-ip link set lo up
-ip link set eth0 up
-ip addr add 10.0.2.15/24 dev eth0
-ip route add default via 10.0.2.2
-echo 0 > /proc/sys/kernel/kptr_restrict
-mount -t tracefs tracefs /sys/kernel/tracing
+INIT = tb.INIT_PROLOGUE + r"""mount -t tracefs tracefs /sys/kernel/tracing
 mount -t debugfs debugfs /sys/kernel/debug
 mount -t tmpfs tmp /tmp
 mkdir -p /host

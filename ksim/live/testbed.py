@@ -656,7 +656,9 @@ class Cpio:
         return bytes(self.data) + b"\0" * (-len(self.data) % 512)
 
 
-INIT = r"""#!/bin/busybox sh
+#: what every guest's init does first, whatever its architecture: the kernel's file
+#: systems, the modules (kerninst.ko last), the network QEMU's user mode expects
+INIT_PROLOGUE = r"""#!/bin/busybox sh
 /bin/busybox --install -s /bin
 export PATH=/bin
 mount -t proc proc /proc
@@ -670,7 +672,9 @@ ip link set eth0 up
 ip addr add 10.0.2.15/24 dev eth0
 ip route add default via 10.0.2.2
 echo 0 > /proc/sys/kernel/kptr_restrict
-mkdir -p /host
+"""
+
+INIT = INIT_PROLOGUE + r"""mkdir -p /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /host || echo "ksim-init: 9p mount FAILED"
 mount -t proc proc /host/proc
 mount -t sysfs sys /host/sys
