@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
+from ksim.campaign import campaign, cases
 from ksim.cli import main
-from ksim.verify import campaign, cases
 
 
 def verify(capsys, *argv: str) -> tuple[int, dict]:

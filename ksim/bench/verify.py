@@ -125,7 +125,7 @@ def _alive(group: int) -> bool:
 
 # --- the benchmark -------------------------------------------------------------------------
 def _campaign(ctx: Context) -> tuple[Any, list[Any]]:
-    from ksim.verify import cases, engines, worker
+    from ksim.campaign import cases, engines, worker
 
     if ctx.smoke:
         source = cases.image_source("toy")
@@ -142,8 +142,8 @@ def _campaign(ctx: Context) -> tuple[Any, list[Any]]:
 
 
 def run(ctx: Context) -> Section:
-    from ksim.verify import campaign, worker
-    from ksim.verify.engines import LocalEngine, RayEngine
+    from ksim.campaign import campaign, worker
+    from ksim.campaign.engines import LocalEngine, RayEngine
 
     source, todo = _campaign(ctx)
     load_before = os.getloadavg()

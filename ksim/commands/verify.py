@@ -84,8 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ksim.verify import campaign, cases, engines, worker
-    from ksim.verify.errors import BadCase
+    from ksim.campaign import campaign, cases, engines, worker
+    from ksim.campaign.errors import BadCase
 
     if args.workers == 0:
         raise BadCase("--workers must be at least 1")
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     if args.case is not None:
         return _one_case(check, args)
     if args.program is not None:
-        from ksim.verify.program import program_targets
+        from ksim.campaign.program import program_targets
 
         targets = cases.sample_of(program_targets(args.program, check.harness.facts),
                                   args.sample, args.seed)
@@ -134,8 +134,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _kinds(text: str) -> tuple[str, ...]:
-    from ksim.verify.cases import POINT_KINDS
-    from ksim.verify.errors import BadCase
+    from ksim.campaign.cases import POINT_KINDS
+    from ksim.campaign.errors import BadCase
 
     kinds = tuple(k.strip() for k in text.split(","))
     bad = [k for k in kinds if k not in POINT_KINDS]
@@ -146,8 +146,8 @@ def _kinds(text: str) -> tuple[str, ...]:
 
 
 def _one_case(check: Any, args: argparse.Namespace) -> int:
-    from ksim.verify import cases
-    from ksim.verify.worker import DIFFERENT, ERROR
+    from ksim.campaign import cases
+    from ksim.campaign.worker import DIFFERENT, ERROR
 
     case = cases.parse_case(check.image, args.case)
     record = check.run(case)

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ksim.verify.cases import ARM64_IMAGE, DEFAULT_IMAGE, ImageSource, VerifyCase
-from ksim.verify.engines import LocalEngine, RayEngine
-from ksim.verify.errors import ResultsFileError
-from ksim.verify.worker import DIFFERENT, EQUIVALENT, ERROR, REFUSED, verdict
+from ksim.campaign.cases import ARM64_IMAGE, DEFAULT_IMAGE, ImageSource, VerifyCase
+from ksim.campaign.engines import LocalEngine, RayEngine
+from ksim.campaign.errors import ResultsFileError
+from ksim.campaign.worker import DIFFERENT, EQUIVALENT, ERROR, REFUSED, verdict
 
 
 @dataclass

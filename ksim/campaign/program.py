@@ -19,12 +19,12 @@ import fnmatch
 from pathlib import Path
 
 from ksim.analysis.points import PointKind
+from ksim.campaign.cases import Target, point_name
+from ksim.campaign.errors import BadCase
 from ksim.errors import KsimError, UnknownSymbol
 from ksim.image.image import Image
 from ksim.image.model import Function
 from ksim.splice.sites import SiteFacts
-from ksim.verify.cases import Target, point_name
-from ksim.verify.errors import BadCase
 
 #: providers whose probes splice nothing
 NO_SPLICE = ("BEGIN", "END", "interval")

@@ -9,8 +9,8 @@ whole kernels, on local processes or a Ray cluster (docs/verify.md).
 * ``program``: the points a ksim trace program's kprobe and kretprobe probes splice.
 """
 
-from ksim.verify.campaign import Outcome, digest, reproducer
-from ksim.verify.cases import (
+from ksim.campaign.campaign import Outcome, digest, reproducer
+from ksim.campaign.cases import (
            ImageSource,
            Target,
            VerifyCase,
@@ -19,7 +19,7 @@ from ksim.verify.cases import (
            parse_case,
            select,
 )
-from ksim.verify.engines import LocalEngine, RayEngine, engine_for
+from ksim.campaign.engines import LocalEngine, RayEngine, engine_for
 
 __all__ = ["ImageSource", "LocalEngine", "Outcome", "RayEngine", "Target", "VerifyCase", "digest",
            "engine_for", "image_source", "make_cases", "parse_case", "reproducer", "select"]

@@ -29,9 +29,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from ksim.verify import worker
-from ksim.verify.cases import ImageSource, VerifyCase
-from ksim.verify.errors import ClusterUnavailable
+from ksim.campaign import worker
+from ksim.campaign.cases import ImageSource, VerifyCase
+from ksim.campaign.errors import ClusterUnavailable
 
 Records = list[dict[str, Any]]
 #: the most cases in one chunk (a chunk's records come back at once)

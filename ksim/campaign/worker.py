@@ -19,9 +19,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from ksim.campaign.cases import ImageSource, VerifyCase
 from ksim.differential import Case, Harness
 from ksim.errors import KsimError
-from ksim.verify.cases import ImageSource, VerifyCase
 
 #: statuses of a record
 EQUIVALENT, REFUSED, DIFFERENT, ERROR = "equivalent", "refused", "not-equivalent", "error"

@@ -27,12 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ksim.campaign.errors import BadCase
 from ksim.differential import SNIPPETS
 from ksim.errors import KsimError, UnknownSymbol
 from ksim.image.image import Image
 from ksim.image.model import Function
 from ksim.splice.sites import SiteFacts
-from ksim.verify.errors import BadCase
 
 #: what ``--splice`` takes: the Manager's policies, or one tactic exactly
 POLICIES = ("auto", "jmp", "trap", "jmp+displace", "springboard")
