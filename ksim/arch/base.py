@@ -397,6 +397,10 @@ class DifferentialRules:
     #: the system register that holds the current task (AArch64: SP_EL0, which
     #: ``get_current`` reads), or None: current is per-cpu data (x86-64)
     current_reg: str | None = None
+    #: mnemonics that leave the status flags undefined, where unicorn leaves them
+    #: as the last instruction that defined them did (x86-64: div and idiv):
+    #: flags they leave are not compared
+    undefined_status: frozenset[str] = frozenset()
     #: unicorn's CPU model for the runs (None: unicorn's default); AArch64: the
     #: one with every architecture extension, LSE atomics among them, which
     #: kernel code uses where the CPU has them

@@ -177,6 +177,8 @@ _ACCESS = {unicorn.UC_MEM_READ: "read", unicorn.UC_MEM_WRITE: "write",
 
 #: exits raised inside an instruction
 _FAULTS = frozenset({"fault", "fault-fixup", "exception", "error"})
+#: exits whose detail is the instruction's text
+_TEXT_EXITS = frozenset({"insn", "invalid"})
 
 
 # --- plain data ---------------------------------------------------------------------
@@ -254,7 +256,8 @@ class Run:
     #: final value of each byte the original run wrote
     final: dict[int, int]
     #: original run: registers (and "flags") dead at the point that were not
-    #: written after it was last reached: the snippet may have left them changed
+    #: written after it was last reached: the snippet may have left them changed;
+    #: and the flags when the last instruction to set them left them undefined
     unsettled: frozenset[str] = frozenset()
     #: per write (spliced run): whether the snippets' code made it (never one of
     #: the original's, even where it writes the same bytes as the original's next)
@@ -361,6 +364,10 @@ def _random_status(cpu: Emulation, rng: random.Random) -> int:
 def _base(mnemonic: str) -> str:
     """The operation without its prefixes ("notrack call" -> "call")."""
     return mnemonic.rsplit(" ", 1)[-1]
+
+
+def _text(insn: Insn) -> str:
+    return f"{insn.mnemonic} {insn.op_str}".strip()
 
 
 def _decode(cs: capstone.Cs, raw: bytes, address: int) -> Insn:
@@ -748,7 +755,13 @@ class _Context:
         k = bisect.bisect_right(self.copy_starts, exit.address) - 1
         if k < 0 or not exit.address < self.code_hi:
             return exit
-        return Exit(exit.kind, self.copies[self.copy_starts[k]], exit.detail)
+        original = self.copies[self.copy_starts[k]]
+        detail = exit.detail
+        insn = self.insns.get(original)
+        if exit.kind in _TEXT_EXITS and insn is not None:
+            # the original instruction's text, not its relocated copy's
+            detail = _text(_decode(self.h.cs, insn.raw, original))
+        return Exit(exit.kind, original, detail)
 
     def check_writes(self) -> list[str]:
         """The patch's writes must replace the original text (a stale plan would not poke)."""
@@ -804,6 +817,8 @@ class _Machine:
         #: instruction about to run will write
         self.unsettled: set[str] = set()
         self.pending: frozenset[str] = frozenset()
+        #: whether the instruction about to run leaves the status flags undefined
+        self.undefines = False
         self.overlay: dict[int, int] = {}
         if spliced:
             for w in ctx.patch.writes + ctx.patch.extra:
@@ -863,7 +878,9 @@ class _Machine:
         previous, self.pc = self.pc, address
         ctx = self.ctx
         self.unsettled -= self.pending  # the previous instruction completed
-        self.pending = frozenset()
+        if self.undefines:
+            self.unsettled.add(self.h.flags)
+        self.pending, self.undefines = frozenset(), False
         place = ctx.where_is(address, self.spliced, previous)
         if place == "outside":
             self._leave(address)
@@ -891,6 +908,7 @@ class _Machine:
             insn = ctx.insns.get(address)
             if insn is not None:
                 self.pending = insn.writes - insn.reads
+                self.undefines = _base(insn.mnemonic) in self.rules.undefined_status
         if ctx.original_of(address, self.spliced) is not None:
             if self.steps >= ctx.step_limit:
                 self._stop("limit", address)
@@ -905,7 +923,7 @@ class _Machine:
         # among them) by a size beyond the longest: decode it here
         longest = self.cpu.max_insn_size
         insn = self._insn(address, min(size, longest))
-        text = f"{insn.mnemonic} {insn.op_str}".strip()
+        text = _text(insn)
         operation = _base(insn.mnemonic)
         if insn.raw == self.cpu.bug_insn:
             # (before the breakpoints: AArch64's BUG instruction is a BRK)

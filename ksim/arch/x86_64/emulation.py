@@ -53,6 +53,10 @@ DIFFERENTIAL = DifferentialRules(
     # operand and address size, lock, rep/repne, and the segment overrides
     # (SDM Vol. 2A, 2.1.1 "Instruction Prefixes")
     prefix_bytes=frozenset({0x66, 0x67, 0xF0, 0xF2, 0xF3, 0x26, 0x2E, 0x36, 0x3E, 0x64, 0x65}),
+    # "The CF, OF, SF, ZF, AF, and PF flags are undefined" (SDM Vol. 2A, DIV,
+    # IDIV); QEMU leaves them as the previous flag-setting instruction computed
+    # them, which a snippet's own arithmetic changes
+    undefined_status=frozenset({"div", "idiv"}),
 )
 
 EMULATION = Emulation(
