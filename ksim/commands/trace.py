@@ -194,25 +194,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
             if session.handles:
                 with HeldInterrupt():
                     session.detach()
-        report: dict[str, Any] = {
-            "target": spec, "splice": splice,
-            "probes": len(session.attached),
-            "tactics": {},
-            "maps": session.maps_json(),
-            "lost": session.lost(),
-            "lost_keys": session.lost_keys(),
-            "printed": [data for kind, _, data in session.printed if kind == "value"],
-            "printf": [data for kind, _, data in session.printed if kind == "printf"],
-            "lost_events": session.lost_events(),
-            "skipped": session.skipped,
-            "exited": session.exited,
-            "exit_code": session.exit_code,
-            "interrupted": interrupted,
-        }
-    report["stats"] = {"probes": len(session.attached),
-                       "attach_s": session.timings.get("attach_s", 0.0),
-                       "detach_s": session.timings.get("detach_s", 0.0),
-                       "end_to_end_s": time.perf_counter() - start}
+        report = session.report(spec, splice, {}, interrupted, start)
     return report, session.output()
 
 

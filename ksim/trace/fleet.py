@@ -451,25 +451,7 @@ class HostRun:
             finally:
                 if session.handles:
                     session.detach()
-            self.report = {
-                "target": self.host.spec, "splice": opts.splice,
-                "probes": len(session.attached),
-                "tactics": tactics,
-                "maps": session.maps_json(),
-                "lost": session.lost(),
-                "lost_keys": session.lost_keys(),
-                "printed": [data for kind, _, data in session.printed if kind == "value"],
-                "printf": [data for kind, _, data in session.printed if kind == "printf"],
-                "lost_events": session.lost_events(),
-                "skipped": session.skipped,
-                "exited": session.exited,
-                "exit_code": session.exit_code,
-                "interrupted": interrupted,
-                "stats": {"probes": len(session.attached),
-                          "attach_s": session.timings.get("attach_s", 0.0),
-                          "detach_s": session.timings.get("detach_s", 0.0),
-                          "end_to_end_s": time.perf_counter() - start},
-            }
+            self.report = session.report(self.host.spec, opts.splice, tactics, interrupted, start)
 
     def _run(self, m: Any, session: FleetSession, live: bool, options: dict[str, Any]) -> bool:
         """Run until the workload or the --while command ends, exit() or the fleet

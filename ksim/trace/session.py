@@ -863,6 +863,30 @@ class TraceSession:
         if text:  # "hist" or "map", as bpftrace's JSON output names them
             self.emit("hist" if printer.hist else "map", text + "\n", {name: printer.json(entries)})
 
+    def report(self, target: str, splice: str, tactics: dict[str, int], interrupted: bool,
+               start: float) -> dict[str, Any]:
+        """What ``ksim trace --json`` says of a run that ended (``start``: when the
+        command began, by time.perf_counter)."""
+        return {
+            "target": target, "splice": splice,
+            "probes": len(self.attached),
+            "tactics": tactics,
+            "maps": self.maps_json(),
+            "lost": self.lost(),
+            "lost_keys": self.lost_keys(),
+            "printed": [data for kind, _, data in self.printed if kind == "value"],
+            "printf": [data for kind, _, data in self.printed if kind == "printf"],
+            "lost_events": self.lost_events(),
+            "skipped": self.skipped,
+            "exited": self.exited,
+            "exit_code": self.exit_code,
+            "interrupted": interrupted,
+            "stats": {"probes": len(self.attached),
+                      "attach_s": self.timings.get("attach_s", 0.0),
+                      "detach_s": self.timings.get("detach_s", 0.0),
+                      "end_to_end_s": time.perf_counter() - start},
+        }
+
     def maps_json(self) -> dict[str, Any]:
         out = {}
         for name in sorted(self.layouts):
