@@ -265,7 +265,7 @@ def test_no_splice_inside_an_exclusive_sequence(debian, tactic):
 
 def test_exclusive_sequences():
     """AArch64's in_exclusive_sequence: after a load-exclusive up to its
-    store-exclusive, looking back at most 16 instructions (kprobes' rule)."""
+    store-exclusive, looking back at most 32 instructions (kprobes' rule)."""
     from ksim.arch import get_arch
 
     arch = get_arch("aarch64")
@@ -280,8 +280,8 @@ def test_exclusive_sequences():
     assert [i.mnemonic for i in insns] == ["add", "ldxr", "sub", "stlxr", "cbnz", "ret"]
     assert [arch.in_exclusive_sequence(insns, k) for k in range(len(insns))] == \
         [False, False, True, True, False, False]
-    # beyond 16 instructions back, a load-exclusive is not looked for
-    far = [insns[1]] + [insns[2]] * 16 + [insns[3]]
-    assert not arch.in_exclusive_sequence(far, 17)
-    assert arch.in_exclusive_sequence(far, 16)
+    # beyond 32 instructions back, a load-exclusive is not looked for
+    far = [insns[1]] + [insns[2]] * 32 + [insns[3]]
+    assert not arch.in_exclusive_sequence(far, 33)
+    assert arch.in_exclusive_sequence(far, 32)
     assert not get_arch("x86_64").in_exclusive_sequence(insns, 2)

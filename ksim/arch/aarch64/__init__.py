@@ -61,12 +61,12 @@ _BRK, _HLT, _IMM16_MASK = 0xD4200000, 0xD4400000, 0xFFE0001F
 _FILLERS = frozenset({0xD503201F, 0x00000000})
 #: the exclusive loads and stores (Arm ARM C6.2), and how far back kprobes looks
 #: for the load before a point (MAX_ATOMIC_CONTEXT_SIZE, arch/arm64/kernel/probes/
-#: decode-insn.c)
+#: decode-insn.c: the 128 bytes Arm recommends at most between the two)
 _LOAD_EXCLUSIVE = frozenset({"ldxr", "ldxrb", "ldxrh", "ldxp",
                              "ldaxr", "ldaxrb", "ldaxrh", "ldaxp"})
 _STORE_EXCLUSIVE = frozenset({"stxr", "stxrb", "stxrh", "stxp",
                               "stlxr", "stlxrb", "stlxrh", "stlxp"})
-_ATOMIC_CONTEXT = 16
+_ATOMIC_CONTEXT = 32
 
 
 # --- components ---------------------------------------------------------------------------
@@ -194,7 +194,7 @@ class AArch64:
 
     def in_exclusive_sequence(self, insns: Sequence[Insn], index: int) -> bool:
         # kprobes' is_probed_address_atomic (arch/arm64/kernel/probes/decode-insn.c):
-        # back from the instruction before, at most MAX_ATOMIC_CONTEXT_SIZE
+        # back from the instruction before, at most MAX_ATOMIC_CONTEXT_SIZE (32)
         # instructions, a store-exclusive first means outside, a load-exclusive
         # inside
         for insn in reversed(insns[max(0, index - _ATOMIC_CONTEXT):index]):
