@@ -113,9 +113,10 @@ def _counting(points: list[Any], variables: list[Any]) -> Any:
 # arguments), and not on the verifier's deny list -- compressed (the list is larger
 # than an exec reply carries).
 TRACEABLE = r"""
-import base64, struct, subprocess, zlib
+import base64, struct, subprocess, sys, zlib
 ftrace = {l.split()[0] for l in open("/sys/kernel/tracing/available_filter_functions") if "[" not in l}
-out = subprocess.run(["bpftrace", "-l", "kfunc:*"], capture_output=True, text=True).stdout
+exe = sys.argv[1] if len(sys.argv) > 1 else "bpftrace"
+out = subprocess.run([exe, "-l", "kfunc:*"], capture_output=True, text=True).stdout
 kfunc = {l.rsplit(":", 1)[-1] for l in out.splitlines() if l.startswith("kfunc:")}
 raw = open("/sys/kernel/btf/vmlinux", "rb").read()
 _magic, _v, _f, hdr, toff, tlen, soff, slen = struct.unpack_from("<HBBIIIII", raw)
@@ -156,24 +157,28 @@ print(len(ftrace), len(kfunc), len(good), base64.b64encode(zlib.compress("\n".jo
 """
 
 
-def _traceable(t: Any, work: Path) -> tuple[set[str], dict[str, int]]:
-    """The names both bpftrace tools can attach to, and how many each list had."""
+def _traceable(t: Any, work: Path, tools: tuple[str, str] | None = None
+               ) -> tuple[set[str], dict[str, int]]:
+    """The names both bpftrace tools can attach to, and how many each list had;
+    ``tools``: the guest's (bpftrace, python) when they are not the host's (arm64)."""
     import base64
     import zlib
 
     from ksim.live.testbed import guest_file, host_python
 
     script = guest_file(work, "traceable.py", TRACEABLE)
-    out = t.exec_checked(f"{host_python()} {script}", timeout=1800).split()
+    exe, python = tools or ("bpftrace", host_python())
+    out = t.exec_checked(f"{python} {script} {exe}", timeout=1800).split()
     names = set(zlib.decompress(base64.b64decode(out[3])).decode().split("\n"))
     return names, {"ftrace_names": int(out[0]), "kfunc_names": int(out[1]),
                    "btf_fentry_names": int(out[2])}
 
 
-def _pool(m: Any, t: Any, want: int | None, bar: Any, work: Path) -> tuple[list[Any], dict[str, Any]]:
+def _pool(m: Any, t: Any, want: int | None, bar: Any, work: Path,
+          tools: tuple[str, str] | None = None) -> tuple[list[Any], dict[str, Any]]:
     """Entry points every tool can attach, in a fixed pseudo-random order; ``want``
     of them (None: all)."""
-    traceable, counts = _traceable(t, work)
+    traceable, counts = _traceable(t, work, tools)
     funcs = [f for f in t.image.functions if t.text[0] <= f.address < t.text[1]]
     names: dict[str, int] = {}
     for f in funcs:
@@ -226,19 +231,23 @@ def _ksim(m: Any, t: Any, points: list[Any], policy: str) -> dict[str, Any]:
             "analyses_kept": min(len(points), CACHE_FUNCTIONS)}
 
 
-def _bpftrace(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
+def _bpftrace(t: Any, points: list[Any], kind: str, work: Path,
+              tools: tuple[str, str] | None = None) -> dict[str, Any]:
     """One bpftrace run in the guest on ``points``' functions, counting their hits."""
     program = (",\n".join(f"{kind}:{p.function}" for p in points)
                + "\n{ @ = count(); }\n" + bpftrace.READY_PROBE)
-    return bpftrace.run(t, program, WORKLOAD, LIMIT_S, work, f"probes-{kind}-{len(points)}.bt")
+    exe, python = tools or (None, None)
+    return bpftrace.run(t, program, WORKLOAD, LIMIT_S, work, f"probes-{kind}-{len(points)}.bt",
+                        exe, python=python)
 
 
-def _bpftrace_tries(t: Any, points: list[Any], kind: str, work: Path) -> dict[str, Any]:
+def _bpftrace_tries(t: Any, points: list[Any], kind: str, work: Path,
+                    tools: tuple[str, str] | None = None) -> dict[str, Any]:
     """A bpftrace run; a function whose program the kernel refuses to load (bpftrace
     names it and stops) is left out and the run made again, a few times at most."""
     dropped: list[str] = []
     for _ in range(5):
-        row = _bpftrace(t, points, kind, work)
+        row = _bpftrace(t, points, kind, work, tools)
         refused = re.search(rf"Error loading program: {kind}:(?:vmlinux:)?(\S+)", row.get("output", ""))
         if row["status"] != "error" or refused is None:
             break
@@ -250,29 +259,36 @@ def _bpftrace_tries(t: Any, points: list[Any], kind: str, work: Path) -> dict[st
     return row
 
 
-def _live(ctx: Context, bar: Any) -> dict[str, Any]:
-    if ctx.smoke:
+def _live(ctx: Context, bar: Any, instance: str | None = None,
+          sizes: list[int | None] | None = None, routes: int | None = None) -> dict[str, Any]:
+    """The live rows on the testbed ``instance`` (None: x86-64's; "arm64": the arm64
+    testbed, whose guest has Debian's arm64 bpftrace and Python of its own)."""
+    if ctx.smoke and sizes is None:
         raise Skip("smoke run: the live testbed is left alone")
     try:
         from ksim.live import testbed
     except ImportError as exc:
         raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
-    state = testbed.status()
+    state = testbed.status(instance)
     if not state.get("up"):
-        raise Skip("the Linux testbed is not up (start it with `ksim testbed up`)")
-    if shutil.which("bpftrace") is None:
+        flag = " --arch arm64 --with bpftrace" if instance == "arm64" else ""
+        raise Skip(f"the Linux testbed is not up (start it with `ksim testbed up{flag}`)")
+    arm64 = state.get("arch") == "arm64"
+    if not arm64 and shutil.which("bpftrace") is None:
         testbed.ensure_tools(("bpftrace",))
     from ksim.bench import perhit
     from ksim.kapi import Manager
 
-    sizes: list[int | None] = ctx.pick([100, 1000, 10_000, None], [100], [])
+    if sizes is None:  # arm64 under TCG: N = all would take the run's hour
+        sizes = ctx.pick([100, 1000, 10_000] if arm64 else [100, 1000, 10_000, None], [100], [])
     m = Manager.attach(state["address"], token_file=state["token_file"])
     t: Any = m.target   # the live target: exec(), tracefs()
     try:
-        work = testbed.cache_dir() / "bench-batch"
+        tools = bpftrace.guest_tools(t) if arm64 else None
+        work = testbed.cache_dir() / ("bench-batch-arm64" if arm64 else "bench-batch")
         work.mkdir(exist_ok=True)
         largest = None if None in sizes else max(s for s in sizes if s is not None)
-        points, pool = _pool(m, t, largest, bar, work)
+        points, pool = _pool(m, t, largest, bar, work, tools)
         rows: list[dict[str, Any]] = []
         given_up: dict[str, int] = {}
         rate: dict[str, float] = {}   # bpftrace's attach + detach seconds per probe at the last N
@@ -288,8 +304,8 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
         # largest runs take the longest)
         for tool in TOOLS:
             if tool == "bpftrace-kprobe":
-                routes = ctx.pick(10_000, 1_000, 0)
-                dispatch = perhit.trap_dispatch(m, routes, ctx)
+                dispatch = perhit.trap_dispatch(
+                    m, ctx.pick(10_000, 1_000, 0) if routes is None else routes, ctx)
                 bar.advance(note="trap dispatch")
             for n in sizes:
                 chosen = points if n is None else points[:n]
@@ -310,7 +326,7 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
                     except KsimError as exc:  # refused whole: nothing of it was made
                         row.update(status="error", output=f"{type(exc).__name__}: {exc}")
                 else:
-                    row.update(_bpftrace_tries(t, chosen, tool.split("-", 1)[1], work))
+                    row.update(_bpftrace_tries(t, chosen, tool.split("-", 1)[1], work, tools))
                 if row["status"] == "timeout":
                     given_up[tool] = len(chosen)
                 if row["status"] == "ok" and not tool.startswith("ksim-"):
@@ -324,10 +340,13 @@ def _live(ctx: Context, bar: Any) -> dict[str, Any]:
     finally:
         m.detach()
     return {"rows": rows, "pool": pool, "trap_dispatch": dispatch, "limit_s": LIMIT_S,
-            "workload": WORKLOAD, "kernel": state.get("kernel"), "accel": state.get("accel")}
+            "workload": WORKLOAD, "kernel": state.get("kernel"), "accel": state.get("accel"),
+            "arch": "arm64" if arm64 else "x86_64"}
 
 
 def run(ctx: Context) -> Section:
+    if ctx.arch == "arm64":  # the arm64 testbed's live rows (the toy kernels are x86-64's)
+        return _run_arm64(ctx)
     toy_ns: list[int | None] = ctx.pick([10, 100, None], [10, None], [3, 10])
     live_sizes = ctx.pick(4, 1, 0)
     targets = [("unicorn", "unicorn:toy")]
@@ -359,6 +378,20 @@ def run(ctx: Context) -> Section:
     return Section(results, tables, notes, {"toy_ns": toy_ns, "limit_s": LIMIT_S})
 
 
+def _run_arm64(ctx: Context) -> Section:
+    results: dict[str, Any] = {}
+    notes: list[str] = []
+    with ctx.bar(ctx.pick(3, 1, 0) * len(TOOLS) + 1, "batch (arm64)") as bar:
+        done = attempt("live_arm64", results, notes, _live, ctx, bar, "arm64")
+    tables: list[Table] = []
+    live = results.get("live_arm64", {})
+    if live.get("rows"):
+        tables += _live_tables(live)
+        notes += _live_notes(live)
+    return Section(results if done is None else {"live_arm64": done}, tables, notes,
+                   {"limit_s": LIMIT_S, "arch": "arm64"})
+
+
 def _toy_table(results: dict[str, Any]) -> Table:
     rows = []
     for label in ("unicorn", "qemu"):
@@ -377,14 +410,17 @@ def _live_tables(live: dict[str, Any]) -> list[Table]:
                      _r(r.get("detach_s")), _r(r.get("attach_ms_per_probe"), 3),
                      _r(r.get("detach_ms_per_probe"), 3), r.get("hits"),
                      r.get("text_restored", "-")])
+    arm64 = live.get("arch") == "arm64"
     t1 = Table(f"Live testbed ({live.get('kernel')}, {live.get('accel')}): attach and detach N "
                "function entries, each counting hits",
                ["tool", "N asked", "N", "status", "attach s", "detach s", "ms/probe attach",
                 "ms/probe detach", "hits", "text restored"], rows)
     d = live.get("trap_dispatch") or {}
-    t2 = Table("Trap dispatch on the live testbed: emulated cycles per getpid, ksim trap on "
-               "__x64_sys_getpid",
-               ["routes installed", "cycles/call (min)", "overhead/hit"],
+    t2 = Table(f"Trap dispatch on the live testbed ({live.get('kernel')}): "
+               + ("CNTVCT_EL0 ticks per getpid, ksim trap (BRK) on __arm64_sys_getpid" if arm64
+                  else "emulated cycles per getpid, ksim trap on __x64_sys_getpid"),
+               ["routes installed", f"{'ticks' if arm64 else 'cycles'}/call (min)",
+                "overhead/hit"],
                [[x["routes"], _r(x["cycles"]), _r(x["overhead"])] for x in d.get("rows", [])])
     return [t1, t2]
 
@@ -392,6 +428,7 @@ def _live_tables(live: dict[str, Any]) -> list[Table]:
 def _live_notes(live: dict[str, Any]) -> list[str]:
     pool = live["pool"]
     d = live.get("trap_dispatch") or {}
+    label = "live_arm64" if live.get("arch") == "arm64" else "live"
     notes = [f"live: the functions: {pool['pool']} entry points both ksim policies splice, "
              f"that ftrace lists and bpftrace attaches a kfunc to, with a unique name "
              f"({pool['eligible']} eligible of {pool['functions']} core text functions, "
@@ -406,8 +443,13 @@ def _live_notes(live: dict[str, Any]) -> list[str]:
              "live: hits = the counters' sum / bpftrace's @ count over the same workload "
              f"({live['workload']!r}); emulated TCG guest: times are wall time of an emulated "
              "kernel, never hardware figures"]
+    if label != "live":
+        notes = [n.replace("live: ", f"{label}: ", 1) for n in notes]
+        notes.append(f"{label}: Debian's arm64 kernel in qemu-system-aarch64 under TCG, its "
+                     "bpftrace 0.17 in the same guest; ksim's text writes go in under "
+                     "stop_machine, its trap is a BRK; N = all is not run on arm64")
     if d.get("ratio") is not None:
-        notes.append(f"live: trap dispatch with {d['routes']:,} routes costs "
+        notes.append(f"{label}: trap dispatch with {d['routes']:,} routes costs "
                      f"{d['ratio']:.3f} x the overhead with 1 route (min over {d['rounds']} "
                      "interleaved rounds)")
     return notes

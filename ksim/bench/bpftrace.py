@@ -129,17 +129,32 @@ def binary(*, install: bool = True) -> str:
     return os.path.realpath(found)
 
 
+def guest_tools(t: Any) -> tuple[str, str]:
+    """(bpftrace, python) in the arm64 testbed's guest, whose userland is Debian's arm64
+    packages (``ksim testbed up --arch arm64 --with bpftrace``), not the host's; Skip
+    when its userland has no bpftrace."""
+    from ksim.live import arm64bed
+
+    found = t.exec("command -v bpftrace || true").strip()
+    if not found.startswith("/"):
+        raise Skip("the arm64 guest's userland has no bpftrace (boot it with "
+                   "`ksim testbed up --arch arm64 --with bpftrace`)")
+    return found, arm64bed.PYTHON
+
+
 def run(t: Any, program: str, workload: str, limit: float, work: Path, name: str,
-        bpftrace: str | None = None) -> dict[str, Any]:
+        bpftrace: str | None = None, *, python: str | None = None) -> dict[str, Any]:
     """Run ``program`` under bpftrace (``bpftrace``, or :func:`binary`'s) in the live
     target ``t``'s guest while ``workload`` (a shell command) runs; the driver's
-    report (module doc)."""
+    report (module doc).  ``python`` runs the driver (default: the host's, which the
+    x86-64 guest runs; the arm64 guest's own, see guest_tools)."""
     from ksim.live.testbed import guest_file, host_python
 
     exe = bpftrace or binary()
     prog = guest_file(work, name, program)
     driver = guest_file(work, "bpftrace_driver.py", DRIVER)
-    out = t.exec(f"{host_python()} {driver} {prog} '{workload}' {limit:g} {shlex.quote(exe)}",
+    out = t.exec(f"{python or host_python()} {driver} {prog} '{workload}' {limit:g} "
+                 f"{shlex.quote(exe)}",
                  timeout=3 * limit + 600)
     try:
         return dict(json.loads(out.strip().splitlines()[-1]))

@@ -52,7 +52,10 @@ def run(ctx: Context) -> Section:
     results: dict[str, Any] = {}
     notes: list[str] = []
     tables: list[Table] = []
-    steps = [("native", _native), ("unicorn", _unicorn), ("qemu", _qemu), ("live", _live)]
+    steps: list[tuple[str, Any]] = [("native", _native), ("unicorn", _unicorn), ("qemu", _qemu),
+                                    ("live", _live)]
+    if ctx.arch == "arm64":  # the arm64 testbed's live rows (the rest is x86-64's toy)
+        steps = [("live_arm64", lambda c: _live(c, "arm64"))]
     with ctx.bar(len(steps), "per-hit") as bar:
         for name, fn in steps:
             bar.advance(0, note=name)
@@ -315,19 +318,39 @@ def _qemu(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
 LIVE_FUNCTION = "__task_pid_nr_ns"
 #: the trap-dispatch figure's function (the batch benchmark)
 DISPATCH_FUNCTION = "__x64_sys_getpid"
+DISPATCH_FUNCTION_ARM64 = "__arm64_sys_getpid"
 GUEST_PROGRAM = native.REPO / "benchmarks" / "native" / "guest_getpid.c"
+#: the arm64 testbed's: the virtual counter (CNTVCT_EL0) instead of rdtsc
+GUEST_PROGRAM_ARM64 = native.REPO / "benchmarks" / "native" / "guest_getpid_arm64.c"
 
 
 #: the static C library the guest program is linked with (libc6-dev)
 STATIC_LIBC = Path("/usr/lib/x86_64-linux-gnu/libc.a")
 
 
-def _guest_program() -> str:
+def _guest_program(arch: str = "x86_64") -> str:
     """The guest's rdtsc getpid loop, built statically on the host (the guest runs the
-    host's root filesystem, so the host path works inside it)."""
+    host's root filesystem, so the host path works inside it); for the arm64 testbed
+    its CNTVCT_EL0 loop, cross-built into the cache the guest mounts at the same path."""
     import hashlib
     import subprocess
 
+    if arch == "arm64":
+        from ksim.live import arm64bed
+
+        src = GUEST_PROGRAM_ARM64.read_bytes()
+        out = arm64bed.arm64_dir() / "bin" / f"guest_getpid-{hashlib.sha256(src).hexdigest()[:12]}"
+        if not out.exists():
+            try:
+                cc = arm64bed.cross_cc()
+            except KsimError as exc:
+                raise Skip(f"cannot build the arm64 guest program: {exc}") from None
+            out.parent.mkdir(parents=True, exist_ok=True)
+            proc = subprocess.run([cc, "-O2", "-static", "-o", str(out), str(GUEST_PROGRAM_ARM64)],
+                                  capture_output=True, text=True, timeout=120)
+            if proc.returncode != 0:
+                raise Skip(f"cannot build the arm64 guest program: {proc.stderr.strip()[-300:]}")
+        return str(out)
     src = GUEST_PROGRAM.read_bytes()
     out = native.BENCH_CACHE / "live" / hashlib.sha256(src).hexdigest()[:12] / "guest_getpid"
     if not out.exists():
@@ -360,7 +383,11 @@ def _row(rows: list[dict[str, Any]], variant: str, measure: Any) -> None:
         rows.append({"variant": variant, "error": f"{type(exc).__name__}: {exc}"})
 
 
-def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
+def _live(ctx: Context, instance: str | None = None, sizes: tuple[int, int] | None = None
+          ) -> tuple[dict[str, Any], list[Table], list[str]]:
+    """The live rows on the testbed ``instance`` (None: the x86-64 one; "arm64": the
+    arm64 one, where the kernel's kprobe is a BRK, there are no optprobes, and the
+    guest's counter is CNTVCT_EL0)."""
     import json
     import time
 
@@ -370,14 +397,20 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
         raise Skip(f"the live testbed is not part of this installation ({exc})") from exc
     if ctx.smoke:
         raise Skip("smoke run: the live testbed is left alone")
-    state = testbed.status()
+    state = testbed.status(instance)
     if not state.get("up"):
-        raise Skip("the Linux testbed is not up (start it with `ksim testbed up`); live "
-                   "per-hit figures next to the kernel's int3 kprobe and optprobe need it")
+        flag = " --arch arm64" if instance == "arm64" else ""
+        raise Skip(f"the Linux testbed is not up (start it with `ksim testbed up{flag}`); live "
+                   "per-hit figures next to the kernel's kprobes need it")
     from ksim.kapi import Manager
 
-    prog = _guest_program()
+    arm64 = state.get("arch") == "arm64"
+    prog = _guest_program("arm64" if arm64 else "x86_64")
     calls, repeats = ctx.pick((100_000, 7), (20_000, 5), (500, 1))
+    if arm64:  # TCG emulating AArch64 on this host is several times slower
+        calls, repeats = ctx.pick((30_000, 5), (10_000, 3), (300, 1))
+    if sizes is not None:  # the tests' sizes: getpids per repeat, repeats
+        calls, repeats = sizes
     cmd = f"{prog} {calls} {repeats}"
     tracefs = "/sys/kernel/tracing"
     rows: list[dict[str, Any]] = []
@@ -393,6 +426,11 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
 
         def kprobe(offset: int, optimize: bool) -> tuple[str, str]:
             event = f"ksim_bench_{offset}_{int(optimize)}"
+            if arm64:  # no optprobes: no such sysctl
+                t.exec_checked(f"echo 'p:{event} {LIVE_FUNCTION}+{offset}' >> "
+                               f"{tracefs}/kprobe_events && "
+                               f"echo 1 > {tracefs}/events/kprobes/{event}/enable")
+                return event, ""
             saved = t.exec("cat /proc/sys/debug/kprobes-optimization").strip() or "1"
             t.exec_checked(f"echo {int(optimize)} > /proc/sys/debug/kprobes-optimization && "
                            f"echo 'p:{event} {LIVE_FUNCTION}+{offset}' >> {tracefs}/kprobe_events && "
@@ -406,8 +444,9 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
             hits = next((int(ln.split()[1]) for ln in prof.splitlines()
                          if ln.split() and ln.split()[0] == event), -1)
             t.exec_checked(f"echo 0 > {tracefs}/events/kprobes/{event}/enable; "
-                           f"echo '-:{event}' >> {tracefs}/kprobe_events; "
-                           f"echo {saved} > /proc/sys/debug/kprobes-optimization")
+                           f"echo '-:{event}' >> {tracefs}/kprobe_events" + (
+                               "" if arm64 else
+                               f"; echo {saved} > /proc/sys/debug/kprobes-optimization"))
             time.sleep(1.0)  # un-optimizing is asynchronous
             return hits
 
@@ -443,28 +482,44 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
         # while a tracer is on: ksim.bench.sizes._fentry_site's answer)
         first = next(iter(t.arch.decode(head, fn.address)), None)
         past_nop = first.size if first is not None and _fentry_site(t.arch, first) else 0
-        for label, offset, opt in (("kprobe int3", past_nop, False),
-                                   ("kprobe optimized (jump)", past_nop, True),
-                                   ("kprobe at +0 (ftrace)", 0, False)):
+        kprobes: tuple[tuple[str, int, bool], ...] = (
+            ("kprobe int3", past_nop, False), ("kprobe optimized (jump)", past_nop, True),
+            ("kprobe at +0 (ftrace)", 0, False))
+        if arm64:  # a BRK past the ftrace pair, where ksim's entry point is too
+            kprobes = (("kprobe BRK", point.address - fn.address, False),)
+        for label, offset, opt in kprobes:
             _row(rows, label, lambda label=label, offset=offset, opt=opt:
                  kernel_kprobe(label, offset, opt))
         for kind in ("kprobe", "kfunc"):
-            _row(rows, f"bpftrace {kind} count()", lambda kind=kind: _bpftrace_count(t, kind, cmd))
+            _row(rows, f"bpftrace {kind} count()",
+                 lambda kind=kind: _bpftrace_count(t, kind, cmd, arm64=arm64))
     base = rows[0]["min_cycles_per_call"]
     for r in rows[1:]:
         if r.get("min_cycles_per_call") is not None:
             r["overhead"] = r["min_cycles_per_call"] - base
-    table = Table(f"live ({state.get('kernel')}, {state.get('accel')}): emulated cycles per "
+    unit = "CNTVCT_EL0 ticks" if arm64 else "emulated cycles"
+    table = Table(f"live ({state.get('kernel')}, {state.get('accel')}): {unit} per "
                   f"getpid ({LIVE_FUNCTION}, which getpid calls, probed), {calls} calls",
-                  ["variant", "tactic/probe", "cycles/call (min)", "median", "overhead/hit", "hits"],
+                  ["variant", "tactic/probe", f"{'ticks' if arm64 else 'cycles'}/call (min)",
+                   "median", "overhead/hit", "hits"],
                   [[r["variant"], r.get("tactic") or r.get("probe", "-"),
                     r.get("min_cycles_per_call", "skipped" if "skipped" in r else "error"),
                     r.get("median_cycles_per_call"), _round(r.get("overhead")), r.get("hits")]
                    for r in rows])
+    label = "live_arm64" if arm64 else "live"
     notes = [f"live: the testbed kernel runs under {state.get('accel')}: cycles are the guest's "
              "rdtsc (emulated under TCG), never hardware figures; hits = the snippet's counter or "
              "kprobe_profile (>= calls x repeats: other processes call getpid too)"]
-    notes += [f"live: {r['variant']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
+    if arm64:
+        hz = next((r.get("counter_hz") for r in rows if r.get("counter_hz")), None)
+        notes = [f"live_arm64: Debian's arm64 kernel in qemu-system-aarch64 under "
+                 f"{state.get('accel')} (emulated, never hardware figures): ticks of the guest's "
+                 f"virtual counter CNTVCT_EL0 ({hz} Hz) per getpid; the kernel's kprobe is a BRK "
+                 "(arm64 has no optprobes; its config has no KPROBES_ON_FTRACE, so bpftrace's "
+                 "kprobe at +0 is a BRK kprobe too, and no DYNAMIC_FTRACE_WITH_DIRECT_CALLS, "
+                 "which bpftrace's kfunc probes fail to attach without); hits = the snippet's "
+                 "counter, kprobe_profile or bpftrace's @"]
+    notes += [f"{label}: {r['variant']}: " + (f"skipped: {r['skipped']}" if "skipped" in r
                                            else f"failed: {str(r['error'])[-300:]}")
               for r in rows if "skipped" in r or "error" in r]
     return {"rows": rows, "function": LIVE_FUNCTION, "entry_bytes": head.hex(),
@@ -472,7 +527,7 @@ def _live(ctx: Context) -> tuple[dict[str, Any], list[Table], list[str]]:
             "entry_size": fn.size}, [table], notes
 
 
-def _bpftrace_count(t: Any, kind: str, cmd: str) -> dict[str, Any]:
+def _bpftrace_count(t: Any, kind: str, cmd: str, *, arm64: bool = False) -> dict[str, Any]:
     """bpftrace's ``count()`` on LIVE_FUNCTION (a ``kprobe:`` -- ftrace-based at +0 --
     or a ``kfunc:``, a BPF trampoline), timed by the same guest program while it runs.
     Skip when there is no bpftrace to run (:func:`ksim.bench.bpftrace.binary`)."""
@@ -481,10 +536,10 @@ def _bpftrace_count(t: Any, kind: str, cmd: str) -> dict[str, Any]:
     from ksim.bench import bpftrace
     from ksim.live import testbed
 
-    exe = bpftrace.binary()
+    exe, python = bpftrace.guest_tools(t) if arm64 else (bpftrace.binary(), None)
     program = f"{kind}:{LIVE_FUNCTION} {{ @ = count(); }}\n" + bpftrace.READY_PROBE
     work = testbed.cache_dir() / "bench-per-hit"
-    out = bpftrace.run(t, program, cmd, 1800.0, work, f"count-{kind}.bt", exe)
+    out = bpftrace.run(t, program, cmd, 1800.0, work, f"count-{kind}.bt", exe, python=python)
     rec: dict[str, Any] = {"variant": f"bpftrace {kind} count()", "probe": f"{kind}:{LIVE_FUNCTION}",
                            "bpftrace": exe, "min_cycles_per_call": None,
                            "median_cycles_per_call": None}
@@ -568,18 +623,16 @@ def route_sites(t: Any, count: int, avoid: int) -> list[int]:
     """``count`` instruction starts in core kernel text, past each function's first
     instruction, where the kernel lets a trap route go (no hazard), none within 16
     bytes of ``avoid``: idle routes, never hit (no int3 is written there)."""
-    import capstone
-
-    cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
     funcs = sorted((f for f in t.image.functions if t.text[0] <= f.address < t.text[1]
                     and f.size > 16), key=lambda f: f.address)
     step = max(1, len(funcs) // max(count // 8, 1))
     sites: list[int] = []
     for f in funcs[::step]:
         code = t.read(f.address, min(f.size, 256))
-        insns = list(cs.disasm_lite(code, f.address))[1:]
-        sites += [a for a, _size, mnem, _ops in insns
-                  if mnem not in ("int3", "nop") and abs(a - avoid) >= 16][:16]
+        insns = list(t.arch.decode(code, f.address))[1:]
+        sites += [i.address for i in insns
+                  if not t.arch.is_breakpoint(i) and i.mnemonic not in ("int3", "nop")
+                  and abs(i.address - avoid) >= 16][:16]
         if len(sites) >= 2 * count:
             break
     ok: list[int] = []
@@ -599,15 +652,19 @@ def trap_dispatch(m: Any, routes: int, ctx: Context) -> dict[str, Any]:
     import json
 
     t = m.target
-    prog = _guest_program()
+    arm64 = t.arch.name == "aarch64"
+    prog = _guest_program("arm64" if arm64 else "x86_64")
     calls, repeats, rounds = ctx.pick((50_000, 5, 3), (20_000, 3, 2), (500, 1, 1))
+    if arm64:
+        calls, repeats, rounds = ctx.pick((20_000, 3, 3), (5_000, 3, 2), (500, 1, 1))
     cmd = f"{prog} {calls} {repeats}"
 
     def cycles() -> float:
         r = t.run(while_cmd=cmd, timeout=1800)
         return float(json.loads(r.output.strip().splitlines()[-1])["min_cycles_per_call"])
 
-    point = m.entry_point(DISPATCH_FUNCTION)
+    function = DISPATCH_FUNCTION_ARM64 if arm64 else DISPATCH_FUNCTION
+    point = m.entry_point(function)
     sites = route_sites(t, routes, point.address)
     idle = t.alloc_code(16)
     counter = m.malloc(8)
@@ -632,4 +689,5 @@ def trap_dispatch(m: Any, routes: int, ctx: Context) -> dict[str, Any]:
     ratio = rows[1]["overhead"] / rows[0]["overhead"] if rows[0]["overhead"] > 0 else None
     return {"rows": [{"routes": 0, "cycles": b, "overhead": 0.0}] + rows, "ratio": ratio,
             "routes": routes + 1, "rounds": rounds, "calls": calls, "repeats": repeats,
-            "function": DISPATCH_FUNCTION, "unit": "emulated rdtsc cycles (TCG)"}
+            "function": function,
+            "unit": "CNTVCT_EL0 ticks (TCG)" if arm64 else "emulated rdtsc cycles (TCG)"}

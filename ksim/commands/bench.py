@@ -26,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also write the results document to FILE (after each benchmark, so a "
                         "long run keeps what it measured)")
     p.add_argument("--plot", metavar="FILE.png", help="draw the results (matplotlib, Agg)")
+    p.add_argument("--arch", choices=("x86_64", "arm64"), default="x86_64",
+                   help="the live testbed per-hit and batch run on (arm64: `ksim testbed up "
+                        "--arch arm64 --with bpftrace`, only its live parts run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -35,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ksim.bench.common import Context
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
-    ctx = Context(mode=mode, progress=not args.no_progress)
+    ctx = Context(mode=mode, progress=not args.no_progress, arch=args.arch)
     if args.name == "verify":  # ksim verify's engines (ksim/bench/verify.py), not part of "all"
         from ksim.bench import verify
 
