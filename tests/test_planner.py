@@ -204,11 +204,13 @@ PV_CALL = bytes([
 
 
 @pytest.mark.parametrize("policy", ["jmp", "trap"])
-def test_indirect_call_at_the_point_is_moved_as_push_and_jmp(policy):
+def test_indirect_call_at_the_point_is_moved_reading_its_operand_first(policy):
     patch = planner.plan(ARCH, request(func(PV_CALL), policy=policy))
-    push = b"\x68" + (F + 6).to_bytes(8, "little")[:4]       # push F+6 (sign-extended imm32)
-    jmp_mem = b"\xff\x25" + rel32(P + 1 + 5 + 6, F + 0x16)    # jmp [rip -> F+0x16]
-    assert patch.code == SNIPPET + push + jmp_mem             # no jump back: the callee returns to F+6
+    push_mem = b"\xff\x35" + rel32(P + 1 + 6, F + 0x16)       # push [rip -> F+0x16]
+    push_top = b"\xff\x34\x24"                                # push qword [rsp]
+    ret_addr = b"\x48\xc7\x44\x24\x08" + (F + 6).to_bytes(8, "little")[:4]  # mov [rsp+8], F+6
+    # ret: to the callee; no jump back: the callee returns to F+6
+    assert patch.code == SNIPPET + push_mem + push_top + ret_addr + b"\xc3"
 
 
 CALL_REG_AFTER_SHORT = bytes([

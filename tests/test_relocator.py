@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from snippet_machine import Machine
+from snippet_machine import STATUS_FLAGS, Machine
+from unicorn import UC_ERR_EXCEPTION, UcError
 from unicorn.x86_const import UC_X86_REG_RIP
 
 from ksim.arch import Flow, Insn, get_arch
@@ -161,6 +162,7 @@ def test_arch_object_delegates():
 
 # --- same effect, in unicorn ---------------------------------------------------------------------------
 CODE_OLD, CODE_NEW, DATA, STACK = 0x400000, 0x7FFF0000, 0x500000, 0x600000
+HIGH_OLD = 0x7FFF12340000       # a return address there is no sign-extended imm32
 # A run with a RIP-relative load, a rel8 jcc and jmp, jrcxz and loop, all landing in
 # the run or at its end.  rax accumulates which paths were taken.
 RUN = bytes([
@@ -274,11 +276,31 @@ def test_moved_call_with_a_return_address_above_4g_pushes_it_in_two_halves():
                    + bytes([0xE9]) + rel32(at + 0x1005 - (at + 0x100 + 20 + 5)))
 
 
-def test_moved_paravirt_call_jumps_through_the_rebased_operand():
+def moved_through_memory(push: bytes, ret: int) -> bytes:
+    """``moved_call``'s form of a call through memory: ``push`` (the call's operand as
+    ``push m64``); ``push qword [rsp]``; ``mov qword [rsp+8], ret``; ``ret``."""
+    return (push + bytes([0xFF, 0x34, 0x24])                                  # push qword [rsp]
+            + bytes([0x48, 0xC7, 0x44, 0x24, 0x08]) + (ret & 0xFFFFFFFF).to_bytes(4, "little")
+            + bytes([0xC3]))                                                  # ret
+
+
+def test_moved_paravirt_call_pushes_the_rebased_operand():
     code = bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00])            # call [rip+0x10] -> OLD+0x16
     out = moved_call(insns(code)[0], NEW)
-    assert out == PUSH_RET[:1] + (OLD + 6).to_bytes(8, "little")[:4] + bytes([0xFF, 0x25]) + rel32(
-        OLD + 0x16 - (NEW + 5 + 6))
+    push = bytes([0xFF, 0x35]) + rel32(OLD + 0x16 - (NEW + 6))    # push [rip -> OLD+0x16]
+    assert out == moved_through_memory(push, OLD + 6)
+
+
+def test_moved_eip_relative_call_pushes_the_rebased_operand():
+    code = bytes([0x67, 0xFF, 0x15, 0x10, 0x00, 0x00, 0x00])      # call [eip+0x10]
+    out = moved_call(insns(code)[0], NEW)
+    push = bytes([0x67, 0xFF, 0x35]) + rel32(signed32(OLD + 0x17 - (NEW + 7)))
+    assert out == moved_through_memory(push, OLD + 7)
+
+
+def signed32(value: int) -> int:
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >> 31 else value
 
 
 @pytest.mark.parametrize(
@@ -286,29 +308,59 @@ def test_moved_paravirt_call_jumps_through_the_rebased_operand():
     [
         (bytes([0xFF, 0xD0]), bytes([0xFF, 0xE0])),                          # call rax -> jmp rax
         (bytes([0x41, 0xFF, 0xD3]), bytes([0x41, 0xFF, 0xE3])),              # call r11 -> jmp r11
-        (bytes([0xFF, 0x50, 0x08]), bytes([0xFF, 0x60, 0x08])),              # call [rax+8]
         (bytes([0x3E, 0xFF, 0xD0]), bytes([0x3E, 0xFF, 0xE0])),              # notrack call rax
-        (bytes([0x65, 0xFF, 0x14, 0x25, 0x10, 0, 0, 0]),
-         bytes([0x65, 0xFF, 0x24, 0x25, 0x10, 0, 0, 0])),                    # call gs:[0x10]
-        (bytes([0xFF, 0x54, 0x24, 0x08]), bytes([0xFF, 0x64, 0x24, 0x10])),  # call [rsp+8] -> [rsp+16]
-        (bytes([0xFF, 0x14, 0x24]), bytes([0xFF, 0x64, 0x24, 0x08])),        # call [rsp] -> [rsp+8]
-        (bytes([0xFF, 0x94, 0x24, 0x00, 0x01, 0, 0]),
-         bytes([0xFF, 0xA4, 0x24, 0x08, 0x01, 0, 0])),                       # call [rsp+0x100]
     ],
 )
-def test_moved_indirect_call_becomes_push_and_jmp(code, jmp):
+def test_moved_call_through_a_register_becomes_push_and_jmp(code, jmp):
     insn = insns(code)[0]
     push = bytes([0x68]) + (insn.end & 0xFFFFFFFF).to_bytes(4, "little")
     assert moved_call(insn, NEW) == push + jmp
 
 
 @pytest.mark.parametrize(
+    "code,push",
+    [
+        (bytes([0xFF, 0x50, 0x08]), bytes([0xFF, 0x70, 0x08])),              # call [rax+8]
+        (bytes([0x41, 0xFF, 0x53, 0x10]), bytes([0x41, 0xFF, 0x73, 0x10])),  # call [r11+0x10]
+        (bytes([0xFF, 0x14, 0xF5, 0x00, 0x10, 0x00, 0x81]),
+         bytes([0xFF, 0x34, 0xF5, 0x00, 0x10, 0x00, 0x81])),                 # call [rsi*8 + table]
+        (bytes([0x3E, 0xFF, 0x50, 0x08]), bytes([0x3E, 0xFF, 0x70, 0x08])),  # notrack call [rax+8]
+        (bytes([0x65, 0xFF, 0x14, 0x25, 0x10, 0, 0, 0]),
+         bytes([0x65, 0xFF, 0x34, 0x25, 0x10, 0, 0, 0])),                    # call gs:[0x10]
+        # rsp-based: push computes the address from rsp before it decrements it, as the
+        # call does (SDM "PUSH"): the same displacement
+        (bytes([0xFF, 0x54, 0x24, 0x08]), bytes([0xFF, 0x74, 0x24, 0x08])),  # call [rsp+8]
+        (bytes([0xFF, 0x14, 0x24]), bytes([0xFF, 0x34, 0x24])),              # call [rsp]
+        (bytes([0xFF, 0x54, 0x24, 0x7C]), bytes([0xFF, 0x74, 0x24, 0x7C])),  # call [rsp+0x7c]
+        (bytes([0xFF, 0x94, 0x24, 0x00, 0x01, 0, 0]),
+         bytes([0xFF, 0xB4, 0x24, 0x00, 0x01, 0, 0])),                       # call [rsp+0x100]
+        (bytes([0x67, 0xFF, 0x54, 0x24, 0x08]),
+         bytes([0x67, 0xFF, 0x74, 0x24, 0x08])),                             # call [esp+8]
+    ],
+)
+def test_moved_call_through_memory_reads_its_operand_first(code, push):
+    insn = insns(code)[0]
+    assert moved_call(insn, NEW) == moved_through_memory(push, insn.end)
+
+
+def test_moved_call_through_memory_with_a_return_address_above_4g_stores_it_in_two_halves():
+    at = 0x7FFF12340000
+    code = bytes([0xFF, 0x50, 0x08])                              # call [rax+8]
+    ret = at + 3
+    assert moved_call(insns(code, at)[0], at + 0x100) == (
+        bytes([0xFF, 0x70, 0x08, 0xFF, 0x34, 0x24])               # push [rax+8]; push [rsp]
+        + bytes([0xC7, 0x44, 0x24, 0x08]) + (ret & 0xFFFFFFFF).to_bytes(4, "little")
+        + bytes([0xC7, 0x44, 0x24, 0x0C]) + (ret >> 32).to_bytes(4, "little")
+        + bytes([0xC3]))
+
+
+@pytest.mark.parametrize(
     "code",
     [
         bytes([0xFF, 0xD4]),                                      # call rsp
-        bytes([0xFF, 0x54, 0x24, 0x7C]),                          # call [rsp+0x7c]: +8 overflows disp8
         bytes([0xFF, 0x1D, 0, 0, 0, 0]),                          # lcall [rip]
         bytes([0x66, 0xFF, 0xD0]),                                # call ax
+        bytes([0xF2, 0xFF, 0x50, 0x08]),                          # bnd call [rax+8]
     ],
 )
 def test_unmovable_calls_are_refused(code):
@@ -320,25 +372,50 @@ def test_unmovable_calls_are_refused(code):
 
 
 @settings(max_examples=30, deadline=None)
-@given(reg_value=st.integers(0, 2**32 - 1), use_memory=st.booleans())
-def test_moved_indirect_call_has_the_effect_of_the_call(reg_value, use_memory):
+@given(reg_value=st.integers(0, 2**32 - 1), operand=st.sampled_from(["reg", "rip", "rsp"]),
+       flags=st.integers(0, 2**12 - 1))
+def test_moved_indirect_call_has_the_effect_of_the_call(reg_value, operand, flags):
     """Run ``call`` at its place and ``moved_call`` elsewhere: the same callee is reached
-    with the same stack, holding the same (original) return address."""
+    with the same stack, holding the same (original) return address, and the same
+    registers and flags."""
     m = Machine({CODE_OLD: 0x1000, CODE_NEW: 0x1000, DATA: 0x1000, STACK: 0x1000})
     callee = CODE_OLD + 0x800 + (reg_value % 0x100)
-    code = bytes([0xFF, 0x15]) + rel32(DATA - (CODE_OLD + 6)) if use_memory else bytes([0xFF, 0xD0])
+    code = {"reg": bytes([0xFF, 0xD0]),                                      # call rax
+            "rip": bytes([0xFF, 0x15]) + rel32(DATA - (CODE_OLD + 6)),       # call [rip -> DATA]
+            "rsp": bytes([0xFF, 0x54, 0x24, 0x10])}[operand]                 # call [rsp+0x10]
     m.put64(DATA, callee)
+    regs = {"rax": callee, "rsp": STACK + 0x800, "flags": 0x2 | (flags & STATUS_FLAGS)}
     seen = []
     for at, run in ((CODE_OLD, code), (CODE_NEW, moved_call(insns(code, CODE_OLD)[0], CODE_NEW))):
-        m.write(at, run)
-        m.set_regs({"rax": callee, "rsp": STACK + 0x800})
-        m.uc.emu_start(at, callee, count=10)
-        regs = m.regs()
-        rip = m.uc.reg_read(UC_X86_REG_RIP)
-        top = int.from_bytes(m.read(regs["rsp"], 8), "little")
-        seen.append((rip, regs["rsp"], top, regs["rax"]))
+        m.put64(STACK + 0x810, callee)
+        out = _run_to(m, at, run, callee, regs)
+        seen.append((out, m.u64(out["rsp"]), m.u64(out["rsp"] + 8)))
     assert seen[0] == seen[1]
-    assert seen[0][2] == CODE_OLD + len(code)
+    assert seen[0][0]["rip"] == callee and seen[0][1] == CODE_OLD + len(code)
+
+
+@pytest.mark.parametrize("operand", ["rip", "reg", "table"])
+@pytest.mark.parametrize("at", [CODE_OLD, HIGH_OLD], ids=["imm32", "halves"])
+def test_a_moved_call_whose_operand_faults_leaves_the_stack_as_the_call_does(operand, at):
+    """The read of the operand faults: neither the call nor its moved form has
+    changed rsp, the flags or the stack (the moved form read before it pushed)."""
+    new, unmapped = at + 0x10000, at + 0x8000
+    m = Machine({at: 0x1000, new: 0x1000, STACK: 0x1000})
+    code = {"rip": bytes([0xFF, 0x15]) + rel32(unmapped - (at + 6)),       # call [rip -> unmapped]
+            "reg": bytes([0xFF, 0x50, 0x08]),                              # call [rax+8]
+            "table": bytes([0xFF, 0x14, 0xF5]) + rel32(0x300000)}[operand]  # call [rsi*8 + table]
+    regs = {"rax": unmapped, "rsi": 0x10, "rsp": STACK + 0x800, "flags": 0x2 | STATUS_FLAGS}
+    seen = []
+    for where, run in ((at, code), (new, moved_call(insns(code, at)[0], new))):
+        m.write(STACK, bytes(0x1000))
+        m.write(where, run)
+        m.set_regs(regs)
+        with pytest.raises(UcError) as fault:
+            m.uc.emu_start(where, where + len(run), count=100)
+        out = m.regs() | {"rip": m.uc.reg_read(UC_X86_REG_RIP) - where}
+        seen.append((fault.value.errno, out, m.read(STACK, 0x1000)))
+    assert seen[0] == seen[1]
+    assert seen[0][0] == UC_ERR_EXCEPTION and seen[0][1]["rsp"] == STACK + 0x800
 
 
 # --- calls inside a relocated run: the return address they leave is the original's ----------------
@@ -390,7 +467,8 @@ def test_get_pc_thunk_call_with_its_thunk_after_it_in_the_run_is_refused(vector)
     bytes([0x41, 0xFF, 0xD3]),                                    # call r11
     bytes([0xFF, 0x15, 0x10, 0x00, 0x00, 0x00]),                  # call [rip+0x10]
     bytes([0xFF, 0x54, 0x24, 0x08]),                              # call [rsp+8]
-    bytes([0xFF, 0x14, 0x24]),                                    # call [rsp]: grows by a disp8
+    bytes([0xFF, 0x14, 0x24]),                                    # call [rsp]
+    bytes([0xFF, 0x54, 0x24, 0x7C]),                              # call [rsp+0x7c]
     bytes([0x3E, 0xFF, 0xD0]),                                    # notrack call rax
 ])
 def test_a_last_indirect_call_is_moved(code):
@@ -417,7 +495,7 @@ def test_a_call_with_instructions_after_it_is_refused(code):
 @pytest.mark.parametrize("code", [
     bytes([0xFF, 0x1D, 0, 0, 0, 0]),                              # lcall [rip]
     bytes([0xFF, 0xD4]),                                          # call rsp
-    bytes([0xFF, 0x54, 0x24, 0x7C]),                              # call [rsp+0x7c]: +8 overflows disp8
+    bytes([0xF2, 0xFF, 0x50, 0x08]),                              # bnd call [rax+8]
 ])
 def test_a_last_call_that_cannot_be_moved_is_refused(code):
     with pytest.raises(RelocationError):

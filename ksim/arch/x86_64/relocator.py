@@ -10,8 +10,9 @@ written relocated:
 * ``call rel32`` to the next instruction (``call $+5``, the get-pc idiom) ->
   push of the original return address, and on with the next instruction
 * a call, direct or indirect, as the run's last instruction -> :func:`moved_call`'s
-  form: push the original return address, ``jmp`` to the callee (``jmp rel32``,
-  ``jmp r/m64`` with the call's operand)
+  form: the original return address on the stack and control at the callee
+  (``push imm; jmp rel32``, ``push imm; jmp reg``; through memory ``push m64;
+  push [rsp]; mov [rsp+8], imm; ret``, which reads the operand first)
 * ``xbegin rel32``          -> ``xbegin rel32``, recomputed (c7 f8 cd)
 * ``jrcxz/jecxz/loop/loope/loopne rel8`` (no rel32 form exists, SDM "JCC" and
   "LOOP/LOOPcc") -> ``op +2; jmp short +5; jmp rel32 target``
@@ -61,7 +62,7 @@ from capstone import x86 as cs_x86
 from ksim.arch.base import Insn
 from ksim.errors import CallInsideRun, OutOfRange, RelocationError
 
-from .writer import INT8, INT32, Writer, fits, rel32_reaches, signed64
+from .writer import INT32, Writer, fits, rel32_reaches, signed64
 
 #: legacy prefixes (SDM Vol. 2A, 2.1.1)
 _LEGACY_PREFIXES = frozenset({0xF0, 0xF2, 0xF3, 0x2E, 0x36, 0x3E, 0x26, 0x64, 0x65, 0x66, 0x67})
@@ -98,7 +99,7 @@ class _Form:
         if self.kind == "moved":
             return _push_size(insn.end) + 5
         if self.kind == "imoved":
-            return _push_size(insn.end) + len(_indirect_as_jmp(insn, None))
+            return len(_moved_indirect(insn, None))
         return insn.size
 
 
@@ -205,7 +206,7 @@ def _placed(insn: Insn, form: _Form, *, last: bool) -> _Form:
             f"{insn}: a call with instructions after it cannot be relocated: at a new "
             "place it would leave another return address than the original's")
     if form.kind == "icall":
-        _indirect_as_jmp(insn, None)        # refused now, not when written
+        _moved_indirect(insn, None)         # refused now, not when written
         return _Form("imoved")
     return _Form("moved", target=form.target)
 
@@ -269,8 +270,7 @@ class Relocator:
             _push_return_address(w, insn.end)
             w.put_jmp(self._dest(insn, form.target))
         elif form.kind == "imoved":
-            _push_return_address(w, insn.end)
-            w.put_bytes(_indirect_as_jmp(insn, w.pc))
+            w.put_bytes(_moved_indirect(insn, w.pc))
         elif form.kind == "xbegin":
             w.put_xbegin(self._dest(insn, form.target))
         elif form.kind == "loop":
@@ -314,33 +314,46 @@ def relocated_size(insns: Sequence[Insn]) -> int:
 
 def moved_call(insn: Insn, at: int) -> bytes:
     """Code at ``at`` with the effect of the call ``insn`` executed where it was:
-    the return address pushed is the original ``insn.end``, then control goes to
-    the callee.  The callee then returns to the text, never into the patch, so a
-    patch can be freed while a callee still runs (a task asleep in schedule()),
-    and unwinders see the original caller.
+    the return address on the stack is the original ``insn.end``, and control is
+    at the callee.  The callee then returns to the text, never into the patch, so
+    a patch can be freed while a callee still runs (a task asleep in schedule()),
+    and unwinders see the original caller.  Neither a register nor the flags
+    change on the way (SDM "PUSH", "MOV", "JMP" and "RET" leave the flags alone).
 
     * ``call rel32``      -> push return address; ``jmp rel32`` (or ``jmp [rip]`` + the
       absolute target when rel32 cannot reach it)
-    * ``call r/m64`` (ff /2) -> push return address; ``jmp r/m64`` (ff /4) with the
-      same operand: a RIP/EIP-relative displacement re-based, a stack-pointer-based
-      one moved up by the 8 bytes just pushed (the operand is read after the push)
+    * ``call reg`` (ff /2) -> push return address; ``jmp reg`` (ff /4)
+    * ``call m64`` (ff /2) -> ``push m64`` (ff /6, the call's own operand); ``push
+      qword [rsp]``; ``mov qword [rsp+8], return address``; ``ret``.  A call reads
+      its operand before it pushes (SDM "CALL": the target is fetched, then the
+      return address pushed), so a read that faults leaves the stack as it was;
+      ``push m64`` reads first as well, and computes an operand based on ``rsp``
+      from ``rsp`` before the decrement (SDM "PUSH"), as the call does: the
+      operand is the call's, unchanged (a RIP/EIP-relative displacement
+      re-based).  With no register free, the callee's address must wait on the
+      stack, at or above ``rsp`` (kernel code has no red zone: an interrupt writes
+      below it), on top of the return address: hence the copy, and ``ret`` to
+      take it from there.  A return address that is no sign-extended 32-bit immediate is
+      stored in two 32-bit halves.  What still differs: the slot below the
+      return address is written (dead once ``ret`` ran; a stack fault there alone
+      stops the moved form where the call would have run on), and ``ret`` has no
+      matching call for the return-stack predictor
 
     RelocationError for what cannot keep that promise: far calls, 16-bit operand
-    sizes, a call through ``rsp`` itself, a stack operand whose displacement
-    would no longer fit.
+    sizes, a call through ``rsp`` itself, a lock/rep/bnd-prefixed call through
+    memory.
     """
+    form = _branch_form(insn)
+    if form is None:
+        return _moved_indirect(insn, at)
+    if form.kind != "call":
+        raise RelocationError(f"{insn}: not a call")
     w = Writer(at)
     _push_return_address(w, insn.end)
-    form = _branch_form(insn)
-    if form is not None:
-        if form.kind != "call":
-            raise RelocationError(f"{insn}: not a call")
-        if rel32_reaches(w.pc + 5, form.target):
-            w.put_jmp(form.target)
-        else:  # jmp qword ptr [rip+0]; .quad target (SDM "JMP": FF /4)
-            w.put_bytes(b"\xff\x25\x00\x00\x00\x00" + (form.target & _MASK64).to_bytes(8, "little"))
-        return w.flush()
-    w.put_bytes(_indirect_as_jmp(insn, w.pc))
+    if rel32_reaches(w.pc + 5, form.target):
+        w.put_jmp(form.target)
+    else:  # jmp qword ptr [rip+0]; .quad target (SDM "JMP": FF /4)
+        w.put_bytes(b"\xff\x25\x00\x00\x00\x00" + (form.target & _MASK64).to_bytes(8, "little"))
     return w.flush()
 
 
@@ -356,59 +369,62 @@ def _push_return_address(w: Writer, address: int) -> None:
     if _push_size(address) == 5:
         w.put_bytes(b"\x68" + (address & 0xFFFFFFFF).to_bytes(4, "little"))
         return
+    w.put_bytes(b"\x48\x8d\x64\x24\xf8")                                  # lea rsp, [rsp-8]
+    _store_at_rsp(w, 0, address)
+
+
+def _store_at_rsp(w: Writer, disp: int, address: int) -> None:
+    """``[rsp + disp] = address`` (0 <= disp < 0x7c) without a register or the flags:
+    ``mov qword [rsp + disp], imm32`` when the sign-extended immediate is the
+    address (SDM "MOV": REX.W C7 /0), else two 32-bit stores (C7 /0)."""
+    def slot(d: int) -> bytes:                  # ModRM /0 + SIB base rsp (+ disp8)
+        return b"\x04\x24" if d == 0 else b"\x44\x24" + bytes([d])
+
+    if fits(signed64(address), INT32):
+        w.put_bytes(b"\x48\xc7" + slot(disp) + (address & 0xFFFFFFFF).to_bytes(4, "little"))
+        return
     lo, hi = address & 0xFFFFFFFF, (address >> 32) & 0xFFFFFFFF
-    w.put_bytes(b"\x48\x8d\x64\x24\xf8"                                  # lea rsp, [rsp-8]
-                + b"\xc7\x04\x24" + lo.to_bytes(4, "little")             # mov dword [rsp], lo
-                + b"\xc7\x44\x24\x04" + hi.to_bytes(4, "little"))        # mov dword [rsp+4], hi
+    w.put_bytes(b"\xc7" + slot(disp) + lo.to_bytes(4, "little")
+                + b"\xc7" + slot(disp + 4) + hi.to_bytes(4, "little"))
 
 
-def _indirect_as_jmp(insn: Insn, pc: int | None) -> bytes:
-    """The indirect call ``insn`` re-encoded as ``jmp`` through the same operand,
-    to run at ``pc`` after 8 bytes were pushed (None: only its length matters, a
-    RIP-relative displacement is left as it is)."""
+def _moved_indirect(insn: Insn, pc: int | None) -> bytes:
+    """:func:`moved_call`'s code for the near indirect call ``insn`` run at ``pc``
+    (None: only its length matters, a RIP-relative displacement is left as it is)."""
     prefixes, rest = _split_prefixes(insn.raw)
-    opcode_at = len(insn.raw) - len(rest)
+    modrm_at = len(insn.raw) - len(rest) + 1
     if not rest or rest[0] != _FF or len(rest) < 2 or (rest[1] >> 3) & 7 != 2:
         raise RelocationError(f"{insn}: only near indirect calls (ff /2) can be moved")
     if 0x66 in prefixes:
         raise RelocationError(f"{insn}: a 16-bit indirect call is not relocatable")
     decoded = _decoded(insn)
     op = decoded.operands[0]
-    raw = bytearray(insn.raw)
-    raw[opcode_at + 1] = (raw[opcode_at + 1] & 0xC7) | (4 << 3)        # /2 -> /4
+    w = Writer(0 if pc is None else pc)
     if op.type == cs_x86.X86_OP_REG:
         if op.reg in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
             raise RelocationError(f"{insn}: a call through the stack pointer is not relocatable")
-        return bytes(raw)
-    form = _pc_relative_form(insn, decoded)
-    if form is not None:
-        if pc is not None:
-            _rebase(raw, insn, form, pc)
-        return bytes(raw)
-    if op.mem.base in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
-        return _rsp_operand_moved_up(insn, raw, opcode_at + 1)
+        _push_return_address(w, insn.end)
+        w.put_bytes(_with_reg_field(insn.raw, modrm_at, 4))                 # jmp reg (ff /4)
+        return w.flush()
+    if set(prefixes) & {0xF0, 0xF2, 0xF3}:
+        # meaningless or reserved on PUSH (SDM Vol. 2A, 2.1.1); no kernel call has them
+        raise RelocationError(f"{insn}: a lock/rep/bnd-prefixed call through memory is not "
+                              "relocatable")
     if op.mem.index in (cs_x86.X86_REG_RSP, cs_x86.X86_REG_ESP):
         raise RelocationError(f"{insn}: operand indexed by the stack pointer")
-    return bytes(raw)
+    push = bytearray(_with_reg_field(insn.raw, modrm_at, 6))                # push m64 (ff /6)
+    form = _pc_relative_form(insn, decoded)
+    if form is not None and pc is not None:
+        _rebase(push, insn, form, pc)           # same length, at pc: the same next address
+    w.put_bytes(bytes(push))                    # the callee's address, read before rsp moves
+    w.put_bytes(b"\xff\x34\x24")                # push qword [rsp]: it again
+    _store_at_rsp(w, 8, insn.end)               # the first copy becomes the return address
+    w.put_ret()                                 # pop the callee's address into rip
+    return w.flush()
 
 
-def _rsp_operand_moved_up(insn: Insn, raw: bytearray, modrm_at: int) -> bytes:
-    """``[rsp + d]`` becomes ``[rsp + d + 8]`` (ModRM with a SIB byte whose base is
-    rsp, SDM Vol. 2A, Table 2-3): disp8 grows in place, no displacement becomes a
-    disp8, disp32 grows in place."""
-    mod = raw[modrm_at] >> 6
-    disp_at = modrm_at + 2                                                # after ModRM and SIB
-    if mod == 0:
-        raw[modrm_at] |= 0x40
-        return bytes(raw[:disp_at]) + b"\x08" + bytes(raw[disp_at:])
-    if mod == 1:
-        d = int.from_bytes(raw[disp_at:disp_at + 1], "little", signed=True) + 8
-        if not fits(d, INT8):
-            raise RelocationError(f"{insn}: stack operand displacement no longer fits 8 bits")
-        raw[disp_at] = d & 0xFF
-        return bytes(raw)
-    d = int.from_bytes(raw[disp_at:disp_at + 4], "little", signed=True) + 8
-    if not fits(d, INT32):
-        raise RelocationError(f"{insn}: stack operand displacement no longer fits 32 bits")
-    raw[disp_at:disp_at + 4] = (d & 0xFFFFFFFF).to_bytes(4, "little")
-    return bytes(raw)
+def _with_reg_field(raw: bytes, modrm_at: int, reg: int) -> bytes:
+    """``raw`` with the ModRM reg field (the opcode extension of ff /n) set to ``reg``."""
+    out = bytearray(raw)
+    out[modrm_at] = (out[modrm_at] & 0xC7) | (reg << 3)
+    return bytes(out)
