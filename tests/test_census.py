@@ -1,6 +1,6 @@
 """The census over real kernel code: no instruction the kernel finds or rewrites by
 address is ever moved into a patch, each is refused at its own site with its own
-error, and indirect calls are spliced (moved as push + jmp) rather than refused."""
+error, and indirect calls are spliced (moved with the original return address on the stack) rather than refused."""
 
 from __future__ import annotations
 

@@ -70,8 +70,10 @@ POLICIES: dict[str, tuple[str, ...]] = {
 _POLICY_NAMES = tuple(POLICIES)
 
 #: instruction kinds that may be displaced (moved into the patch) behind the point.
-#: A call may only be the last one: it is moved as "push the original return
-#: address; jmp callee" (Arch.moved_call), so nothing after it may be in the patch.
+#: A call may only be the last one: it is moved as a transfer to the callee with
+#: the original return address on the stack (Arch.moved_call: x86-64 pushes it and
+#: jumps, or, through memory, reads the operand first and returns to the callee), so
+#: nothing after it may be in the patch.
 #: A displaced STOP/RET/JMP ends the run, so it may only be the last one too.
 _DISPLACEABLE = frozenset({Flow.SEQ, Flow.JCC})
 _ENDS_RUN = frozenset({Flow.JMP, Flow.RET, Flow.JMP_INDIRECT, Flow.STOP})
