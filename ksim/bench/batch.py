@@ -291,6 +291,7 @@ def _live(ctx: Context, bar: Any, instance: str | None = None,
         points, pool = _pool(m, t, largest, bar, work, tools)
         rows: list[dict[str, Any]] = []
         given_up: dict[str, int] = {}
+        failed: dict[str, int] = {}   # a bpftrace tool the kernel refused to attach, at that N
         rate: dict[str, float] = {}   # bpftrace's attach + detach seconds per probe at the last N
         partial = work / "partial.json"   # what is done so far, should the run be cut short
         dispatch: dict[str, Any] = {}
@@ -312,7 +313,10 @@ def _live(ctx: Context, bar: Any, instance: str | None = None,
                 row: dict[str, Any] = {"target": "live", "tool": tool, "n": len(chosen),
                                        "size": "all" if n is None else n}
                 projected = rate.get(tool, 0.0) * len(chosen)
-                if tool in given_up:
+                if tool in failed:
+                    row.update(status="error", note=f"not run: N = {failed[tool]} failed to "
+                               "attach, and every larger N holds those functions")
+                elif tool in given_up:
                     row.update(status="over-limit", note=f"not run: N = {given_up[tool]} did "
                                f"not finish within {LIMIT_S:g} s")
                 elif projected > LIMIT_S:
@@ -329,6 +333,8 @@ def _live(ctx: Context, bar: Any, instance: str | None = None,
                     row.update(_bpftrace_tries(t, chosen, tool.split("-", 1)[1], work, tools))
                 if row["status"] == "timeout":
                     given_up[tool] = len(chosen)
+                if row["status"] == "error" and "Error attaching probe" in row.get("output", ""):
+                    failed[tool] = len(chosen)
                 if row["status"] == "ok" and not tool.startswith("ksim-"):
                     rate[tool] = (row["attach_s"] + row["detach_s"]) / max(row["n"], 1)
                 if row.get("attach_s") is not None and row["status"] == "ok":

@@ -678,16 +678,22 @@ def trap_dispatch(m: Any, routes: int, ctx: Context) -> dict[str, Any]:
             t.apply(Change(routes=tuple((site, idle) for site in sites)))
             many.append(cycles())
             t.apply(Change(routes=tuple((site, 0) for site in sites)))
-        base.append(cycles() if rounds > 1 else base[0])
+        hits = m.read(counter)
     finally:
         m.remove_snippet(h)
         t.free_code(idle)
         m.free(counter)
+    # the second baseline once the trap is out (it was measured with the trap still in)
+    if rounds > 1:
+        base.append(cycles())
+    if hits < calls * repeats * 2 * rounds:  # each timed getpid calls the function once
+        raise KsimError(f"trap dispatch: {hits} hits of {function} for "
+                        f"{calls * repeats * 2 * rounds} timed getpid calls")
     b = min(base)
     rows = [{"routes": 1, "cycles": min(one), "overhead": min(one) - b},
             {"routes": routes + 1, "cycles": min(many), "overhead": min(many) - b}]
     ratio = rows[1]["overhead"] / rows[0]["overhead"] if rows[0]["overhead"] > 0 else None
     return {"rows": [{"routes": 0, "cycles": b, "overhead": 0.0}] + rows, "ratio": ratio,
-            "routes": routes + 1, "rounds": rounds, "calls": calls, "repeats": repeats,
+            "routes": routes + 1, "rounds": rounds, "hits": hits, "calls": calls, "repeats": repeats,
             "function": function,
             "unit": "CNTVCT_EL0 ticks (TCG)" if arm64 else "emulated rdtsc cycles (TCG)"}
