@@ -122,12 +122,15 @@ class SiteFacts:
         when tracing starts; arm64: its two patchable-entry instructions, ``mov x9,
         x30`` and the nop ftrace makes a ``bl``), the entry point is the instruction
         after it: it runs exactly as often, with the same arguments, and ftrace keeps
-        its bytes -- also while a tracer (a kprobe, bpftrace) uses that location."""
+        its bytes -- also while a tracer (a kprobe, bpftrace) uses that location,
+        even one whose breakpoint sits in it now (arm64: a kprobe at +0 is a BRK over
+        ``mov x9, x30``)."""
         address = self.analysis(func).points.entry
         code = self.function_code(func)
         for insn in code.insns:
             if insn.address != address or "ftrace" not in code.hazards.get(address, ()) \
-                    or insn.flow not in (Flow.SEQ, Flow.CALL) or insn.end >= code.end:
+                    or (insn.flow not in (Flow.SEQ, Flow.CALL) and not self.arch.is_breakpoint(insn)) \
+                    or insn.end >= code.end:
                 break
             address = insn.end
         return Point(address, PointKind.ENTRY, func.name)
