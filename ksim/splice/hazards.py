@@ -45,8 +45,10 @@ HAZARDS: dict[str, tuple[type[SpliceError], str]] = {
                                   "when its static key flips"),
     "static_call": (StaticCallSite, "a static-call site or trampoline: the kernel rewrites it "
                                     "when the static call is updated"),
-    "warn": (BugSite, "a WARN site (__bug_table): handle_bug finds its ud2 by address"),
-    "bug": (BugSite, "a BUG site (__bug_table): handle_bug finds its ud2 by address"),
+    "warn": (BugSite, "a WARN site (__bug_table): the kernel finds its trap instruction by "
+                      "address"),
+    "bug": (BugSite, "a BUG site (__bug_table): the kernel finds its trap instruction by "
+                     "address"),
     "extable": (ExtableSite, "an instruction with an exception-table fix-up (__ex_table), "
                              "found by address when it faults"),
     "exclusive": (UnsafeSite, "between a load-exclusive and its store-exclusive: code run "

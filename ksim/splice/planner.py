@@ -340,7 +340,9 @@ def _must_stay(arch: Arch, func: FunctionCode, insn: Insn) -> set[str]:
     """Why ``insn`` may be neither overwritten nor moved: its hazards, and a
     breakpoint that is not ours (another instrumenter's)."""
     found = set(func.hazards.get(insn.address, ()))
-    if arch.is_breakpoint(insn):
+    if arch.is_breakpoint(insn) and not found & {"bug", "warn"}:
+        # (a BUG/WARN site's breakpoint, where the architecture's BUG is one, is the
+        # kernel's own: refused as that)
         found.add("breakpoint")
     try:
         index = func.index_of(insn.address)
