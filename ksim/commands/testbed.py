@@ -40,7 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         q.add_argument("--kmod", default=None, metavar="DIR",
                        help="arm64: build kerninst.ko from DIR (a kbuild Makefile and its "
                             "sources; kmod/kerninst.h when DIR lacks it) instead of kmod/, "
-                            "e.g. tests/kmod_arm64_standin while kmod/ does not build for arm64")
+                            "e.g. a module under development, or tests/kmod_arm64_standin "
+                            "(a stand-in that answers only the version, info and state)")
         q.add_argument("--with", dest="tools", action="append", default=[], metavar="TOOL",
                        help="a program the guest runs (bpftrace): added to the arm64 guest's "
                             "userland, installed on the host for the x86-64 guest")
