@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_live_arm64 import SYSCALLS  # getpriority and setpriority N times each
 
 from ksim.live import testing
 from ksim.live.client import KprobeCounter
@@ -25,23 +26,6 @@ pytestmark = [pytest.mark.live]
 
 ROOT = Path(__file__).resolve().parents[1]
 N = 700
-#: getpriority(2) and setpriority(2) (to nice 0, as it is) N times each, as plain
-#: system calls: nothing else in the guest makes them
-PROGRAM = r"""
-#include <stdlib.h>
-#include <sys/resource.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-int main(int argc, char **argv)
-{
-    long n = argc > 1 ? atol(argv[1]) : 1, i;
-    for (i = 0; i < n; i++) {
-        syscall(SYS_getpriority, PRIO_PROCESS, 0);
-        syscall(SYS_setpriority, PRIO_PROCESS, 0, 0);
-    }
-    return 0;
-}
-"""
 COMM = "ksim_a64trace"
 
 TRACE = f"""
@@ -62,7 +46,7 @@ def _trace(testbed: dict, program: str, while_cmd: str) -> subprocess.CompletedP
 def test_trace_counts_as_the_program_calls_and_the_kprobe_sees(kerninst_arm64, target_arm64,
                                                                testbed_arm64):
     t = target_arm64
-    prog = testing.program(COMM, PROGRAM, "arm64")
+    prog = testing.program(COMM, SYSCALLS, "arm64")
     funcs = ("__arm64_sys_getpriority", "__arm64_sys_setpriority")
     before = {f: bytes(t.read(t.lookup(f), 64)) for f in funcs}
     with KprobeCounter(t, t.lookup(funcs[0])) as oracle:

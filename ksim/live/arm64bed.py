@@ -450,23 +450,7 @@ echo "ksim-init: starting kerninstd"
 cd /
 # As on x86 (ksim.live.testbed.INIT): kerninstd restarted when it dies, the module
 # reloaded in between when @RELOAD@ exists.
-n=0
-while [ $n -lt 20 ]; do
-    /bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
-        PYTHONPATH=@REPO@ @PYTHON@ -m ksim.live.daemon --listen 0.0.0.0:@PORT@ \
-        --token-file @TOKEN@ --device /dev/kerninst --allow-exec
-    echo "ksim-init: kerninstd exited ($?)"
-    n=$((n + 1))
-    if [ -e "@RELOAD@" ]; then
-        rm -f "@RELOAD@"
-        rmmod kerninst || break
-        echo "ksim-init: kerninst unloaded"
-        insmod /kerninst.ko || break
-    fi
-    echo "ksim-init: restarting kerninstd"
-done
-poweroff -f
-"""
+""" + tb.INIT_DAEMON.replace("@ENV@", "/bin/env").replace("@GUEST_RELOAD@", "@RELOAD@")
 
 
 def shared_paths() -> list[str]:

@@ -674,6 +674,27 @@ ip route add default via 10.0.2.2
 echo 0 > /proc/sys/kernel/kptr_restrict
 """
 
+#: what every guest's init does last: kerninstd (@ENV@: how it is started, in the
+#: guest's view of the userland), restarted when it dies, the module reloaded in
+#: between when the file @GUEST_RELOAD@ exists (ksim.live.testing.restart_kerninstd)
+INIT_DAEMON = r"""n=0
+while [ $n -lt 20 ]; do
+    @ENV@ -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
+        PYTHONPATH=@REPO@ @PYTHON@ -m ksim.live.daemon --listen 0.0.0.0:@PORT@ \
+        --token-file @TOKEN@ --device /dev/kerninst --allow-exec
+    echo "ksim-init: kerninstd exited ($?)"
+    n=$((n + 1))
+    if [ -e "@GUEST_RELOAD@" ]; then
+        rm -f "@GUEST_RELOAD@"
+        rmmod kerninst || break
+        echo "ksim-init: kerninst unloaded"
+        insmod /kerninst.ko || break
+    fi
+    echo "ksim-init: restarting kerninstd"
+done
+poweroff -f
+"""
+
 INIT = INIT_PROLOGUE + r"""mkdir -p /host
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=512000,cache=loose hostroot /host || echo "ksim-init: 9p mount FAILED"
 mount -t proc proc /host/proc
@@ -696,23 +717,8 @@ cd /
 # from the module.  When @RELOAD@ (in the chroot) exists, unload the module
 # first (which restores every splice) and load it again: this is how the tests
 # check unload (ksim.live.testing.restart_kerninstd).
-n=0
-while [ $n -lt 20 ]; do
-    chroot /host /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/tmp PYTHONDONTWRITEBYTECODE=1 \
-        PYTHONPATH=@REPO@ @PYTHON@ -m ksim.live.daemon --listen 0.0.0.0:@PORT@ \
-        --token-file @TOKEN@ --device /dev/kerninst --allow-exec
-    echo "ksim-init: kerninstd exited ($?)"
-    n=$((n + 1))
-    if [ -e "/host@RELOAD@" ]; then
-        rm -f "/host@RELOAD@"
-        rmmod kerninst || break
-        echo "ksim-init: kerninst unloaded"
-        insmod /kerninst.ko || break
-    fi
-    echo "ksim-init: restarting kerninstd"
-done
-poweroff -f
-"""
+""" + INIT_DAEMON.replace("@ENV@", "chroot /host /usr/bin/env").replace(
+    "@GUEST_RELOAD@", "/host@RELOAD@")
 
 # Made in the guest (under its own /tmp) to have /init reload the module when kerninstd exits.
 RELOAD_FLAG = "/tmp/kerninst-reload"
