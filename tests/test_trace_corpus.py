@@ -57,6 +57,17 @@ from ksim.live.testing import connect, program, testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
+#: the side-by-side runs (seven ksim traces beside seven bpftraces at once, in
+#: batches) run when KSIM_SIDE_BY_SIDE=1.  Open: in one of the three whole-suite
+#: runs where they ran last, the guest's network stopped during the fourth batch
+#: (virtio_net "TX timeout", no warning before it) and the suite hung; it happened
+#: once before under the same load, cause not found.  Until it is, they are not
+#: part of the default suite.
+SIDE_BY_SIDE = pytest.mark.skipif(
+    os.environ.get("KSIM_SIDE_BY_SIDE") != "1",
+    reason="KSIM_SIDE_BY_SIDE=1 runs bpftrace's tools beside ksim trace (the guest's "
+           "network has stopped once under that load: open)")
+
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "examples" / "tools"
 V017 = "bpftrace-v0.17.0"
@@ -870,11 +881,13 @@ def test_the_side_by_side_cases_cover_the_corpus() -> None:
         assert construct in uses, construct
 
 
+@SIDE_BY_SIDE
 @pytest.mark.parametrize("case", PARAMS)
 def test_side_by_side(testbed, case: Case) -> None:
     case.check(outputs(testbed, case))
 
 
+@SIDE_BY_SIDE
 @pytest.mark.parametrize("case", [
     pytest.param(c, id=case_name(c),
                  marks=xfail(COUNT_BUGS[c.tool]) if c.tool in COUNT_BUGS else [])
