@@ -472,11 +472,14 @@ def _arm64_tables(data: bytes, base: int,
         if (tlo <= to < thi or ilo <= to < ihi) and not to & 3:
             leads[k] = 1
 
-    def longest(ok: Callable[[int], bool], stride: int) -> tuple[int, int]:
+    def longest(ok: Callable[[int], bool], stride: int, count: int | None = None) -> tuple[int, int]:
+        """(first index, length) of the longest run of ``ok`` items ``stride`` apart,
+        among ``count`` items (the words' tables: all but the last stride)."""
+        count = len(words) - stride if count is None else count
         best, start, n = (0, 0), 0, 0
         for phase in range(stride):
             n = 0
-            for k in range(phase, len(words) - stride, stride):
+            for k in range(phase, count, stride):
                 if ok(k):
                     if n == 0:
                         start = k
@@ -492,10 +495,10 @@ def _arm64_tables(data: bytes, base: int,
 
     out: list[tuple[int, str, str]] = []
 
-    def add(name: str, found: tuple[int, int], entry: int) -> None:
+    def add(name: str, found: tuple[int, int], entry: int, unit: int = 4) -> None:
         start, n = found
         if n >= _TABLE_MIN:
-            at = base + lo + 4 * start
+            at = base + lo + unit * start
             out.extend([(at, "D", f"__start_{name}"), (at + n * entry, "D", f"__stop_{name}")])
 
     # (a BUG in exit text, which kallsyms does not bound, too)
@@ -513,19 +516,8 @@ def _arm64_tables(data: bytes, base: int,
     # patchable-entry NOPs (-fpatchable-function-entry=2)
     quads = array.array("Q")
     quads.frombytes(data[lo:len(data) - (len(data) - lo) % 8])
-    best, start, n = (0, 0), 0, 0
-    for k, q in enumerate(quads):
-        if in_text(q) and word(q) == _NOP:
-            if n == 0:
-                start = k
-            n += 1
-            if n > best[1]:
-                best = (start, n)
-        else:
-            n = 0
-    if best[1] >= _TABLE_MIN:
-        at = base + lo + 8 * best[0]
-        out += [(at, "D", "__start_mcount_loc"), (at + 8 * best[1], "D", "__stop_mcount_loc")]
+    add("mcount_loc", longest(lambda k: in_text(quads[k]) and word(quads[k]) == _NOP, 1,
+                              len(quads)), 8, unit=8)
     return out
 
 
