@@ -14,14 +14,23 @@ import pkgutil
 import re
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import ksim.commands as commands_pkg
-from ksim.errors import KsimError
+from ksim.errors import KsimError, UsageError
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose refusal of a command line is a UsageError (its
+    subcommands' parsers are of this class too): main prints it as argparse does, or
+    as a JSON error record under --json."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(self.prog, message, self.format_usage())
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="ksim",
         description="Dynamic kernel instrumentation: points + snippets, spliced by jump or trap "
         "into a kernel running in unicorn, QEMU or live Linux.",
@@ -78,9 +87,25 @@ def emit_json(value: Any) -> None:
     sys.stdout.write("\n")
 
 
+def wants_json(argv: Sequence[str]) -> bool:
+    """--json among the options (before a ``--``, after which words are operands)."""
+    words = list(argv)
+    return "--json" in words[:words.index("--")] if "--" in words else "--json" in words
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parser.parse_args(words)
+    except UsageError as exc:
+        # exit status 2 as argparse's own refusal; under --json its record on stdout
+        if wants_json(words):
+            emit_json({"error": exc.code, "message": str(exc)})
+        else:
+            sys.stderr.write(exc.usage)
+            print(f"{exc.prog}: error: {exc.message}", file=sys.stderr)
+        raise SystemExit(2) from None
     try:
         status = int(args.func(args) or 0)
         sys.stdout.flush()  # inside the try: a reader that left is seen here

@@ -58,6 +58,26 @@ class PointSyntaxError(BadArgument):
     code = "point-syntax"
 
 
+class UsageError(KsimError):
+    """A command line that does not follow the command's usage (argparse refused it:
+    an unknown option or command, a missing argument, a value of the wrong kind).
+    ``usage`` is the command's usage line, ``prog`` the command."""
+
+    code = "usage"
+
+    def __init__(self, prog: str, message: str, usage: str = "") -> None:
+        self.prog, self.message, self.usage = prog, message, usage
+        super().__init__(f"{prog}: {message}")
+
+
+class OutputFileError(KsimError):
+    """A file a command is told to write (``ksim bench --output``, ``--plot``) cannot
+    be: a directory, or in a directory that does not exist or cannot be written.
+    Refused before anything runs."""
+
+    code = "output-file"
+
+
 class UnknownSymbol(KsimError):
     """No function or symbol by that name; ``suggestions`` holds close names."""
 

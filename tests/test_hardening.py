@@ -482,3 +482,61 @@ def test_the_point_grammar_ends_in_a_ksim_error_or_points(toy_manager, what):
         else:
             assert points
         assert state(m) == before
+
+
+# --- 7. the command line: argparse's refusals and the files a command writes ------------------------
+@pytest.mark.parametrize("argv,message", [
+    (["count", "fib", "--seed", "-1"], "ksim count: argument --seed: must be from 0"),
+    (["count", "fib", "--iterations", "many"], "ksim count: argument --iterations: 'many' is not"),
+    (["count"], "ksim count: the following arguments are required: FUNC"),
+    (["count", "fib", "--bogus"], "ksim: unrecognized arguments: --bogus"),
+    (["bogus"], "ksim: argument COMMAND: invalid choice: 'bogus'"),
+    ([], "ksim: the following arguments are required: COMMAND"),
+    (["kept"], "ksim kept: the following arguments are required: --target"),
+    (["trace", "-e", "BEGIN { exit(); }", "--prometheus", "x"], "argument --prometheus: expecting"),
+    (["bench", "nosuch"], "ksim bench: argument NAME: invalid choice: 'nosuch'"),
+    (["verify", "--workers", "-1"], "ksim verify: argument --workers: must be from 0"),
+    (["images", "bogus"], "ksim images: argument ACTION: invalid choice: 'bogus'"),
+    (["testbed"], "ksim testbed: the following arguments are required: ACTION"),
+])
+def test_a_refused_command_line_is_a_json_error_record_under_json(capsys, argv, message):
+    """Exit status 2, as argparse's own refusal; with --json the usage error is a JSON
+    record on stdout (it printed argparse's text only); without it, argparse's text."""
+    from ksim.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--json"])
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and "Traceback" not in err
+    assert json.loads(out) == {"error": "usage", "message": json.loads(out)["message"]}
+    assert message in json.loads(out)["message"]
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    out, err = capsys.readouterr()
+    assert info.value.code == 2 and not out
+    assert err.startswith("usage: ksim") and ": error: " in err
+
+
+def test_json_after_a_double_dash_is_an_operand_not_the_flag(capsys):
+    from ksim.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["count", "--seed", "-1", "--", "--json"])
+    out, err = capsys.readouterr()
+    assert not out and "ksim count: error: argument --seed" in err
+
+
+@pytest.mark.parametrize("flag", ["--output", "--plot"])
+@pytest.mark.parametrize("where", ["directory", "no-parent", "empty"])
+def test_bench_refuses_an_output_file_it_cannot_write_before_running(tmp_path, capsys, flag,
+                                                                    where):
+    """The benchmark ran, then its document ended in a FileNotFoundError or
+    IsADirectoryError traceback (and was lost); now nothing runs."""
+    path = {"directory": str(tmp_path), "no-parent": str(tmp_path / "none" / "x.json"),
+            "empty": ""}[where]
+    status, out, err = _cli(["bench", "sizes", "--smoke", "--no-progress", flag, path, "--json"],
+                            capsys)
+    assert status == 2 and json.loads(out)["error"] == "output-file" and not err
+    assert flag in json.loads(out)["message"] and not (tmp_path / "none").exists()
+    status, out, err = _cli(["bench", "sizes", "--smoke", "--no-progress", flag, path], capsys)
+    assert status == 2 and not out and err.startswith(f"ksim: error: {flag} ")

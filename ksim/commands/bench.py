@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from ksim.cli import emit_json
+from ksim.errors import OutputFileError
 
 NAMES = ("per-hit", "sizes", "offset", "coverage", "census", "batch", "analysis", "cli", "verify",
          "all")
@@ -33,9 +35,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_output(flag: str, path: str) -> None:
+    """OutputFileError unless ``path`` can be written: not a directory, in a directory
+    that exists and can be written (checked before a benchmark runs, so that a long
+    run does not end in a traceback with its results lost)."""
+    where = os.path.dirname(path) or "."
+    if not path or os.path.isdir(path):
+        raise OutputFileError(f"{flag} {path!r}: a directory, not a file to write")
+    if not os.path.isdir(where):
+        raise OutputFileError(f"{flag} {path!r}: no directory {where!r} to write it in")
+    if not os.access(where, os.W_OK | os.X_OK):
+        raise OutputFileError(f"{flag} {path!r}: the directory {where!r} cannot be written")
+
+
 def run(args: argparse.Namespace) -> int:
     from ksim.bench import runner
     from ksim.bench.common import Context
+
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path is not None:
+            check_output(flag, path)
 
     mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     ctx = Context(mode=mode, progress=not args.no_progress, arch=args.arch)
