@@ -105,6 +105,32 @@ def test_aarch64_relocate_leaves_the_original_return_address_in_x30():
         arch.relocate(list(arch.decode(bl + nop, old)), new)
 
 
+@pytest.mark.parametrize("name,code,old,new", [
+    ("x86_64", bytes([0xE8, 0x00, 0x10, 0x00, 0x00]), X86_OLD, X86_NEW),
+    ("aarch64", (0x94000040).to_bytes(4, "little"), 0xFFFF800010000000, 0xFFFF800010040000),
+])
+def test_relocate_and_moved_call_refuse_what_is_no_instruction_or_address(name, code, old, new):
+    """A BadArgument, not a TypeError or AttributeError; and an address past 64 bits
+    or below 0 is refused (the x86-64 relocator encoded a call at -1 as at 0)."""
+    arch = get_arch(name)
+    insns = list(arch.decode(code, old))
+    for bad in (None, [1], "x", [None], 5):
+        with pytest.raises(BadArgument, match="sequence of Insn"):
+            arch.relocate(bad, new)
+    for bad in (1, None, "x"):
+        with pytest.raises(BadArgument, match="sequence of Insn"):
+            arch.moved_call(bad, new)
+    for address in (-1, 1 << 64, "x", None, 1.0, True):
+        with pytest.raises(BadArgument, match="from 0 to 2\\*\\*64-1"):
+            arch.relocate(insns, address)
+        with pytest.raises(BadArgument, match="from 0 to 2\\*\\*64-1"):
+            arch.moved_call(insns[0], address)
+        if address is not None:
+            with pytest.raises(BadArgument, match="first_to"):
+                arch.relocate(insns, new, first_to=address)
+    assert arch.relocate(insns, new) == arch.moved_call(insns[0], new)
+
+
 # --- 2. the Manager's arguments ----------------------------------------------------------------
 @pytest.fixture
 def m(toy_manager):
