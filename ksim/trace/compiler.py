@@ -30,7 +30,7 @@ from ksim.snippets.ast import COMM_WORDS
 
 from . import syntax as t
 from .errors import Loc, TraceSemanticError, TraceUnsupported
-from .events import MAX_ARGS
+from .events import CAT_FORMAT, MAP_FORMAT, MAX_ARGS, VALUE_FORMAT
 from .maps import (
     HI,
     LO,
@@ -59,10 +59,10 @@ OTHER_BUILTINS = {"ustack", "username", "ctx", "cpid", "numaid",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
                 "stats": 1}
-STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join"}
+STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join", "cat"}
 #: functions with a value, in the subset
 FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack",
-             "buf"}
+             "buf", "cgroup_path"}
 #: the most bytes buf() keeps
 BUF_MAX = 64
 #: kstack's frames when the program does not say (kstack(N)); its modes
@@ -73,6 +73,9 @@ OTHER_FUNCTIONS = {"usym", "uaddr",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
                    "skboutput", "pton", "strcontains", "len", "unwatch",
                    "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats"} - FUNCTIONS
+#: rand's generator where the kernel has no get_random_u32: state = state * MUL + ADD
+#: (mod 2^64), the number its upper 32 bits (Knuth's MMIX constants)
+RAND_MUL, RAND_ADD = 6364136223846793005, 1442695040888963407
 #: bpftrace's default max_strlen: the bytes str() reads
 DEFAULT_STRLEN = 64
 #: the most scratch slots of one action (8 bytes each, on the kernel's stack)
@@ -113,6 +116,7 @@ def analyse(program: t.Program, types: TypeSystem | None = None,
         site = site_of(probe) if site_of is not None else None
         typer = ProbeCompiler({}, site or CLIENT_SITE, stop=None, name_index=lambda n: 0,
                               placed=lambda lay, key: None, analysis=a, typing=True)
+        typer.kernel = not all(ap.provider in t.CLIENT_PROVIDERS for ap in probe.points)
         if probe.pred is not None:
             _check_expr(a, probe.pred)
             typer.value(probe.pred)
@@ -132,6 +136,7 @@ def _stmts(body: tuple[t.Stmt, ...]) -> Iterator[t.Stmt]:
             yield from _stmts(s.orelse)
         elif isinstance(s, t.While):
             yield from _stmts(s.body)
+            yield from _stmts(s.step)
 
 
 def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
@@ -204,6 +209,22 @@ TIME_FORMAT = "\0time\0"
 
 #: a printf format that stands for join(ARRAY, DELIMITER)
 JOIN_FORMAT = "\0join\0"
+def map_format(call: t.Call) -> str:
+    """The event format of print(@m[, top[, div]]), clear(@m) or zero(@m) in a kernel
+    probe's action: MAP_FORMAT OP "\0" @NAME "\0" TOP "\0" DIV (the client prints or
+    clears the map when it drains the event).  print(value)'s is VALUE_FORMAT, with
+    the value's kind; cat("FILE")'s CAT_FORMAT FILE."""
+    ref = call.args[0]
+    assert isinstance(ref, t.MapRef)
+    extra = [x.value if isinstance(x, t.Int) else 0 for x in call.args[1:3]]
+    top, div = (extra + [0, 1])[:2] if extra else (0, 1)
+    op = "clear" if call.name == "zero" else call.name
+    return f"{MAP_FORMAT}{op}\0{ref.name}\0{top}\0{div or 1}"
+
+
+def _add_format(a: Analysis, fmt: tuple[str, tuple[str, ...]]) -> None:
+    if fmt not in a.formats:
+        a.formats.append(fmt)
 
 
 def _join_delimiter(call: t.Call) -> str:
@@ -253,7 +274,19 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
     if call.name == "print" and call.args and not isinstance(call.args[0], t.MapRef):
         if len(call.args) > 1:
             raise TraceSemanticError("print() of a value takes one argument", call.loc)
-        _check_expr(a, call.args[0])
+        _check_expr(a, call.args[0], key=True)
+        if typer.kernel:
+            _add_format(a, (VALUE_FORMAT, typer.printf_kinds(call.args)))
+        return
+    if call.name == "cat":
+        if not call.args or not isinstance(call.args[0], t.Str):
+            raise TraceSemanticError("cat() takes a file's name as a string literal (and "
+                                     "printf's arguments for it)", call.loc)
+        if len(call.args) > 1:
+            raise TraceUnsupported("cat() with a format's arguments is not supported (a "
+                                   "file's name as a string literal is)", call.args[1].loc)
+        if typer.kernel:
+            _add_format(a, (CAT_FORMAT + call.args[0].value, ()))
         return
     if call.name == "delete" and len(call.args) == 2 and isinstance(call.args[0], t.MapRef) \
             and not call.args[0].keys:
@@ -262,6 +295,7 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
         ref = t.MapRef(call.args[0].loc, call.args[0].name, tuple(keys))
         _check_statement_call(a, t.Call(call.loc, "delete", (ref,), call.name_loc), typer)
         return
+    given = call
     if call.name == "print" and 2 <= len(call.args) <= 3 and isinstance(call.args[0], t.MapRef):
         for x in call.args[1:]:
             if not isinstance(x, t.Int):
@@ -280,6 +314,9 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
         _use_map(a, ref, typer)
     else:
         a.maps.setdefault(ref.name, MapType(ref.name))
+        if typer.kernel and call.name in ("print", "clear", "zero"):
+            # done by the client when it drains the event (ksim.trace.events)
+            _add_format(a, (map_format(given), ()))
     for k in ref.keys:
         _check_expr(a, k, key=True)
 
@@ -334,6 +371,9 @@ def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr, typer: Prob
         if value.args:
             typer.value(value.args[0]).scalar(value.args[0].loc)
     elif op == "=":
+        if isinstance(value, t.Tuple):
+            raise TraceUnsupported("tuples as map values are not supported (as map keys and in "
+                                   "variables, they are)", value.loc)
         kind = typer.value_kind(value)
         if kind == "ptr" and m.ctype is None:
             m.ctype = typer.value(value).type      # read back as the same pointer type
@@ -519,7 +559,7 @@ class Val:
     words: list[Any] | None = None
 
     def scalar(self, loc: Loc | None = None) -> Any:
-        if self.type.kind in ("int", "ptr", "name", "kaddr", "tm"):
+        if self.type.kind in ("int", "ptr", "name", "kaddr", "tm", "cgroup_path"):
             return self.node
         raise TraceSemanticError(f"a value of type {self.type.name or self.type.kind} is not an "
                                  "integer here", loc)
@@ -530,6 +570,8 @@ NAME = CType("name", 8, name="name")
 KADDR = CType("kaddr", 8, name="ksym")
 INET = CType("inet", 24, name="inet")
 COMM = CType("str", 16, name="comm")
+#: a cgroup's id, printed as its path (cgroup_path)
+CGROUP_PATH = CType("cgroup_path", 8, name="cgroup_path")
 
 
 class Locals:
@@ -615,6 +657,13 @@ class ProbeCompiler:
         self.locals = Locals()
         #: scratch variables assigned so far, in the program's order
         self.defined: set[str] = set()
+        #: the loops being compiled, innermost last: (broken, continued) flags
+        self.loops: list[tuple[ast.Local, ast.Local]] = []
+        #: a kernel probe's action (the analysis's typer: not BEGIN, END, interval)
+        self.kernel = site.kind != "client"
+        #: where rand's state is (None: the kernel's get_random_u32)
+        self.rand_state: ast.Var | None = None
+        self.rand_call: int | None = None
 
     def compile(self, probe: t.Probe) -> ast.Node:
         # every scratch variable has its slots from the start: a temporary never
@@ -629,7 +678,8 @@ class ProbeCompiler:
                 typer.declare(s.name, self.types.named(s.type, s.loc), s.loc)
         self.var_types = typer.var_types
         for name, ct in self.var_types.items():
-            self.locals.var(name, width(kind_of(ct)) if ct.kind in ("str", "inet") else 1)
+            self.locals.var(name, width(kind_of(ct)) if ct.kind in ("str", "inet", "tuple")
+                            else 1)
         if any(isinstance(s, t.Return) for s in _stmts(probe.body)):
             self.returned = self.locals.take()
         body = self.block(probe.body)
@@ -646,11 +696,55 @@ class ProbeCompiler:
         out: list[ast.Node] = []
         for i, s in enumerate(stmts):
             out.append(self.stmt(s))
-            if self.returned is not None and i + 1 < len(stmts) and _may_return(s):
-                # what follows runs only if the action did not return
-                out.append(ast.If(self.returned == 0, self.block(stmts[i + 1:])))
+            guard = self.goes_on(s) if i + 1 < len(stmts) else None
+            if guard is not None:
+                # what follows runs only if the action did not return, nor the loop
+                # break or continue
+                out.append(ast.If(guard, self.block(stmts[i + 1:])))
                 break
         return ast.Seq(tuple(out))
+
+    def goes_on(self, s: t.Stmt) -> ast.Node | None:
+        """The condition that what follows ``s`` runs (None: always)."""
+        conds: list[ast.Node] = []
+        if self.returned is not None and _may_return(s):
+            conds.append(self.returned == 0)
+        if self.loops and _may_jump(s):
+            broken, continued = self.loops[-1]
+            conds += [ast.lnot(broken), ast.lnot(continued)]
+        if not conds:
+            return None
+        out = conds[0]
+        for c in conds[1:]:
+            out = ast.land(out, c)
+        return out
+
+    def loop(self, s: t.While) -> ast.Node:
+        """A loop as ``bound`` copies of one pass (the snippets have no backward jump):
+        each runs while the loop has not ended (its condition false, a break, the
+        action's return); a continue skips the rest of the body, not the step.  A
+        loop whose condition still holds after the last copy stops there."""
+        from .parser import MAX_LOOP
+
+        mark = self.locals.mark()
+        broken, continued = self.locals.take(), self.locals.take()
+        self.loops.append((broken, continued))
+        try:
+            cond = self.expr(s.cond)
+            body = self.block(s.body)
+            step = self.block(s.step) if s.step else None
+        finally:
+            self.loops.pop()
+        alive: ast.Node = ast.lnot(broken)
+        if self.returned is not None:
+            alive = ast.land(alive, self.returned == 0)
+        parts: list[ast.Node] = [continued.assign(0), body]
+        if step is not None:
+            parts.append(ast.If(alive, step))
+        one = ast.If(alive, ast.If(cond, ast.Seq(tuple(parts)), broken.assign(1)))
+        self.locals.release(mark)
+        bound = MAX_LOOP if s.bound is None else s.bound
+        return ast.Seq((broken.assign(0), *([one] * bound)))
 
     def stmt(self, s: t.Stmt) -> ast.Node:
         if isinstance(s, t.Return):
@@ -659,8 +753,11 @@ class ProbeCompiler:
         if isinstance(s, t.Declare):
             return ast.Seq(())
         if isinstance(s, t.While):
-            raise TraceUnsupported("while loops are not supported in a kernel probe's action "
-                                   "(unroll is)", s.loc)
+            return self.loop(s)
+        if isinstance(s, t.Break | t.Continue):
+            assert self.loops
+            broken, continued = self.loops[-1]
+            return (broken if isinstance(s, t.Break) else continued).assign(1)
         if isinstance(s, t.If):
             return ast.If(self.expr(s.cond), self.block(s.then),
                           self.block(s.orelse) if s.orelse else None)
@@ -680,10 +777,14 @@ class ProbeCompiler:
         ct = self.var_types.get(name, INT64)
         v = self.value(s.value)
         self.defined.add(name)
-        if ct.kind in ("str", "inet"):
+        if ct.kind in ("str", "inet", "tuple"):
             if s.op != "=":
                 raise TraceSemanticError(f"a value of type {ct.name} can only be assigned", s.loc)
-            if ct.kind == "inet":
+            if ct.kind == "tuple":
+                if v.type != ct or v.words is None:
+                    raise TraceSemanticError(f"${name} holds a tuple of other types", s.value.loc)
+                words = v.words
+            elif ct.kind == "inet":
                 if v.type.kind != "inet" or v.words is None:
                     raise TraceSemanticError(f"${name} holds an address (ntop), not "
                                              f"{v.type.name}", s.value.loc)
@@ -743,15 +844,35 @@ class ProbeCompiler:
             event = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
             self.locals.release(mark)
             return event
-        if call.name == "print":
-            raise TraceUnsupported("print() in a kprobe action is not supported (print maps in "
-                                   "END, or let them print at exit)", call.loc)
+        if call.name == "print" and call.args and not isinstance(call.args[0], t.MapRef):
+            # print(value): an event whose argument is the value
+            assert self.ring is not None
+            mark = self.locals.mark()
+            code = []
+            args = [self.leaf(w, code) for w in self.key_words(call.args[0])]
+            fmt = (VALUE_FORMAT, self.printf_kinds(call.args))
+            code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), args))
+            self.locals.release(mark)
+            return ast.Seq(tuple(code))
+        if call.name == "cat":
+            assert self.ring is not None and isinstance(call.args[0], t.Str)
+            mark = self.locals.mark()
+            fmt = (CAT_FORMAT + call.args[0].value, ())
+            event = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
+            self.locals.release(mark)
+            return event
         ref = call.args[0]
         assert isinstance(ref, t.MapRef)
         lay = self.layouts[ref.name]
-        if call.name == "clear" and lay.keyed:
-            raise TraceUnsupported("clear() of a keyed map in a kprobe action is not supported "
-                                   "(it needs a loop over the table): clear it in END", call.loc)
+        if call.name == "print" or (call.name in ("clear", "zero") and lay.keyed):
+            # the client prints (clears) the map when it drains this event: the map as
+            # it is then, a little after the probe fired (the table has no loop here)
+            assert self.ring is not None
+            mark = self.locals.mark()
+            fmt = (map_format(call), ())
+            event = self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), [])
+            self.locals.release(mark)
+            return event
         mark = self.locals.mark()
         acc = self.access(ref, claim=False)
         # clear() of a map without keys leaves it present at 0 (bpftrace's "@: 0")
@@ -994,6 +1115,9 @@ class ProbeCompiler:
             return self.kind_words(k, NAMED_KEYS[k.name])
         # lowered once: a key reading a map keyed by a map read... is linear, not 2^n
         v = self.value(k)
+        if v.type.kind == "tuple":
+            assert v.words is not None
+            return list(v.words)
         return self.kind_words(k, kind_of(v.type, self.analysis.strlen), v)
 
     def key_kinds(self, k: t.Expr) -> tuple[str, ...]:
@@ -1002,7 +1126,10 @@ class ProbeCompiler:
             return tuple(x for item in k.items for x in self.key_kinds(item))
         if isinstance(k, t.Builtin) and k.name in NAMED_KEYS:
             return (NAMED_KEYS[k.name],)
-        return (kind_of(self.value(k).type, self.analysis.strlen),)
+        ct = self.value(k).type
+        if ct.kind == "tuple":
+            return tuple(ct.extra["kinds"])
+        return (kind_of(ct, self.analysis.strlen),)
 
     def value_kind(self, e: t.Expr) -> str:
         """The kind a map assigned ``e`` holds (``func`` as a value: the function's
@@ -1065,6 +1192,8 @@ class ProbeCompiler:
                 raise TraceSemanticError(f"Undefined or undeclared variable: ${e.name}", e.loc)
             ct = self.var_types[e.name]
             var = self.locals.var(e.name)
+            if ct.kind == "tuple":
+                return Val(ct, words=[ast.Local(var.slot + i) for i in range(ct.size // 8)])
             if ct.kind in ("str", "inet"):
                 return Val(ct, words=[ast.Local(var.slot + i) for i in range(width(kind_of(ct)))])
             return Val(ct, var)
@@ -1119,7 +1248,9 @@ class ProbeCompiler:
                 ct = m[2]
             return Val(UINT64, ast.Const(bits // 8))
         if isinstance(e, t.Tuple):
-            raise TraceUnsupported("tuples are not supported here (only as map keys)", e.loc)
+            kinds = self.key_kinds(e)
+            ct = CType("tuple", 8 * key_words(kinds), name="tuple", extra={"kinds": kinds})
+            return Val(ct, words=self.key_words(e))
         if isinstance(e, t.Call):
             return self.function(e)
         raise TraceSemanticError("this expression has no value", e.loc)
@@ -1239,6 +1370,20 @@ class ProbeCompiler:
     def index(self, e: t.Index) -> Val:
         base = self.value(e.operand)
         ct = base.type
+        if ct.kind == "str" and base.words is not None:
+            # a string's byte: a constant index only
+            i = self.expr(e.index)
+            if not isinstance(i, ast.Const) or not 0 <= i.value < 8 * len(base.words):
+                raise TraceSemanticError(f"a string's index must be a constant from 0 to "
+                                         f"{8 * len(base.words) - 1}", e.index.loc)
+            k, shift = divmod(i.value, 8)
+            w = base.words[k]
+            if k and not isinstance(base.words[0], ast.Const | ast.Local):
+                w = ast.Seq((base.words[0], w))     # the string's read is in word 0's code
+            if isinstance(w, ast.Const):
+                return Val(integer(1, False), ast.Const((w.value >> (8 * shift)) & 0xFF))
+            return Val(integer(1, False), ast.lshr(w, 8 * shift) & ast.Const(0xFF)
+                       if shift else w & ast.Const(0xFF))
         if ct.kind == "array":
             elem = ct.ref
         elif ct.kind == "ptr":
@@ -1354,7 +1499,7 @@ class ProbeCompiler:
         if name == "ncpus":
             return Val(UINT64, ast.Const(getattr(self, "ncpus", 1)))
         if name == "rand":
-            raise TraceUnsupported("builtin rand is not supported", e.loc)
+            return Val(integer(4, False), self.rand(e))
         if name == "pid":           # the process's: its thread group's id
             return Val(integer(4, False), ast.Tgid())
         if name == "tid":
@@ -1474,6 +1619,15 @@ class ProbeCompiler:
             return self.kstack(e, mode, depth)
         if name == "buf":
             return self.buf(e)
+        if name == "cgroup_path":
+            # the id, printed as its cgroup's path by the client (which asks the traced
+            # machine: ksim.trace.session)
+            if not 1 <= len(e.args) <= 2:
+                raise TraceSemanticError("cgroup_path() takes a cgroup's id (and a filter)",
+                                         e.loc)
+            if len(e.args) == 2:
+                raise TraceUnsupported("cgroup_path() with a filter is not supported", e.args[1].loc)
+            return Val(CGROUP_PATH, self.expr(e.args[0]))
         if name == "strftime":
             if len(e.args) != 2 or not isinstance(e.args[0], t.Str):
                 raise TraceSemanticError("strftime() takes a format string and a time in ns",
@@ -1500,6 +1654,22 @@ class ProbeCompiler:
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
             return Val(integer(size, False), ast.Seq((*setup, out)) if setup else out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
+
+    def rand(self, e: t.Builtin) -> ast.Node:
+        """A random 32-bit number: the kernel's get_random_u32() where it has one,
+        else the next of a linear congruential generator whose state is a word of
+        the data heap (Knuth's MMIX constants; the upper 32 bits of the new state)."""
+        if self.typing:
+            return ast.Const(0)
+        if self.rand_call is not None:
+            return ast.Call(self.rand_call, ())
+        if self.rand_state is None:
+            raise TraceUnsupported("rand needs the kernel's get_random_u32 or a word of the "
+                                   "data heap", e.loc)
+        state = self.rand_state
+        x = self.locals.take()
+        return ast.Seq((x.assign(state * ast.Const(RAND_MUL) + ast.Const(RAND_ADD)),
+                        state.assign(x), ast.lshr(x, 32)))
 
     def buf(self, e: t.Call) -> Val:
         """buf(p, n) / buf(array): n bytes (at most BUF_MAX) read as they are, printed
@@ -1671,6 +1841,19 @@ def _may_return(s: t.Stmt) -> bool:
         return True
     if isinstance(s, t.If):
         return any(_may_return(x) for x in (*s.then, *s.orelse))
+    if isinstance(s, t.While):
+        return any(_may_return(x) for x in s.body)
+    return False
+
+
+def _may_jump(s: t.Stmt) -> bool:
+    """Whether ``s`` may break or continue the loop it is in (or return)."""
+    if isinstance(s, t.Break | t.Continue | t.Return):
+        return True
+    if isinstance(s, t.If):
+        return any(_may_jump(x) for x in (*s.then, *s.orelse))
+    if isinstance(s, t.While):
+        return any(_may_return(x) for x in s.body)
     return False
 
 
@@ -1708,6 +1891,8 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return "name"
     if ct.kind == "kaddr":
         return "kaddr"
+    if ct.kind == "cgroup_path":
+        return "cgroup_path"
     if ct.kind == "tm":
         return "tm:" + ct.extra["format"]
     if ct.kind == "kstack":
@@ -1736,6 +1921,8 @@ def kind_type(kind: str | None) -> CType:
         return pointer(VOID_T)
     if kind == "kaddr":
         return KADDR
+    if kind == "cgroup_path":
+        return CGROUP_PATH
     if kind == "inet":
         return INET
     if kind is not None and kind.startswith("kstack:"):

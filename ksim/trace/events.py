@@ -21,7 +21,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksim.snippets import ast
 
@@ -31,6 +31,18 @@ from .maps import MASK, WORD, decode, key_words, signed, width
 TIME_FORMAT = "\0time\0"
 #: one standing for join(ARRAY, DELIMITER)
 JOIN_FORMAT = "\0join\0"
+#: print(@m)/clear(@m)/zero(@m), print(value), cat(FILE) in a kernel probe's action
+#: (as ksim.trace.compiler writes them): done by the client as it drains them
+MAP_FORMAT, VALUE_FORMAT, CAT_FORMAT = "\0map\0", "\0value\0", "\0cat\0"
+
+
+class Action(NamedTuple):
+    """An event the client acts on rather than prints as it is: ``kind`` "print" or
+    "clear" (``args`` the map's name, top, div), "value" (the text and the value),
+    "cat" (the file's name)."""
+
+    kind: str
+    args: tuple[Any, ...]
 RECORDS = 8192
 #: argument words of a record when the program's formats need no more
 MIN_ARGS = 7
@@ -189,15 +201,26 @@ class Drain:
             out += [words[j * ring.stride:(j + 1) * ring.stride] for j in range(count)]
         return out
 
-    def __call__(self) -> list[str]:
+    def __call__(self) -> list[str | Action]:
         ring = self.ring
         head = self._word(ring.header)
-        out = []
+        out: list[str | Action] = []
         for rec in self._records(head) if self.tail < head else []:
             if rec[0] != self.tail + 1:
                 break                       # reserved, not yet published
             fmt, kinds = ring.formats[rec[1]]
-            if fmt.startswith(TIME_FORMAT):      # time(): when the client sees it
+            if fmt.startswith(MAP_FORMAT):
+                op, name, top, div = fmt[len(MAP_FORMAT):].split("\0")
+                out.append(Action(op, (name, int(top), int(div))))
+            elif fmt == VALUE_FORMAT:
+                kind = kinds[0]
+                words = rec[2:2 + key_words(kinds)]
+                text = render("%d" if kind == "int" else "%s", words, self.names, kinds)
+                out.append(Action("value", (text + "\n", signed(words[0]) if kind == "int"
+                                            else text)))
+            elif fmt.startswith(CAT_FORMAT):
+                out.append(Action("cat", (fmt[len(CAT_FORMAT):],)))
+            elif fmt.startswith(TIME_FORMAT):      # time(): when the client sees it
                 out.append(time.strftime(fmt[len(TIME_FORMAT):]))
             elif fmt.startswith(JOIN_FORMAT):    # join(): the strings up to the first empty
                 parts = render("%s\0" * len(kinds), rec[2:2 + key_words(kinds)], self.names,
@@ -214,4 +237,4 @@ class Drain:
         return self._word(self.ring.header + 2 * WORD)
 
 
-__all__ = ["Drain", "MAX_ARGS", "MAX_FIELD", "too_wide", "RECORDS", "Ring", "allocate_ring", "conversions", "render"]
+__all__ = ["Action", "Drain", "MAX_ARGS", "MAX_FIELD", "too_wide", "RECORDS", "Ring", "allocate_ring", "conversions", "render"]

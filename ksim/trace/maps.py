@@ -115,11 +115,15 @@ def is_decoded(kind: str | None) -> bool:
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
 #: integers: strings, names, addresses printed as symbols, addresses of the network
-VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr")
+VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr", "cgroup_path")
 
 
 #: how a kernel address is named (set by the client: the kernel's symbols)
 SYMBOLIZE: list[Callable[[int], str]] = []
+
+
+#: how a cgroup's id is named (set by the client: the traced machine's cgroups)
+CGROUP_PATHS: list[Callable[[int], str]] = []
 
 
 def symbol_text(address: int) -> str:
@@ -170,6 +174,10 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return symbol_text(part[0]).partition("+")[0]   # ksym(): the symbol's name
     if kind == "ptr":
         return f"0x{part[0] & MASK:x}"
+    if kind == "cgroup_path":
+        for f in CGROUP_PATHS[-1:]:
+            return f(part[0] & MASK)
+        return str(part[0] & MASK)
     if kind == "inet":
         return inet_text(part)
     if kind.startswith("kstack:"):

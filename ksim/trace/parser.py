@@ -35,6 +35,7 @@ import dataclasses
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import syntax as t
 from .errors import Loc, TraceError, TraceSemanticError, TraceSyntaxError, TraceUnsupported
@@ -75,11 +76,13 @@ PROVIDERS = {"kprobe": "kprobe", "k": "kprobe", "kretprobe": "kretprobe", "kr": 
 INTERVAL_UNITS = {"s": 10**9, "ms": 10**6, "us": 10**3, "hz": 0}
 #: statement keywords of the full language that the subset lacks
 UNSUPPORTED_KEYWORDS = {
-    "for": "for loops", "break": "break", "continue": "continue",
-    "enum": "enum definitions",
-    "fn": "function definitions", "macro": "macros", "import": "import",
+    "enum": "enum definitions", "fn": "function definitions", "import": "import",
 }
-#: an unrolled or while loop runs its body at most this many times
+#: a while loop (or a for loop over a range) runs its body at most this many times
+#: in a kernel probe's action: the snippets have no backward jump, so a loop is its
+#: body copied this many times, each copy run while the loop goes on (bpftrace's
+#: verifier bounds loops too); a loop still going after the last copy stops there.
+#: unroll's count is at most this too
 MAX_LOOP = 100
 #: names that start a cast in the full language: "(uint8)x"
 TYPE_NAMES = frozenset({
@@ -304,6 +307,13 @@ class Parser:
         self.budget = {"unrolled": 0, "expanded": 0}
         #: the source offset of each line's start (a Loc's offset, found by bisect)
         self._line_starts: list[int] | None = None
+        #: loops the parser is in (break and continue need one)
+        self.loops = 0
+        #: ``macro NAME(params) { ... }`` definitions, by name (shared with the parsers
+        #: of object-like macros' expansions)
+        self.user_macros: dict[str, UserMacro] = {}
+        #: expansions of macros so far (their variables are renamed apart by it)
+        self.expansions = [0]
 
     # --- nesting ------------------------------------------------------------------------
     def enter(self, loc: Loc) -> None:
@@ -354,6 +364,9 @@ class Parser:
                 continue
             if self.at("let") and self.peek().kind == "map":
                 self.map_declaration(config)
+                continue
+            if self.at("macro") and self.peek().kind == "name":
+                self.macro_definition()
                 continue
             probes.append(self.probe())
         return t.Program(tuple(probes), self.source, self.filename, config,  # type: ignore[arg-type]
@@ -620,16 +633,182 @@ class Parser:
             if not isinstance(n, t.Int) or not 1 <= n.value <= MAX_LOOP:
                 raise TraceSemanticError(f"unroll needs a constant count from 1 to {MAX_LOOP}",
                                          n.loc)
-            body = self.block()
-            self.budget["unrolled"] += n.value * statement_count(body)
-            if self.budget["unrolled"] > MAX_UNROLLED:
-                raise TraceLimit(f"unroll makes more than {MAX_UNROLLED} statements in the "
-                                 "program", tok.loc)
+            body = self.loop_body(tok, n.value)
+            if _jumps(body):
+                # a break or continue needs the loop's own flags: a loop of N passes
+                return [t.While(tok.loc, t.Int(tok.loc, 1), body, bound=n.value)]
             return [s for _ in range(n.value) for s in body]
+        if tok.kind == "name" and tok.text == "for":
+            return self.for_range()
+        if tok.kind == "name" and tok.text in self.user_macros and self.peek().text == "(":
+            return self.expand_macro(self.advance(), statement=True)
         if self.at("{"):
             # a nested block: its statements, in the same scope (as if (1) { ... })
             return [t.If(tok.loc, t.Int(tok.loc, 1), self.block())]
         return [self.statement()]
+
+    def loop_body(self, tok: Token, passes: int) -> tuple[t.Stmt, ...]:
+        """A loop's block (break and continue allowed in it); its ``passes`` copies
+        count towards MAX_UNROLLED."""
+        self.loops += 1
+        try:
+            body = self.block()
+        finally:
+            self.loops -= 1
+        if self.loops:
+            return body         # counted with the loop it is in, pass by pass
+        self.budget["unrolled"] += passes * emitted_count(body)
+        if self.budget["unrolled"] > MAX_UNROLLED:
+            raise TraceLimit(f"loops make more than {MAX_UNROLLED} statements in the program "
+                             f"(a loop counts its body once per pass: {passes})", tok.loc)
+        return body
+
+    def for_range(self) -> list[t.Stmt]:
+        """``for $i : A..B { ... }``: $i from A up to B (excluded), as ``$i = A; while
+        ($i < B) { ...; $i++ }`` with the increment run after a continue too; as many
+        passes as B - A when both are constants, else at most MAX_LOOP."""
+        tok = self.advance()
+        paren = self.at("(")
+        if paren:
+            self.advance()
+        var = self.tok
+        if var.kind != "var":
+            self.fail("expecting a variable ($name) after for")
+        self.advance()
+        if self.at(","):
+            raise TraceUnsupported("for loops over a map's entries are not supported (for "
+                                   "over a range, $i : A..B, is)", tok.loc)
+        self.expect(":", "':' after the loop's variable")
+        if self.tok.kind == "map":
+            raise TraceUnsupported("for loops over a map's entries are not supported (for "
+                                   "over a range, $i : A..B, is)", self.tok.loc)
+        lo = self.expr()
+        self.expect(".", "'..' between the range's bounds")
+        self.expect(".", "'..' between the range's bounds")
+        hi = self.expr()
+        if paren:
+            self.expect(")", "')' closing the range")
+        a, b = _constant_of(lo), _constant_of(hi)
+        passes = MAX_LOOP if a is None or b is None else max(0, min(MAX_LOOP, b - a))
+        body = self.loop_body(tok, passes)
+        name = str(var.value)
+        i = t.Scratch(var.loc, name)
+        step = (t.Assign(var.loc, i, "+=", t.Int(var.loc, 1)),)
+        cond = t.Binary(hi.loc, "<", i, hi)
+        return [t.Assign(var.loc.to(lo.loc), i, "=", lo),
+                t.While(tok.loc, cond, body, step, bound=passes)]
+
+    # --- macros ---------------------------------------------------------------------------
+    def macro_definition(self) -> None:
+        """``macro NAME(p, @m, $v) { statements [expression] }`` (bpftrace's newer
+        macros): kept, and expanded where it is called."""
+        start = self.advance()
+        name = self.advance()
+        if name.text in self.user_macros:
+            raise TraceSemanticError(f"macro {name.text} is defined twice", name.loc)
+        self.expect("(", "'(' after the macro's name")
+        params: list[Token] = []
+        while not self.at(")"):
+            p = self.advance()
+            if p.kind not in ("name", "var", "map"):
+                raise TraceSyntaxError(f"unexpected {p.text!r} in a macro's parameters", p.loc)
+            params.append(p)
+            if not self.at(")"):
+                self.expect(",", "',' or ')'")
+        self.advance()
+        self.expect("{", "'{' opening the macro's body")
+        stmts: list[t.Stmt] = []
+        value: t.Expr | None = None
+        while not self.at("}"):
+            if self.tok.kind == "eof":
+                self.fail("expecting '}' closing the macro")
+            if self.at(";"):
+                self.advance()
+                continue
+            several = self.statements()
+            if self.at("}") and len(several) == 1 and isinstance(several[0], t.ExprStmt) \
+                    and self.prev.text != ";":
+                value = several[0].expr        # the last expression, without ';': the value
+                break
+            stmts.extend(several)
+            if self.prev.text == "}" or self.at("}"):
+                continue
+            self.expect(";", "';' or '}'")
+        self.expect("}")
+        self.user_macros[name.text] = UserMacro(name.text, tuple(params), tuple(stmts), value,
+                                                start.loc.to(name.loc))
+
+    def expand_macro(self, name: Token, statement: bool) -> list[t.Stmt]:
+        """A call of a macro: its body with the arguments in place of its parameters,
+        its own variables renamed apart (a statement), or its value (an expression)."""
+        macro = self.user_macros[name.text]
+        args: list[t.Expr] = []
+        if self.at("("):
+            self.advance()
+            while not self.at(")"):
+                args.append(self.expr())
+                if not self.at(")"):
+                    self.expect(",", "',' or ')' in the macro's arguments")
+            self.advance()
+        if len(args) != len(macro.params):
+            raise TraceSemanticError(f"macro {name.text} takes {len(macro.params)} argument"
+                                     f"{'s' if len(macro.params) != 1 else ''} ({len(args)} "
+                                     "given)", name.loc)
+        self.expansions[0] += 1
+        env = _MacroEnv(f"{name.text}.{self.expansions[0]}")
+        for p, a in zip(macro.params, args, strict=True):
+            if p.kind == "map":
+                if not isinstance(a, t.MapRef) or a.keys:
+                    raise TraceSemanticError(f"macro {name.text}'s parameter {p.text} takes a map "
+                                             "(@name)", a.loc)
+                env.maps["@" + str(p.value)] = a.name
+            elif p.kind == "var":
+                env.vars[str(p.value)] = a
+            else:
+                env.values[p.text] = a
+        body = [_substitute(s, env) for s in macro.body]
+        value = _substitute(macro.value, env) if macro.value is not None else None
+        if statement:
+            if value is not None:
+                body.append(t.ExprStmt(value.loc, value))
+            return body
+        if body:
+            raise TraceUnsupported(f"macro {name.text} has statements: it is called as a "
+                                   "statement, not in an expression", name.loc)
+        if value is None:
+            raise TraceSemanticError(f"macro {name.text} has no value (its body does not end "
+                                     "in an expression)", name.loc)
+        return [t.ExprStmt(value.loc, value)]
+
+    def getopt(self, call: t.Call) -> t.Expr:
+        """``getopt("NAME", DEFAULT [, "help"])``: the program's argument ``--NAME=VALUE``
+        (``--NAME`` alone: true), else DEFAULT; the value read as DEFAULT's kind (an
+        integer, a string, or a boolean: true/false/1/0)."""
+        if not 1 <= len(call.args) <= 3 or not isinstance(call.args[0], t.Str):
+            raise TraceSemanticError("getopt() takes an option's name, a default and a help "
+                                     "text", call.loc)
+        name = call.args[0].value
+        default = call.args[1] if len(call.args) > 1 else t.Int(call.loc, 0)
+        if not isinstance(default, t.Int | t.Str):
+            raise TraceSemanticError("getopt()'s default is a literal (integer, string, true "
+                                     "or false)", default.loc)
+        given: str | None = None
+        for p in self.params:
+            if p == f"--{name}":
+                given = "true"
+            elif p.startswith(f"--{name}="):
+                given = p[len(name) + 3:]
+        if given is None:
+            return dataclasses.replace(default, loc=call.loc)
+        if isinstance(default, t.Str):
+            return t.Str(call.loc, given)
+        if given.lower() in ("true", "false"):
+            return t.Int(call.loc, int(given.lower() == "true"))
+        try:
+            return t.Int(call.loc, int(given, 0) & MAX_INT)
+        except ValueError:
+            raise TraceSemanticError(f"option --{name}={given}: expecting an integer",
+                                     call.loc) from None
 
     def type_text(self, stop: tuple[str, ...]) -> str:
         """A type's C spelling, up to one of ``stop``."""
@@ -654,7 +833,14 @@ class Parser:
             self.expect("(", "'(' after while")
             cond = self.expr()
             self.expect(")", "')' closing the condition")
-            return t.While(tok.loc, cond, self.block())
+            body = self.loop_body(tok, MAX_LOOP)
+            return t.While(tok.loc, cond, body)
+        if tok.kind == "name" and tok.text in ("break", "continue"):
+            self.advance()
+            if not self.loops:
+                raise TraceSemanticError(f"{tok.text} outside a loop (while, for, unroll)",
+                                         tok.loc)
+            return t.Break(tok.loc) if tok.text == "break" else t.Continue(tok.loc)
         if tok.kind == "name" and tok.text == "return" and self.peek().text in (";", "}"):
             self.advance()
             return t.Return(tok.loc)
@@ -696,6 +882,10 @@ class Parser:
                     self.leave()
             else:
                 orelse = self.block()
+        if isinstance(cond, t.Int):
+            # a constant condition (getopt's, a macro's): the branch never taken is
+            # dropped, as bpftrace's optimiser drops it
+            then, orelse = (then, ()) if cond.value else ((), orelse)
         return t.If(start, cond, then, orelse)
 
     def lvalue(self) -> t.MapRef | t.Scratch:
@@ -787,6 +977,9 @@ class Parser:
     def postfix(self, expr: t.Expr) -> t.Expr:
         while True:
             if self.at(".", "->"):
+                if self.at(".") and self.source.startswith(".", self.lex.pos) \
+                        and self.peeked is None:
+                    break       # a range's "..", not a field
                 arrow = self.advance().text == "->"
                 name = self.tok
                 if name.kind not in ("name", "int"):
@@ -846,6 +1039,13 @@ class Parser:
             if macro is not None and tok.text not in self.expanding and self.peek().text != "(":
                 self.advance()
                 return self.expand(tok, macro)
+            if tok.text in self.user_macros:
+                stmt = self.expand_macro(self.advance(), statement=False)[0]
+                assert isinstance(stmt, t.ExprStmt)
+                return stmt.expr
+            if tok.text in ("true", "false") and self.peek().text != "(":
+                self.advance()
+                return t.Int(tok.loc, int(tok.text == "true"))
             self.advance()
             if self.at("("):
                 self.advance()
@@ -856,7 +1056,16 @@ class Parser:
                         self.advance()
                         args.append(self.expr())
                 end = self.expect(")", "')' closing the call").loc
-                return t.Call(tok.loc.to(end), tok.text, tuple(args), tok.loc)
+                call = t.Call(tok.loc.to(end), tok.text, tuple(args), tok.loc)
+                if call.name == "getopt":
+                    return self.getopt(call)
+                if call.name == "str" and args and isinstance(args[0], t.Param):
+                    # str($1): the parameter as given, a string
+                    text = args[0].text
+                    if len(args) == 2 and isinstance(args[1], t.Int):
+                        text = text[:max(0, args[1].value - 1)]
+                    return t.Str(call.loc, text)
+                return call
             return t.Builtin(tok.loc, tok.text)
         self.fail("expecting an expression")
         raise AssertionError
@@ -930,9 +1139,9 @@ class Parser:
             raise TraceSemanticError("$0 is not a positional parameter (they start at $1)", tok.loc)
         value = self.params[n - 1] if n <= len(self.params) else ""
         try:
-            return t.Int(tok.loc, int(value, 0))
+            return t.Param(tok.loc, int(value, 0) & MAX_INT, value)
         except ValueError:
-            return t.Str(tok.loc, value) if value else t.Int(tok.loc, 0)
+            return t.Str(tok.loc, value) if value else t.Param(tok.loc, 0, "")
 
     def expand(self, name: Token, text: str) -> t.Expr:
         """An object-like macro's replacement, parsed as an expression located at its
@@ -944,6 +1153,7 @@ class Parser:
             raise TraceLimit(f"macros expand to more than {MAX_EXPANDED} characters in the "
                              "program", name.loc)
         inner = Parser(text, self.filename, self.macros, self.params)
+        inner.user_macros, inner.expansions = self.user_macros, self.expansions
         inner.expanding = self.expanding | {name.text}
         inner.depth, inner.budget = self.depth, self.budget
         try:
@@ -999,8 +1209,104 @@ def statement_count(stmts: tuple[t.Stmt, ...] | list[t.Stmt]) -> int:
         if isinstance(s, t.If):
             stack += [*s.then, *s.orelse]
         elif isinstance(s, t.While):
-            stack += s.body
+            stack += [*s.body, *s.step]
     return n
+
+
+def emitted_count(stmts: tuple[t.Stmt, ...]) -> int:
+    """Statements ``stmts`` stand for once loops are copied pass by pass (a loop
+    counts its body once per pass it may make)."""
+    n = 0
+    for s in stmts:
+        n += 1
+        if isinstance(s, t.If):
+            n += emitted_count(s.then) + emitted_count(s.orelse)
+        elif isinstance(s, t.While):
+            n += (MAX_LOOP if s.bound is None else s.bound) * emitted_count(s.body + s.step)
+    return n
+
+
+def _jumps(stmts: tuple[t.Stmt, ...]) -> bool:
+    """Whether ``stmts`` break or continue their loop (not one nested in them)."""
+    for s in stmts:
+        if isinstance(s, t.Break | t.Continue):
+            return True
+        if isinstance(s, t.If) and _jumps(s.then + s.orelse):
+            return True
+    return False
+
+
+def _constant_of(e: t.Expr) -> int | None:
+    """``e``'s value when it is a constant: a literal, cast or negated."""
+    if isinstance(e, t.Int):
+        return e.value
+    if isinstance(e, t.Cast):
+        return _constant_of(e.operand)
+    if isinstance(e, t.Unary) and e.op == "-":
+        v = _constant_of(e.operand)
+        return None if v is None else -v
+    return None
+
+
+@dataclass(frozen=True)
+class UserMacro:
+    """A ``macro NAME(params) { ... }`` definition: its statements, and its value (the
+    body's last expression without a ';'), parsed where it is defined."""
+
+    name: str
+    params: tuple[Token, ...]
+    body: tuple[t.Stmt, ...]
+    value: t.Expr | None
+    loc: Loc
+
+
+@dataclass
+class _MacroEnv:
+    """One expansion: what each parameter stands for, and the suffix that renames the
+    macro's own variables apart from the caller's."""
+
+    suffix: str
+    maps: dict[str, str] = dataclasses.field(default_factory=dict)
+    vars: dict[str, t.Expr] = dataclasses.field(default_factory=dict)
+    values: dict[str, t.Expr] = dataclasses.field(default_factory=dict)
+
+
+def _substitute(node: Any, env: _MacroEnv) -> Any:
+    """``node`` with a macro's parameters replaced by their arguments and its own
+    variables renamed (``$x`` as ``$x.NAME.N``)."""
+    if isinstance(node, tuple):
+        return tuple(_substitute(x, env) for x in node)
+    if not isinstance(node, t.Expr | t.Stmt):
+        return node
+    if isinstance(node, t.Builtin) and node.name in env.values:
+        return env.values[node.name]
+    if isinstance(node, t.Scratch):
+        if node.name in env.vars:
+            return env.vars[node.name]
+        return t.Scratch(node.loc, f"{node.name}.{env.suffix}")
+    if isinstance(node, t.Declare):
+        if node.name in env.vars:
+            arg = env.vars[node.name]
+            if not isinstance(arg, t.Scratch):
+                raise TraceSemanticError(f"${node.name} is declared in the macro but given "
+                                         "a value that is not a variable", node.loc)
+            return dataclasses.replace(node, name=arg.name)
+        return dataclasses.replace(node, name=f"{node.name}.{env.suffix}")
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(node):
+        if f.name == "loc":
+            continue
+        v = getattr(node, f.name)
+        new = _substitute(v, env)
+        if isinstance(node, t.MapRef) and f.name == "name" and v in env.maps:
+            new = env.maps[v]
+        if new is not v:
+            changes[f.name] = new
+    if isinstance(node, t.Assign) and isinstance(changes.get("target"), t.Expr) \
+            and not isinstance(changes["target"], t.MapRef | t.Scratch):
+        raise TraceSemanticError("a macro assigns a parameter given a value that is not a "
+                                 "variable or a map", node.loc)
+    return dataclasses.replace(node, **changes) if changes else node
 
 
 def _relocate(e: t.Expr, loc: Loc) -> t.Expr:

@@ -39,8 +39,9 @@ from .compiler import (
     map_refs,
 )
 from .errors import TraceError, TraceSemanticError, TraceUnsupported
-from .events import RING_BYTES, Drain, Ring, allocate_ring, render
+from .events import RING_BYTES, Action, Drain, Ring, allocate_ring, render
 from .maps import (
+    CGROUP_PATHS,
     MASK,
     PROBES,
     SYMBOLIZE,
@@ -60,6 +61,7 @@ from .maps import (
     width,
 )
 from .output import MapPrinter
+from .traced import TracedMachine
 from .types import CType, TypeSystem
 
 
@@ -141,8 +143,12 @@ class TraceSession:
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
         self._typing_sites: dict[int, Site | None] = {}
+        #: the traced machine's files (cat, cgroup_path)
+        self.traced = TracedMachine(manager.target)
         try:
             self.analysis = analyse(program, self.types, self.typing_site)
+            if not self.traced.live:
+                _refuse_cgroup_path(program, manager.target)
         except TraceError as exc:
             raise exc.located(program.source, program.filename) from None
         self.names: list[str] = []
@@ -161,6 +167,9 @@ class TraceSession:
         self.exit_code = 0
         #: the kernel's clock at the first hit (elapsed)
         self.start: ast.Var | None = None
+        #: rand: the kernel's get_random_u32, or a generator's state word in the heap
+        self.rand_call: int | None = None
+        self.rand_state: ast.Var | None = None
         self.attached: dict[tuple[int, Any], Attached] = {}
         self.handles: list[Any] = []
         #: everything the program printed, in order
@@ -496,6 +505,13 @@ class TraceSession:
             self.stop = self.m.malloc(8)
         if "elapsed" in self.program.source:
             self.start = self.m.malloc(8)
+        if _uses_rand(self.program):
+            try:
+                self.rand_call = int(self.m.find_function("get_random_u32").address)
+                self.m.allow_calls(self.rand_call)
+            except KsimError:
+                # no such function (the toy kernel): a generator in the snippet
+                self.rand_state = self.m.malloc(8)
         if self.analysis.formats:
             pages = self.program.config.get("perf_rb_pages")
             # bpftrace's perf_rb_pages sizes its event buffers: ksim's one ring
@@ -662,6 +678,7 @@ class TraceSession:
                                      unwinder=self.unwinder() if "kstack" in self.program.source
                                      else None,
                                      user_reads=self.m.target.abi.read_user_nofault is not None)
+            compiler.rand_call, compiler.rand_state = self.rand_call, self.rand_state
             try:
                 parts.append(compiler.compile(probe))
             except TraceError as exc:
@@ -681,6 +698,7 @@ class TraceSession:
         and splice them in one batch; ``timings["attach_s"]`` is how long it took."""
         start = time.perf_counter()
         SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
+        CGROUP_PATHS[:] = [self.traced.cgroup_path]
         if self.clock is not None:
             self.m.allow_calls(self.clock)
         user_reader = self.m.target.abi.read_user_nofault
@@ -729,10 +747,10 @@ class TraceSession:
             self.m.free(self.ring.header)
             self.m.free(self.ring.base)
             self.ring = None
-        for var in (self.stop, self.start):
+        for var in (self.stop, self.start, self.rand_state):
             if var is not None:
                 self.m.free(var)
-        self.stop = self.start = None
+        self.stop = self.start = self.rand_state = None
 
     def _release(self) -> None:
         """What attaching set up besides splices: enabled events, samplers' words."""
@@ -804,8 +822,26 @@ class TraceSession:
     def events(self) -> None:
         """Print the events printf published since the last call."""
         if self.drain is not None:
-            for line in self.drain():
-                self.emit("printf", line, line)
+            for item in self.drain():
+                if isinstance(item, str):
+                    self.emit("printf", item, item)
+                else:
+                    self.act(item)
+
+    def act(self, action: Action) -> None:
+        """An event a kernel probe's action sent the client: print or clear a map as
+        it is now, print a value, print a file of the traced machine (cat)."""
+        if action.kind == "print":
+            name, top, div = action.args
+            self.print_map(name, top, div)
+        elif action.kind == "clear":
+            self.table(action.args[0]).clear()
+        elif action.kind == "value":
+            text, value = action.args
+            self.emit("value", text, value)
+        elif action.kind == "cat":
+            text = self.traced.cat(action.args[0])
+            self.emit("printf", text, text)
 
     def lost_events(self) -> int:
         return self.drain.lost() if self.drain is not None else 0
@@ -916,6 +952,18 @@ class TraceSession:
         return "".join(text for _, text, _ in self.printed)
 
 
+class _Break(Exception):
+    """break, in an action the client runs."""
+
+
+class _Continue(Exception):
+    """continue, in an action the client runs."""
+
+
+class _Return(Exception):
+    """return, in an action the client runs."""
+
+
 class Interpreter:
     """BEGIN, END and interval actions, run by the client over the maps in the kernel's
     heap."""
@@ -928,14 +976,41 @@ class Interpreter:
     def run(self, probe: t.Probe) -> None:
         if probe.pred is not None and not self.expr(probe.pred):
             return
-        self.block(probe.body)
+        try:
+            self.block(probe.body)
+        except _Return:
+            pass
 
     def block(self, stmts: tuple[t.Stmt, ...]) -> None:
         for s in stmts:
             self.stmt(s)
 
+    def loop(self, s: t.While) -> None:
+        """At most as many passes as the kernel's probes make (parser.MAX_LOOP, or the
+        loop's own bound): a loop still going then stops, as there."""
+        from .parser import MAX_LOOP
+
+        for _ in range(MAX_LOOP if s.bound is None else s.bound):
+            if not self.expr(s.cond):
+                return
+            try:
+                self.block(s.body)
+            except _Break:
+                return
+            except _Continue:
+                pass
+            self.block(s.step)
+
     def stmt(self, s: t.Stmt) -> None:
-        if isinstance(s, t.If):
+        if isinstance(s, t.While):
+            self.loop(s)
+        elif isinstance(s, t.Break):
+            raise _Break()
+        elif isinstance(s, t.Continue):
+            raise _Continue()
+        elif isinstance(s, t.Return):
+            raise _Return()
+        elif isinstance(s, t.If):
             self.block(s.then if self.expr(s.cond) else s.orelse)
         elif isinstance(s, t.Assign):
             if isinstance(s.target, t.Scratch):
@@ -1177,6 +1252,36 @@ class Interpreter:
             return signed(a << (b & 63)) if op == "<<" else a >> (b & 63)
         return signed({"+": a + b, "-": a - b, "*": a * b, "&": a & b, "|": a | b,
                        "^": a ^ b}[op])
+
+
+def _refuse_cgroup_path(program: t.Program, target: Any) -> None:
+    """cgroup_path() on an emulated kernel: refused, where the program calls it."""
+    from .parser import _children
+
+    stack: list[Any] = [x for p in program.probes for x in (*p.body, p.pred) if x is not None]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, t.Call) and node.name == "cgroup_path":
+            raise TraceUnsupported(f"cgroup_path() names a cgroup of the traced machine: "
+                                   f"{target.name} is an emulated kernel without cgroups (it "
+                                   "runs on live:// targets)", node.name_loc or node.loc)
+        stack += _children(node)
+
+
+def _uses_rand(program: t.Program) -> bool:
+    """Whether a kernel probe's action reads rand."""
+    from .parser import _children
+
+    for probe in program.probes:
+        if all(ap.provider in t.CLIENT_PROVIDERS for ap in probe.points):
+            continue
+        stack: list[Any] = [*probe.body, *([probe.pred] if probe.pred is not None else [])]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, t.Builtin) and node.name == "rand":
+                return True
+            stack += _children(node)
+    return False
 
 
 def text_words(text: str, size: int) -> list[int]:

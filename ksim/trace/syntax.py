@@ -25,6 +25,14 @@ class Str(Expr):
 
 
 @dataclass(frozen=True)
+class Param(Int):
+    """A positional parameter that reads as an integer (``$1`` given as ``5``, or
+    missing: 0); ``text`` is what was given, the string ``str($1)`` is."""
+
+    text: str = ""
+
+
+@dataclass(frozen=True)
 class Builtin(Expr):
     """pid, tid, cpu, nsecs, arg0..arg5, retval, func, probe."""
 
@@ -158,8 +166,25 @@ class Declare(Stmt):
 
 @dataclass(frozen=True)
 class While(Stmt):
+    """``while (cond) { body }``; ``unroll (N)`` of a body that breaks or continues
+    (``bound`` N, ``cond`` 1); ``for $i : a..b`` (``step`` increments ``$i``, run
+    after each pass of the body, ``continue`` included).  At most ``bound`` passes
+    (None: parser.MAX_LOOP)."""
+
     cond: Expr
     body: tuple[Stmt, ...]
+    step: tuple[Stmt, ...] = ()
+    bound: int | None = None
+
+
+@dataclass(frozen=True)
+class Break(Stmt):
+    """``break``: the innermost loop ends here."""
+
+
+@dataclass(frozen=True)
+class Continue(Stmt):
+    """``continue``: the innermost loop's next pass starts here."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +253,8 @@ class Program:
 
 
 __all__ = [
-    "Assign", "AttachPoint", "Binary", "Builtin", "Call", "Cast", "Declare", "Deref", "Expr",
-    "ExprStmt", "Field", "If", "Index", "Int", "MapRef", "OffsetOf", "Probe", "Program", "Return",
-    "Scratch", "SizeOf", "Stmt", "Str", "Ternary", "Tuple", "Unary", "While",
+    "Assign", "AttachPoint", "Binary", "Break", "Builtin", "Call", "Cast", "Continue", "Declare",
+    "Deref", "Expr", "ExprStmt", "Field", "If", "Index", "Int", "MapRef", "OffsetOf", "Param",
+    "Probe", "Program", "Return", "Scratch", "SizeOf", "Stmt", "Str", "Ternary", "Tuple", "Unary",
+    "While",
 ]
