@@ -370,11 +370,26 @@ class Manager:
         planner.policy_tactics(splice)
         self._add(Handle(0, point, ast.Seq(())), splice, dry_run=True)
 
-    def spliceable_entries(self, funcs: Iterable[Function], splice: str = "auto"
+    @contextmanager
+    def one_look(self) -> Iterator[None]:
+        """Within the block, what the target says about its text (a live kernel's
+        hazards) is asked once for all the batches inside: a wildcard's entry points
+        found (spliceable_entries) and then inserted (insert_many) ask one question,
+        not two.  The answers are dropped at the end of the block."""
+        with self.facts.holding():
+            yield
+
+    def spliceable_entries(self, funcs: Iterable[Function], splice: str = "auto", *,
+                           plan: bool = True
                            ) -> tuple[list[tuple[Function, Point]], dict[str, str]]:
         """The entry points of ``funcs`` that ``splice`` can splice (can_insert), each
         with its function, in the order given; and why each other function's cannot
-        be (its analysis failed, or can_insert's verdict), by name."""
+        be (its analysis failed, or can_insert's verdict), by name.
+
+        With ``plan=False`` the entry points are found but not planned: the functions
+        left out are those without one (gone, or not analysable).  A caller that then
+        inserts them with ``insert_many(..., refused=...)`` plans each point once, not
+        twice (a dry run here and the batch's own plan there)."""
         funcs = [self._func(f) for f in _items(funcs, "spliceable_entries' functions")]
         planner.policy_tactics(splice)
         for_batch(self.target.image, len(funcs))
@@ -388,7 +403,7 @@ class Manager:
                     continue
                 try:
                     point = self.entry_point(f)
-                    why = self.can_insert(point, splice)
+                    why = self.can_insert(point, splice) if plan else None
                 except KsimError as exc:
                     why = str(exc)
                 if why is None:
@@ -482,18 +497,24 @@ class Manager:
 
     def insert_many(self, points: Sequence[Point],
                     snippet: ast.Snippet | Callable[[Point], ast.Snippet], *,
-                    splice: str = "auto") -> list[Handle]:
+                    splice: str = "auto", refused: dict[int, str] | None = None
+                    ) -> list[Handle]:
         """Splice a snippet at every one of ``points`` in one step, all or nothing:
         one planning pass, one patch-area allocation, one poke for the patch code
         and one for the text.  ``snippet`` is a snippet, or a function giving the
         snippet of each point.  Points already spliced are refused (use
-        insert_snippet there); so is a batch naming a point twice."""
+        insert_snippet there); so is a batch naming a point twice.
+
+        ``refused``: a dict that takes the points the planner refuses (a hazard, no
+        safe tactic: can_insert's verdicts), point address -> why, instead of the
+        batch failing; the rest goes in, as one step.  A bad snippet or argument
+        still fails the whole batch.  The handles returned are those inserted."""
         with _collector_held():
-            return self._insert_many(points, snippet, splice)
+            return self._insert_many(points, snippet, splice, refused)
 
     def _insert_many(self, points: Sequence[Point],
                      snippet: ast.Snippet | Callable[[Point], ast.Snippet],
-                     splice: str) -> list[Handle]:
+                     splice: str, refused: dict[int, str] | None = None) -> list[Handle]:
         """The body of insert_many."""
         points = [_point(p) for p in _items(points, "insert_many's points")]
         planner.policy_tactics(splice)
@@ -515,21 +536,41 @@ class Manager:
             handles.append(Handle(next(self._ids), p, verify([code], rules)[0]))
         if not handles:
             return []
-        reqs = [self._request(h.point, [h], splice, _Busy(self._owners, None)) for h in handles]
-        # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
-        bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
-                  for r in reqs]
-        block = self._alloc_code(max(sum(bounds), 16), points[0].address)
-        try:
-            patches, refused = planner.plan_batch(self.arch, reqs, bounds, block,
-                                                  _Busy(self._owners, None))
-            if refused:  # all or nothing
-                raise refused[min(refused)]
-            self._commit_many(block, cast(list[Patch], patches), handles)
-        except BaseException:
-            self._release_code(block)
-            raise
-        return handles
+        # a live kernel's hazards of every point's function, asked in one question
+        image = self.target.image
+        funcs = [f for f in (image.function_at(p.address) for p in points) if f is not None]
+        with self.facts.asking_ahead(funcs):
+            reqs, kept = [], []
+            for h in handles:
+                try:
+                    reqs.append(self._request(h.point, [h], splice, _Busy(self._owners, None)))
+                    kept.append(h)
+                except KsimError as exc:
+                    if refused is None:
+                        raise
+                    refused[h.point.address] = str(exc)
+            if not reqs:
+                return []
+            # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
+            bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
+                      for r in reqs]
+            block = self._alloc_code(max(sum(bounds), 16), kept[0].point.address)
+            try:
+                patches, no = planner.plan_batch(self.arch, reqs, bounds, block,
+                                                 _Busy(self._owners, None))
+                if no and refused is None:  # all or nothing
+                    raise no[min(no)]
+                for i, why in no.items():
+                    cast(dict[int, str], refused)[reqs[i].point] = str(why)
+                placed = [(p, h) for p, h in zip(patches, kept, strict=True) if p is not None]
+                if not placed:
+                    self._release_code(block)
+                    return []
+                self._commit_many(block, [p for p, _ in placed], [h for _, h in placed])
+            except BaseException:
+                self._release_code(block)
+                raise
+            return [h for _, h in placed]
 
     def remove_many(self, handles: Sequence[Handle]) -> None:
         """Take ``handles`` out in one step: the points left with nothing are

@@ -72,6 +72,37 @@ def test_a_batch_with_one_refused_point_changes_nothing(m):
             m.insert_many(points, var.atomic_assign(var + 1), splice="jmp")
         assert state(m) == before
 
+def test_a_batch_that_takes_refusals_inserts_the_rest_and_says_why(m):
+    """insert_many(..., refused=...): the refused point is left out with can_insert's
+    own verdict, the others go in as one step and count exactly; removing them
+    restores everything, byte for byte."""
+    points = spliceable_entries(m, "auto")[:40]
+    bad = m.point_at(m.find_function("ksim_unknown_trap").address)
+    why = m.can_insert(bad)
+    assert why is not None
+    var = m.malloc()
+    before = state(m)
+    refused: dict[int, str] = {}
+    handles = m.insert_many(points[:20] + [bad] + points[20:], var.atomic_assign(var + 1),
+                            refused=refused)
+    assert refused == {bad.address: why}
+    assert sorted(h.point.address for h in handles) == sorted(p.address for p in points)
+    assert set(m.splices()) == {p.address for p in points}
+    assert len(m.target._code.allocated()) == len(before["code"]) + 1
+    oracles = [m.target.oracle_counter(p.address) for p in points]
+    try:
+        m.run(iterations=ITER)
+    finally:
+        for o in oracles:
+            o.close()
+    assert m.read(var) == sum(o.count for o in oracles) > 0
+    m.remove_many(handles)
+    assert state(m) == before
+    # all refused: nothing inserted, nothing allocated
+    assert m.insert_many([bad], var.atomic_assign(var + 1), refused=refused) == []
+    assert state(m) == before
+
+
 
 def test_a_batch_refuses_spliced_and_repeated_points(m):
     points = spliceable_entries(m, "auto")[:5]

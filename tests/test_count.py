@@ -61,6 +61,25 @@ def test_a_wildcard_counts_every_matching_function(capsys, toy_path, splice):
     assert "vfs_read" in out and status == 0
 
 
+@pytest.mark.parametrize("splice", ["auto", "jmp", "trap"])
+def test_a_wildcard_is_planned_once_with_can_inserts_verdicts(capsys, toy_path, splice):
+    """Every function of the toy under one wildcard: the batch plans each entry once
+    and leaves out those it refuses; what is left out, and why, is exactly what
+    spliceable_entries' dry runs (can_insert) say, and every count equals its oracle."""
+    from ksim.kapi import Manager
+
+    status, report = run_count(capsys, "*", "--splice", splice)
+    with Manager.attach("unicorn:toy") as m:
+        funcs = {f.name: f for f in m.target.image.functions}
+        unique = sorted({f.address: f for f in funcs.values()}.values(), key=lambda f: f.address)
+        found, refused = m.spliceable_entries(unique, splice)
+        assert m.splices() == {}
+    assert report["skipped"] == refused and refused
+    assert {r["function"] for r in report["rows"]} == {f.name for f, _ in found}
+    assert all(r["count"] == r["oracle"] for r in report["rows"]), report["rows"]
+    assert status == 0
+
+
 def test_an_offset_and_an_address_name_one_instruction(capsys, toy_path):
     from ksim.kapi import Manager
 

@@ -23,11 +23,11 @@ import re
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from ksim.cli import add_json_flag, count_arg, emit_json, help_text
 from ksim.core import HeldInterrupt
-from ksim.errors import PointSyntaxError, UnknownOracle
+from ksim.errors import KsimError, PointSyntaxError, UnknownOracle
 from ksim.targets.base import run_option_names
 
 #: the oracles targets have (unicorn, QEMU, live), by the name their counters report
@@ -109,13 +109,26 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
                                 "choose --oracle none (or auto)")
         oracle = "none"
     with Manager.attach(spec) as m:
-        points, skipped = resolve_points(m, function, splice)
-        variables = m.malloc_array(len(points))
-        counters = {p.address: v for (p, _), v in zip(points, variables, strict=True)}
-        handles = m.insert_many([p for p, _ in points],
-                                lambda p: pid_filter(pid, counters[p.address].atomic_assign(
-                                    counters[p.address] + 1)),
-                                splice=splice)
+        wildcard = parse_point(function).wildcard
+        with m.one_look():  # the kernel asked about the points' text once
+            points, skipped = resolve_points(m, function, splice, plan=not wildcard)
+            variables = m.malloc_array(len(points))
+            counters = {p.address: v for (p, _), v in zip(points, variables, strict=True)}
+            # a wildcard's entries are planned once, by the batch: those it refuses are
+            # skipped (and say why), as spliceable_entries' would have been
+            refused: dict[int, str] | None = {} if wildcard else None
+            handles = m.insert_many([p for p, _ in points],
+                                    lambda p: pid_filter(pid, counters[p.address].atomic_assign(
+                                        counters[p.address] + 1)),
+                                    splice=splice, refused=refused)
+        spliced = [p.address not in (refused or ()) for p, _ in points]
+        for (p, _), label, ok in zip(points, labels(m, points), spliced, strict=True):
+            if not ok:
+                skipped[label] = cast(dict[int, str], refused)[p.address]
+        if not any(spliced):
+            raise KsimError(f"no function matching {function!r} can be spliced "
+                            f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
+        points = [pa for pa, ok in zip(points, spliced, strict=True) if ok]
         oracles: dict[int, Any] = {}
         try:
             tactics = {h.point.address: m.patch_of(h).tactic for h in handles}
@@ -133,7 +146,8 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
             # processes run the function while the oracles are being set up
             start = m.read_array(variables) if oracles else [0] * len(variables)
             interrupted = _run(m, options)
-            counts = [n - n0 for n, n0 in zip(m.read_array(variables), start, strict=True)]
+            counts = [n - n0 for n, n0, ok in zip(m.read_array(variables), start, spliced,
+                                                   strict=True) if ok]
             rows = [{"function": label, "address": p.address, "tactic": tactics[p.address],
                      "count": n,
                      "oracle": oracles[p.address].count if oracles else None}
@@ -235,10 +249,14 @@ def _number(text: str, what: str, shown: str) -> int:
     return value
 
 
-def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]], dict[str, str]]:
+def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
+                   ) -> tuple[list[tuple[Any, int]], dict[str, str]]:
     """The points ``what`` names (see :func:`parse_point`), each with the address its
     oracle watches (a function's own address for its entry), and the functions a
-    wildcard matched whose entry cannot be spliced (name -> why)."""
+    wildcard matched whose entry cannot be spliced (name -> why).  With ``plan=False``
+    a wildcard's entries are not planned here: the caller inserts them with
+    ``insert_many(..., refused=...)``, which plans each once and leaves out (and
+    says why) those that cannot be spliced."""
     from ksim.errors import KsimError, OutsideText, UnknownSymbol
 
     spec = parse_point(what)
@@ -253,7 +271,7 @@ def resolve_points(m: Any, what: str, splice: str) -> tuple[list[tuple[Any, int]
             if f.address not in seen:  # an alias of a function already matched: no new point
                 seen.add(f.address)
                 funcs.append(f)
-        found, skipped = m.spliceable_entries(funcs, splice)
+        found, skipped = m.spliceable_entries(funcs, splice, plan=plan)
         out = [(point, f.address) for f, point in found]
         if not out:
             raise KsimError(f"no function matching {what!r} can be spliced "

@@ -291,10 +291,15 @@ class SiteFacts:
         a point there needs it).  Instructions are known ahead from the image's
         analysis store; functions it has no record of are asked about when
         analysed.  The answers are dropped at the end of the block (a running
-        kernel's hazards change; the kernel checks every write again anyway)."""
-        if self._ask is None or self._ahead is not None:
+        kernel's hazards change; the kernel checks every write again anyway).
+
+        Inside another asking_ahead block (``holding``), only what the outer block
+        has no answer for is asked, and the answers stay until the outer block ends:
+        finding a batch's entry points and then planning them asks once."""
+        if self._ask is None:
             yield
             return
+        outer = self._ahead is not None
         # without a store (a batch too small to build one), every head byte by byte
         kept = store_for(self.image, build_missing=False)
         # each function's first byte too: one that is not text any more (init code the
@@ -318,11 +323,24 @@ class SiteFacts:
                 ranges.append((at, size))
                 at += size
         assert self._ask is not None
-        self._ahead = dict(zip(ranges, self._ask(ranges), strict=True)) if ranges else {}
+        known = self._ahead if self._ahead is not None else {}
+        ranges = [r for r in dict.fromkeys(ranges) if r not in known]
+        self._ahead = known
+        if ranges:
+            known.update(zip(ranges, self._ask(ranges), strict=True))
+        if outer:
+            yield
+            return
         try:
             yield
         finally:
             self._ahead = None
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within the block, every asking_ahead's answers stay (see asking_ahead)."""
+        with self.asking_ahead(()):
+            yield
 
     def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""

@@ -139,6 +139,9 @@ class TraceSession:
         #: wildcards that matched nothing
         self._probe_names: set[str] = set()
         self._unmatched: set[str] = set()
+        #: a wildcard's entry points, not planned when found: the batch plans them once
+        #: and those it refuses are skipped (see attach)
+        self._deferred: set[int] = set()
         self._unwinder: Unwinder | None | bool = False
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
@@ -269,8 +272,10 @@ class TraceSession:
             return []
         out: list[tuple[Any, Site]] = []
         if ap.provider == "kfunc":
-            points, skipped = resolve_points(self.m, ap.func, self.splice)
+            points, skipped = resolve_points(self.m, ap.func, self.splice, plan=not ap.wildcard)
             self.skipped.update(skipped)
+            if ap.wildcard:
+                self._deferred.update(p.address for p, _ in points)
             for point, _ in points:
                 func = image.function_at(point.address)
                 site = self._func_site(ap, func.name if func else ap.func)
@@ -635,8 +640,10 @@ class TraceSession:
             return self._typed_sites(ap)
         if ap.provider == "kprobe":
             what = ap.func if ap.offset is None else f"{ap.func}+{ap.offset:#x}"
-            points, skipped = resolve_points(self.m, what, self.splice)
+            points, skipped = resolve_points(self.m, what, self.splice, plan=not ap.wildcard)
             self.skipped.update(skipped)
+            if ap.wildcard:
+                self._deferred.update(p.address for p, _ in points)
             out = []
             for point, _ in points:
                 func = image.function_at(point.address)
@@ -705,26 +712,32 @@ class TraceSession:
         if user_reader is not None:
             self.m.allow_calls(user_reader)
         try:
-            self.resolve()
-            self.allocate()
-            points = [a.point for a in self.attached.values()]
-            snippets = {(a.point.address, a.point.kind): self.snippet(a.point)
-                        for a in self.attached.values()}
-            if self._events:
-                self.tracepoints.enable(self._events)
-            # a batch names each address once: an entry and an exit point at one
-            # address (a return hooked at the entry) go in batches of their own
-            batches: list[list[Any]] = []
-            for p in points:
+            # the kernel is asked about the points' text once, for finding them and
+            # for planning them
+            with self.m.one_look():
+                self.resolve()
+                self.allocate()
+                points = [a.point for a in self.attached.values()]
+                snippets = {(a.point.address, a.point.kind): self.snippet(a.point)
+                            for a in self.attached.values()}
+                if self._events:
+                    self.tracepoints.enable(self._events)
+                # a batch names each address once: an entry and an exit point at one
+                # address (a return hooked at the entry) go in batches of their own
+                batches: list[list[Any]] = []
+                for p in points:
+                    for batch in batches:
+                        if all(q.address != p.address for q in batch):
+                            batch.append(p)
+                            break
+                    else:
+                        batches.append([p])
                 for batch in batches:
-                    if all(q.address != p.address for q in batch):
-                        batch.append(p)
-                        break
-                else:
-                    batches.append([p])
-            for batch in batches:
-                self.handles += self.m.insert_many(batch, lambda p: snippets[(p.address, p.kind)],
-                                                   splice=self.splice)
+                    refused: dict[int, str] = {}
+                    self.handles += self.m.insert_many(
+                        batch, lambda p: snippets[(p.address, p.kind)], splice=self.splice,
+                        refused=refused if self._deferred else None)
+                    self._skip_refused(batch, refused)
         except BaseException:
             # refused: nothing stays changed (splices of earlier batches, maps, ring)
             try:
@@ -736,6 +749,24 @@ class TraceSession:
                 self._release()
             raise
         self.timings["attach_s"] = time.perf_counter() - start
+
+    def _skip_refused(self, batch: list[Any], refused: dict[int, str]) -> None:
+        """Skip the points of ``batch`` the planner refused, each a wildcard's function
+        (kept in ``skipped``, as bpftrace skips a function it cannot attach); a point
+        named on its own that was refused fails the attach with its own error."""
+        for p in batch:
+            why = refused.get(p.address)
+            if why is None:
+                continue
+            if p.address not in self._deferred:
+                self.m.check_insert(p, self.splice)  # its own error, typed
+                raise KsimError(why)
+            at = self.attached.pop((p.address, p.kind))
+            self.skipped[at.site.function] = why
+        if refused:
+            self._probe_names &= {a.site.probe for a in self.attached.values()}
+        if not self.attached and not self.handles:
+            raise TraceSemanticError("no probe could be attached: " + next(iter(refused.values())))
 
     def free(self) -> None:
         """Give the maps, the event ring and the flags back to the kernel's heap (after
