@@ -85,9 +85,6 @@ NO_MD = (r"unknown function or symbol 'md_flush_request'",
          "cannot attach it either ('md_flush_request is not traceable', exit status 255)")
 NO_BLOCK_IO_START = (r"no trace event block:block_io_start",
                      "block:block_io_start is a 6.5 event: 6.1 has none")
-MACROS = (r"macros are not supported",
-          "not yet: bpftrace master's `macro NAME() { ... }` definitions (and getopt()); "
-          "bpftrace 0.17 does not parse them either")
 
 #: path under examples/tools: (regex ksim's message must match, why)
 REFUSED: dict[str, tuple[str, str]] = {
@@ -132,12 +129,6 @@ REFUSED: dict[str, tuple[str, str]] = {
     f"{MASTER}/runqlen.bt": (
         r"struct cfs_rq has no field named nr_queued",
         "cfs_rq.nr_queued is 6.14's name of nr_running (old/runqlen.bt is for 6.1)"),
-    f"{V017}/oomkill.bt": (r"function cat\(\) is not supported",
-                           "not yet: cat() (a file's contents, read by the client)"),
-    f"{MASTER}/oomkill.bt": (r"function cgroup_path\(\) is not supported",
-                             "not yet: cgroup_path()"),
-    f"{MASTER}/opensnoop.bt": MACROS,
-    f"{MASTER}/syscount.bt": MACROS,
 }
 
 #: another client holds a function this program splices: try again a little later

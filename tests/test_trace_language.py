@@ -253,3 +253,73 @@ def test_cgroup_path_on_an_emulator_is_refused_before_anything_is_spliced(capsys
     err = capsys.readouterr().err
     assert status == 2 and "unicorn:toy is an emulated kernel without cgroups" in err
     assert "stdin:1:34-45" in err
+
+
+# --- on the live kernel (the testbed) -------------------------------------------------------
+LIVE_WORK = ("python3 -c \"import os\nfor _ in range({n}): os.getppid()\"")
+
+
+@pytest.mark.live
+def test_cat_cgroup_path_and_rand_on_the_live_kernel(testbed):  # noqa: F811
+    """cat() prints the guest's file (read by kerninstd), cgroup_path() the cgroup2 path
+    of the directory whose inode number the task's cgroup id is, rand the kernel's
+    get_random_u32; each getppid of the workload is counted once."""
+    from ksim.live.testing import connect
+
+    t = connect(testbed)
+    try:
+        t.exec_checked("mountpoint -q /sys/fs/cgroup || mount -t cgroup2 none /sys/fs/cgroup; "
+                       "mkdir -p /sys/fs/cgroup/ksimlang/inner; echo 'ksim cat' > /tmp/ksimcat")
+        ino = int(t.exec_checked("stat -c %i /sys/fs/cgroup/ksimlang/inner"))
+    finally:
+        t.close()
+    work = ("sh -c 'echo $$ > /sys/fs/cgroup/ksimlang/inner/cgroup.procs; exec "
+            + LIVE_WORK.format(n=40).replace("'", "'\\''") + "'")
+    report, text = trace('kprobe:__x64_sys_getppid /comm == "python3"/ { @[cgroup_path(cgroup), '
+                         'cgroup] = count(); @r[rand % 2] = count(); @n = count(); '
+                         'if (@n == 1) { cat("/tmp/ksimcat"); cat("/tmp"); } }',
+                         testbed["address"], while_cmd=work)
+    assert report["maps"]["@"] == {f"unified:/ksimlang/inner,{ino}": 40}
+    assert sum(report["maps"]["@r"].values()) == 40 and len(report["maps"]["@r"]) == 2
+    assert report["printf"][:2] == ["ksim cat\n", "ERROR: failed to open file '/tmp': "
+                                    "read_file: /tmp is not a regular file\n"]
+
+
+@pytest.mark.live
+@pytest.mark.parametrize("path, size, message", [
+    ("etc/hostname", 10, "is not an absolute path"),
+    ("/etc/../etc/hostname", 10, "is not an absolute path"),
+    ("/dev/null", 10, "is not a regular file"),
+    ("/nonexistent", 10, "No such file or directory"),
+])
+def test_read_file_refuses_what_cat_does_not_need(testbed, path, size, message):  # noqa: F811
+    from ksim.live.protocol import TracedFileRefused
+    from ksim.live.testing import connect
+
+    t = connect(testbed)
+    try:
+        with pytest.raises(TracedFileRefused, match=message):
+            t.read_file(path, size)
+        assert t.read_file("/proc/version", 5) == b"Linux"
+    finally:
+        t.close()
+
+
+@pytest.mark.live
+def test_loops_and_print_events_on_the_live_kernel(testbed):  # noqa: F811
+    """A while loop with continue, a for range with break, print(value) and print(@m)
+    in a kprobe: exact against the workload's 40 getppid calls."""
+    maps: list[int] = []
+
+    def out(o):
+        if o.kind == "map" and "@c" in o.data:
+            maps.append(o.data["@c"])
+
+    report, _ = trace('kprobe:__x64_sys_getppid /comm == "python3"/ { $i = 0; $n = 0; '
+                      'while ($i < 10) { $i++; if ($i % 3 == 0) { continue; } $n++; } '
+                      'for $j : 0..50 { if ($j == 5) { break; } $n += 10; } '
+                      '@s = sum($n); @c = count(); print(@c); print($n); }',
+                      testbed["address"], while_cmd=LIVE_WORK.format(n=40), out=out)
+    assert report["maps"]["@s"] == 40 * 57 and report["printed"] == [57] * 40
+    assert len(maps) == 41 and maps == sorted(maps) and maps[-1] == 40
+    assert all(p >= k for k, p in enumerate(maps[:-1], 1))

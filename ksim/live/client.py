@@ -66,6 +66,9 @@ REL32 = 1 << 31
 #: bytes of kernel text the image reads at a time (and keeps): analysing a function
 #: reads a few hundred bytes, and neighbours are analysed next
 TEXT_CHUNK = 256 << 10
+#: ranges read ahead less than this many bytes apart are read as one (a request's
+#: rows each cost the daemon a module call)
+PREFETCH_GAP = 256
 PAGE = 4096
 #: the largest module text read in one go (a module's symbols far apart -- its init
 #: text freed, its text in two allocations -- would span unmapped memory)
@@ -274,6 +277,9 @@ class LiveTarget:
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
         self._text_chunks: dict[int, bytes] = {}  # the image's reads of kernel text
         self._module_pages: dict[int, bytes] = {}  # ... and of other text, by page
+        # ... and the exact ranges a batch read ahead (prefetch_text): starts, bytes
+        self._ahead_at: list[int] = []
+        self._ahead: list[bytes] = []
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
@@ -353,7 +359,8 @@ class LiveTarget:
         # the kallsyms file's name says which kernel, where its text is and which
         # modules are loaded: what an analysis store of this kernel is found by
         return load_kallsyms(self.kallsyms_path, reader=self._image_read,
-                             identity=self.kallsyms_path.stem.encode(), arch=self.arch.name)
+                             identity=self.kallsyms_path.stem.encode(), arch=self.arch.name,
+                             prefetch=self.prefetch_text)
 
     def _image_read(self, address: int, size: int) -> bytes:
         """What the image reads: core kernel text as it was before this client's pokes
@@ -364,6 +371,10 @@ class LiveTarget:
         lo, hi = self.text
         if size <= 0:
             return self.read(address, size)
+        i = bisect.bisect_right(self._ahead_at, address) - 1
+        if i >= 0 and address + size <= self._ahead_at[i] + len(self._ahead[i]):
+            at = address - self._ahead_at[i]
+            return self._as_before(address, bytearray(self._ahead[i][at:at + size]))
         if address + size <= lo or hi <= address:
             return self._module_text(address, size)
         if not (lo <= address and address + size <= hi):  # across an end of core text
@@ -382,6 +393,55 @@ class LiveTarget:
             out += chunk[at - base:at - base + take]
             at += take
         return self._as_before(address, out)
+
+    def prefetch_text(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Read the text ``ranges`` (address, size) ahead for the image, as its reads
+        would (``kernel``: other owners' splices as they were), in as few requests as
+        they fit: a batch's functions and what analysing them reads are a few MB
+        scattered over the kernel, which chunk by chunk would be tens of MB.  Ranges
+        less than PREFETCH_GAP bytes apart are read as one.  Kept like the image's
+        other reads."""
+        spans: list[list[int]] = []
+        for a, n in sorted((int(a), int(n)) for a, n in ranges if n > 0):
+            if spans and a <= spans[-1][1] + PREFETCH_GAP:
+                spans[-1][1] = max(spans[-1][1], a + n)
+            else:
+                spans.append([a, a + n])
+        have = self._ahead_at
+        todo = []
+        for a, end in spans:
+            i = bisect.bisect_right(have, a) - 1
+            if i >= 0 and end <= have[i] + len(self._ahead[i]):
+                continue    # read ahead already
+            while end - a > wire.MAX_READ:
+                todo.append((a, wire.MAX_READ))
+                a += wire.MAX_READ
+            todo.append((a, end - a))
+        got: list[tuple[int, bytes]] = []
+        i = 0
+        while i < len(todo):
+            j, total = i, 0
+            while j < len(todo) and j - i < wire.MAX_RANGES and total + todo[j][1] <= wire.MAX_READ:
+                total += todo[j][1]
+                j += 1
+            part = todo[i:j]
+            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
+            try:
+                data = bytes.fromhex(self._request("read_ranges", ranges=table.hex(),
+                                                   kernel=True)["data"])
+            except TargetFault:
+                return  # a range that cannot be read: the image reads as it would have
+            if len(data) != total:
+                raise ProtocolError(f"read_ranges: {len(data)} bytes for {total}")
+            at = 0
+            for a, n in part:
+                got.append((a, data[at:at + n]))
+                at += n
+            i = j
+        if got:
+            merged = sorted([*zip(self._ahead_at, self._ahead, strict=True), *got])
+            self._ahead_at = [a for a, _ in merged]
+            self._ahead = [d for _, d in merged]
 
     def _as_before(self, address: int, out: bytearray) -> bytes:
         """``out``, read at ``address``, with the bytes this client's pokes changed
@@ -669,6 +729,15 @@ class LiveTarget:
         guest, no shell involved; or make (``mkdir``) or remove (``rmdir``) a ksim
         trace instance, ``/sys/kernel/tracing/instances/ksim-NAME``."""
         return str(self._request("tracefs", file=file, mode=mode, data=data).get("data", ""))
+
+    def read_file(self, path: str, size: int) -> bytes:
+        """The first ``size`` bytes (at most protocol.MAX_FILE_READ) of a regular file
+        of the guest, read by kerninstd (ksim trace's cat())."""
+        return bytes.fromhex(str(self._request("read_file", path=path, size=size)["data"]))
+
+    def cgroup_path(self, cgroup_id: int) -> str:
+        """The path, under the guest's cgroup2 mount, of the cgroup with that id."""
+        return str(self._request("cgroup_path", cgroup=cgroup_id)["path"])
 
     def btf(self, name: str = "vmlinux") -> bytes:
         """The kernel's BTF: ``/sys/kernel/btf/vmlinux``, or a module's (split BTF on

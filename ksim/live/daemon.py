@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import array
 import asyncio
+import bisect
 import hashlib
 import hmac
 import logging
@@ -37,6 +38,7 @@ import re
 import resource
 import secrets
 import stat
+import struct
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -331,6 +333,7 @@ class Daemon:
         self.handlers = {name: getattr(self, f"op_{name}") for name in wire.OPS}
         #: the module's text writes as last read (None: read them again before a read)
         self._text_view: tuple[Any, ...] | None = None
+        self._text_view_at: list[int] = []      # the view's addresses, for bisect
 
     # -- admission -----------------------------------------------------------------
     def admit(self, session: Session, writer: asyncio.StreamWriter) -> bool:
@@ -499,7 +502,7 @@ class Daemon:
     #: ops that change nothing in the module (text reads see other owners' splices
     #: through the state read before them)
     READ_ONLY = frozenset({"hello", "auth", "info", "kallsyms", "lookup", "read", "hazards",
-                           "hazard_table", "kept", "btf"})
+                           "hazard_table", "kept", "btf", "read_file", "cgroup_path"})
 
     def _as_kernel(self, session: Session, address: int, data: bytes) -> bytes:
         """``data`` read at ``address`` as the kernel's own text: where another owner's
@@ -512,10 +515,14 @@ class Daemon:
                 state = self.device.state()
             except KsimError:
                 return data
-            view = self._text_view = state.splices
+            # by address: a read looks at the few splices that can overlap it
+            view = self._text_view = tuple(sorted(state.splices, key=lambda x: x.address))
+            self._text_view_at = [x.address for x in view]
         end = address + len(data)
         out: bytearray | None = None
-        for x in view:
+        first = bisect.bisect_left(self._text_view_at, address - wire.MAX_RANGE)
+        last = bisect.bisect_left(self._text_view_at, end)
+        for x in view[first:last]:
             if x.owner == session.owner or x.address >= end or x.address + len(x.cur) <= address:
                 continue
             if out is None:
@@ -683,6 +690,29 @@ class Daemon:
             raise ProtocolError(f"read: {address:#x}+{size} passes the end of the address space")
         data = self.device.read(address, size)
         return {"data": (self._as_kernel(session, address, data) if kernel else data).hex()}
+
+    def op_read_ranges(self, session: Session, ranges: bytes,
+                       kernel: bool = False) -> dict[str, Any]:
+        """op_read of many ranges in one request: ``ranges`` packed as hazard_table's
+        rows (address, length); the bytes of each, end to end."""
+        if len(ranges) % wire.RANGE_ROW:
+            raise ProtocolError(f"read_ranges: argument 'ranges' is {len(ranges)} bytes, "
+                                f"not a whole number of {wire.RANGE_ROW}-byte rows")
+        rows = list(struct.iter_unpack("<QQ", ranges))
+        total = 0
+        for i, (address, length) in enumerate(rows):
+            total += length
+            if not 1 <= length <= wire.MAX_READ or address + length > wire.U64_MAX + 1:
+                raise ProtocolError(f"read_ranges: argument 'ranges[{i}]': {address:#x}+{length} "
+                                    f"is not 1..{wire.MAX_READ} bytes inside the address space")
+            if total > wire.MAX_READ:
+                raise ProtocolError(f"read_ranges: the ranges hold more than {wire.MAX_READ} "
+                                    "bytes in all")
+        out = bytearray()
+        for address, length in rows:
+            data = self.device.read(address, length)
+            out += self._as_kernel(session, address, data) if kernel else data
+        return {"data": out.hex()}
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:
@@ -1028,6 +1058,57 @@ class Daemon:
         except OSError as exc:
             raise BTFError(f"btf: {path}: {exc.strerror}") from None
         return data, hashlib.sha256(data).hexdigest()
+
+    def op_read_file(self, session: Session, path: str, size: int) -> dict[str, Any]:
+        """The first ``size`` bytes of a regular file (ksim trace's cat()).  Opened
+        without following a last symbolic link and without blocking (a fifo is never
+        waited on), then checked to be a regular file before a byte is read."""
+        if not path.startswith("/") or "\0" in path or ".." in path.split("/"):
+            raise wire.TracedFileRefused(f"read_file: {wire.clip(repr(path))} is not an absolute "
+                                         "path without '..'")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY)
+        except OSError as exc:
+            raise wire.TracedFileRefused(f"read_file: {path}: {exc.strerror}") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise wire.TracedFileRefused(f"read_file: {path} is not a regular file")
+            data = bytearray()
+            while len(data) < size:     # procfs and sysfs files come a page at a time
+                chunk = os.read(fd, size - len(data))
+                if not chunk:
+                    break
+                data += chunk
+        except OSError as exc:
+            raise wire.TracedFileRefused(f"read_file: {path}: {exc.strerror}") from None
+        finally:
+            os.close(fd)
+        return {"data": bytes(data).hex()}
+
+    CGROUP_ROOT = "/sys/fs/cgroup"
+
+    def op_cgroup_path(self, session: Session, cgroup: int) -> dict[str, Any]:
+        """The cgroup2 path of the cgroup whose id is ``cgroup`` ("/" for the root): the
+        directory under /sys/fs/cgroup whose inode number it is (a cgroup's id is its
+        kernfs node's, the inode number on 64-bit kernels: fs/kernfs/mount.c
+        kernfs_fh_to_dentry), found by a walk of at most MAX_CGROUP_DIRS directories."""
+        seen = 0
+        stack = [self.CGROUP_ROOT]
+        while stack:
+            d = stack.pop()
+            try:
+                if os.stat(d, follow_symlinks=False).st_ino == cgroup:
+                    rel = d[len(self.CGROUP_ROOT):]
+                    return {"path": rel or "/"}
+                entries = list(os.scandir(d))
+            except OSError:
+                continue            # a cgroup removed meanwhile
+            stack += [e.path for e in entries if e.is_dir(follow_symlinks=False)]
+            seen += 1
+            if seen > wire.MAX_CGROUP_DIRS:
+                break
+        raise wire.TracedFileRefused(f"cgroup_path: no cgroup with id {cgroup} under "
+                                     f"{self.CGROUP_ROOT}")
 
     async def op_exec(self, session: Session, cmd: str, timeout: float) -> dict[str, Any]:
         if not self.allow_exec:

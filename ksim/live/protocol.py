@@ -25,7 +25,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from ksim.errors import KsimError, ProtocolError, UnknownSymbol, all_error_classes
+from ksim.errors import KsimError, ProtocolError, TargetError, UnknownSymbol, all_error_classes
 from ksim.live.abi import LIMITS
 
 VERSION = 1
@@ -57,6 +57,11 @@ MAX_EXEC_TIMEOUT = 7 * 86400.0   # seconds
 # whose hex (twice the bytes) stays well inside a frame.
 MAX_BTF_CHUNK = 8 << 20
 MAX_BTF_NAME = 64            # UTF-8 bytes of a BTF name: vmlinux or a module's (MODULE_NAME_LEN is 56)
+#: the most bytes of a file read_file returns (ksim trace's cat(), bpftrace's
+#: max_cat_bytes is 10 KiB by default)
+MAX_FILE_READ = 64 << 10
+#: cgroup directories cgroup_path looks through for an id, at most
+MAX_CGROUP_DIRS = 100_000
 #: tracefs modes: a file's read (r), write (w) or append (a); a ksim instance's mkdir or rmdir
 TRACEFS_MODES = ("r", "w", "a", "mkdir", "rmdir")
 U64_MAX = (1 << 64) - 1
@@ -118,6 +123,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("lookup", {"name": text(1, MAX_NAME)}, doc="address of a kernel symbol"),
     Op("read", {"address": U64, "size": integer(1, MAX_READ), "kernel": BOOL},
        doc="kernel memory, never faults (kernel: text other owners spliced as it was)"),
+    Op("read_ranges", {"ranges": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW), "kernel": BOOL},
+       doc="op read for many ranges: packed rows (u64 address, u64 length), each 1.."
+           "MAX_READ bytes and MAX_READ in all -> their bytes end to end (a batch's "
+           "functions in one request, not the chunks around them)"),
     Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
     Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
     Op("free_code", {"address": U64}),
@@ -151,6 +160,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("btf", {"name": text(1, MAX_BTF_NAME), "offset": U64, "length": integer(0, MAX_BTF_CHUNK)},
        doc="a chunk of /sys/kernel/btf/NAME (vmlinux or a module), with the file's size "
            "and sha256 (length 0: size and digest only)"),
+    Op("read_file", {"path": text(1, MAX_PATH), "size": integer(1, MAX_FILE_READ)},
+       doc="the first bytes of a regular file of the guest, by its absolute path (ksim "
+           "trace's cat()): nothing else (a directory, a device, a fifo) is opened for reading"),
+    Op("cgroup_path", {"cgroup": U64},
+       doc="the path under the cgroup2 mount (/sys/fs/cgroup) of the cgroup whose id "
+           "(its directory's inode number, the kernel's kernfs node id) is given"),
     Op("exec", {"cmd": text(1, MAX_CMD), "timeout": Arg("number", 1e-3, MAX_EXEC_TIMEOUT)},
        doc="run a shell command (--allow-exec only)"),
     Op("bye", {}, doc="close the session (cleanup as on disconnect)"),
@@ -160,6 +175,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
 DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
     "read": {"kernel": False},
+    "read_ranges": {"kernel": False},
     "poke": {"routes": []},
     "alloc_data": {"align": 8},
     "keep": {"keep": True, "name": ""},
@@ -170,6 +186,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 
 # a chunk of BTF as hex, with its reply's other fields, fits a frame
 assert 2 * MAX_BTF_CHUNK + 4096 < MAX_FRAME
+
+
+class TracedFileRefused(TargetError):
+    """read_file or cgroup_path refused: not an absolute path of a regular file, a
+    file that cannot be read, no cgroup with that id."""
+
+    code = "traced-file"
 
 
 def encode(message: dict[str, Any]) -> bytes:

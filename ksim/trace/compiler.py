@@ -72,7 +72,8 @@ OTHER_FUNCTIONS = {"usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
                    "skboutput", "pton", "strcontains", "len", "unwatch",
-                   "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats"} - FUNCTIONS
+                   "percpu_kaddr", "errorf", "warnf", "debugf", "print_stats", "syscall_name",
+                   "strerror"} - FUNCTIONS
 #: rand's generator where the kernel has no get_random_u32: state = state * MUL + ADD
 #: (mod 2^64), the number its upper 32 bits (Knuth's MMIX constants)
 RAND_MUL, RAND_ADD = 6364136223846793005, 1442695040888963407
@@ -678,8 +679,8 @@ class ProbeCompiler:
                 typer.declare(s.name, self.types.named(s.type, s.loc), s.loc)
         self.var_types = typer.var_types
         for name, ct in self.var_types.items():
-            self.locals.var(name, width(kind_of(ct)) if ct.kind in ("str", "inet", "tuple")
-                            else 1)
+            self.locals.var(name, ct.size // 8 if ct.kind == "tuple" else
+                            width(kind_of(ct)) if ct.kind in ("str", "inet") else 1)
         if any(isinstance(s, t.Return) for s in _stmts(probe.body)):
             self.returned = self.locals.take()
         body = self.block(probe.body)
@@ -781,7 +782,8 @@ class ProbeCompiler:
             if s.op != "=":
                 raise TraceSemanticError(f"a value of type {ct.name} can only be assigned", s.loc)
             if ct.kind == "tuple":
-                if v.type != ct or v.words is None:
+                if v.type.kind != "tuple" or v.type.extra["kinds"] != ct.extra["kinds"] \
+                        or v.words is None:
                     raise TraceSemanticError(f"${name} holds a tuple of other types", s.value.loc)
                 words = v.words
             elif ct.kind == "inet":

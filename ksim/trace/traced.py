@@ -52,14 +52,15 @@ class TracedMachine:
         return raw.decode("utf-8", "replace")
 
     def cgroup_path(self, cgroup_id: int) -> str:
-        """bpftrace's text for a cgroup id: ``unified:PATH`` (the cgroup2 hierarchy;
-        a cgroup the machine does not have: its id)."""
+        """bpftrace's text for a cgroup id: ``unified:PATH`` (the cgroup2 hierarchy);
+        empty for a cgroup the machine's cgroup2 mount does not have (none mounted),
+        as bpftrace prints it."""
         if cgroup_id not in self._cgroups:
             try:
-                path = cast(GuestFiles, self.target).cgroup_path(cgroup_id)
+                path = "unified:" + cast(GuestFiles, self.target).cgroup_path(cgroup_id)
             except KsimError:
-                path = f"<unknown cgroup {cgroup_id}>"
-            self._cgroups[cgroup_id] = f"unified:{path}"
+                path = ""
+            self._cgroups[cgroup_id] = path
         return self._cgroups[cgroup_id]
 
 
