@@ -387,7 +387,9 @@ class Manager:
         be (its analysis failed, or can_insert's verdict), by name.
 
         With ``plan=False`` the entry points are found but not planned: the functions
-        left out are those without one (gone, or not analysable).  A caller that then
+        left out are those without one (gone, or not analysable) and those whose entry
+        is refused whatever the tactic (a hazard there, the blacklist: the planner's
+        check_point, with its words).  A caller that then
         inserts them with ``insert_many(..., refused=...)`` plans each point once, not
         twice (a dry run here and the batch's own plan there)."""
         funcs = [self._func(f) for f in _items(funcs, "spliceable_entries' functions")]
@@ -403,7 +405,11 @@ class Manager:
                     continue
                 try:
                     point = self.entry_point(f)
-                    why = self.can_insert(point, splice) if plan else None
+                    if plan:
+                        why = self.can_insert(point, splice)
+                    else:  # what refuses the point whatever the tactic, without planning
+                        why = None
+                        self.facts.check_point(point, self._busy(exclude=point.address))
                 except KsimError as exc:
                     why = str(exc)
                 if why is None:

@@ -109,7 +109,8 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
             ok, refused = m.spliceable_entries(funcs)
         assert len(ok) > 200, refused
         # the kernel's hazards of every function's first bytes, asked at once (and of
-        # the padding of the odd point that needs a springboard); an area to plan in
+        # the padding of the odd point that needs a springboard); an area to plan in;
+        # their text was read ahead by the first look (read_ranges), and is kept
         assert set(seen) <= {"hazard_table", "alloc_code", "free_code"}, seen
         assert 1 <= seen["hazard_table"] <= 3, seen
         counters = dict(zip((p.address for _, p in ok), m.malloc_array(len(ok)), strict=True))
@@ -117,9 +118,10 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
             hs = m.insert_many([p for _, p in ok], lambda p: counters[p.address].atomic_assign(
                 counters[p.address] + 1))
         # one change; an area for the batch's patch code and one read of its bytes; the
-        # kernel's word on the padding its springboards may use, asked at once
-        assert seen["hazard_table"] <= 3, seen
-        assert seen - Counter(hazard_table=3) == Counter(poke=1, alloc_code=1, read=1), seen
+        # kernel's word on the batch's text and on the padding its springboards may
+        # use, each asked at once
+        assert seen["hazard_table"] <= 4, seen
+        assert seen - Counter(hazard_table=4) == Counter(poke=1, alloc_code=1, read=1), seen
         with requests(m.target) as seen:
             m.remove_many(hs)
         assert seen == Counter(poke=1, free_code=1), seen  # the area goes back with them
@@ -161,5 +163,45 @@ def test_freed_init_code_is_refused_before_it_is_read(testbed: dict) -> None:
             assert refused[f.name] == (f"{f.address:#x} ({f.name}+0x0) is not kernel or module "
                                        "text: ksim never overwrites or moves it")
         assert seen == Counter(hazard_table=1), seen
+    finally:
+        m.detach()
+
+
+def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> None:
+    """read_ranges (the text a batch reads, fetched ahead): each range's bytes are
+    the ones a read of it alone gives, end to end; a range that cannot be read (no
+    kernel memory there) is named, not fatal; rows the protocol does not
+    allow are refused before anything is read."""
+    import struct
+
+    from ksim.errors import ProtocolError
+    from ksim.live import protocol as wire
+
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    t = m.target
+    try:
+        funcs = [f for f in t.image.functions if f.name.startswith("tcp_v4_")][:50]
+        assert len(funcs) > 20
+        rows = [(f.address, f.size) for f in funcs] + [(0x1000, 16)]
+        table = struct.pack(f"<{2 * len(rows)}Q", *(x for r in rows for x in r)).hex()
+        reply = t.conn.request("read_ranges", ranges=table, kernel=True)
+        data = bytes.fromhex(reply["data"])
+        assert reply["failed"] == [len(rows) - 1]
+        at = 0
+        for a, n in rows[:-1]:
+            assert data[at:at + n] == t.read(a, n, kernel=True), hex(a)
+            at += n
+        assert data[at:] == bytes(16)
+        # the image's reads of what was read ahead need no request
+        t.prefetch_text(rows)
+        with requests(t) as seen:
+            for f in funcs:
+                assert t.image.read(f.address, f.size) == t.read(f.address, f.size, kernel=True)
+        assert seen == Counter(read=len(funcs)), seen     # only the check's own reads
+        for bad in (table[:-2], struct.pack("<2Q", funcs[0].address, 0).hex(),
+                    struct.pack("<4Q", funcs[0].address, wire.MAX_READ,
+                                funcs[1].address, 1).hex()):
+            with pytest.raises(ProtocolError, match="read_ranges"):
+                t.conn.request("read_ranges", ranges=bad, kernel=False)
     finally:
         m.detach()

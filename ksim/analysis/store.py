@@ -59,8 +59,8 @@ import tempfile
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterator
-from itertools import accumulate
+from collections.abc import Callable, Iterable, Iterator
+from itertools import accumulate, chain
 from operator import attrgetter
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,30 @@ class Store:
             own_writes=self._names(chunk, a["own"][i]), worst=bool(a["worst"][i]),
             calls_out=tuple(part("calls_out")), jumps_out=tuple(part("jumps_out")),
         )
+
+    def reach(self, image: Image, funcs: Iterable[Function]) -> list[Function]:
+        """``funcs`` and every function they call or jump into, transitively, as the
+        records say, without reading anything (a function without a good record ends
+        the walk): what analysing ``funcs`` reads, their callees' clobbers included,
+        to be read ahead of it."""
+        a = self._arrays
+        calls, jumps = self._offsets["n_calls_out"], self._offsets["n_jumps_out"]
+        seen: dict[int, Function] = {}
+        work = list(funcs)
+        while work:
+            func = work.pop()
+            if func.address in seen:
+                continue
+            seen[func.address] = func
+            i = self.index_of(func)
+            if i is None or a["status"][i] != _OK:
+                continue
+            for target in chain(a["calls_out"][calls[i]:calls[i + 1]],
+                                a["jumps_out"][jumps[i]:jumps[i + 1]]):
+                callee = image.function_at(target)
+                if callee is not None and callee.address == target and target not in seen:
+                    work.append(callee)
+        return list(seen.values())
 
     def summary(self, func: Function) -> tuple[frozenset[str], bool, tuple[int, ...], tuple[int, ...]] | None:
         """(registers written, worst, calls out, jumps out) of ``func`` -- what the

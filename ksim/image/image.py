@@ -23,6 +23,8 @@ if TYPE_CHECKING:
 
 #: reads ``size`` bytes at ``addr`` from a running kernel (raises on a bad address)
 MemoryReader = Callable[[int, int], bytes]
+#: told the (address, size) ranges a reader is about to be asked for (Image.prefetch)
+Prefetcher = Callable[[Sequence[tuple[int, int]]], None]
 
 _BINDING_RANK = {"global": 0, "weak": 1, "local": 2}
 
@@ -42,8 +44,10 @@ class Image:
         reader: MemoryReader | None = None,
         build_id: bytes | None = None,
         identity: bytes | None = None,
+        prefetch: Prefetcher | None = None,
     ) -> None:
         self.path = path
+        self._prefetch = prefetch
         #: the ELF's GNU build id (``.note.gnu.build-id``), when the file has one
         self.build_id = build_id
         #: for an image read from a running kernel: what names that kernel (release,
@@ -162,6 +166,12 @@ class Image:
         off = addr - sec.address
         chunk = sec.data[off : off + size]
         return chunk + bytes(size - len(chunk))
+
+    def prefetch(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Tell the reader the ranges (address, size) about to be read, so that it
+        reads them in a few requests (a running kernel's reader); nothing otherwise."""
+        if self._prefetch is not None and ranges:
+            self._prefetch(ranges)
 
     @property
     def reads_memory(self) -> bool:

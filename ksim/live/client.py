@@ -68,7 +68,7 @@ REL32 = 1 << 31
 TEXT_CHUNK = 256 << 10
 #: ranges read ahead less than this many bytes apart are read as one (a request's
 #: rows each cost the daemon a module call)
-PREFETCH_GAP = 256
+PREFETCH_GAP = 1024
 PAGE = 4096
 #: the largest module text read in one go (a module's symbols far apart -- its init
 #: text freed, its text in two allocations -- would span unmapped memory)
@@ -427,15 +427,19 @@ class LiveTarget:
             part = todo[i:j]
             table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
             try:
-                data = bytes.fromhex(self._request("read_ranges", ranges=table.hex(),
-                                                   kernel=True)["data"])
-            except TargetFault:
-                return  # a range that cannot be read: the image reads as it would have
+                reply = self._request("read_ranges", ranges=table.hex(), kernel=True)
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    raise
+                return  # a kerninstd from before read_ranges: the image reads as it would
+            data = bytes.fromhex(reply["data"])
+            failed = set(reply.get("failed", ()))
             if len(data) != total:
                 raise ProtocolError(f"read_ranges: {len(data)} bytes for {total}")
             at = 0
-            for a, n in part:
-                got.append((a, data[at:at + n]))
+            for k, (a, n) in enumerate(part):
+                if k not in failed:     # an unreadable range is read as asked, later
+                    got.append((a, data[at:at + n]))
                 at += n
             i = j
         if got:

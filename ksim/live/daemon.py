@@ -694,7 +694,8 @@ class Daemon:
     def op_read_ranges(self, session: Session, ranges: bytes,
                        kernel: bool = False) -> dict[str, Any]:
         """op_read of many ranges in one request: ``ranges`` packed as hazard_table's
-        rows (address, length); the bytes of each, end to end."""
+        rows (address, length); the bytes of each, end to end, and the rows that could
+        not be read (zeros in their place)."""
         if len(ranges) % wire.RANGE_ROW:
             raise ProtocolError(f"read_ranges: argument 'ranges' is {len(ranges)} bytes, "
                                 f"not a whole number of {wire.RANGE_ROW}-byte rows")
@@ -709,10 +710,15 @@ class Daemon:
                 raise ProtocolError(f"read_ranges: the ranges hold more than {wire.MAX_READ} "
                                     "bytes in all")
         out = bytearray()
-        for address, length in rows:
-            data = self.device.read(address, length)
+        failed = []
+        for i, (address, length) in enumerate(rows):
+            try:
+                data = self.device.read(address, length)
+            except TargetFault:     # not mapped (init text the kernel freed): zeros, named
+                failed.append(i)
+                data = bytes(length)
             out += self._as_kernel(session, address, data) if kernel else data
-        return {"data": out.hex()}
+        return {"data": out.hex(), "failed": failed}
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:

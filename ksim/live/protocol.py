@@ -126,7 +126,8 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("read_ranges", {"ranges": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW), "kernel": BOOL},
        doc="op read for many ranges: packed rows (u64 address, u64 length), each 1.."
            "MAX_READ bytes and MAX_READ in all -> their bytes end to end (a batch's "
-           "functions in one request, not the chunks around them)"),
+           "functions in one request, not the chunks around them) and the indexes of "
+           "the rows that could not be read (zeros in their place)"),
     Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
     Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
     Op("free_code", {"address": U64}),

@@ -25,13 +25,13 @@ from ksim.analysis.callgraph import call_graph
 from ksim.analysis.cfg import EdgeKind
 from ksim.analysis.function import FunctionAnalysis, analyze
 from ksim.analysis.points import Point, PointKind, is_padding
-from ksim.analysis.store import store_for
+from ksim.analysis.store import Store, store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
 from ksim.image.model import Function
 from ksim.splice import hazards as hz
-from ksim.splice.planner import FunctionCode, SpliceRequest
+from ksim.splice.planner import FunctionCode, SpliceRequest, check_point
 
 #: code ksim must never splice, as (start symbol, end symbol) pairs: the Linux
 #: sections kprobes refuses (kernel/kprobes.c: within_kprobe_blacklist and the
@@ -328,6 +328,10 @@ class SiteFacts:
         self._ahead = known
         if ranges:
             known.update(zip(ranges, self._ask(ranges), strict=True))
+        if kept is not None and funcs and self.image.reads_memory:
+            # their text, and what analysing them reads, in a few requests (not what the
+            # question found is no text: nothing of a gone function is read)
+            self.image.prefetch(self._read_ahead(kept, [f for f in funcs if self.gone(f) is None]))
         if outer:
             yield
             return
@@ -341,6 +345,19 @@ class SiteFacts:
         """Within the block, every asking_ahead's answers stay (see asking_ahead)."""
         with self.asking_ahead(()):
             yield
+
+    def _read_ahead(self, kept: Store, funcs: Sequence[Function]) -> list[tuple[int, int]]:
+        """The text analysing and planning ``funcs`` reads: each function with the
+        filler after it (_gap_after), and every function it reaches (Store.reach:
+        their clobbers decide what is live at a call)."""
+        out = []
+        for func in funcs:
+            i = bisect.bisect_left(self._starts, func.end)
+            end = self._starts[i] if i < len(self._starts) and self._starts[i] - func.end <= 64 \
+                else func.end
+            out.append((func.address, end - func.address))
+        out += [(f.address, f.size) for f in kept.reach(self.image, funcs)]
+        return out
 
     def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""
@@ -361,6 +378,13 @@ class SiteFacts:
                              policy=policy, busy=busy,
                              padding=_Slots(lambda: self.padding_slots(point, busy)),
                              blacklist=self.blacklist, trap_unready=self.trap_unready)
+
+    def check_point(self, point: Point, busy: Container[int] = frozenset()) -> None:
+        """The planner's checks of ``point`` that no tactic changes (planner.check_point:
+        a hazard or the blacklist at the point), without planning it."""
+        code = self.function_code(point)
+        check_point(self.arch, self.request(point.address, code, lambda _a: b"", point.address,
+                                            busy=busy))
 
     @cached_property
     def trap_unready(self) -> tuple[tuple[int, int, str], ...]:
