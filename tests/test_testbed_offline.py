@@ -141,3 +141,25 @@ def test_static_busybox_is_told_from_a_dynamic_program():
     if found is None:
         pytest.skip("busybox-static is not installed")
     assert tb._is_static_elf(found)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["up", "--port", "-1"], "argument --port: a port is a whole number from 1 to 65535"),
+    (["up", "--port", "65536"], "argument --port: a port is a whole number from 1 to 65535"),
+    (["up", "--port", "0x50"], "argument --port: a port is a whole number from 1 to 65535"),
+    (["up", "--timeout", "nan"], "argument --timeout: a timeout is a number of seconds above 0"),
+    (["up", "--timeout", "-5"], "argument --timeout: a timeout is a number of seconds above 0"),
+    (["exec", "--timeout", "inf", "--", "true"], "argument --timeout: a timeout is a number"),
+    (["exec", "--timeout", "0", "--", "true"], "argument --timeout: a timeout is a number"),
+    (["exec"], "ksim testbed exec: no command"),
+])
+def test_impossible_arguments_are_refused_before_anything_is_started(capsys, argv, message):
+    """Nothing boots and nothing is asked of a testbed: a usage error, as JSON under
+    --json (exit status 2 either way)."""
+    from ksim.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        status = main(["testbed", *argv[:1], "--json", *argv[1:]])
+        raise SystemExit(status)
+    out = json.loads(capsys.readouterr().out)
+    assert info.value.code == 2 and out["error"] == "usage" and message in out["message"]

@@ -17,11 +17,31 @@ several run at once.  Without either, the x86-64 testbed on port 7070.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from typing import Any
 
 from ksim.cli import add_json_flag, emit_json, help_text
+from ksim.errors import UsageError
+
+
+def port_arg(text: str) -> int:
+    """argparse type of a TCP port: a whole number from 1 to 65535."""
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 1 to 65535, not {text!r}")
+    return int(text)
+
+
+def seconds_arg(text: str) -> float:
+    """argparse type of a timeout: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"a timeout is a number of seconds above 0, not {text!r}")
+    return value
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -30,10 +50,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action", metavar="ACTION", help="what to do")
     actions.required = True
     up = actions.add_parser("up", help="boot the testbed (reuses a running one)")
-    up.add_argument("--port", type=int, default=None, help="host port for kerninstd (default 7070)")
+    up.add_argument("--port", type=port_arg, default=None, help="host port for kerninstd (default 7070)")
     up.add_argument("--accel", choices=("auto", "kvm", "tcg"), default="auto",
                     help="QEMU accelerator (default: auto, KVM when /dev/kvm works, else TCG)")
-    up.add_argument("--timeout", type=float, default=300.0, help="boot timeout in seconds")
+    up.add_argument("--timeout", type=seconds_arg, default=300.0, help="boot timeout in seconds")
     pre = actions.add_parser("prepare", help="fetch, install and build what `up` needs, "
                              "without booting")
     for q in (up, pre):
@@ -54,7 +74,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     st.add_argument("--all", action="store_true",
                     help="every instance that has been booted (state files), up or not")
     ex = actions.add_parser("exec", help="run a shell command in the guest")
-    ex.add_argument("--timeout", type=float, default=120.0,
+    ex.add_argument("--timeout", type=seconds_arg, default=120.0,
                     help="seconds the command may run (default 120)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD",
                     help="the shell command, after --")
@@ -144,8 +164,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "exec":
         cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not cmd:
-            print("ksim testbed exec: no command (ksim testbed exec -- CMD)", file=sys.stderr)
-            return 2
+            raise UsageError("ksim testbed exec", "no command (ksim testbed exec -- CMD)")
         result = testbed.exec_(" ".join(cmd), timeout=args.timeout, instance=inst)
         if args.json:
             emit_json(result)
