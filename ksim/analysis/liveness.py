@@ -110,14 +110,28 @@ class Liveness:
 
     # --- the dataflow -----------------------------------------------------------------
     def _solve(self) -> None:
+        """The fixed point over blocks.  Every instruction's transfer is ``(after -
+        kill) | gen`` (or a constant: ``kill`` everything), so a block's is too, made
+        once from its instructions (_summary); the iterations then cost a few set
+        operations per block, not a walk of its instructions."""
         blocks = self.cfg.blocks
         live_in: dict[int, frozenset[str]] = {start: frozenset() for start in blocks}
+        summaries = {start: self._summary(block) for start, block in blocks.items()}
+        exits = {start: self._exits(blocks[start]) for start, (every, _, _) in summaries.items()
+                 if not every}
         work = list(blocks)
         queued = set(work)
         while work:
             start = work.pop()
             queued.discard(start)
-            new = self._through(blocks[start], live_in, record=False)
+            every, kill, gen = summaries[start]
+            if every:
+                new = gen
+            else:
+                out = exits[start]
+                for succ in blocks[start].succs:
+                    out |= live_in[succ]
+                new = (out - kill) | gen
             if new != live_in[start]:
                 live_in[start] = new
                 for pred in blocks[start].preds:
@@ -142,23 +156,58 @@ class Liveness:
 
     def _block_out(self, block: Block, live_in: dict[int, frozenset[str]]) -> frozenset[str]:
         """Live after the block's last instruction: successors plus flows out of the function."""
-        last = block.insns[-1]
-        out: frozenset[str] = frozenset()
+        out = self._exits(block)
         for succ in block.succs:
             out |= live_in[succ]
+        return out
+
+    def _exits(self, block: Block) -> frozenset[str]:
+        """Live after the block's last instruction for its flows out of the function
+        (what its successors need comes on top)."""
+        last = block.insns[-1]
         flow = last.flow
         if flow is Flow.RET or flow is Flow.STOP:
-            return out  # handled in _transfer (nothing after them is used)
+            return frozenset()  # handled in _transfer (nothing after them is used)
         if flow in (Flow.JMP, Flow.JCC) and last.target is not None and last.target not in self.cfg.blocks:
-            out |= self._leaving(last.target)
-        elif flow is Flow.JMP_INDIRECT and last.address not in self.cfg.tables:
-            out |= self._all
-        elif flow in (Flow.CALL, Flow.CALL_INDIRECT):
+            return self._leaving(last.target)
+        if flow is Flow.JMP_INDIRECT and last.address not in self.cfg.tables:
+            return self._all
+        if flow in (Flow.CALL, Flow.CALL_INDIRECT):
             if block.end not in self.cfg.blocks:
-                out |= self._all  # nothing known after a call at the function's end
+                return self._all  # nothing known after a call at the function's end
         elif flow is Flow.SEQ and not block.succs:
-            out |= self._all  # runs off the end of the function
-        return out
+            return self._all  # runs off the end of the function
+        return frozenset()
+
+    def _summary(self, block: Block) -> tuple[bool, frozenset[str], frozenset[str]]:
+        """The block's transfer as (every, kill, gen): live before it is ``gen`` when
+        ``every`` (nothing live after it matters), else ``(after - kill) | gen``.
+        Composed backwards from its instructions' transfers (each one's, as
+        _through applies it: the stack pointer always live)."""
+        if not block.insns:
+            return True, frozenset(), self._all  # bytes that do not decode: nothing is known
+        every, kill, gen = False, frozenset[str](), frozenset[str]()
+        for insn in reversed(block.insns):
+            i_every, i_kill, i_gen = self._affine(insn, block)
+            i_gen = i_gen | self._stack
+            if i_every:
+                every, kill, gen = True, frozenset(), i_gen
+            else:
+                kill, gen = kill | i_kill, (gen - i_kill) | i_gen
+        return every, kill, gen
+
+    def _affine(self, insn: Insn, block: Block) -> tuple[bool, frozenset[str], frozenset[str]]:
+        """_transfer of ``insn`` as (every, kill, gen) (see _summary)."""
+        flow = insn.flow
+        if flow is Flow.RET:
+            return True, frozenset(), self._at_return | insn.reads
+        if flow is Flow.STOP:
+            return True, frozenset(), self._all
+        if flow is Flow.CALL or flow is Flow.CALL_INDIRECT:
+            if insn is not block.insns[-1]:
+                return True, frozenset(), self._all
+            return self._call_affine(insn)
+        return False, insn.writes, insn.reads
 
     def _leaving(self, target: int) -> frozenset[str]:
         """Live at a jump to ``target`` outside the function."""
@@ -189,6 +238,11 @@ class Liveness:
         return (after - insn.writes) | insn.reads
 
     def _call(self, insn: Insn, after: frozenset[str]) -> frozenset[str]:
+        every, kill, gen = self._call_affine(insn)
+        return gen if every else (after - kill) | gen
+
+    def _call_affine(self, insn: Insn) -> tuple[bool, frozenset[str], frozenset[str]]:
+        """Live before a call, as (every, kill, gen) (see _summary)."""
         if insn.flow is Flow.CALL:
             assert insn.target is not None
             what = self._classify(insn.target)
@@ -196,13 +250,13 @@ class Liveness:
                 extra: frozenset[str] = frozenset()
                 if what.clobbers is not None:
                     killed = self._caller_saved & what.clobbers
-                    return (after - killed) | self._at_call | insn.reads
+                    return False, killed, self._at_call | insn.reads
             elif what.kind is TargetKind.THUNK and what.reg:
                 extra = frozenset({what.reg})
             else:
-                return self._all
+                return True, frozenset(), self._all
         else:
             if not self._standard_indirect(insn):
-                return self._all
+                return True, frozenset(), self._all
             extra = frozenset()
-        return (after - self._caller_saved) | self._at_call | insn.reads | extra
+        return False, self._caller_saved, self._at_call | insn.reads | extra
