@@ -198,6 +198,16 @@ def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> 
             for f in funcs:
                 assert t.image.read(f.address, f.size) == t.read(f.address, f.size, kernel=True)
         assert seen == Counter(read=len(funcs)), seen     # only the check's own reads
+        # a running kernel's tables (bug, extable, jump labels, static calls): one request
+        fresh = LiveTarget("127.0.0.1", int(testbed["port"]), token_file=testbed["token_file"])
+        try:
+            image = fresh.image
+            with requests(fresh) as seen:
+                tables = image.tables
+            assert seen == Counter(read_ranges=1), seen
+            assert tables.sites == t.image.tables.sites
+        finally:
+            fresh.close()
         for bad in (table[:-2], struct.pack("<2Q", funcs[0].address, 0).hex(),
                     struct.pack("<4Q", funcs[0].address, wire.MAX_READ,
                                 funcs[1].address, 1).hex()):

@@ -180,6 +180,8 @@ def kernel_tables(image: Image) -> KernelTables:
     """
     bounds = {s.name: s.address for s in image.symbols
               if s.module == image.module and s.name.startswith(("__start_", "__stop_", "__init_"))}
+    if image.reads_memory:  # a running kernel's tables: read in one request, not page by page
+        image.prefetch([r for r in (_table_range(image, t, bounds) for t in _ALL) if r])
     raw = {table.section: _table_bytes(image, table, bounds) for table in _ALL}
     sites: dict[TextRef, list[int]] = {kind: [] for kind in _KINDS}
 
@@ -220,6 +222,16 @@ def kernel_tables(image: Image) -> KernelTables:
     if not blacklist and not any(kept.values()):
         return KernelTables.EMPTY
     return KernelTables(sites=kept, kprobe_blacklist=tuple(blacklist))
+
+
+def _table_range(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, int] | None:
+    """(address, size) _table_bytes reads of a running kernel's table (None: nothing)."""
+    start, stop = bounds.get(table.start), bounds.get(table.stop)
+    init_begin, init_end = bounds.get("__init_begin"), bounds.get("__init_end")
+    if start is None or stop is None or stop <= start or (
+            init_begin is not None and init_end is not None and init_begin <= start < init_end):
+        return None
+    return start, stop - start
 
 
 def _table_bytes(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, bytes]:
