@@ -240,6 +240,8 @@ def test_debian_arm64(capsys, tmp_path):
     (["--cases", "0"], "bad-case"),
     (["--workers", "0"], "bad-case"),
     (["--program", "x.bt", "--points", "exit"], "bad-case"),
+    (["--functions", "do_syscall_64", "--cases", str(2**64 - 1)], "bad-case"),   # MemoryError
+    (["--functions", "do_syscall_64,kmalloc", "--cases", "500001"], "bad-case"),
 ])
 def test_bad_input_is_a_specific_error(capsys, argv, code):
     status = main(["verify", "--image", "toy", *argv, "--json", "--no-progress"])

@@ -37,6 +37,11 @@ from typing import Any
 
 from ksim.cli import add_json_flag, count_arg, emit_json, help_text
 
+#: at most this many cases in one campaign (points times --cases): each is held in
+#: memory before the first runs (2**64 cases at one point ended in a MemoryError);
+#: the largest campaigns of docs/verify.md have some 50,000
+MAX_CASES = 1_000_000
+
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="check splices against the original code, case by case",
@@ -115,6 +120,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         targets = cases.select(check.image, args.functions, sample=args.sample, seed=args.seed,
                                kinds=_kinds(args.points), facts=check.harness.facts)
+    if len(targets) * args.cases > MAX_CASES:
+        raise BadCase(f"{len(targets):,} points with --cases {args.cases:,} make more than "
+                      f"{MAX_CASES:,} cases: fewer points (--functions, --sample) or cases")
     todo = cases.make_cases(targets, args.cases, args.seed, args.splice, args.snippet)
     engine = engines.engine_for(args.cluster, args.workers)
     try:
