@@ -366,3 +366,23 @@ def test_a_probe_mixing_kernel_and_client_attach_points_is_refused_and_changes_n
         assert m.copy_from_kernel(m.entry_point("vfs_read").address, 16) == before
     assert main(["trace", "-e", "interval:s:1, kprobe:vfs_read { @ = count(); }"]) == 2
     assert "stdin:1:" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "long"])
+def test_a_program_file_longer_than_the_bound_is_a_trace_limit(tmp_path, capsys, source):
+    """/dev/zero was read until a MemoryError; a file is read up to the bound, then
+    refused with its name, before anything is attached."""
+    from ksim.commands.trace import MAX_PROGRAM_BYTES
+
+    if source == "long":
+        path = tmp_path / "long.bt"
+        path.write_text("BEGIN { exit(); }\n" + "\n" * MAX_PROGRAM_BYTES)
+        source = str(path)
+    assert main(["trace", source, "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"] == "trace-limit"
+    assert doc["message"].startswith(f"{source}: ERROR: the program file is longer than")
+    fits = tmp_path / "fits.bt"
+    fits.write_text("BEGIN { exit(); }" + " " * (MAX_PROGRAM_BYTES - 17))
+    assert main(["trace", str(fits)]) == 0
+    assert capsys.readouterr().out.startswith("Attaching 1 probe")

@@ -92,6 +92,11 @@ def _max_map_keys(text: str) -> int:
     return n
 
 
+#: bytes of a program file ksim trace reads (bpftrace's own tools are under 10 KB; a
+#: file without an end, /dev/zero, was read until a MemoryError)
+MAX_PROGRAM_BYTES = 1 << 20
+
+
 def source_of(args: argparse.Namespace) -> tuple[str, str]:
     """(program text, the name errors give it)."""
     from ksim.trace.errors import TraceError
@@ -109,11 +114,16 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
             raise TraceError(f"{what} is not UTF-8 text")
     if args.program is not None:
         return args.program, "stdin"
+    from ksim.trace.parser import TraceLimit
+
     try:
         with open(args.file, "rb") as f:
-            raw = f.read()
+            raw = f.read(MAX_PROGRAM_BYTES + 1)
     except OSError as exc:
         raise TraceError(f"cannot read {args.file}: {exc.strerror}") from None
+    if len(raw) > MAX_PROGRAM_BYTES:
+        raise TraceLimit(f"the program file is longer than {MAX_PROGRAM_BYTES:,} bytes "
+                         "(it is read whole before it is parsed)").located("", args.file)
     try:
         return raw.decode("utf-8"), args.file
     except UnicodeDecodeError as exc:
