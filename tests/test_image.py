@@ -135,6 +135,22 @@ def test_kallsyms_parsing(tmp_path: Path) -> None:
         load_kallsyms(bad)
 
 
+def test_a_kallsyms_file_without_an_end_is_refused_at_the_bound(tmp_path: Path) -> None:
+    """/dev/zero was read until a MemoryError; a file past the bound is a
+    MalformedImage, read no further than the bound."""
+    from ksim.image.kallsyms import MAX_KALLSYMS_BYTES
+
+    if Path("/dev/zero").exists():
+        with pytest.raises(MalformedImage, match="/dev/zero: longer than"):
+            load_kallsyms("/dev/zero")
+    past = tmp_path / "kallsyms"
+    with open(past, "wb") as f:
+        f.write(b"ffffffff81000000 T _stext\n")
+        f.truncate(MAX_KALLSYMS_BYTES + 1)                  # sparse: no disk taken
+    with pytest.raises(MalformedImage, match="longer than"):
+        load_kallsyms(past)
+
+
 def test_missing_file_is_an_image_error(tmp_path: Path) -> None:
     with pytest.raises(ImageError, match="cannot read"):
         load_image(tmp_path / "nope.elf")

@@ -24,6 +24,10 @@ from ksim.image.model import Section, Symbol
 
 _LINE = re.compile(r"^([0-9a-fA-F]{1,16})\s+([A-Za-z?])\s+(\S+)(?:\s+\[(\S+)\])?\s*$")
 #: kallsyms type letters that mark code (upper case: global; lower case: local)
+#: bytes of a kallsyms file read at most (a distribution kernel's /proc/kallsyms with
+#: its modules is some 20 MB; /dev/zero was read until a MemoryError)
+MAX_KALLSYMS_BYTES = 256 << 20
+
 _TEXT_TYPES = frozenset("TtWw")
 _ABS_TYPES = frozenset("Aa")
 
@@ -73,7 +77,11 @@ def load_kallsyms(
     source = str(symbols_path)
     try:
         with open(symbols_path, "rb") as f:
-            text = f.read().decode("utf-8")
+            raw = f.read(MAX_KALLSYMS_BYTES + 1)
+        if len(raw) > MAX_KALLSYMS_BYTES:
+            raise MalformedImage(f"{source}: longer than {MAX_KALLSYMS_BYTES:,} bytes: no "
+                                 "kallsyms list is")
+        text = raw.decode("utf-8")
     except OSError as exc:
         raise ImageError(f"cannot read symbol file {source!r}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
