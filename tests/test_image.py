@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import struct
 import subprocess
@@ -149,6 +150,16 @@ def test_a_kallsyms_file_without_an_end_is_refused_at_the_bound(tmp_path: Path) 
         f.truncate(MAX_KALLSYMS_BYTES + 1)                  # sparse: no disk taken
     with pytest.raises(MalformedImage, match="longer than"):
         load_kallsyms(past)
+
+
+def test_a_fifo_or_a_directory_is_an_image_error_at_once(tmp_path: Path) -> None:
+    """A FIFO without a writer: open() waited forever (the command hung)."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ImageError, match="a FIFO, socket or block device, not a file"):
+        load_image(fifo)
+    with pytest.raises(ImageError, match="a directory, not a file"):
+        load_image(tmp_path)
 
 
 def test_missing_file_is_an_image_error(tmp_path: Path) -> None:

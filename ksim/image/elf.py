@@ -28,6 +28,7 @@ with the relocation types the architecture's module loader declares.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 from pathlib import Path
 from typing import BinaryIO
@@ -76,8 +77,14 @@ def load_image(path: str | os.PathLike[str]) -> Image:
     """Load an ELF kernel (x86-64 or AArch64) or a module (of an architecture with a
     module loader: x86-64) from ``path``."""
     try:
-        with open(path, "rb") as stream:
-            return _load(stream, os.fstat(stream.fileno()).st_size, str(path))
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO opens at once, writer or not
+        mode = os.fstat(fd).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISCHR(mode)):
+            os.close(fd)
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO, socket or block device"
+            raise ImageError(f"cannot read image {str(path)!r}: {kind}, not a file")
+        with open(fd, "rb") as stream:
+            return _load(stream, os.fstat(fd).st_size, str(path))
     except OSError as exc:
         raise ImageError(f"cannot read image {str(path)!r}: {exc.strerror or exc}") from exc
 
