@@ -117,6 +117,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"ksim: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        if getattr(args, "json", False):
+            emit_json({"error": "interrupted", "message": "interrupted (SIGINT)"})
         print("ksim: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:

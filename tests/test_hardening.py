@@ -566,3 +566,29 @@ def test_bench_refuses_an_output_file_it_cannot_write_before_running(tmp_path, c
     assert flag in json.loads(out)["message"] and not (tmp_path / "none").exists()
     status, out, err = _cli(["bench", "sizes", "--smoke", "--no-progress", flag, path], capsys)
     assert status == 2 and not out and err.startswith(f"ksim: error: {flag} ")
+
+
+def test_an_interrupt_is_a_json_error_record_under_json(tmp_path):
+    """Ctrl-C while ksim waits (here for a server that accepted and never answers):
+    exit status 130, and under --json its record on stdout (it printed none)."""
+    import socket
+    import sys
+
+    token = tmp_path / "token"
+    token.write_text("ab" * 16)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ksim.cli", "kept", "--target", f"live://127.0.0.1:{port}",
+             "--token-file", str(token), "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        conn, _ = server.accept()
+        with conn:
+            conn.settimeout(30)
+            assert conn.recv(1)                 # the client asked: it waits for the answer
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and b"Traceback" not in err
+    assert json.loads(out)["error"] == "interrupted"
