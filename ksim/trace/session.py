@@ -725,13 +725,16 @@ class TraceSession:
                 # a batch names each address once: an entry and an exit point at one
                 # address (a return hooked at the entry) go in batches of their own
                 batches: list[list[Any]] = []
+                taken: list[set[int]] = []      # each batch's addresses
                 for p in points:
-                    for batch in batches:
-                        if all(q.address != p.address for q in batch):
+                    for batch, addresses in zip(batches, taken, strict=True):
+                        if p.address not in addresses:
                             batch.append(p)
+                            addresses.add(p.address)
                             break
                     else:
                         batches.append([p])
+                        taken.append({p.address})
                 for batch in batches:
                     refused: dict[int, str] = {}
                     self.handles += self.m.insert_many(
