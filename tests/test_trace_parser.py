@@ -256,6 +256,51 @@ def test_bad_integer_literals_are_syntax_errors(text, words):
     assert len(err.message) < 200 and (err.loc.line, err.loc.col) == (1, 13)
 
 
+@pytest.mark.parametrize("text,words", [
+    ("-9223372036854775809", "'-9223372036854775809' is too small (the smallest is "
+     "-9223372036854775808)"),
+    ("-0x8000000000000001", "'-9223372036854775809' is too small"),
+    ("-18446744073709551615", "is too small"), ("-1e19", "is too small"),
+])
+def test_negated_literals_below_64_bits_are_syntax_errors(text, words):
+    """-18446744073709551615 was masked to 1, where 18446744073709551616 is refused."""
+    err = error_of(f"BEGIN {{ @ = 1 + {text}; }}")
+    assert isinstance(err, TraceSyntaxError) and words in err.message
+    assert (err.loc.line, err.loc.col, err.loc.end) == (1, 17, 17 + len(text))
+    smallest = parse("BEGIN { @ = -9223372036854775808; }").probes[0].body[0].value
+    assert isinstance(smallest, t.Unary) and smallest.operand.value == 1 << 63
+
+
+@pytest.mark.parametrize("param,words", [
+    ("-99999999999999999999999999", "is too small (the smallest is -9223372036854775808)"),
+    ("-9223372036854775809", "is too small"), ("-" + "9" * 5000, "is too small"),
+    ("18446744073709551616", "is too large (the largest is 18446744073709551615)"),
+    ("0x10000000000000000", "is too large"), ("9" * 5000, "is too large"),
+])
+def test_parameters_outside_64_bits_are_syntax_errors(param, words):
+    """$1 below -2**63 was masked to a positive number, one above 2**64 - 1 to any."""
+    source = "kprobe:f { if ($1 > 0) { @ = count(); } }"
+    with pytest.raises(TraceSyntaxError) as info:
+        parse(source, params=(param,))
+    err = info.value.located(source, "stdin")
+    assert f"parameter $1 ('{param[:20]}" in err.message and words in err.message
+    assert len(err.message) < 200 and (err.loc.line, err.loc.col) == (1, 16)
+    with pytest.raises(TraceSyntaxError, match=f"option --n={param[:20]}.* {words[:12]}"):
+        parse('BEGIN { @ = getopt("n", 1); }', params=(f"--n={param}",))
+
+
+@pytest.mark.parametrize("param,value", [
+    ("-9223372036854775808", 1 << 63), ("-1", (1 << 64) - 1), ("18446744073709551615",
+                                                               (1 << 64) - 1), ("0x10", 16),
+])
+def test_parameters_within_64_bits_are_their_twos_complement(param, value):
+    p = parse('BEGIN { @ = $1 + getopt("n", 1); }', params=(param, f"--n={param}"))
+    assert p.probes[0].body[0].value.left.value == value
+    assert p.probes[0].body[0].value.right.value == value
+    assert isinstance(parse("BEGIN { @ = $1; }", params=("9" * 20 + "x",)).probes[0].body[0].value,
+                      t.Str)
+
+
 def test_positional_parameters_past_any_given_are_missing():
     p = parse("BEGIN { @ = $" + "9" * 5000 + " + $1; }", params=("5",))
     assert p.probes[0].body[0].value.left.value == 0 and p.probes[0].body[0].value.right.value == 5

@@ -52,6 +52,9 @@ NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 NUMBER = re.compile(r"0[xX][0-9a-fA-F_]+|[0-9][0-9_]*(?:[eE][0-9]+)?")
 #: the largest integer literal (bpftrace's literals are 64-bit unsigned)
 MAX_INT = (1 << 64) - 1
+#: the smallest value a negated literal or a parameter may have (64-bit signed): below
+#: it, masking to 64 bits made a positive number
+MIN_INT = -(1 << 63)
 #: binary operators by precedence level, loosest first
 LEVELS: tuple[tuple[str, ...], ...] = (
     ("||",), ("&&",), ("|",), ("^",), ("&",), ("==", "!="), ("<", "<=", ">", ">="), ("<<", ">>"),
@@ -141,9 +144,7 @@ def integer(text: str, loc: Loc) -> int:
     a leading ``0`` octal (``007``), ``_`` separators, ``1e6`` a decimal coefficient
     times a power of ten; at most 64 bits."""
     digits = text.replace("_", "")
-    shown = text if len(text) <= 40 else text[:20] + "..." + text[-8:]
-    too_large = TraceSyntaxError(f"integer literal {shown!r} is too large (the largest is "
-                                 f"{MAX_INT})", loc)
+    too_large = out_of_range(f"integer literal {_shown(text)!r}", MAX_INT + 1, loc)
     if digits[:2] in ("0x", "0X"):
         body, base, exp = digits[2:], 16, ""
     else:
@@ -161,6 +162,36 @@ def integer(text: str, loc: Loc) -> int:
     if value > MAX_INT:
         raise too_large
     return value
+
+
+def _shown(text: str) -> str:
+    return text if len(text) <= 40 else text[:20] + "..." + text[-8:]
+
+
+def out_of_range(what: str, value: int, loc: Loc | None) -> TraceSyntaxError:
+    """The error for ``what`` (a literal, a parameter) whose ``value`` is outside
+    MIN_INT..MAX_INT: 64 bits hold neither."""
+    side = (f"too large (the largest is {MAX_INT})" if value > MAX_INT
+            else f"too small (the smallest is {MIN_INT})")
+    return TraceSyntaxError(f"{what} is {side}", loc)
+
+
+def number_of(text: str) -> int | None:
+    """The integer parameter or option ``text`` reads as (``int(text, 0)``), None if it
+    reads as none; a decimal past Python's limit on digits (4,300) is past 64 bits."""
+    try:
+        return int(text, 0)
+    except ValueError:
+        if re.fullmatch(r"\s*[+-]?[1-9][0-9_]*\s*", text) is None:
+            return None
+        return MIN_INT - 1 if text.strip().startswith("-") else MAX_INT + 1
+
+
+def in_range(value: int, what: str, loc: Loc | None) -> int:
+    """``value`` as 64 bits (a negative one in two's complement), if it fits."""
+    if not MIN_INT <= value <= MAX_INT:
+        raise out_of_range(what, value, loc)
+    return value & MAX_INT
 
 
 class TraceLimit(TraceUnsupported):
@@ -804,11 +835,10 @@ class Parser:
             return t.Str(call.loc, given)
         if given.lower() in ("true", "false"):
             return t.Int(call.loc, int(given.lower() == "true"))
-        try:
-            return t.Int(call.loc, int(given, 0) & MAX_INT)
-        except ValueError:
-            raise TraceSemanticError(f"option --{name}={given}: expecting an integer",
-                                     call.loc) from None
+        value = number_of(given)
+        if value is None:
+            raise TraceSemanticError(f"option --{name}={given}: expecting an integer", call.loc)
+        return t.Int(call.loc, in_range(value, f"option --{name}={_shown(given)}", call.loc))
 
     def type_text(self, stop: tuple[str, ...]) -> str:
         """A type's C spelling, up to one of ``stop``."""
@@ -970,6 +1000,10 @@ class Parser:
             break
         operand = self.postfix(self.primary())
         for tok in reversed(prefixes):
+            if tok.text == "-" and type(operand) is t.Int and operand.value > -MIN_INT:
+                # -9223372036854775809 does not fit 64 bits, as 18446744073709551616 does not
+                raise out_of_range(f"integer literal '-{operand.value}'", -operand.value,
+                                   tok.loc.to(operand.loc))
             operand = t.Deref(tok.loc.to(operand.loc), operand) if tok.text == "*" else \
                 t.Unary(tok.loc.to(operand.loc), tok.text, operand)
         return operand
@@ -1138,10 +1172,11 @@ class Parser:
         if n == 0:
             raise TraceSemanticError("$0 is not a positional parameter (they start at $1)", tok.loc)
         value = self.params[n - 1] if n <= len(self.params) else ""
-        try:
-            return t.Param(tok.loc, int(value, 0) & MAX_INT, value)
-        except ValueError:
+        number = number_of(value)
+        if number is None:
             return t.Str(tok.loc, value) if value else t.Param(tok.loc, 0, "")
+        return t.Param(tok.loc, in_range(number, f"parameter {tok.text} ({_shown(value)!r})",
+                                         tok.loc), value)
 
     def expand(self, name: Token, text: str) -> t.Expr:
         """An object-like macro's replacement, parsed as an expression located at its
