@@ -16,6 +16,7 @@ count is the sum of the two kernels' own kprobes' hits, and so is the scrape's.
 from __future__ import annotations
 
 import json
+import os
 import re
 import socket
 import urllib.request
@@ -131,6 +132,37 @@ def test_targets_and_fleet_files_name_hosts(tmp_path) -> None:
                  "unicorn:toy\n")
     assert read_fleet(str(f)) == [("live://10.0.0.1:7070", "/etc/t1"),
                                   ("live://10.0.0.2:7070", None), ("unicorn:toy", None)]
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "long"])
+def test_a_fleet_file_longer_than_the_bound_is_a_trace_limit(tmp_path, capsys, source) -> None:
+    """/dev/zero was read until a MemoryError; a file is read up to the bound, then
+    refused with its name."""
+    from ksim.trace.fleet import MAX_FLEET_BYTES
+
+    if source == "long":
+        path = tmp_path / "fleet"
+        path.write_text("unicorn:toy\n" + "\n" * MAX_FLEET_BYTES)
+        source = str(path)
+    assert main(["trace", "-e", "BEGIN { exit(); }", "--fleet", source, "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"] == "trace-limit"
+    assert f"the fleet file {source} is longer than {MAX_FLEET_BYTES:,} bytes" in doc["message"]
+    fits = tmp_path / "fits"
+    fits.write_text("unicorn:toy" + " " * (MAX_FLEET_BYTES - 11))
+    assert read_fleet(str(fits)) == [("unicorn:toy", None)]
+
+
+def test_a_fifo_without_a_writer_is_a_fleet_of_no_host(tmp_path) -> None:
+    """open() waited for a writer forever (the command hung); it reads as empty."""
+    from ksim.trace.errors import TraceError
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(TraceError, match="names no host"):
+        read_fleet(str(fifo))
+    with pytest.raises(TraceError, match="cannot read the fleet file"):
+        read_fleet(str(tmp_path))
 
 
 # --- a fleet of emulated kernels ----------------------------------------------------------

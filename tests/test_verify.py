@@ -5,6 +5,7 @@ and the errors bad input gets (tests/test_verify_ray.py runs it on Ray)."""
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -285,6 +286,26 @@ def test_a_program_bad_or_unsupported(capsys, tmp_path):
     status = main(["verify", "--image", "toy", "--program", str(tmp_path / "none.bt"), "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert status == 2 and doc["error"] == "bad-case"
+
+
+@pytest.mark.parametrize("source", ["/dev/zero", "long", "fifo"])
+def test_a_program_longer_than_the_bound_or_a_fifo_is_a_bad_case(capsys, tmp_path, source):
+    """/dev/zero was read until a MemoryError, a FIFO without a writer waited for one
+    (the command hung): a file is read up to ksim trace's bound, a FIFO to its end."""
+    from ksim.commands.trace import MAX_PROGRAM_BYTES
+
+    if source == "long":
+        path = tmp_path / "long.bt"
+        path.write_text("kprobe:do_syscall_64 { @ = count(); }\n" + "\n" * MAX_PROGRAM_BYTES)
+        source = str(path)
+    elif source == "fifo":
+        source = str(tmp_path / "fifo")
+        os.mkfifo(source)
+    status = main(["verify", "--image", "toy", "--program", source, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert status == 2 and doc["error"] == "bad-case"
+    assert (f"'{source}': longer than {MAX_PROGRAM_BYTES:,} bytes" in doc["message"]
+            if "fifo" not in source else "nothing is spliced" in doc["message"]), doc
 
 
 def test_a_program_points(capsys, tmp_path):

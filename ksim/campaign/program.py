@@ -16,7 +16,7 @@ live elsewhere.
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
+import os
 
 from ksim.analysis.points import PointKind
 from ksim.campaign.cases import Target, point_name
@@ -33,12 +33,21 @@ SUPPORTED = ("kprobe", "kretprobe")
 
 def program_targets(path: str, facts: SiteFacts) -> list[Target]:
     """The points the program at ``path`` splices (see the module doc)."""
+    from ksim.commands.trace import MAX_PROGRAM_BYTES
     from ksim.trace.parser import parse
 
     try:
-        source = Path(path).read_text()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO opens at once, writer or not
+        os.set_blocking(fd, True)       # and reads as empty without one (its end)
+        with open(fd, "rb") as stream:
+            raw = stream.read(MAX_PROGRAM_BYTES + 1)     # /dev/zero was read until a MemoryError
     except OSError as exc:
         raise BadCase(f"--program {path!r}: {exc.strerror or exc}") from None
+    if len(raw) > MAX_PROGRAM_BYTES:
+        raise BadCase(f"--program {path!r}: longer than {MAX_PROGRAM_BYTES:,} bytes (ksim trace "
+                      "reads no longer program)")
+    try:
+        source = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise BadCase(f"--program {path!r}: not UTF-8 text") from None
     program = parse(source, path)

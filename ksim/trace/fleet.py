@@ -34,6 +34,7 @@ names and addresses are its own kernel's.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -104,14 +105,25 @@ def parse_targets(text: str) -> list[tuple[str, str | None]]:
     return [(s, None) for s in specs]
 
 
+#: bytes of a fleet file read at most (some 30,000 hosts; a file without an end,
+#: /dev/zero, was read until a MemoryError)
+MAX_FLEET_BYTES = 1 << 20
+
+
 def read_fleet(path: str) -> list[tuple[str, str | None]]:
     """A fleet file: one host a line, ``ADDRESS [TOKEN_FILE]`` (an address without a
     scheme is ``live://ADDRESS``); blank lines and ``#`` comments are skipped."""
     from .errors import TraceError
+    from .parser import TraceLimit
 
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)   # a FIFO opens at once, writer or not
+        os.set_blocking(fd, True)       # and reads as empty without one (its end)
+        with open(fd, "rb") as f:
+            raw = f.read(MAX_FLEET_BYTES + 1)
+        if len(raw) > MAX_FLEET_BYTES:
+            raise TraceLimit(f"the fleet file {path} is longer than {MAX_FLEET_BYTES:,} bytes")
+        lines = raw.decode("utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise TraceError(f"cannot read the fleet file {path}: {exc}") from None
     out: list[tuple[str, str | None]] = []
@@ -719,6 +731,6 @@ class FleetResult:
         return max((r.report or {}).get("exit_code", 0) for r in self.ok)
 
 
-__all__ = ["Fleet", "FleetResult", "FleetSession", "Host", "MapSnapshot", "Options", "Sink",
-           "hosts", "label_of", "map_output", "maps_json", "merge_snapshots", "merge_value",
-           "parse_targets", "printable", "read_fleet", "snapshot"]
+__all__ = ["MAX_FLEET_BYTES", "Fleet", "FleetResult", "FleetSession", "Host", "MapSnapshot",
+           "Options", "Sink", "hosts", "label_of", "map_output", "maps_json", "merge_snapshots",
+           "merge_value", "parse_targets", "printable", "read_fleet", "snapshot"]
