@@ -125,6 +125,30 @@ def test_build_failure_carries_compiler_output(monkeypatch, tmp_path):
         images.build("broken")
 
 
+@pytest.mark.parametrize("where", ["a file", "under a file", "an images file"])
+def test_a_cache_that_cannot_be_written_is_an_image_build_error(monkeypatch, tmp_path, capsys,
+                                                                where):
+    """KSIM_CACHE a regular file (NotADirectoryError) or a directory that cannot be
+    made (FileExistsError) ended in a traceback: it is an ImageBuildError naming the
+    path, and a command's error record."""
+    import json
+
+    from ksim.cli import main
+
+    plain = tmp_path / "plain"
+    plain.write_text("")
+    cache = {"a file": plain, "under a file": plain / "cache", "an images file": tmp_path}[where]
+    if where == "an images file":
+        (tmp_path / "images").write_text("")
+    monkeypatch.setenv("KSIM_CACHE", str(cache))
+    with pytest.raises(ImageBuildError, match=f"in the cache {re.escape(str(cache))} .*"
+                       f": {re.escape(str(cache / 'images'))}: (Not a directory|File exists)"):
+        images.build("toy")
+    assert main(["count", "tcp_sync_mss", "--json"]) == 2
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["error"] == "image-build" and str(cache) in doc["message"]
+
+
 @pytest.mark.slow
 def test_concurrent_builds_share_one_result(tmp_path):
     """Two processes building at once into an empty cache: one builds, the other

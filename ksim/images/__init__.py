@@ -139,6 +139,19 @@ def build(name: str, force: bool = False) -> Path:
     elf = out / spec.elf_name
     if elf.is_file() and not force:
         return elf
+    try:
+        return _build_locked(spec, out, force)
+    except OSError as exc:
+        # KSIM_CACHE a regular file, a directory that cannot be created or written
+        raise ImageBuildError(f"cannot build image {name!r} in the cache {cache_root()} "
+                              f"($KSIM_CACHE, else ~/.cache/ksim): {exc.filename or out}: "
+                              f"{exc.strerror or exc}") from exc
+
+
+def _build_locked(spec: ImageSpec, out: Path, force: bool) -> Path:
+    """``build``'s make into ``out``, under the build's lock (OSError: the cache
+    cannot be written)."""
+    elf = out / spec.elf_name
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / f"{out.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
@@ -152,11 +165,11 @@ def build(name: str, force: bool = False) -> Path:
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
         except OSError as exc:
-            raise ImageBuildError(f"cannot run make for image {name!r}: {exc}") from exc
+            raise ImageBuildError(f"cannot run make for image {spec.name!r}: {exc}") from exc
         built = obj / spec.elf_name
         if proc.returncode != 0 or not built.is_file():
             err = ImageBuildError(
-                f"building image {name!r} failed (make exited {proc.returncode}):\n"
+                f"building image {spec.name!r} failed (make exited {proc.returncode}):\n"
                 f"{(proc.stdout + proc.stderr)[-4000:]}")
             err.output = proc.stdout + proc.stderr  # type: ignore[attr-defined]
             raise err
