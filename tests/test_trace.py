@@ -386,3 +386,28 @@ def test_a_program_file_longer_than_the_bound_is_a_trace_limit(tmp_path, capsys,
     fits.write_text("BEGIN { exit(); }" + " " * (MAX_PROGRAM_BYTES - 17))
     assert main(["trace", str(fits)]) == 0
     assert capsys.readouterr().out.startswith("Attaching 1 probe")
+
+
+def test_a_program_fifo_without_a_writer_does_not_hang(tmp_path, capsys):
+    """A FIFO nobody writes reads as an empty program at once (open() waited for a
+    writer forever); a pipe with a program in it is read like a file."""
+    import os
+    import threading
+
+    fifo = tmp_path / "prog.bt"
+    os.mkfifo(fifo)
+    done = threading.Event()
+    status: list[int] = []
+    threading.Thread(target=lambda: (status.append(main(["trace", str(fifo), "--json"])),
+                                     done.set()), daemon=True).start()
+    assert done.wait(60), "ksim trace waited for a writer"
+    capsys.readouterr()
+    # a pipe with a program in it (what ``ksim trace <(...)`` names) is read whole
+    r, w = os.pipe()
+    os.write(w, b'BEGIN { printf("from a pipe\\n"); exit(); }')
+    os.close(w)
+    try:
+        assert main(["trace", f"/dev/fd/{r}"]) == 0
+    finally:
+        os.close(r)
+    assert "from a pipe" in capsys.readouterr().out

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -117,7 +118,9 @@ def source_of(args: argparse.Namespace) -> tuple[str, str]:
     from ksim.trace.parser import TraceLimit
 
     try:
-        with open(args.file, "rb") as f:
+        fd = os.open(args.file, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO opens at once, writer or not
+        os.set_blocking(fd, True)       # and reads as empty without one (its end)
+        with open(fd, "rb") as f:
             raw = f.read(MAX_PROGRAM_BYTES + 1)
     except OSError as exc:
         raise TraceError(f"cannot read {args.file}: {exc.strerror}") from None
