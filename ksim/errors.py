@@ -51,6 +51,12 @@ class BadArgument(KsimError, ValueError):
     code = "bad-argument"
 
 
+class Detached(KsimError):
+    """A Manager used after detach(): its target is gone (attach again)."""
+
+    code = "detached"
+
+
 class PointSyntaxError(BadArgument):
     """A point named in text (``ksim count FUNC``: NAME, NAME+OFFSET, an address or
     a wildcard) that does not follow that grammar: the message says where."""

@@ -35,6 +35,7 @@ from ksim.errors import (
     AlreadySpliced,
     BadArgument,
     BlockInUse,
+    Detached,
     DuplicateHandle,
     HandlerUnsupported,
     KsimError,
@@ -98,6 +99,8 @@ class CodeBlock:
     """Code the Manager placed in the patch area for a user (a component)."""
 
     block: int
+    #: the bytes reserved at ``block``: fill_code's code lies inside them
+    reserved: int = 0
     base: int = 0
     size: int = 0
     old: bytes = b""
@@ -111,6 +114,7 @@ class Manager:
         self.target = target
         self.arch: Arch = target.arch
         self.capabilities = caps = target.capabilities
+        self._detached = False
         # a target that can ask the kernel itself which text may be touched (a live
         # kernel) answers for every function analysed; emulated kernels have only
         # their image's tables, which SiteFacts reads itself
@@ -120,12 +124,15 @@ class Manager:
         arch = self.arch
         #: patch code and heap variables are placed by the Manager inside areas the
         #: target hands out (ksim.splice.areas): planning costs no request
-        self._code = Areas("patch area", target.alloc_code, target.free_code,
-                           chunk=caps.code_chunk, align=16, read=target.read,
+        #: (a detached Manager's areas take nothing more: _live)
+        self._code = Areas("patch area", lambda n, near: self._live().alloc_code(n, near),
+                           lambda a: self.target.free_code(a),
+                           chunk=caps.code_chunk, align=16,
+                           read=lambda a, n: self.target.read(a, n),
                            reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
                                                          and arch.jmp_reaches(hi, near)))
-        self._data = Areas("data heap", lambda n, _near: target.alloc_data(n, 64),
-                           target.free_data, chunk=caps.data_chunk, align=8)
+        self._data = Areas("data heap", lambda n, _near: self._live().alloc_data(n, 64),
+                           lambda a: self.target.free_data(a), chunk=caps.data_chunk, align=8)
         self._splices: dict[int, _Splice] = {}
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))
@@ -156,7 +163,11 @@ class Manager:
     def detach(self, *, keep: bool = False) -> None:
         """Remove every snippet and let the target go.  With ``keep`` the splices
         stay in the kernel after the client has gone (a live daemon is told so;
-        otherwise it undoes a client's splices when it disconnects)."""
+        otherwise it undoes a client's splices when it disconnects).  Afterwards
+        the Manager changes nothing more (Detached: no splice, allocation, write or
+        run; what it reads still reads); detaching again does nothing."""
+        if self._detached:
+            return
         try:
             if keep:
                 if self.capabilities.keep:
@@ -166,6 +177,7 @@ class Manager:
                 self._data.release_all()
                 self._code.release_all()
         finally:
+            self._detached = True
             self.target.close()
 
     def __enter__(self) -> Manager:
@@ -311,7 +323,7 @@ class Manager:
     def write(self, var: ast.Var, value: int) -> None:
         var, value = _var(var), _int(value, "the value written")
         self._check_held(var.address, var.size, f"write of a {var.size}-byte Var")
-        self.target.write(var.address, (value % (1 << (8 * var.size))).to_bytes(var.size, "little"))
+        self._live().write(var.address, (value % (1 << (8 * var.size))).to_bytes(var.size, "little"))
 
     def copy_from_kernel(self, address: int, size: int) -> bytes:
         return self.target.read(address, size)
@@ -327,7 +339,7 @@ class Manager:
         if not data:
             return
         self._check_held(address, len(data), f"copy_to_kernel of {len(data)} bytes")
-        self.target.write(address, data)
+        self._live().write(address, data)
 
     def _check_held(self, address: int, size: int, what: str) -> None:
         """OutsideHeapBlock unless [address, address + size) lies in one heap block
@@ -483,7 +495,7 @@ class Manager:
         planner.check_point(self.arch, req)
         patch = Patch(point.address, "call", 0, b"", (Write(point.address, insn.raw, new),))
         handle = Handle(next(self._ids), point, callee=to)
-        self.target.apply(Change(text=patch.writes))
+        self._live().apply(Change(text=patch.writes))
         self._own(patch, point.address)
         self._splices[point.address] = _Splice(point, "call", patch, [handle])
         return handle
@@ -613,28 +625,44 @@ class Manager:
         return {a: (s.tactic, len(s.handles)) for a, s in self._splices.items()}
 
     def patch_of(self, handle: Handle) -> Patch:
-        return self._splices[handle.point.address].patch
+        current = self._splices.get(_handle(handle).point.address)
+        if current is None or not any(h is handle for h in current.handles):
+            raise UnknownHandle(f"handle {handle.id} is not inserted")
+        return current.patch
 
     # --- code blocks (components) -------------------------------------------------
     def reserve_code(self, size: int, *, near: int | None = None) -> CodeBlock:
         """Patch-area memory for code the user links (fill it with fill_code)."""
-        near = self.target.image.functions[0].address if near is None else near
-        block = CodeBlock(self.target.alloc_code(size, near=near))
+        size = _int(size, "reserve_code's size")
+        if size <= 0:
+            raise BadArgument(f"reserve_code's size must be positive, not {size}")
+        near = self.target.image.functions[0].address if near is None else \
+            _int(near, "reserve_code's near")
+        block = CodeBlock(self._live().alloc_code(size, near=near), reserved=size)
         self._blocks[block.block] = block
         return block
 
     def fill_code(self, block: CodeBlock, base: int, code: bytes, *,
                   entries: frozenset[int] = frozenset()) -> None:
         """Put ``code`` at ``base`` (inside ``block``), once."""
+        block = _code_block(block)
         if self._blocks.get(block.block) is not block or block.filled:
             raise UnknownHandle(f"code block {block.block:#x} is not reserved and empty")
+        base = _int(base, "fill_code's base")
+        if not isinstance(code, bytes | bytearray) or not code:
+            raise BadArgument(f"fill_code's code must be bytes, not {_shown(code)}")
+        code = bytes(code)
+        if not block.block <= base <= base + len(code) <= block.block + block.reserved:
+            raise BadArgument(f"[{base:#x}, {base + len(code):#x}) is not inside code block "
+                              f"[{block.block:#x}, {block.block + block.reserved:#x})")
         old = self.target.read(base, len(code))
-        self.target.apply(Change(code=(Write(base, old, code),)))
+        self._live().apply(Change(code=(Write(base, old, code),)))
         block.base, block.size, block.old, block.entries = base, len(code), old, entries
         block.filled = True
 
     def release_code(self, block: CodeBlock) -> None:
         """Restore and free a block; refused while a splice still goes into it."""
+        block = _code_block(block)
         if self._blocks.get(block.block) is not block:
             raise UnknownHandle(f"code block {block.block:#x} is not reserved")
         for splice in self._splices.values():
@@ -647,7 +675,7 @@ class Manager:
             del self._calls[address]
         if block.filled:
             code = self.target.read(block.base, block.size)
-            self.target.apply(Change(code=(Write(block.base, code, block.old),)))
+            self._live().apply(Change(code=(Write(block.base, code, block.old),)))
         self.target.free_code(block.block)
         del self._blocks[block.block]
 
@@ -663,7 +691,7 @@ class Manager:
 
         # --- running ------------------------------------------------------------------
     def run(self, **options: Any) -> RunResult:
-        return self.target.run(**options)
+        return self._live().run(**options)
 
     @contextmanager
     def oracle(self, address: int) -> Iterator[Any]:
@@ -674,6 +702,13 @@ class Manager:
             counter.close()
 
     # --- internals ------------------------------------------------------------------
+    def _live(self) -> Target:
+        """The target, to change or run it: refused once the Manager is detached."""
+        if self._detached:
+            raise Detached("this Manager is detached from its target: it changes nothing "
+                           "more (attach again with Manager.attach)")
+        return self.target
+
     def _busy(self, exclude: int | None = None) -> _Busy:
         """The text bytes splices overwrote, except those of the splice at ``exclude``."""
         return _Busy(self._owners, exclude)
@@ -833,7 +868,7 @@ class Manager:
         unhook: list[Callable[[], None]] = []
         try:
             unhook = self._hooks(new, handles)
-            self.target.apply(change)
+            self._live().apply(change)
         except BaseException:
             for undo in unhook:
                 undo()
@@ -849,7 +884,7 @@ class Manager:
     def _commit_many(self, block: int, patches: Sequence[Patch], handles: Sequence[Handle]) -> None:
         """Put fresh patches in (no splice at their points yet) as one Change."""
         code = self._code_writes(patches)
-        self.target.apply(Change(code=code, routes=tuple(r for p in patches for r in p.routes),
+        self._live().apply(Change(code=code, routes=tuple(r for p in patches for r in p.routes),
                                  text=tuple(w for p in patches for w in p.writes)))
         self._code.wrote(code)
         for p, h in zip(patches, handles, strict=True):
@@ -878,7 +913,7 @@ class Manager:
     def _unsplice(self, splices: Sequence[_Splice]) -> None:
         """Take ``splices`` out whole, as one Change: their text restored, then their
         routes cleared; then forget them."""
-        self.target.apply(Change(routes=tuple((site, 0) for s in splices for site, _ in s.patch.routes),
+        self._live().apply(Change(routes=tuple((site, 0) for s in splices for site, _ in s.patch.routes),
                                  text=tuple(w for s in splices for w in s.patch.undo)))
         for splice in splices:
             self._retire(splice)
@@ -946,6 +981,12 @@ def _point(point: Any) -> Point:
         raise BadArgument(f"expected a Point (from entry_point, point_at, ...), not "
                           f"{_shown(point)}")
     return point
+
+
+def _code_block(block: Any) -> CodeBlock:
+    if not isinstance(block, CodeBlock):
+        raise BadArgument(f"expected a CodeBlock (from reserve_code), not {_shown(block)}")
+    return block
 
 
 def _handle(handle: Any) -> Handle:

@@ -37,6 +37,7 @@ from ksim.errors import (
     UnknownPolicy,
     WriteOutsideHeap,
 )
+from ksim.kapi import Manager
 from ksim.snippets import ast
 
 
@@ -182,6 +183,12 @@ def test_remove_many_refuses_a_duplicate_before_removing_anything(m):
     lambda m: m.allow_calls(True),
     lambda m: m.allow_calls(1.5),
     lambda m: m.divert(m.entry_point("tcp_sync_mss"), "x"),
+    lambda m: m.reserve_code(0),
+    lambda m: m.reserve_code(-1),
+    lambda m: m.reserve_code(64, near="x"),
+    lambda m: m.patch_of(None),
+    lambda m: m.release_code(None),
+    lambda m: m.fill_code(None, 0, b"\xc3"),
 ], ids=lambda _: "")
 def test_bad_arguments_are_bad_argument_errors_and_change_nothing(m, call):
     before = state(m)
@@ -189,6 +196,38 @@ def test_bad_arguments_are_bad_argument_errors_and_change_nothing(m, call):
         call(m)
     assert "must" in str(info.value) or "expected" in str(info.value) or "named" in str(info.value)
     assert state(m) == before
+
+
+def test_fill_code_writes_only_inside_its_block(m):
+    """Code given to fill_code lies inside the block reserve_code gave: kernel text,
+    another block or the bytes after the block are refused, and nothing is written."""
+    block = m.reserve_code(64)
+    entry = m.entry_point("tcp_sync_mss").address
+    before = state(m)
+    for base, code in ((entry, b"\xcc" * 4), (block.block + 62, b"\x90" * 4),
+                       (block.block - 1, b"\x90" * 2), (block.block, b""),
+                       (block.block, "\xc3")):
+        with pytest.raises(BadArgument):
+            m.fill_code(block, base, code)
+        assert state(m) == before
+    m.fill_code(block, block.block + 60, b"\xc3" * 4)
+    assert m.target.read(block.block + 60, 4) == b"\xc3" * 4
+    m.release_code(block)
+
+
+def test_a_detached_manager_refuses_to_be_used(toy_path):
+    """After detach every use of the target is Detached (it kept working on the
+    emulators); detaching again does nothing."""
+    from ksim.errors import Detached
+
+    mgr = Manager.attach("unicorn:toy")
+    point = mgr.entry_point("tcp_sync_mss")
+    mgr.detach()
+    for call in (lambda: mgr.malloc(), lambda: mgr.insert_snippet(point, ast.Seq(())),
+                 lambda: mgr.run(iterations=1), lambda: mgr.reserve_code(16)):
+        with pytest.raises(Detached, match="detached"):
+            call()
+    mgr.detach()
 
 
 @pytest.mark.parametrize("address", [ast.Arg(0), "x", 1.5, True, -8, 1 << 64])
