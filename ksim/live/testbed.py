@@ -672,6 +672,18 @@ ip link set eth0 up
 ip addr add 10.0.2.15/24 dev eth0
 ip route add default via 10.0.2.2
 echo 0 > /proc/sys/kernel/kptr_restrict
+# A network device that stalls (virtio_net's "TX timeout", seen under the heaviest
+# test load) cuts the host off, and says nothing of why: the first one dumps every
+# CPU's backtrace and the blocked tasks into the console log (the guest's
+# console.log in the testbed's directory)
+echo 1 > /proc/sys/kernel/sysrq
+(while sleep 15; do
+    if dmesg | grep -q "TX timeout"; then
+        echo "ksim-init: the network stalled: every CPU's backtrace and blocked tasks follow"
+        echo l > /proc/sysrq-trigger; echo w > /proc/sysrq-trigger; sleep 2
+        dmesg | tail -n 600; break
+    fi
+done) &
 """
 
 #: what every guest's init does last: kerninstd (@ENV@: how it is started, in the
