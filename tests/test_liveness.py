@@ -279,22 +279,17 @@ def test_oracle_toy(data: st.DataObject, args: list[int], seed: int) -> None:
 
 
 def _walked(lv) -> dict[int, frozenset[str]]:
-    """The fixed point found by walking every block's instructions each time it is
-    visited (the plain algorithm the block summaries shortcut)."""
+    """The fixed point found the plain way: walk every block's instructions, in
+    rounds over all blocks, until a round changes nothing."""
     blocks = lv.cfg.blocks
     live_in = {start: frozenset() for start in blocks}
-    work = list(blocks)
-    queued = set(work)
-    while work:
-        start = work.pop()
-        queued.discard(start)
-        new = lv._through(blocks[start], live_in, record=False)
-        if new != live_in[start]:
+    changed = True
+    while changed:
+        changed = False
+        for start in reversed(list(blocks)):
+            new = lv._through(blocks[start], live_in, record=False)
+            changed |= new != live_in[start]
             live_in[start] = new
-            for pred in blocks[start].preds:
-                if pred not in queued:
-                    queued.add(pred)
-                    work.append(pred)
     return live_in
 
 

@@ -621,3 +621,30 @@ class Arch(Protocol):
         operand of the indirect call at the point, gives CallTarget its meaning.
         """
         ...
+
+
+# --- what every relocator checks first -----------------------------------------------
+def check_consecutive(insns: Sequence[Insn]) -> None:
+    """RelocationError unless each instruction of ``insns`` starts where the one
+    before it ends (a run of the function's code)."""
+    from ksim.errors import RelocationError
+
+    for a, b in zip(insns, insns[1:], strict=False):
+        if a.end != b.address:
+            raise RelocationError(f"instructions not consecutive: {a} then {b}")
+
+
+def check_relocation_arguments(insns: Sequence[Insn], **addresses: int | None) -> None:
+    """BadArgument, before anything is encoded, unless ``insns`` is a sequence of
+    Insn (from decode) and each address is an int from 0 to 2**64-1 (``first_to``
+    may be None)."""
+    from ksim.errors import BadArgument
+
+    if not isinstance(insns, Sequence) or not all(isinstance(i, Insn) for i in insns):
+        raise BadArgument(f"a relocation takes a sequence of Insn (from decode), not {insns!r:.80}")
+    for what, address in addresses.items():
+        if address is None and what == "first_to":
+            continue
+        if type(address) is not int or not 0 <= address < 1 << 64:
+            raise BadArgument(f"a relocation's {what} must be an int from 0 to 2**64-1, "
+                              f"not {address!r:.80}")

@@ -73,8 +73,8 @@ from dataclasses import dataclass
 import capstone
 from capstone import arm64_const as A
 
-from ksim.arch.base import Insn
-from ksim.errors import BadArgument, CallInsideRun, OutOfRange, RelocationError
+from ksim.arch.base import Insn, check_consecutive, check_relocation_arguments
+from ksim.errors import CallInsideRun, OutOfRange, RelocationError
 
 from . import pcrel
 from .regs import AL, IP0, IP1, NV
@@ -182,26 +182,6 @@ def _placed(item: _Item, *, last: bool) -> _Item:
     return dataclasses.replace(item, kind=f"moved_{item.kind}")
 
 
-def _check_consecutive(insns: Sequence[Insn]) -> None:
-    for a, b in zip(insns, insns[1:], strict=False):
-        if a.end != b.address:
-            raise RelocationError(f"instructions not consecutive: {a} then {b}")
-
-
-def _check_arguments(insns: Sequence[Insn], **addresses: int | None) -> None:
-    """BadArgument, before anything is encoded, unless ``insns`` is a sequence of
-    Insn (from decode) and each address is an int from 0 to 2**64-1 (``first_to``
-    may be None)."""
-    if not isinstance(insns, Sequence) or not all(isinstance(i, Insn) for i in insns):
-        raise BadArgument(f"a relocation takes a sequence of Insn (from decode), not {insns!r:.80}")
-    for what, address in addresses.items():
-        if address is None and what == "first_to":
-            continue
-        if type(address) is not int or not 0 <= address < 1 << 64:
-            raise BadArgument(f"a relocation's {what} must be an int from 0 to 2**64-1, "
-                              f"not {address!r:.80}")
-
-
 def _is_always(item: _Item) -> bool:
     """B.AL / B.NV: a conditional encoding that always branches."""
     return pcrel.B_COND.matches(item.word) and item.word & 0xF in (AL, NV)
@@ -231,7 +211,7 @@ class Relocator:
     snippets again, as every arrival at the point in the original text does)."""
 
     def __init__(self, insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> None:
-        _check_consecutive(insns)
+        check_consecutive(insns)
         if new_address % WORD:
             raise RelocationError(f"A64 code cannot be placed at {new_address:#x}: not 4-byte aligned")
         last = len(insns) - 1
@@ -394,7 +374,7 @@ class Relocator:
 def relocate(insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> bytes:
     """Re-encode consecutive ``insns`` to run at ``new_address`` (see the module doc,
     and :class:`Relocator` for ``first_to``)."""
-    _check_arguments(insns, new_address=new_address, first_to=first_to)
+    check_relocation_arguments(insns, new_address=new_address, first_to=first_to)
     if not insns:
         return b""
     return Relocator(insns, new_address, first_to=first_to).run()
@@ -429,7 +409,7 @@ def moved_call(insn: Insn, at: int) -> bytes:
     are also the registers a ``BR`` must use to land on a callee's ``BTI c``
     (Arm ARM, "PSTATE.BTYPE"): a ``BR Xn`` through another register faults there.
     """
-    _check_arguments([insn], at=at)
+    check_relocation_arguments([insn], at=at)
     word = _word(insn)
     w = Writer(at)
     if pcrel.BL.matches(word):

@@ -59,8 +59,8 @@ from functools import lru_cache
 import capstone
 from capstone import x86 as cs_x86
 
-from ksim.arch.base import Insn
-from ksim.errors import BadArgument, CallInsideRun, OutOfRange, RelocationError
+from ksim.arch.base import Insn, check_consecutive, check_relocation_arguments
+from ksim.errors import CallInsideRun, OutOfRange, RelocationError
 
 from .writer import INT32, Writer, fits, rel32_reaches, signed64
 
@@ -211,26 +211,6 @@ def _placed(insn: Insn, form: _Form, *, last: bool) -> _Form:
     return _Form("moved", target=form.target)
 
 
-def _check_consecutive(insns: Sequence[Insn]) -> None:
-    for a, b in zip(insns, insns[1:], strict=False):
-        if a.end != b.address:
-            raise RelocationError(f"instructions not consecutive: {a} then {b}")
-
-
-def _check_arguments(insns: Sequence[Insn], **addresses: int | None) -> None:
-    """BadArgument, before anything is encoded, unless ``insns`` is a sequence of
-    Insn (from decode) and each address is an int from 0 to 2**64-1 (``first_to``
-    may be None)."""
-    if not isinstance(insns, Sequence) or not all(isinstance(i, Insn) for i in insns):
-        raise BadArgument(f"a relocation takes a sequence of Insn (from decode), not {insns!r:.80}")
-    for what, address in addresses.items():
-        if address is None and what == "first_to":
-            continue
-        if type(address) is not int or not 0 <= address < 1 << 64:
-            raise BadArgument(f"a relocation's {what} must be an int from 0 to 2**64-1, "
-                              f"not {address!r:.80}")
-
-
 class Relocator:
     """Relocates one run of consecutive instructions to ``new_address``.
 
@@ -239,7 +219,7 @@ class Relocator:
     snippets again, as every arrival at the point in the original text does)."""
 
     def __init__(self, insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> None:
-        _check_consecutive(insns)
+        check_consecutive(insns)
         self.insns = list(insns)
         self.new_address = new_address
         self.first_to = first_to
@@ -315,7 +295,7 @@ def _rebase(raw: bytearray, insn: Insn, form: _Form, pc: int) -> None:
 def relocate(insns: Sequence[Insn], new_address: int, *, first_to: int | None = None) -> bytes:
     """Re-encode consecutive ``insns`` to run at ``new_address`` (see module doc and
     :class:`Relocator` for ``first_to``)."""
-    _check_arguments(insns, new_address=new_address, first_to=first_to)
+    check_relocation_arguments(insns, new_address=new_address, first_to=first_to)
     return Relocator(insns, new_address, first_to=first_to).run()
 
 
@@ -358,7 +338,7 @@ def moved_call(insn: Insn, at: int) -> bytes:
     sizes, a call through ``rsp`` itself, a lock/rep/bnd-prefixed call through
     memory.
     """
-    _check_arguments([insn], at=at)
+    check_relocation_arguments([insn], at=at)
     form = _branch_form(insn)
     if form is None:
         return _moved_indirect(insn, at)
