@@ -184,7 +184,8 @@ def instance_testbed(name: str, *, arch: str | None = None, port: int | None = N
 @pytest.fixture(scope="session")
 def testbed_arm64() -> Iterator[dict[str, Any]]:
     """The arm64 testbed (instance "arm64", port 7071), booted once per session with
-    kmod/'s kerninst.ko.  While kmod/ does not build for arm64 it boots with the
+    kmod/'s kerninst.ko and Debian's arm64 bpftrace in its userland (the benchmarks'
+    rows run beside it).  While kmod/ does not build for arm64 it boots with the
     stand-in (tests/kmod_arm64_standin), and the state says so: ``standin`` holds the
     build's error; tests that need the real module take ``kerninst_arm64``, which
     skips them then.  A running arm64 testbed is used as it is."""
@@ -194,7 +195,7 @@ def testbed_arm64() -> Iterator[dict[str, Any]]:
     already = tb.status(inst)["up"]
     standin: str | None = None
     try:
-        state = tb.up(instance=inst, progress=_say("arm64"))
+        state = tb.up(instance=inst, progress=_say("arm64"), tools=("bpftrace",))
     except TargetError as exc:
         if "does not build" not in str(exc) and "kerninst.ko did not load" not in str(exc):
             raise
