@@ -11,6 +11,7 @@ from test_trace import Hooks, run_trace
 
 from ksim.cli import main
 from ksim.commands.trace import trace
+from ksim.live.testing import testbed  # noqa: F401  (the live tests' fixture)
 from ksim.trace.errors import TraceError, TraceSemanticError, TraceUnsupported
 from ksim.trace.parser import MAX_LOOP, TraceLimit, parse
 
