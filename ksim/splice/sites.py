@@ -97,6 +97,8 @@ class SiteFacts:
         self._ask = ask
         self._trap_setup = trap_setup
         self._ahead: dict[tuple[int, int], frozenset[str]] | None = None  # see asking_ahead
+        #: the functions the answers in _ahead are about (and whose text is read ahead)
+        self._looked: set[int] = set()
         self._starts = [f.address for f in image.functions]
         #: registers live at each point asked about (a few bytes each, kept for every
         #: point, unlike the analyses they come from; see live_at)
@@ -300,6 +302,7 @@ class SiteFacts:
             yield
             return
         outer = self._ahead is not None
+        funcs = [f for f in funcs if f.address not in self._looked]   # asked about already
         # without a store (a batch too small to build one), every head byte by byte
         kept = store_for(self.image, build_missing=False)
         # each function's first byte too: one that is not text any more (init code the
@@ -328,6 +331,7 @@ class SiteFacts:
         self._ahead = known
         if ranges:
             known.update(zip(ranges, self._ask(ranges), strict=True))
+        self._looked.update(f.address for f in funcs)
         if kept is not None and funcs and self.image.reads_memory:
             # their text, and what analysing them reads, in a few requests (not what the
             # question found is no text: nothing of a gone function is read)
@@ -339,6 +343,7 @@ class SiteFacts:
             yield
         finally:
             self._ahead = None
+            self._looked = set()
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -350,20 +355,22 @@ class SiteFacts:
         """The text analysing and planning ``funcs`` reads: each function with the
         filler after it (_gap_after), and every function it reaches (Store.reach:
         their clobbers decide what is live at a call)."""
-        out = []
-        for func in funcs:
-            i = bisect.bisect_left(self._starts, func.end)
-            end = self._starts[i] if i < len(self._starts) and self._starts[i] - func.end <= 64 \
-                else func.end
-            out.append((func.address, end - func.address))
+        out = [(func.address, self._gap_end(func) - func.address) for func in funcs]
         out += [(f.address, f.size) for f in kept.reach(self.image, funcs)]
         return out
 
+    def _gap_end(self, func: Function) -> int:
+        """Where the gap after ``func`` ends: the next function's start when it is at
+        most 64 bytes on (a gap that may be alignment filler), else ``func``'s end."""
+        i = bisect.bisect_left(self._starts, func.end)
+        if i < len(self._starts) and self._starts[i] - func.end <= 64:
+            return self._starts[i]
+        return func.end
+
     def _gap_after(self, func: Function) -> bytes:
         """The filler between ``func`` and the next function, if it is only filler."""
-        i = bisect.bisect_left(self._starts, func.end)
-        end = self._starts[i] if i < len(self._starts) else func.end
-        if not (0 < end - func.end <= 64) or not self.image.is_text(func.end):
+        end = self._gap_end(func)
+        if end == func.end or not self.image.is_text(func.end):
             return b""
         data = self.image.read(func.end, end - func.end)
         return data if _is_filler(self.arch, data, func.end) else b""
