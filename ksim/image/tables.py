@@ -181,7 +181,7 @@ def kernel_tables(image: Image) -> KernelTables:
     bounds = {s.name: s.address for s in image.symbols
               if s.module == image.module and s.name.startswith(("__start_", "__stop_", "__init_"))}
     if image.reads_memory:  # a running kernel's tables: read in one request, not page by page
-        image.prefetch([r for r in (_table_range(image, t, bounds) for t in _ALL) if r])
+        image.prefetch([r for r in (_table_span(image, t, bounds) for t in _ALL) if r and r[1]])
     raw = {table.section: _table_bytes(image, table, bounds) for table in _ALL}
     sites: dict[TextRef, list[int]] = {kind: [] for kind in _KINDS}
 
@@ -224,18 +224,9 @@ def kernel_tables(image: Image) -> KernelTables:
     return KernelTables(sites=kept, kprobe_blacklist=tuple(blacklist))
 
 
-def _table_range(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, int] | None:
-    """(address, size) _table_bytes reads of a running kernel's table (None: nothing)."""
-    start, stop = bounds.get(table.start), bounds.get(table.stop)
-    init_begin, init_end = bounds.get("__init_begin"), bounds.get("__init_end")
-    if start is None or stop is None or stop <= start or (
-            init_begin is not None and init_end is not None and init_begin <= start < init_end):
-        return None
-    return start, stop - start
-
-
-def _table_bytes(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, bytes]:
-    """(address, bytes) of one table; (0, b"") when the image does not hold it."""
+def _table_span(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, int] | None:
+    """(address, size) of one table's bytes; None when the image does not hold it, or
+    holds it no more (a running kernel's init memory)."""
     start, stop = bounds.get(table.start), bounds.get(table.stop)
     if start is not None and stop is not None:
         if stop < start:
@@ -245,21 +236,31 @@ def _table_bytes(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[i
     else:
         section = next((s for s in image.sections if s.name == table.section), None)
         if section is None:
-            return 0, b""
+            return None
         address, size = section.address, section.size
     if size % table.entry:
         raise MalformedImage(f"{image.module}: {table.section} is {size} bytes, "
                              f"not a multiple of its {table.entry}-byte entries")
-    if size == 0:
-        return address, b""
-    if image.reads_memory:
+    if size and image.reads_memory:
         # A running kernel frees [__init_begin, __init_end) after boot and unmaps it from
         # the kernel image mapping (free_initmem -> free_kernel_image_pages,
         # arch/x86/mm/init.c): __mcount_loc and _kprobe_blacklist live there and are
         # gone by the time anyone can read them.
         init_begin, init_end = bounds.get("__init_begin"), bounds.get("__init_end")
         if init_begin is not None and init_end is not None and init_begin <= address < init_end:
-            return 0, b""
+            return None
+    return address, size
+
+
+def _table_bytes(image: Image, table: _Table, bounds: dict[str, int]) -> tuple[int, bytes]:
+    """(address, bytes) of one table; (0, b"") when the image does not hold it."""
+    span = _table_span(image, table, bounds)
+    if span is None:
+        return 0, b""
+    address, size = span
+    if size == 0:
+        return address, b""
+    if image.reads_memory:
         return address, image.read(address, size)
     section_at = image.section_at(address)
     if section_at is None:
