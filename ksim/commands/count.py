@@ -126,8 +126,7 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
             if not ok:
                 skipped[label] = cast(dict[int, str], refused)[p.address]
         if not any(spliced):
-            raise KsimError(f"no function matching {function!r} can be spliced "
-                            f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
+            raise none_spliced(function, skipped)
         points = [pa for pa, ok in zip(points, spliced, strict=True) if ok]
         oracles: dict[int, Any] = {}
         try:
@@ -257,7 +256,7 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
     a wildcard's entries are not planned here: the caller inserts them with
     ``insert_many(..., refused=...)``, which plans each once and leaves out (and
     says why) those that cannot be spliced."""
-    from ksim.errors import KsimError, OutsideText, UnknownSymbol
+    from ksim.errors import OutsideText, UnknownSymbol
 
     spec = parse_point(what)
     image = m.target.image
@@ -274,8 +273,7 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
         found, skipped = m.spliceable_entries(funcs, splice, plan=plan)
         out = [(point, f.address) for f, point in found]
         if not out:
-            raise KsimError(f"no function matching {what!r} can be spliced "
-                            f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
+            raise none_spliced(what, skipped)
         return out, skipped
     if spec.address is not None:
         point = m.point_at(spec.address)
@@ -288,6 +286,12 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
         point = m.point_at(fn.address + spec.offset)
         return [(point, point.address)], {}
     return [(m.entry_point(fn), fn.address)], {}
+
+
+def none_spliced(what: str, skipped: dict[str, str]) -> KsimError:
+    """The error of a wildcard none of whose functions can be spliced."""
+    return KsimError(f"no function matching {what!r} can be spliced "
+                     f"({len(skipped)} matched; e.g. {next(iter(skipped.items()))})")
 
 
 def labels(m: Any, points: list[tuple[Any, int]]) -> list[str]:

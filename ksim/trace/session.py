@@ -259,7 +259,6 @@ class TraceSession:
         return Site("exit", name, probe_name, args=(), ret=ret)
 
     def _func_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
-        from ksim.commands.count import resolve_points
 
         image = self.m.target.image
         if first:
@@ -272,11 +271,7 @@ class TraceSession:
             return []
         out: list[tuple[Any, Site]] = []
         if ap.provider == "kfunc":
-            points, skipped = resolve_points(self.m, ap.func, self.splice, plan=not ap.wildcard)
-            self.skipped.update(skipped)
-            if ap.wildcard:
-                self._deferred.update(p.address for p, _ in points)
-            for point, _ in points:
+            for point in self._entries(ap, ap.func):
                 func = image.function_at(point.address)
                 site = self._func_site(ap, func.name if func else ap.func)
                 if site is not None:
@@ -629,7 +624,6 @@ class TraceSession:
             raise TraceSemanticError("no probe could be attached")
 
     def _points(self, ap: t.AttachPoint) -> list[tuple[Any, Site]]:
-        from ksim.commands.count import resolve_points
 
         image = self.m.target.image
         if ap.provider in (*t.FUNC_PROVIDERS, "tracepoint"):
@@ -640,12 +634,8 @@ class TraceSession:
             return self._typed_sites(ap)
         if ap.provider == "kprobe":
             what = ap.func if ap.offset is None else f"{ap.func}+{ap.offset:#x}"
-            points, skipped = resolve_points(self.m, what, self.splice, plan=not ap.wildcard)
-            self.skipped.update(skipped)
-            if ap.wildcard:
-                self._deferred.update(p.address for p, _ in points)
             out = []
-            for point, _ in points:
+            for point in self._entries(ap, what):
                 func = image.function_at(point.address)
                 kind = "entry" if point.kind is PointKind.ENTRY else "insn"
                 name = func.name if func else hex(point.address)
@@ -672,6 +662,17 @@ class TraceSession:
         if not out and not ap.wildcard:
             raise KsimError(f"kretprobe:{ap.func} cannot be spliced: {self.skipped.get(ap.func)}")
         return out
+
+    def _entries(self, ap: t.AttachPoint, what: str) -> list[Any]:
+        """The points ``what`` names for ``ap`` (resolve_points); a wildcard's entries
+        are not planned here but by the batch, which skips those it refuses (attach)."""
+        from ksim.commands.count import resolve_points
+
+        points, skipped = resolve_points(self.m, what, self.splice, plan=not ap.wildcard)
+        self.skipped.update(skipped)
+        if ap.wildcard:
+            self._deferred.update(p.address for p, _ in points)
+        return [p for p, _ in points]
 
     def snippet(self, point: Any) -> ast.Node:
         at = self.attached[(point.address, point.kind)]
