@@ -126,13 +126,11 @@ class Manager:
         #: target hands out (ksim.splice.areas): planning costs no request
         #: (a detached Manager's areas take nothing more: _live)
         self._code = Areas("patch area", lambda n, near: self._live().alloc_code(n, near),
-                           lambda a: self.target.free_code(a),
-                           chunk=caps.code_chunk, align=16,
-                           read=lambda a, n: self.target.read(a, n),
+                           target.free_code, chunk=caps.code_chunk, align=16, read=target.read,
                            reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
                                                          and arch.jmp_reaches(hi, near)))
         self._data = Areas("data heap", lambda n, _near: self._live().alloc_data(n, 64),
-                           lambda a: self.target.free_data(a), chunk=caps.data_chunk, align=8)
+                           target.free_data, chunk=caps.data_chunk, align=8)
         self._splices: dict[int, _Splice] = {}
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))
