@@ -129,8 +129,12 @@ class Manager:
                            target.free_code, chunk=caps.code_chunk, align=16, read=target.read,
                            reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
                                                          and arch.jmp_reaches(hi, near)))
+        # an empty data area stays held while a splice of this Manager is live: a live
+        # kernel's module refuses to free a client's heap block then (its patch code may
+        # write any of them); the area goes back after the last removal (_unsplice)
         self._data = Areas("data heap", lambda n, _near: self._live().alloc_data(n, 64),
-                           target.free_data, chunk=caps.data_chunk, align=8)
+                           target.free_data, chunk=caps.data_chunk, align=8,
+                           keep=lambda: bool(self._splices))
         self._splices: dict[int, _Splice] = {}
         #: text byte -> the point whose splice overwrote it (kept as splices change,
         #: so a new plan asks "is this byte taken?" in O(1))
@@ -319,7 +323,14 @@ class Manager:
         return int.from_bytes(self.target.read(var.address, var.size), "little", signed=False)
 
     def write(self, var: ast.Var, value: int) -> None:
+        """Store ``value`` in ``var``, modulo 2**(8 * its size) (a signed value as two's
+        complement).  A value no 64-bit integer holds, signed or unsigned (outside
+        -2**63 .. 2**64 - 1), is refused (BadArgument), never wrapped."""
         var, value = _var(var), _int(value, "the value written")
+        if not -(1 << 63) <= value < 1 << 64:
+            raise BadArgument(f"write of {value} to a {var.size}-byte Var at {var.address:#x}: "
+                              "no 64-bit integer holds it (a value is -2**63 .. 2**64 - 1); "
+                              "nothing was written")
         self._check_held(var.address, var.size, f"write of a {var.size}-byte Var")
         self._live().write(var.address, (value % (1 << (8 * var.size))).to_bytes(var.size, "little"))
 
@@ -916,6 +927,8 @@ class Manager:
         for splice in splices:
             self._retire(splice)
             del self._splices[splice.point.address]
+        if not self._splices:
+            self._data.give_back_idle()
 
 
 def _references(snippet: ast.Node, start: int, end: int) -> bool:

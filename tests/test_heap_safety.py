@@ -8,7 +8,11 @@ tests/test_live_heap.py).
   block while the snippet still writes it.
 * ``copy_to_kernel`` and ``write`` write only inside one block this Manager
   allocated (OutsideHeapBlock): never past its end into the next block, never
-  outside the heap."""
+  outside the heap; ``write`` of a value no 64-bit integer holds is refused
+  (BadArgument), not wrapped.
+* A data area the Manager took from the target and emptied stays held while any
+  splice of the Manager is live (a live kernel's module refuses the free then) and
+  goes back after the last removal."""
 
 from __future__ import annotations
 
@@ -161,3 +165,44 @@ def test_copy_to_kernel_stays_inside_one_block(m):
     with pytest.raises(OutsideHeapBlock):
         m.copy_to_kernel(a, b"\x00")
     m.free(b)
+
+
+def test_an_emptied_data_area_is_kept_while_a_splice_lives(m):
+    """A block alone in a data area of its own is freed while a snippet counts into
+    another: the Manager accepts the free, but the area stays taken from the target
+    until the last splice is out; then it goes back."""
+    t = m.target
+    u = m.malloc(8)
+    h = m.insert_snippet(m.entry_point("tcp_sync_mss"), u.atomic_assign(u + 1))
+    try:
+        before = set(t._data.allocated())
+        big = m.alloc_data(m.capabilities.data_chunk)   # too big for the areas held
+        (area,) = set(t._data.allocated()) - before
+        assert area <= big < area + t._data.allocated()[area]
+        m.free(big)
+        assert area in t._data.allocated() and m._data.idle() == [area]
+    finally:
+        m.remove_snippet(h)
+    assert set(t._data.allocated()) == before and m._data.idle() == []
+    m.free(u)
+
+
+def test_write_refuses_a_value_no_64_bit_integer_holds(m):
+    """-2**63 .. 2**64 - 1 is written modulo the Var's size, as before; a value outside
+    is BadArgument with nothing written."""
+    a = m.alloc_data(8)
+    try:
+        for value, stored in [(2**64 - 1, b"\xff" * 8), (-(2**63), bytes(7) + b"\x80"),
+                              (-1, b"\xff" * 8), (0x1122, b"\x22\x11" + bytes(6))]:
+            m.write(ast.Var(a, 8), value)
+            assert m.copy_from_kernel(a, 8) == stored
+        m.write(ast.Var(a, 1), 0x1FF)                     # in range: modulo 2**8, as before
+        assert m.copy_from_kernel(a, 8) == b"\xff\x11" + bytes(6)
+        for value in (2**64, -(2**63) - 1, 2**200):
+            with pytest.raises(BadArgument, match="no 64-bit integer holds it"):
+                m.write(ast.Var(a, 8), value)
+            with pytest.raises(BadArgument, match="no 64-bit integer holds it"):
+                m.write(ast.Var(a, 2), value)
+        assert m.copy_from_kernel(a, 8) == b"\xff\x11" + bytes(6)
+    finally:
+        m.free(a)

@@ -16,6 +16,11 @@ waits for that (QUIESCE) before it reuses a freed area.  For the same reason a
 released variable's bytes are never given to the next ``malloc`` while its area
 lives: a snippet still in flight may write them.
 
+A data area left empty may have to stay held a while: a live kernel's module refuses
+to free a client's heap block while any splice of that client is live (its patch
+code may write any of them), so the Manager keeps such an area (``keep``) and gives
+it back (``give_back_idle``) once its last splice is out.
+
 For the patch area the Manager keeps the area's bytes as it last wrote them (read
 once when the area is taken), so that a patch's write carries its ``old`` bytes
 without reading the target first.
@@ -36,6 +41,8 @@ Take = Callable[[int, Any], int]
 Give = Callable[[int], None]
 #: reaches(near, start, end): code at start..end may be jumped to from near and back
 Reaches = Callable[[int, int, int], bool]
+#: keep(): an area left empty stays held for now (is not given back)
+Keep = Callable[[], bool]
 
 
 @dataclass
@@ -62,9 +69,11 @@ class Areas:
 
     def __init__(self, name: str, take: Take, give: Give, *, chunk: int, align: int,
                  reaches: Reaches | None = None,
-                 read: Callable[[int, int], bytes] | None = None) -> None:
+                 read: Callable[[int, int], bytes] | None = None,
+                 keep: Keep | None = None) -> None:
         self.name = name
         self._take, self._give, self._read = take, give, read
+        self._keep = keep
         self.chunk, self.align, self._reaches = chunk, align, reaches
         self._areas: dict[int, Area] = {}
         #: placed address -> its area's start
@@ -89,7 +98,7 @@ class Areas:
         or, inside ``holding()``, when that ends (many dry runs, one area)."""
         area, address = self._find(size, near, align or self.align)
         if not area.users and not self._holding:
-            self._drop(area)
+            self._idle(area)
         return address
 
     @contextmanager
@@ -102,8 +111,7 @@ class Areas:
         finally:
             self._holding -= 1
             if not self._holding:
-                for area in [a for a in self._areas.values() if not a.users]:
-                    self._drop(area)
+                self.give_back_idle()
 
     def _find(self, size: int, near: int | None, align: int) -> tuple[Area, int]:
         if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
@@ -135,16 +143,35 @@ class Areas:
         del self._areas[area.start]
         self._give(area.start)
 
+    def _idle(self, area: Area) -> None:
+        """``area`` holds nothing placed: back to the target, unless ``keep`` says it
+        stays held for now (``give_back_idle`` gives it back later)."""
+        if self._keep is None or not self._keep():
+            self._drop(area)
+
+    def give_back_idle(self) -> None:
+        """Give back every area that holds nothing placed (those kept, say), unless a
+        dry run holds them or ``keep`` still says they stay."""
+        if self._holding or (self._keep is not None and self._keep()):
+            return
+        for area in [a for a in self._areas.values() if not a.users]:
+            self._drop(area)
+
+    def idle(self) -> list[int]:
+        """The starts of the areas held that hold nothing placed."""
+        return [start for start, area in self._areas.items() if not area.users]
+
     # --- releasing ------------------------------------------------------------------
     def release(self, address: int) -> None:
-        """``address`` is no longer used; its area goes back with its last user."""
+        """``address`` is no longer used; its area goes back with its last user (or,
+        while ``keep`` says so, is kept empty until ``give_back_idle``)."""
         start = self._owner.pop(address, None)
         if start is None:
             raise UnknownHandle(f"{self.name}: {address:#x} is not a block this client placed")
         area = self._areas[start]
         area.users -= 1
         if not area.users:
-            self._drop(area)
+            self._idle(area)
 
     def release_all(self) -> None:
         """Give every area back (detach)."""
