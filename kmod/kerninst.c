@@ -2973,6 +2973,55 @@ static bool ki_block_reached(const struct ki_block *b)
 	return false;
 }
 
+/* Whether @addr lies in a code block @o holds. */
+static bool ki_code_block_of(const struct ki_owner *o, unsigned long addr)
+{
+	const struct ki_block *b;
+
+	list_for_each_entry(b, &ki_blocks, node)
+		if (b->region == KERNINST_REGION_CODE && b->owner == o &&
+		    ki_in(addr, 1, b->addr, b->addr + b->size))
+			return true;
+	return false;
+}
+
+/*
+ * Whether patch code of @o may run: a trap route of its, or a live jump in
+ * text into one of its code blocks.  The module cannot tell which data blocks
+ * that code writes (x86-64 code holds their addresses as displacements or
+ * immediates, AArch64 code as MOVZ/MOVK immediates, and a client's own word
+ * would not bind the clients this protects against), so while any of it is
+ * live every data block of @o counts as written.  A jump into the patch area
+ * leads only into its writer's blocks (ki_check_jump_dest), and an owner's
+ * text writes, routes and blocks move together (ki_owner_move): only @o's own
+ * text writes need looking at.
+ */
+static bool ki_owner_patch_live(const struct ki_owner *o)
+{
+	const struct ki_splice *s;
+	struct ki_route *r;
+	unsigned long dest;
+	int bkt;
+
+	hash_for_each(ki_routes, bkt, r, hnode)
+		if (r->owner == o)
+			return true;
+	list_for_each_entry(s, &ki_splices, node) {
+		if (s->owner != o)
+			continue;
+		dest = ki_jump_dest(s->addr, s->cur, s->len);
+		if (dest && ki_code_block_of(o, dest))
+			return true;
+	}
+	return false;
+}
+
+/*
+ * FREE: a code block is refused (-EBUSY) while a route or a live jump leads
+ * into it; a data block (-ETXTBSY) while its owner has any live patch code
+ * (ki_owner_patch_live), which may write it: freed, the block would go to
+ * another client's next allocation while that code still writes it.
+ */
 static long ki_ioc_free(struct kerninst_block __user *uarg)
 {
 	struct kerninst_block req;
@@ -2993,6 +3042,8 @@ static long ki_ioc_free(struct kerninst_block __user *uarg)
 		ret = -EADDRINUSE;
 	else if (b->region == KERNINST_REGION_CODE && ki_block_reached(b))
 		ret = -EBUSY;
+	else if (b->region == KERNINST_REGION_DATA && ki_owner_patch_live(o))
+		ret = -ETXTBSY;
 	else
 		ki_block_free(b);
 	mutex_unlock(&ki_lock);

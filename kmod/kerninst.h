@@ -294,7 +294,7 @@ struct kerninst_state {
 #define KERNINST_IOC_OWNER_ADOPT _IOW(KERNINST_IOC_MAGIC, 0x0c, struct kerninst_owner)
 /* Undo everything an owner holds: text newest first, then routes, then blocks; forget it. */
 #define KERNINST_IOC_OWNER_DROP _IOW(KERNINST_IOC_MAGIC, 0x0d, struct kerninst_owner)
-/* Record a block kerninstd allocated as owner's; FREE gives it back. */
+/* Record a block kerninstd allocated as owner's; FREE gives it back (not while it may be in use). */
 #define KERNINST_IOC_CLAIM      _IOW(KERNINST_IOC_MAGIC, 0x0e, struct kerninst_block)
 #define KERNINST_IOC_FREE       _IOW(KERNINST_IOC_MAGIC, 0x0f, struct kerninst_block)
 /* The module's log (owners, text writes, routes, blocks). */
@@ -316,11 +316,14 @@ struct kerninst_state {
  *   EADDRINUSE  the bytes, trap route or block belong to another owner (another
  *           session, or a kept owner); nothing was changed
  *   EBUSY   the owner's site already has a trap route, a trap is still in text,
- *           a multi-byte write would cover the owner's own route, a freed
- *           block is still the target of a route or a jump, an orphan was
+ *           a multi-byte write would cover the owner's own route, a code
+ *           block to free is still the target of a route or a jump, an orphan was
  *           asked to stop being kept, or an area to drop still holds a block
  *           (or is one the module made at load);
  *           from open(): the device is already open (one opener at a time)
+ *   ETXTBSY FREE of a data block while its owner has live patch code (any trap
+ *           route of its, or any jump in text into one of its code blocks),
+ *           which may write the block; nothing was freed
  *   EEXIST  OWNER_KEEP: another kept owner has that name
  *   EPERM   the text has a hazard (KERNINST_HAZARD_*: blacklisted code, an ftrace,
  *           jump-label or static-call site, a kprobe, an exception-table or

@@ -101,3 +101,30 @@ def test_every_errno_the_module_returns_has_a_ksim_error() -> None:
     assert abi.error_code("SET_TRAP", errno.EACCES) == "not-privileged"
     assert abi.error_code("POKE", errno.ENOEXEC) == "jump-outside"
     assert abi.error_code("POKE", errno.EPERM) == "blacklisted"   # EPERM stays the hazards'
+
+
+def test_a_free_refused_for_a_data_block_is_block_in_use() -> None:
+    """FREE's EBUSY is a code block a route or a jump still leads into; its ETXTBSY a
+    data block whose owner has live patch code (kerninst.h's error list)."""
+    import errno
+
+    assert abi.error_code("FREE", errno.EBUSY) == "already-spliced"
+    assert abi.error_code("FREE", errno.ETXTBSY) == "block-in-use"
+    assert "ETXTBSY FREE of a data block" in HEADER.read_text()
+
+
+def test_jump_dest_reads_jumps_as_the_module_does() -> None:
+    """ki_jump_dest: x86-64 e9 rel32 / eb rel8 at the first byte, arm64 a B (not a BL)."""
+    site = 0xFFFF_FFFF_8100_1000
+    assert abi.jump_dest("x86_64", site, b"\xe9\x00\x01\x00\x00") == site + 5 + 0x100
+    assert abi.jump_dest("x86_64", site, b"\xe9\xfb\xff\xff\xff") == site   # jmp to itself
+    assert abi.jump_dest("x86_64", site, b"\xeb\xfe") == site
+    assert abi.jump_dest("x86_64", site, b"\x90\xe9\x00\x00\x00\x00") is None
+    assert abi.jump_dest("x86_64", site, b"\xe9\x00") is None
+    b_fwd = (0x14000000 | 0x40).to_bytes(4, "little")      # b .+0x100
+    b_back = (0x14000000 | 0x3FFFFFF).to_bytes(4, "little")  # b .-4
+    bl = (0x94000000 | 0x40).to_bytes(4, "little")
+    assert abi.jump_dest("aarch64", site, b_fwd) == site + 0x100
+    assert abi.jump_dest("aarch64", site, b_back) == site - 4
+    assert abi.jump_dest("aarch64", site, bl) is None
+    assert abi.jump_dest("aarch64", site, b"\x00\x00") is None

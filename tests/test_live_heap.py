@@ -10,28 +10,71 @@ and no client frees or writes another's.
   block stays its owner's: the other client's next ``alloc_data`` is elsewhere.
 * A freed heap block is held by no one until a QUIESCE has waited out every task
   that may still run patch code just taken out of text (and so still write it):
-  the next ``alloc_data`` of the same size is another block."""
+  the next ``alloc_data`` of the same size is another block.
+* Over the wire (issue 23): the module refuses to free a client's data block
+  while that client has any live patch code -- a trap route of its, or a jump in
+  text into one of its patch blocks -- and kerninstd says so (BlockInUse, with
+  how many); the block stays the client's, and another client's ``alloc_data``
+  does not get it.  Once the splice is undone the free goes through.  The Manager
+  keeps a data area it emptied while a splice of its lives (the module would
+  refuse to take it back) and gives it back after the last removal."""
 
 # ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
+import os
+import struct
+
 import pytest
 
-from ksim.errors import BlockInUse, OutsideHeapBlock, TargetFault, TextOwned
+from ksim.core import Write
+from ksim.errors import AlreadySpliced, BlockInUse, OutsideHeapBlock, TargetFault, TextOwned
 from ksim.kapi import Manager
+from ksim.live.client import LiveTarget
 from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
+    plain_insn,
     read_u64,
     target,
     testbed,
 )
+from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 FUNC = "__x64_sys_getppid"
 N = 5_000
+
+
+def rel32(frm: int, to: int) -> bytes:
+    return struct.pack("<i", to - frm)
+
+
+def jmp(site: int, dest: int) -> bytes:
+    return b"\xe9" + rel32(site + 5, dest)
+
+
+def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
+    """lock incq [rip+counter]; <insn, as is>; jmp site+len(insn) -- in a new block of t's."""
+    patch = t.alloc_code(64, near=site)
+    code = b"\xf0\x48\xff\x05" + rel32(patch + 8, counter) + insn
+    code += b"\xe9" + rel32(patch + len(code) + 5, site + len(insn))
+    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
+    return patch
+
+
+def data_blocks_of(t: LiveTarget) -> set[int]:
+    """The data blocks the module records as ``t``'s session's, read from its own log:
+    the session is listed as kept, under a name of its own, for the moment of the look."""
+    name = f"blocks-of-{os.getpid()}-{id(t):x}"
+    t.keep(name=name)
+    try:
+        (mine,) = [k for k in t.kept() if k["name"] == name]
+    finally:
+        t.keep(False)
+    return {int(b["address"]) for b in mine["blocks"] if b["region"] == "data"}
 
 
 def test_a_block_a_snippet_writes_is_not_freed(testbed: dict) -> None:
@@ -98,3 +141,80 @@ def test_a_freed_block_is_not_handed_out_before_a_quiesce(target) -> None:
             target.write(first, b"\x01")
     finally:
         target.free_data(second)
+
+
+@pytest.mark.parametrize("how", ["jmp", "route"])
+def test_no_data_block_is_freed_while_its_owner_has_live_patch_code(testbed: dict, target,
+                                                                    how: str) -> None:
+    """A jump in text into a's patch block (counting getppid calls), or a trap route of
+    a's alone (no int3: never hit): free_data of any of a's data blocks is refused,
+    the counter patch code writes and one it does not refer to alike; the blocks stay
+    a's in the module's log, a still writes them, and b's alloc_data does not get
+    them.  A free of the patch block itself stays AlreadySpliced.  After the undo
+    both frees go through."""
+    a, b = target, connect(testbed)
+    try:
+        site, insn = plain_insn(a, FUNC)
+        orig = a.read(site, 16)
+        counter, other = a.alloc_data(8), a.alloc_data(64)
+        patch = install_patch(a, counter, site, insn)
+        if how == "jmp":
+            a.apply(Change(text=(Write(site, orig[:5], jmp(site, patch)),)))
+            undo = Change(text=(Write(site, jmp(site, patch), orig[:5]),))
+        else:
+            a.apply(Change(routes=((site, patch),)))
+            undo = Change(routes=((site, 0),))
+        for block in (counter, other):
+            with pytest.raises(BlockInUse, match=rf"free_data: the data block at {block:#x}: "
+                               r"this client still has 1 live splices/routes whose patch code "
+                               r"may write it; remove them first; nothing was freed"):
+                a.free_data(block)
+        with pytest.raises(AlreadySpliced, match=f"patch block at {patch:#x}"):
+            a.free_code(patch)
+        assert {counter, other} <= data_blocks_of(a)
+        a.write(other, b"\x5a" * 64)
+        assert a.read(other, 64) == b"\x5a" * 64
+        theirs = [b.alloc_data(64) for _ in range(4)] + [b.alloc_data(8) for _ in range(4)]
+        assert not {counter, other} & set(theirs)
+        for x in theirs:
+            b.free_data(x)
+        if how == "jmp":  # the patch code is live: it counts into the block kept
+            out = a.run(while_cmd=f"{getppid_loop()} {N}").output
+            assert out.strip() == str(N) and N <= read_u64(a, counter) <= N + 2
+        a.apply(undo)
+        assert a.read(site, 16) == orig
+        a.free_data(other)
+        a.free_data(counter)
+        a.free_code(patch)
+        assert not {counter, other} & data_blocks_of(a)
+        with pytest.raises((TargetFault, TextOwned)):
+            a.write(other, b"\x01")
+        assert dmesg_problems(a) == []
+    finally:
+        b.close()
+
+
+def test_the_manager_keeps_an_emptied_data_area_while_a_splice_lives(testbed: dict) -> None:
+    """A block alone in a data area of its own, not referenced by the snippet that
+    counts into another: Manager.free accepts it, but the area stays the client's in
+    the module (a free_data of it now is refused: the snippet is live) until the
+    snippet is removed; then the Manager gives it back."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        u = m.malloc(8)
+        h = m.insert_snippet(m.entry_point(FUNC), u.atomic_assign(u + 1))
+        before = data_blocks_of(m.target)
+        big = m.alloc_data(m.capabilities.data_chunk)   # too big for the area held
+        (area,) = data_blocks_of(m.target) - before
+        m.free(big)
+        assert area in data_blocks_of(m.target) and m._data.idle() == [area]
+        with pytest.raises(BlockInUse, match=f"data block at {area:#x}: this client still has 1 "):
+            m.target.free_data(area)
+        m.run(while_cmd=f"{getppid_loop()} {N}")
+        assert N <= m.read(u) <= N + 2
+        m.remove_snippet(h)
+        assert data_blocks_of(m.target) == before and m._data.idle() == []
+        m.free(u)
+        assert dmesg_problems(m.target) == []
+    finally:
+        m.detach()

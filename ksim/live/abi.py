@@ -166,6 +166,7 @@ ERRORS: dict[tuple[str, int], str] = {
     ("CLAIM", errno.ERANGE): "target-fault",
     ("FREE", errno.ENOENT): "unknown-handle",
     ("FREE", errno.EBUSY): "already-spliced",         # a route or a live jump still leads there
+    ("FREE", errno.ETXTBSY): "block-in-use",          # a data block: its owner's patch code is live
     ("AREA_ADD", errno.ENOSPC): "out-of-memory",       # max_area_bytes
     ("AREA_DROP", errno.ENOENT): "unknown-handle",
     ("*", errno.EACCES): "not-privileged",            # no CAP_SYS_ADMIN (open: EPERM)
@@ -218,6 +219,27 @@ def command(name: str) -> int:
 
 def error_code(command_name: str, err: int) -> str:
     return ERRORS.get((command_name, err)) or ERRORS.get(("*", err)) or "target"
+
+
+def jump_dest(arch: str, address: int, cur: bytes) -> int | None:
+    """Where the jump a text write holds leads, as the module reads it (ki_jump_dest):
+    on x86-64 a jmp rel32 (e9) or jmp rel8 (eb) at its first byte, on arm64 (``arch``
+    "aarch64") a B at its first instruction; None for anything else."""
+    if arch == "aarch64":
+        if len(cur) < 4:
+            return None
+        insn = int.from_bytes(cur[:4], "little")
+        if insn & 0xFC000000 != 0x14000000:  # B imm26 (Arm ARM C6.2.26)
+            return None
+        offset = (insn & 0x03FFFFFF) << 2
+        offset -= (offset & (1 << 27)) << 1
+    elif len(cur) >= 5 and cur[0] == 0xE9:
+        offset = 5 + int.from_bytes(cur[1:5], "little", signed=True)
+    elif len(cur) >= 2 and cur[0] == 0xEB:
+        offset = 2 + int.from_bytes(cur[1:2], "little", signed=True)
+    else:
+        return None
+    return (address + offset) & (1 << 64) - 1
 
 
 def owner_flag_names(flags: int) -> list[str]:

@@ -50,6 +50,7 @@ from ksim.errors import (
     AlreadySpliced,
     AuthError,
     Blacklisted,
+    BlockInUse,
     JumpOutside,
     KsimError,
     OutOfMemory,
@@ -829,6 +830,27 @@ class Daemon:
         except AlreadySpliced:
             raise AlreadySpliced(f"{op}: a trap route or a jump in text still leads into the "
                                  f"patch block at {address:#x}; undo them first") from None
+        except BlockInUse:
+            live = self._patch_live(session.owner)
+            count = f"{live} live splices/routes" if live is not None else "live splices/routes"
+            raise BlockInUse(f"{op}: the data block at {address:#x}: this client still has "
+                             f"{count} whose patch code may write it; remove them first; "
+                             "nothing was freed") from None
+
+    def _patch_live(self, owner: int) -> int | None:
+        """How many of ``owner``'s trap routes and text writes, in the module's log, lead
+        into patch code of its -- the module's rule for refusing to free its data blocks
+        (ki_owner_patch_live); None when the log cannot be read."""
+        try:
+            state = self.device.state()
+        except KsimError:
+            return None
+        splices, routes, blocks = state.of(owner)
+        code = [(b.address, b.address + b.size) for b in blocks if b.region == "code"]
+        arch = abi.MACHINES.get(os.uname().machine, abi.MACHINE)
+        jumps = [abi.jump_dest(arch, x.address, x.cur) for x in splices]
+        return len(routes) + sum(1 for d in jumps if d is not None
+                                 and any(lo <= d < hi for lo, hi in code))
 
     def op_free_code(self, session: Session, address: int) -> dict[str, Any]:
         self._free(session, "code", address)
