@@ -118,8 +118,8 @@ def test_loops_in_begin_and_end_run_in_the_client(capsys, toy_path):
 @pytest.mark.parametrize("program, error, message", [
     ("kprobe:f { break; }", TraceSemanticError, "break outside a loop"),
     ("kprobe:f { if (1) { continue; } }", TraceSemanticError, "continue outside a loop"),
-    ("kprobe:f { for ($k, $v : @m) { } }", TraceUnsupported, "over a map's entries"),
-    ("kprobe:f { for $kv : @m { } }", TraceUnsupported, "over a map's entries"),
+    ("kprobe:f { for ($k, $v : @m) { } }", TraceUnsupported, "bind one variable"),
+    ("kprobe:f { for $kv : @m[1] { } }", TraceSemanticError, "without keys"),
     ("kprobe:f { for $i : 0 { } }", TraceError, "'..'"),
     ("kprobe:f { while (1) { while (1) { @a = 1; } } }", TraceLimit, "more than 1000"),
 ])

@@ -109,14 +109,19 @@ def test_syntax_errors_name_line_and_columns(source, head):
     ("usdt:/bin/sh:probe { }", "usdt probes"),
     ("software:faults:1 { }", "software probes"),
     ("kprobe:mod:f { }", "kprobe with a module"),
-    ("kprobe:f { for ($k, $v : @m) { } }", "for loops over a map's entries"),
+    ("kprobe:f { @m[1] = 2; for ($kv : @m) { } }", "for loops over a map's entries are not "
+     "supported in a kernel probe's action"),
+    ("kprobe:f { @m[1] = 2; @n = len(@m); }", "len(@m) in a kernel probe's action"),
+    ("kprobe:f { @x = username; }", "username is not supported"),
+    ("kprobe:f { @x = cpid; }", "cpid is not supported"),
+    ('kprobe:f { @x = strcontains(comm, comm); }', "strcontains() with a needle that is not a "
+     "string literal"),
     ("#define M(x) x\nkprobe:f { }", "function-like macros"),
     ("kprobe:f { @x = &arg0; }", "taking an address"),
     ("kprobe:f { @[ustack] = count(); }", "builtin ustack"),
     ("kprobe:f { printf(\"%f\\n\", 1); }", "printf conversion '%f\\n'"),
     ("kprobe:f { @x = hist(arg0, 2); }", "hist() with a precision argument"),
     ("kprobe:f { @x = path(arg0); }", "function path()"),
-    ("kprobe:f { @x = (1, 2); }", "tuples as map values are not supported"),
 ])
 def test_constructs_outside_the_subset_are_refused_by_name(source, construct):
     err = error_of(source)

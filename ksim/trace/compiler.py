@@ -21,6 +21,7 @@ and interval actions run in the client (ksim.trace.session.Interpreter).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,20 +30,27 @@ from ksim.snippets import ast
 from ksim.snippets.ast import COMM_WORDS
 
 from . import syntax as t
-from .errors import Loc, TraceSemanticError, TraceUnsupported
+from .errors import Loc, TraceError, TraceSemanticError, TraceUnsupported
 from .events import CAT_FORMAT, MAP_FORMAT, MAX_ARGS, VALUE_FORMAT
 from .maps import (
+    ERRNO,
     HI,
     LO,
+    MAC,
     MASK,
     RESERVE_TRIES,
     SIGN,
+    SYSCALL,
+    TUPLE,
     MapLayout,
     MapType,
     hash_into,
     hash_keys,
+    is_text,
     key_words,
     start_slot,
+    tuple_items,
+    tuple_kind,
     width,
 )
 from .types import INT64, UINT64, CType, TypeSystem, integer, pointer, string
@@ -50,11 +58,11 @@ from .types import VOID as VOID_T
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
-            "ppid", "pcomm", "kstack",
+            "ppid", "pcomm", "kstack", "numaid",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"ustack", "username", "ctx", "cpid", "numaid",
+OTHER_BUILTINS = {"ustack", "username", "ctx", "cpid",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
@@ -62,7 +70,18 @@ AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "
 STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join", "cat"}
 #: functions with a value, in the subset
 FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack",
-             "buf", "cgroup_path"}
+             "buf", "cgroup_path", "strerror", "syscall_name", "strcontains", "len", "macaddr",
+             "pton"}
+#: why a builtin outside the subset is (where the plain "not supported" says too little)
+WHY_NOT = {
+    "username": "username is not supported: bpftrace names the uid by the user database of "
+                "the machine it runs on, which for ksim is not the traced one (uid is supported)",
+    "cpid": "cpid is not supported: it is the process bpftrace's -c started, and ksim trace "
+            "starts none (--while runs its command in the traced machine, its pid unknown to "
+            "the client)",
+}
+#: the most bytes of a string strcontains() searches (the program's max_strlen, at most)
+STRCONTAINS_MAX = 64
 #: the most bytes buf() keeps
 BUF_MAX = 64
 #: kstack's frames when the program does not say (kstack(N)); its modes
@@ -109,24 +128,49 @@ def analyse(program: t.Program, types: TypeSystem | None = None,
     """Every map's type, checked across the whole program; builtins and functions
     checked against the subset.  ``site_of(probe)``: a point the probe attaches to,
     whose arguments type its expressions (kfunc's, a tracepoint's)."""
-    strlen = program.config.get("max_strlen", DEFAULT_STRLEN)
-    a = Analysis(strlen=-(-int(strlen) // 8) * 8, types=types or TypeSystem())
+    strlen = -(-int(program.config.get("max_strlen", DEFAULT_STRLEN)) // 8) * 8
+    types = types or TypeSystem()
     for kind, name, fields, loc in program.records:
-        a.types.define(kind, name, list(fields), loc)
-    for probe in program.probes:
+        types.define(kind, name, list(fields), loc)
+    # twice: a map read before the assignment that types it (in the program's order) is
+    # typed by what the first pass found it holds (an error there is found again)
+    first = Analysis(strlen=strlen, types=types)
+    _analyse_probes(program, first, site_of, tolerant=True)
+    a = Analysis(strlen=strlen, types=types)
+    a.maps = {name: dataclasses.replace(m) for name, m in first.maps.items() if m.kind is not None}
+    _analyse_probes(program, a, site_of)
+    for m in a.maps.values():
+        if m.kind is None:
+            raise TraceSemanticError(f"Undefined map: {m.name} (it is never assigned)")
+    return a
+
+
+def _analyse_probes(program: t.Program, a: Analysis,
+                    site_of: Callable[[t.Probe], Site | None] | None,
+                    tolerant: bool = False) -> None:
+    """Each probe's filter and statements analysed into ``a``; ``tolerant``: a
+    statement in error is passed over (the first pass, which only collects kinds)."""
+    # a probe looping over a map's entries is typed last: the map's key and value kinds
+    # are then known, wherever in the program it is assigned
+    loops = [p for p in program.probes if any(isinstance(s, t.ForMap) for s in _stmts(p.body))]
+    for probe in [p for p in program.probes if p not in loops] + loops:
         site = site_of(probe) if site_of is not None else None
         typer = ProbeCompiler({}, site or CLIENT_SITE, stop=None, name_index=lambda n: 0,
                               placed=lambda lay, key: None, analysis=a, typing=True)
         typer.kernel = not all(ap.provider in t.CLIENT_PROVIDERS for ap in probe.points)
         if probe.pred is not None:
-            _check_expr(a, probe.pred)
-            typer.value(probe.pred)
+            try:
+                _check_expr(a, probe.pred)
+                typer.value(probe.pred)
+            except TraceError:
+                if not tolerant:
+                    raise
         for stmt in _stmts(probe.body):
-            _analyse_stmt(a, stmt, typer)
-    for m in a.maps.values():
-        if m.kind is None:
-            raise TraceSemanticError(f"Undefined map: {m.name} (it is never assigned)")
-    return a
+            try:
+                _analyse_stmt(a, stmt, typer)
+            except TraceError:
+                if not tolerant:
+                    raise
 
 
 def _stmts(body: tuple[t.Stmt, ...]) -> Iterator[t.Stmt]:
@@ -138,6 +182,8 @@ def _stmts(body: tuple[t.Stmt, ...]) -> Iterator[t.Stmt]:
         elif isinstance(s, t.While):
             yield from _stmts(s.body)
             yield from _stmts(s.step)
+        elif isinstance(s, t.ForMap):
+            yield from _stmts(s.body)
 
 
 def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
@@ -154,6 +200,8 @@ def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
     elif isinstance(s, t.If | t.While):
         _check_expr(a, s.cond)
         typer.value(s.cond)
+    elif isinstance(s, t.ForMap):
+        _check_for_map(a, s, typer)
     elif isinstance(s, t.ExprStmt):
         e = s.expr
         if isinstance(e, t.Call) and e.name in STATEMENTS:
@@ -161,6 +209,29 @@ def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
         else:
             _check_expr(a, e)
             typer.value(e)
+
+
+def _check_for_map(a: Analysis, s: t.ForMap, typer: ProbeCompiler) -> None:
+    """``for ($kv : @m)``: run by the client (BEGIN, END, interval) over the map's
+    entries; ``$kv`` is the tuple (key, value), a key of several parts a tuple itself."""
+    if typer.kernel:
+        raise TraceUnsupported(
+            "for loops over a map's entries are not supported in a kernel probe's action: "
+            "the snippets have no backward jump, so a loop is its body copied once per pass, "
+            "and a map holds up to max_map_keys entries (they run in BEGIN, END and interval "
+            "actions)", s.loc)
+    m = a.maps.get(s.map.name)
+    if m is None or m.kind is None or m.keys is None:
+        raise TraceSemanticError(f"for: {s.map.name} is not assigned before this loop", s.map.loc)
+    if not m.keys:
+        raise TraceSemanticError(f"for: {s.map.name} has no keys to loop over", s.map.loc)
+    if m.kind in ("hist", "lhist") or m.stats:
+        raise TraceSemanticError(f"for: {s.map.name} holds a {'stats' if m.stats else m.kind}, "
+                                 "which has no single value for $kv.1", s.map.loc)
+    key = m.keys[0] if len(m.keys) == 1 else tuple_kind(m.keys)
+    value = "int" if m.kind in ("count", "sum", "min", "max", "avg") else m.kind
+    # the loop's variable is its own: another loop's of the same name may hold another type
+    typer.var_types[s.var] = tuple_type((key, value))
 
 
 def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
@@ -237,6 +308,8 @@ def _time_format(call: t.Call) -> str:
 
 
 def _kind_text(kind: str) -> str:
+    if kind.startswith(TUPLE):
+        return "(" + ", ".join(_kind_text(k) for k in tuple_items(kind)) + ")"
     return {"name": "string", "comm": "string", "kaddr": "ksym", "inet": "inet"}.get(
         kind, "string" if kind.startswith("str:") else kind)
 
@@ -346,6 +419,21 @@ def _widen(have: tuple[str, ...], new: tuple[str, ...], ref: t.MapRef) -> tuple[
         f"[{', '.join(map(_kind_text, have))}]", ref.loc)
 
 
+def _wider(a: str, b: str) -> str | None:
+    """The kind that holds values of kinds ``a`` and ``b``: strings of different lengths
+    take the longer, tuples item by item (None: none does)."""
+    if a == b:
+        return a
+    if _is_str(a) and _is_str(b):
+        return f"str:{max(_str_len(a), _str_len(b))}"
+    if a.startswith(TUPLE) and b.startswith(TUPLE):
+        x, y = tuple_items(a), tuple_items(b)
+        items = [_wider(i, j) for i, j in zip(x, y, strict=False)]
+        if len(x) == len(y) and all(i is not None for i in items):
+            return tuple_kind([i for i in items if i is not None])
+    return None
+
+
 def _is_str(kind: str | None) -> bool:
     return kind is not None and (kind == "comm" or kind.startswith("str:"))
 
@@ -372,16 +460,13 @@ def _assign_kind(a: Analysis, ref: t.MapRef, op: str, value: t.Expr, typer: Prob
         if value.args:
             typer.value(value.args[0]).scalar(value.args[0].loc)
     elif op == "=":
-        if isinstance(value, t.Tuple):
-            raise TraceUnsupported("tuples as map values are not supported (as map keys and in "
-                                   "variables, they are)", value.loc)
         kind = typer.value_kind(value)
         if kind == "ptr" and m.ctype is None:
             m.ctype = typer.value(value).type      # read back as the same pointer type
     else:
         typer.value(value).scalar(value.loc)
-    if m.kind is not None and _is_str(m.kind) and _is_str(kind):
-        kind = f"str:{max(_str_len(m.kind), _str_len(kind))}"
+    if m.kind is not None and _wider(m.kind, kind) is not None:
+        kind = _wider(m.kind, kind) or kind
     elif m.kind is not None and (m.kind != kind or (lhist is not None and m.lhist != lhist)):
         raise TraceSemanticError(f"Type mismatch for {ref.name}: trying to assign value of type "
                                  f"'{_kind_text(kind)}' when map already contains a value of "
@@ -432,6 +517,8 @@ def _check_expr(a: Analysis, e: t.Expr, *, allow_aggregation: bool = False, key:
 def _check_builtin(e: t.Builtin, key: bool) -> None:
     if e.name in BUILTINS:
         return
+    if e.name in WHY_NOT:
+        raise TraceUnsupported(WHY_NOT[e.name], e.loc)
     if e.name in OTHER_BUILTINS:
         raise TraceUnsupported(f"builtin {e.name} is not supported", e.loc)
     raise TraceSemanticError(f"Unknown identifier: '{e.name}'", e.loc)
@@ -460,7 +547,7 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
         for x in e.args:
             if name == "kstack" and isinstance(x, t.Builtin) and x.name in STACK_MODES:
                 continue
-            if not (name == "has_key" and isinstance(x, t.MapRef)):
+            if not (name in ("has_key", "len") and isinstance(x, t.MapRef)):
                 _check_expr(a, x, key=True)
         return
     if name in OTHER_FUNCTIONS:
@@ -573,6 +660,31 @@ INET = CType("inet", 24, name="inet")
 COMM = CType("str", 16, name="comm")
 #: a cgroup's id, printed as its path (cgroup_path)
 CGROUP_PATH = CType("cgroup_path", 8, name="cgroup_path")
+#: numbers the client prints as names: an errno (strerror), a system call's
+#: (syscall_name); six bytes printed as a MAC address (macaddr)
+STRERROR = CType(ERRNO, 8, name="strerror_t")
+SYSCALL_NAME = CType(SYSCALL, 8, name="syscall_name")
+MACADDR = CType(MAC, 8, name="macaddr_t")
+#: kinds of one word that print as text and are not integers
+NAMED_WORDS = (ERRNO, SYSCALL, MAC)
+
+
+def tuple_type(items: tuple[str, ...] | list[str]) -> CType:
+    """The type of a tuple whose items have these kinds (``kinds``: the kinds of its
+    words' parts, a tuple item's flattened; ``items``: each item's)."""
+    kinds = tuple(k for item in items for k in _flat(item))
+    return CType("tuple", 8 * key_words(kinds), name="tuple",
+                 extra={"kinds": kinds, "items": tuple(items)})
+
+
+def _flat(kind: str) -> list[str]:
+    return [k for item in tuple_items(kind) for k in _flat(item)] if kind.startswith(TUPLE) \
+        else [kind]
+
+
+def bytes_type(n: int) -> CType:
+    """An array of ``n`` bytes held as words (pton's)."""
+    return CType("bytes", n, name=f"uint8[{n}]", extra={"n": n})
 
 
 class Locals:
@@ -1133,6 +1245,21 @@ class ProbeCompiler:
             return tuple(ct.extra["kinds"])
         return (kind_of(ct, self.analysis.strlen),)
 
+    def item_kind(self, e: t.Expr) -> str:
+        """The kind a tuple's item ``e`` is held as (its words are ``key_words(e)``)."""
+        kinds = self.key_kinds(e)
+        if len(kinds) == 1 and not isinstance(e, t.Tuple):
+            return kinds[0]
+        return kind_of(self.value(e).type, self.analysis.strlen)
+
+    def item(self, kind: str, words: list[ast.Node]) -> Val:
+        """A value of ``kind`` held in ``words`` (a tuple's item)."""
+        ct = kind_type(kind)
+        if len(words) == 1 and not is_text(kind) and not kind.startswith(
+                (TUPLE, "bytes:", "buf:", "kstack:")) and kind != "inet":
+            return Val(ct, words[0])
+        return Val(ct, words=words)
+
     def value_kind(self, e: t.Expr) -> str:
         """The kind a map assigned ``e`` holds (``func`` as a value: the function's
         address, printed by name, the kind ``ksym()`` gives, as bpftrace's two are
@@ -1158,10 +1285,39 @@ class ProbeCompiler:
         v = self.value(e) if v is None else v
         if kind == "comm" or kind.startswith("str:"):
             return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
-        if kind == "inet" or kind.startswith(("kstack:", "buf:")):
-            assert v.words is not None
+        if kind.startswith(TUPLE):
+            return self.tuple_words(e, kind, v)
+        if kind == "inet" or kind.startswith(("kstack:", "buf:", "bytes:")):
+            if v.words is None:
+                raise TraceSemanticError(f"a value of type {v.type.name or v.type.kind} where "
+                                         f"a {_kind_text(kind)} is held", e.loc)
             return v.words
+        if kind in NAMED_WORDS:
+            if v.type.kind != kind:
+                raise TraceSemanticError(f"a value of type {v.type.name or v.type.kind} where "
+                                         f"a {_kind_text(kind)} is held", e.loc)
+            return [v.node]
         return [v.scalar(e.loc)]
+
+    def tuple_words(self, e: t.Expr, kind: str, v: Val) -> list[ast.Node]:
+        """The words of tuple ``v`` held as tuple ``kind``: item by item (a string
+        padded to the map's longer one)."""
+        items = tuple_items(kind)
+        have = v.type.extra.get("items", ()) if v.type.kind == "tuple" else ()
+        if v.words is None or len(have) != len(items) \
+                or _wider(kind, kind_of(v.type, self.analysis.strlen)) != kind:
+            raise TraceSemanticError(f"a tuple {_kind_text(kind)} is held here, not "
+                                     f"{_kind_text(kind_of(v.type, self.analysis.strlen))}",
+                                     e.loc)
+        if kind_of(v.type, self.analysis.strlen) == kind:
+            return list(v.words)
+        code: list[ast.Node] = []
+        held = Val(v.type, words=[self.leaf(w, code) for w in v.words])
+        out = [w for i, k in enumerate(items)
+               for w in self.kind_words(e, k, self.tuple_field(held, str(i), e.loc))]
+        if code:
+            out[0] = ast.Seq((*code, out[0]))
+        return out
 
     def leaf(self, node: ast.Node, code: list[ast.Node]) -> ast.Node:
         """``node`` itself when reading it again is free and harmless, else a Local
@@ -1250,9 +1406,7 @@ class ProbeCompiler:
                 ct = m[2]
             return Val(UINT64, ast.Const(bits // 8))
         if isinstance(e, t.Tuple):
-            kinds = self.key_kinds(e)
-            ct = CType("tuple", 8 * key_words(kinds), name="tuple", extra={"kinds": kinds})
-            return Val(ct, words=self.key_words(e))
+            return Val(tuple_type([self.item_kind(x) for x in e.items]), words=self.key_words(e))
         if isinstance(e, t.Call):
             return self.function(e)
         raise TraceSemanticError("this expression has no value", e.loc)
@@ -1302,6 +1456,8 @@ class ProbeCompiler:
             raise TraceSemanticError(f"cannot cast to {ct.name}", e.loc)
         if ct.kind == "ptr":
             return Val(ct, v.scalar(e.operand.loc))
+        if ct.kind == "int" and v.type.kind == "bytes" and v.words is not None:
+            return Val(ct, _fit(v.words[0], ct))    # the bytes read as memory holds them
         if ct.kind == "int":
             return Val(ct, _fit(v.scalar(e.operand.loc), ct))
         if ct.kind == "str":
@@ -1309,6 +1465,8 @@ class ProbeCompiler:
         raise TraceSemanticError(f"cannot cast to {ct.name}", e.loc)
 
     def field(self, base: Val, name: str, loc: Loc, operand: t.Expr | None = None) -> Val:
+        if base.type.kind == "tuple":
+            return self.tuple_field(base, name, loc)
         if base.type.kind == "args":
             for arg_name, ct, node in base.type.extra["args"]:
                 if arg_name == name:
@@ -1341,6 +1499,20 @@ class ProbeCompiler:
                 raw & ast.Const((1 << bitfield) - 1)
             return Val(mt, value)
         return self.at(mt, at, loc)
+
+    def tuple_field(self, base: Val, name: str, loc: Loc) -> Val:
+        """``$t.N``: the tuple's item N (from 0), a value of its own kind."""
+        items = list(base.type.extra.get("items") or base.type.extra["kinds"])
+        if not name.isdigit() or int(name) >= len(items):
+            raise TraceSemanticError(f"a tuple's items are .0 to .{len(items) - 1}, not .{name}",
+                                     loc)
+        assert base.words is not None
+        i = int(name)
+        at = sum(width(k) for k in items[:i])
+        part = list(base.words[at:at + width(items[i])])
+        if at and not isinstance(base.words[0], ast.Const | ast.Local):
+            part[0] = ast.Seq((base.words[0], part[0]))     # the tuple's code is in word 0's
+        return self.item(items[i], part)
 
     def at(self, ct: CType, address: Any, loc: Loc) -> Val:
         """The value of type ``ct`` at ``address``: read for an integer or a pointer,
@@ -1502,6 +1674,8 @@ class ProbeCompiler:
             return Val(UINT64, ast.Const(getattr(self, "ncpus", 1)))
         if name == "rand":
             return Val(integer(4, False), self.rand(e))
+        if name == "numaid":
+            return Val(integer(4, False), self.numaid())
         if name == "pid":           # the process's: its thread group's id
             return Val(integer(4, False), ast.Tgid())
         if name == "tid":
@@ -1638,6 +1812,21 @@ class ProbeCompiler:
                 raise TraceSemanticError("strftime(): the format has a NUL character", e.loc)
             return Val(CType("tm", 8, name="timestamp", extra={"format": e.args[0].value}),
                        self.expr(e.args[1]))
+        if name in ("strerror", "syscall_name"):
+            if len(e.args) != 1:
+                raise TraceSemanticError(f"{name}() takes one integer", e.loc)
+            n = self.expr(e.args[0])
+            if name == "syscall_name":
+                self.syscall_table(e)
+            return Val(STRERROR if name == "strerror" else SYSCALL_NAME, n)
+        if name == "strcontains":
+            return self.strcontains(e)
+        if name == "len":
+            return self.map_len(e)
+        if name == "macaddr":
+            return self.macaddr(e)
+        if name == "pton":
+            return self.pton(e)
         if name == "bswap":
             if len(e.args) != 1:
                 raise TraceSemanticError("bswap() takes one integer", e.loc)
@@ -1656,6 +1845,130 @@ class ProbeCompiler:
                 out = out | (byte << ast.Const(8 * (size - 1 - i)))
             return Val(integer(size, False), ast.Seq((*setup, out)) if setup else out)
         raise TraceUnsupported(f"function {name}() is not supported", e.name_loc or e.loc)
+
+    def numaid(self) -> ast.Node:
+        """The NUMA node of the cpu: the kernel's per-cpu ``numa_node`` (what
+        numa_node_id() reads), at ``__per_cpu_offset[cpu]``; 0 on a kernel without
+        NUMA (no such variable: its numa_node_id() is 0)."""
+        if self.typing or self.lookup is None:
+            return ast.Const(0)
+        try:
+            node, offsets = self.lookup("numa_node"), self.lookup("__per_cpu_offset")
+        except TraceError:
+            return ast.Const(0)
+        base = ast.load(ast.Const(offsets) + ast.Cpu() * ast.Const(8), 8)
+        return ast.load(base + ast.Const(node), 4)
+
+    def syscall_table(self, e: t.Call) -> None:
+        """syscall_name() names a number by the kernel's own sys_call_table (read by the
+        client when it prints): refused where the kernel has none."""
+        if self.typing:
+            return
+        try:
+            if self.lookup is None:
+                raise TraceSemanticError("no symbols")
+            self.lookup("sys_call_table")
+        except TraceError:
+            raise TraceUnsupported("syscall_name() names a system call by the kernel's "
+                                   "sys_call_table, and this kernel has no such symbol",
+                                   e.name_loc or e.loc) from None
+
+    def strcontains(self, e: t.Call) -> Val:
+        """strcontains(s, "literal"): whether the literal's bytes appear in ``s`` before
+        its NUL (a literal has no NUL, so a match never crosses it); every start is
+        compared byte by byte, so the needle must be a constant."""
+        if len(e.args) != 2:
+            raise TraceSemanticError("strcontains() takes two strings", e.loc)
+        hay = self.value(e.args[0])
+        needle = e.args[1]
+        if not isinstance(needle, t.Str):
+            if self.value(needle).words is None:
+                raise TraceSemanticError("strcontains() takes two strings", needle.loc)
+            raise TraceUnsupported("strcontains() with a needle that is not a string literal "
+                                   "is not supported (each start of the string is compared "
+                                   "with the needle's bytes, which must be known)", needle.loc)
+        raw = needle.value.encode()
+        if not raw:
+            return Val(INT64, ast.Const(1))
+        size = min(hay.type.size if hay.words is None else 8 * len(hay.words),
+                   self.analysis.strlen, STRCONTAINS_MAX)
+        if hay.words is None and not (hay.type.kind == "array" and hay.type.is_string_like):
+            raise TraceSemanticError(f"strcontains(): a value of type "
+                                     f"{hay.type.name or hay.type.kind} is not a string",
+                                     e.args[0].loc)
+        if len(raw) > size:
+            return Val(INT64, ast.Const(0))
+        if self.typing:
+            return Val(INT64, ast.Const(0))
+        code: list[ast.Node] = []
+        words = [self.leaf(w, code) for w in self.text_words(hay, -(-size // 8) * 8,
+                                                              e.args[0].loc)]
+
+        def byte(i: int) -> ast.Node:
+            w, shift = words[i // 8], 8 * (i % 8)
+            return (ast.lshr(w, shift) if shift else w) & ast.Const(0xFF)
+
+        found: ast.Node = ast.Const(0)
+        for start in range(size - len(raw), -1, -1):
+            here: ast.Node = ast.Const(1)
+            for j in range(len(raw) - 1, -1, -1):
+                here = ast.land(byte(start + j) == ast.Const(raw[j]), here) if j < len(raw) - 1 \
+                    else byte(start + j) == ast.Const(raw[j])
+            found = ast.lor(here, found) if start < size - len(raw) else here
+        return Val(INT64, ast.Seq((*code, found)) if code else found)
+
+    def map_len(self, e: t.Call) -> Val:
+        """len(@m): the number of the map's keys, counted by the client (BEGIN, END,
+        interval); a kernel probe's action would read every record (no loop)."""
+        if len(e.args) != 1 or not isinstance(e.args[0], t.MapRef) or e.args[0].keys:
+            raise TraceSemanticError("len() takes a map: len(@m)", e.loc)
+        if self.kernel:
+            raise TraceUnsupported("len(@m) in a kernel probe's action is not supported: "
+                                   "counting a map's keys reads each of its max_map_keys "
+                                   "records, and the snippets have no loop (it runs in BEGIN, "
+                                   "END and interval actions)", e.name_loc or e.loc)
+        self.analysis.maps.setdefault(e.args[0].name, MapType(e.args[0].name))
+        return Val(INT64, ast.Const(0))
+
+    def macaddr(self, e: t.Call) -> Val:
+        """macaddr(p): the six bytes at ``p`` (an array's, or a pointer's), printed by
+        the client as a MAC address, XX:XX:XX:XX:XX:XX."""
+        if len(e.args) != 1:
+            raise TraceSemanticError("macaddr() takes an array of 6 bytes or a pointer", e.loc)
+        v = self.value(e.args[0])
+        if v.type.kind == "array":
+            if v.type.size < 6:
+                raise TraceSemanticError(f"macaddr() needs 6 bytes ({v.type.name} has "
+                                         f"{v.type.size})", e.args[0].loc)
+            address = v.node
+        elif v.type.kind in ("ptr", "int"):
+            address = v.scalar(e.args[0].loc)
+        else:
+            raise TraceSemanticError(f"macaddr() takes an array of 6 bytes or a pointer, not "
+                                     f"{v.type.name or v.type.kind}", e.args[0].loc)
+        if self.typing:
+            return Val(MACADDR, ast.Const(0))
+        p = self.locals.take()
+        low = self.read(p, 4, False)
+        high = self.read(p + 4, 2, False)
+        return Val(MACADDR, ast.Seq((p.assign(address), low | (high << ast.Const(32)))))
+
+    def pton(self, e: t.Call) -> Val:
+        """pton("address"): its bytes in network order, 4 (IPv4: a '.') or 16 (IPv6: a
+        ':'), computed here, as bpftrace computes it when it compiles."""
+        import ipaddress
+
+        if len(e.args) != 1 or not isinstance(e.args[0], t.Str):
+            raise TraceSemanticError("pton() takes an address as a string literal", e.loc)
+        text = e.args[0].value
+        try:
+            raw = ipaddress.ip_address(text).packed
+        except ValueError:
+            raise TraceSemanticError(f"pton(): {text!r} is not an IPv4 or IPv6 address",
+                                     e.args[0].loc) from None
+        words = [ast.Const(int.from_bytes(raw[i:i + 8].ljust(8, b"\0"), "little"))
+                 for i in range(0, len(raw), 8)]
+        return Val(bytes_type(len(raw)), words=words)
 
     def rand(self, e: t.Builtin) -> ast.Node:
         """A random 32-bit number: the kernel's get_random_u32() where it has one,
@@ -1754,7 +2067,10 @@ class ProbeCompiler:
         family: ast.Node
         lo: ast.Node
         hi: ast.Node
-        if v.type.kind == "array" and v.type.size == 16:
+        if v.type.kind == "bytes" and v.words is not None:
+            family = ast.Const(10 if v.type.size == 16 else 2)
+            lo, hi = v.words[0], v.words[1] if len(v.words) > 1 else ast.Const(0)
+        elif v.type.kind == "array" and v.type.size == 16:
             family = ast.Const(10)
             lo, hi = ast.load(v.node, 8), ast.load(v.node + 8, 8)
         elif v.type.kind == "array" and v.type.size == 4:
@@ -1787,16 +2103,17 @@ class ProbeCompiler:
                                      ref.loc)
         ct = m.ctype if m is not None and m.ctype is not None and kind == "ptr" \
             else kind_type(kind)
+        held = ("str", "inet", "kstack", "tuple", "bytes", "buf")
         if self.typing:
             _use_map(self.analysis, ref, self)
-            if ct.kind in ("str", "inet", "kstack"):
+            if ct.kind in held:
                 return Val(ct, words=[ast.Const(0)] * width(kind or "int"))
             return Val(ct, ast.Const(0))
         lay = self.layouts[ref.name]
         mark = self.locals.mark()
         acc = self.access(ref, claim=False)
         w = lay.word(acc.slot, lay.value0)
-        if ct.kind in ("str", "inet", "kstack"):
+        if ct.kind in held:
             words = []
             for i in range(width(kind or "int")):
                 word = lay.word(acc.slot, lay.value0 + i)
@@ -1903,6 +2220,12 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return f"buf:{ct.extra['size']}"
     if ct.kind == "inet":
         return "inet"
+    if ct.kind in NAMED_WORDS:
+        return ct.kind
+    if ct.kind == "bytes":
+        return f"bytes:{ct.extra['n']}"
+    if ct.kind == "tuple":
+        return tuple_kind(ct.extra.get("items") or ct.extra["kinds"])
     if ct.kind == "ptr":
         return "ptr"            # printed in hex, as bpftrace prints pointers
     if ct.kind == "int":
@@ -1931,7 +2254,15 @@ def kind_type(kind: str | None) -> CType:
         _, depth, mode = kind.split(":")
         return CType("kstack", 8 * int(depth), name="kstack",
                      extra={"mode": mode, "depth": int(depth)})
-    return INT64
+    if kind is not None and kind.startswith(TUPLE):
+        return tuple_type(tuple_items(kind))
+    if kind is not None and kind.startswith("bytes:"):
+        return bytes_type(int(kind[6:]))
+    if kind is not None and kind.startswith("buf:"):
+        return CType("buf", 8 + int(kind[4:]), name="buffer", extra={"size": int(kind[4:])})
+    if kind is not None and kind.startswith("tm:"):
+        return CType("tm", 8, name="timestamp", extra={"format": kind[3:]})
+    return {ERRNO: STRERROR, SYSCALL: SYSCALL_NAME, MAC: MACADDR}.get(kind or "", INT64)
 
 
 __all__ = ["Analysis", "ProbeCompiler", "Site", "analyse", "constant_key", "map_refs"]

@@ -50,6 +50,7 @@ linear buckets (both as bpftrace's language computes them).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,13 +95,52 @@ TEXT_KINDS = ("comm",)
 
 def width(kind: str) -> int:
     """Words a value of ``kind`` is held in."""
+    if kind.startswith(TUPLE):
+        return sum(width(k) for k in tuple_items(kind))
     if kind.startswith("str:"):
         return -(-int(kind[4:]) // WORD)
     if kind.startswith("kstack:"):
         return int(kind.split(":")[1])
     if kind.startswith("buf:"):
         return 1 + -(-int(kind[4:]) // WORD)
+    if kind.startswith("bytes:"):
+        return -(-int(kind[6:]) // WORD)
     return WIDTH.get(kind, 1)
+
+
+#: a tuple's kind: this prefix, then the JSON list of its items' kinds (an item
+#: may be a tuple itself)
+TUPLE = "tuple:"
+
+
+def tuple_kind(items: Sequence[str]) -> str:
+    """The kind of a tuple whose items have these kinds."""
+    return TUPLE + json.dumps(list(items), separators=(",", ":"))
+
+
+def tuple_items(kind: str) -> list[str]:
+    """The kinds of a tuple kind's items."""
+    return list(json.loads(kind[len(TUPLE):]))
+
+
+class TupleValue(tuple):  # type: ignore[type-arg]
+    """A tuple's decoded items: printed as bpftrace prints a tuple, ``(a, b, c)`` (a
+    string item as its text); a list in JSON (:func:`plain`)."""
+
+    def __str__(self) -> str:
+        return "(" + ", ".join(str(x) for x in self) + ")"
+
+
+def plain(value: Any) -> Any:
+    """A decoded value as JSON holds it: a tuple as a list of its items."""
+    if isinstance(value, TupleValue):
+        return [plain(x) for x in value]
+    return value
+
+
+#: the kinds whose values the client names: errno numbers (strerror), system call
+#: numbers (syscall_name), MAC addresses (macaddr)
+ERRNO, SYSCALL, MAC = "strerror", "syscall", "macaddr"
 
 
 def is_text(kind: str | None) -> bool:
@@ -110,12 +150,20 @@ def is_text(kind: str | None) -> bool:
 def is_decoded(kind: str | None) -> bool:
     """Whether a map value of ``kind`` prints as something other than its integer."""
     return kind is not None and (kind in VALUE_KINDS or is_text(kind)
-                                 or kind.startswith(("kstack:", "tm:", "buf:")))
+                                 or kind.startswith(("kstack:", "tm:", "buf:", "bytes:", TUPLE)))
+
+
+def is_named(kind: str | None) -> bool:
+    """Whether a value of ``kind`` is, to the program, what it prints as (a tuple, an
+    errno's or a system call's name, a MAC address, pton's bytes), not a number."""
+    return kind is not None and (kind in (ERRNO, SYSCALL, MAC)
+                                 or kind.startswith((TUPLE, "bytes:")))
 
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
 #: integers: strings, names, addresses printed as symbols, addresses of the network
-VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr", "cgroup_path")
+VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr", "cgroup_path", ERRNO, SYSCALL,
+               MAC)
 
 
 #: how a kernel address is named (set by the client: the kernel's symbols)
@@ -124,6 +172,32 @@ SYMBOLIZE: list[Callable[[int], str]] = []
 
 #: how a cgroup's id is named (set by the client: the traced machine's cgroups)
 CGROUP_PATHS: list[Callable[[int], str]] = []
+
+
+#: how a system call's number is named (set by the client: the kernel's table)
+SYSCALL_NAMES: list[Callable[[int], str]] = []
+#: bpftrace's text for a number its table has no name for
+UNKNOWN_SYSCALL = "Unknown syscall"
+
+
+def errno_text(n: int) -> str:
+    """strerror(n) as bpftrace's user space prints it: the C library's text of the
+    error (of -n for a negative n, as a kernel function returns it)."""
+    import os
+
+    n = signed(n)
+    return os.strerror(-n if n < 0 else n)
+
+
+def mac_text(word: int) -> str:
+    """macaddr()'s text: six bytes, in memory order, as upper-case hex with colons."""
+    return ":".join(f"{b:02X}" for b in (word & MASK).to_bytes(WORD, "little")[:6])
+
+
+def bytes_text(words: Sequence[int], n: int) -> str:
+    """An array of ``n`` bytes (pton()'s) as bpftrace prints an integer array."""
+    raw = b"".join((w & MASK).to_bytes(WORD, "little") for w in words)[:n]
+    return "[" + ",".join(str(b) for b in raw) + "]"
 
 
 def symbol_text(address: int) -> str:
@@ -180,6 +254,23 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return str(part[0] & MASK)
     if kind == "inet":
         return inet_text(part)
+    if kind == ERRNO:
+        return errno_text(part[0])
+    if kind == SYSCALL:
+        for f in SYSCALL_NAMES[-1:]:
+            return f(signed(part[0]))
+        return UNKNOWN_SYSCALL
+    if kind == MAC:
+        return mac_text(part[0])
+    if kind.startswith("bytes:"):
+        return bytes_text(part, int(kind[6:]))
+    if kind.startswith(TUPLE):
+        items, at = [], 0
+        for k in tuple_items(kind):
+            n = width(k)
+            items.append(decode(k, part[at:at + n], names))
+            at += n
+        return TupleValue(items)
     if kind.startswith("kstack:"):
         return stack_text(part, kind.split(":")[2])
     if kind.startswith("buf:"):
@@ -548,6 +639,19 @@ class Table:
             out[key] = merge(lay.type.kind, out[key], values) if key in out else values
         return out
 
+    def decoded(self) -> list[tuple[Any, Any]]:
+        """Every present entry as (key, value), as the program sees them: a key of one
+        part that part, of several a tuple; a value its integer, or what it prints as
+        (a string, a name, a tuple).  In the order the records were taken."""
+        lay = self.layout
+        kind = lay.type.kind or "int"
+        out: list[tuple[Any, Any]] = []
+        for key, values in self.entries().items():
+            parts = decode_key(lay.type.keys or (), key, lay.names)
+            value = decode(kind, values, lay.names) if is_decoded(kind) else scalar(kind, values)
+            out.append((parts[0] if len(parts) == 1 else TupleValue(parts), value))
+        return out
+
     def lost(self) -> int:
         if self.layout.lost is None:
             return 0
@@ -648,12 +752,16 @@ class Table:
             self._put_u64s(base, [0] * (lay.stride - lay.present))
 
 
+#: value kinds that aggregate (two records of one key merge by adding)
+AGGREGATE_KINDS = ("count", "sum", "avg", "hist", "lhist")
+
+
 def merge(kind: str | None, a: list[int], b: list[int]) -> list[int]:
     """Value words of two records of one key, merged."""
     if kind in ("min", "max"):
         return [max(a[0], b[0])]            # both biased so that the larger wins
-    if kind == "int":
-        return b
+    if kind not in AGGREGATE_KINDS:
+        return b                            # a value assigned: the later one
     return [(x + y) & MASK for x, y in zip(a, b, strict=True)]
 
 
@@ -707,5 +815,5 @@ def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str])
 
 __all__ = ["DEFAULT_MAX_MAP_KEYS", "HIST_BUCKETS", "MapLayout", "MapType", "MapUse", "Sizing",
            "Table", "WIDTH", "comm_text", "decode", "decode_key", "hash_into", "hash_keys",
-           "hash_tree", "is_decoded", "is_text", "key_words", "layout_for", "place", "scalar",
+           "hash_tree", "is_decoded", "plain", "tuple_items", "tuple_kind", "is_text", "key_words", "layout_for", "place", "scalar",
            "shrink", "size_map", "width"]

@@ -14,14 +14,22 @@ line.  A histogram prints its non-empty range of buckets::
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from .maps import (
+    ERRNO,
     HIST_BUCKETS,
+    SYSCALL,
+    TUPLE,
+    UNKNOWN_SYSCALL,
     MapLayout,
     decode,
     decode_key,
     is_decoded,
+    merge,
+    plain,
     scalar,
     signed,
 )
@@ -114,7 +122,21 @@ class MapPrinter:
     def key_parts(self, key: tuple[int, ...]) -> list[str]:
         return [str(p) for p in decode_key(self.lay.type.keys or (), key, self.lay.names)]
 
+    def merged(self, entries: dict[tuple[int, ...], list[int]]) -> dict[tuple[int, ...], list[int]]:
+        """Entries whose keys print the same merged: keys holding numbers the client
+        names (strerror's, syscall_name's) are strings to bpftrace, so two numbers of
+        one name ("Unknown syscall") are one key."""
+        if not any(k in (ERRNO, SYSCALL) for k in self.lay.type.keys or ()):
+            return entries
+        out: dict[tuple[int, ...], list[int]] = {}
+        first: dict[tuple[str, ...], tuple[int, ...]] = {}
+        for key, values in entries.items():
+            at = first.setdefault(tuple(self.key_parts(key)), key)
+            out[at] = merge(self.lay.type.kind, out[at], values) if at in out else values
+        return out
+
     def sorted(self, entries: dict[tuple[int, ...], list[int]]) -> list[tuple[tuple[int, ...], list[int]]]:
+        entries = self.merged(entries)
         def order(item: tuple[tuple[int, ...], list[int]]) -> tuple[int, tuple[int, ...]]:
             key, values = item
             if self.hist:
@@ -158,6 +180,8 @@ class MapPrinter:
             if self.hist:
                 return [{**bounds, "count": count} for _, bounds, count in _rows(self.lay, values)]
             kind = self.lay.type.kind
+            if kind is not None and kind.startswith(TUPLE):
+                return plain(decode(kind, values, self.lay.names))   # a list, as bpftrace's
             if is_decoded(kind) or self.lay.type.stats:
                 return self.value_text(values)
             return scalar(kind, values)
@@ -166,6 +190,44 @@ class MapPrinter:
         if not self.lay.keyed:
             return value(items[0][1]) if items else None
         return {",".join(self.key_parts(k)): value(v) for k, v in items}
+
+
+#: the prefixes of a system call's function in sys_call_table (x86-64, arm64)
+SYSCALL_PREFIX = re.compile(r"__(?:x64|arm64)_sys_(\w+)")
+
+
+def syscall_namer(image: Any, read: Callable[[int, int], bytes]) -> Callable[[int], str]:
+    """syscall_name()'s text for each number: the name of the function the kernel's
+    sys_call_table holds at that index (``__x64_sys_read``: "read"), as bpftrace's
+    table for the target's architecture names it; "Unknown syscall" for an index past
+    the table or holding ``sys_ni_syscall``.  The table is read on first use
+    (kallsyms gives no sizes: it runs to the next symbol, at most MAX_SYSCALLS)."""
+    from .tracepoints import MAX_SYSCALLS
+
+    names: list[str] | None = None
+
+    def table() -> list[str]:
+        sym = image.find_symbol("sys_call_table")
+        if sym is None:
+            return []
+        size = sym.size or min(min((s.address for s in image.symbols if s.address > sym.address),
+                                   default=sym.address) - sym.address, 8 * MAX_SYSCALLS)
+        data = read(sym.address, size - size % 8) if size >= 8 else b""
+        out = []
+        for i in range(0, len(data), 8):
+            f = image.function_at(int.from_bytes(data[i:i + 8], "little"))
+            m = SYSCALL_PREFIX.fullmatch(f.name) if f is not None else None
+            out.append(m.group(1) if m is not None and m.group(1) != "ni_syscall"
+                       else UNKNOWN_SYSCALL)
+        return out
+
+    def name(n: int) -> str:
+        nonlocal names
+        if names is None:
+            names = table()
+        return names[n] if 0 <= n < len(names) else UNKNOWN_SYSCALL
+
+    return name
 
 
 def record(kind: str, data: Any) -> dict[str, Any]:

@@ -707,12 +707,20 @@ class Parser:
             self.fail("expecting a variable ($name) after for")
         self.advance()
         if self.at(","):
-            raise TraceUnsupported("for loops over a map's entries are not supported (for "
-                                   "over a range, $i : A..B, is)", tok.loc)
+            raise TraceUnsupported("for loops over a map's entries bind one variable, the "
+                                   "(key, value) tuple: for ($kv : @m) { ... $kv.0 ... $kv.1 }",
+                                   tok.loc)
         self.expect(":", "':' after the loop's variable")
         if self.tok.kind == "map":
-            raise TraceUnsupported("for loops over a map's entries are not supported (for "
-                                   "over a range, $i : A..B, is)", self.tok.loc)
+            ref = self.map_ref()
+            if ref.keys:
+                raise TraceSemanticError("for loops over a map's entries take the map without "
+                                         "keys", ref.loc)
+            if paren:
+                self.expect(")", "')' closing the loop's map")
+            self.scratch_name(var)
+            body = self.loop_body(tok, 1)
+            return [t.ForMap(tok.loc, str(var.value), ref, body)]
         lo = self.expr()
         self.expect(".", "'..' between the range's bounds")
         self.expect(".", "'..' between the range's bounds")
@@ -1245,6 +1253,8 @@ def statement_count(stmts: tuple[t.Stmt, ...] | list[t.Stmt]) -> int:
             stack += [*s.then, *s.orelse]
         elif isinstance(s, t.While):
             stack += [*s.body, *s.step]
+        elif isinstance(s, t.ForMap):
+            stack += list(s.body)
     return n
 
 
@@ -1258,6 +1268,8 @@ def emitted_count(stmts: tuple[t.Stmt, ...]) -> int:
             n += emitted_count(s.then) + emitted_count(s.orelse)
         elif isinstance(s, t.While):
             n += (MAX_LOOP if s.bound is None else s.bound) * emitted_count(s.body + s.step)
+        elif isinstance(s, t.ForMap):
+            n += emitted_count(s.body)      # run by the client, never copied
     return n
 
 

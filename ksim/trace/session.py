@@ -42,15 +42,21 @@ from .errors import TraceError, TraceSemanticError, TraceUnsupported
 from .events import RING_BYTES, Action, Drain, Ring, allocate_ring, render
 from .maps import (
     CGROUP_PATHS,
+    ERRNO,
     MASK,
     PROBES,
     SYMBOLIZE,
+    SYSCALL,
+    SYSCALL_NAMES,
+    TUPLE,
     MapLayout,
     MapUse,
     Sizing,
     Table,
+    TupleValue,
     decode,
     encode_extreme,
+    is_named,
     is_text,
     layout_size,
     place,
@@ -58,9 +64,10 @@ from .maps import (
     shrink,
     signed,
     size_map,
+    tuple_items,
     width,
 )
-from .output import MapPrinter
+from .output import MapPrinter, syscall_namer
 from .traced import TracedMachine
 from .types import CType, TypeSystem
 
@@ -707,6 +714,7 @@ class TraceSession:
         start = time.perf_counter()
         SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
         CGROUP_PATHS[:] = [self.traced.cgroup_path]
+        SYSCALL_NAMES[:] = [syscall_namer(self.m.target.image, self.m.copy_from_kernel)]
         if self.clock is not None:
             self.m.allow_calls(self.clock)
         user_reader = self.m.target.abi.read_user_nofault
@@ -1006,7 +1014,7 @@ class Interpreter:
     def __init__(self, session: TraceSession, which: str) -> None:
         self.s = session
         self.which = which
-        self.vars: dict[str, int | str] = {}
+        self.vars: dict[str, Any] = {}
 
     def run(self, probe: t.Probe) -> None:
         if probe.pred is not None and not self.expr(probe.pred):
@@ -1036,9 +1044,22 @@ class Interpreter:
                 pass
             self.block(s.step)
 
+    def for_map(self, s: t.ForMap) -> None:
+        """The body once per entry of the map as it is now, ``$var`` its (key, value)."""
+        for key, value in self.s.table(s.map.name).decoded():
+            self.vars[s.var] = TupleValue((key, value))
+            try:
+                self.block(s.body)
+            except _Break:
+                return
+            except _Continue:
+                pass
+
     def stmt(self, s: t.Stmt) -> None:
         if isinstance(s, t.While):
             self.loop(s)
+        elif isinstance(s, t.ForMap):
+            self.for_map(s)
         elif isinstance(s, t.Break):
             raise _Break()
         elif isinstance(s, t.Continue):
@@ -1126,20 +1147,46 @@ class Interpreter:
             out += self.words(self.value(k), kind)
         return tuple(out)
 
-    def words(self, v: int | str, kind: str) -> list[int]:
-        """``v`` held as ``kind``: a string's bytes in words, or one word."""
+    def words(self, v: Any, kind: str) -> list[int]:
+        """``v`` held as ``kind``: a string's bytes in words, a tuple's items' words,
+        or one word."""
+        if isinstance(v, tuple) and kind.startswith(TUPLE):
+            items = tuple_items(kind)
+            if len(v) != len(items):
+                raise TraceSemanticError(f"a tuple of {len(items)} items is held here")
+            return [w for x, k in zip(v, items, strict=True) for w in self.words(x, k)]
         if isinstance(v, str):
             if kind != "comm" and not kind.startswith("str:"):
                 raise TraceSemanticError(f"a string where a value of kind {kind} is held")
             return text_words(v, width(kind) * 8)
         return [v & MASK]
 
-    def value(self, e: t.Expr) -> int | str:
-        """An integer, or a string's text."""
+    def value(self, e: t.Expr) -> Any:
+        """An integer, or a string's text (or what a value prints as: a tuple, a name)."""
         if isinstance(e, t.Str):
             return e.value
+        if isinstance(e, t.Tuple):
+            return TupleValue(self.value(x) for x in e.items)
+        if isinstance(e, t.Scratch) and isinstance(self.vars.get(e.name), tuple | str):
+            return self.vars[e.name]
+        if isinstance(e, t.Field) and isinstance(whole := self.value(e.operand), tuple):
+            if not e.name.isdigit() or int(e.name) >= len(whole):
+                raise TraceSemanticError(f"a tuple's items are .0 to .{len(whole) - 1}, not "
+                                         f".{e.name}", e.loc)
+            return whole[int(e.name)]
+        if isinstance(e, t.Call) and e.name in ("strerror", "syscall_name") and e.args:
+            return decode(ERRNO if e.name == "strerror" else SYSCALL, [self.expr(e.args[0])],
+                          self.s.names)
         if isinstance(e, t.MapRef):
             lay = self.s.table(e.name).layout
+            if is_named(lay.type.kind):
+                table = self.s.table(e.name)
+                slot = table.find(self.keys(e), claim=False)
+                if slot is None or not table.get(slot, lay.present):
+                    return 0
+                return decode(lay.type.kind or "", [table.get(slot, lay.value0 + i)
+                                                    for i in range(lay.type.value_words)],
+                              self.s.names)
             if is_text(lay.type.kind):
                 table = self.s.table(e.name)
                 slot = table.find(self.keys(e), claim=False)
@@ -1260,6 +1307,17 @@ class Interpreter:
             return {"!": int(not v), "~": signed(~v), "-": signed(-v), "+": v}[e.op]
         if isinstance(e, t.Ternary):
             return self.expr(e.then) if self.expr(e.cond) else self.expr(e.orelse)
+        if isinstance(e, t.Call) and e.name == "len" and e.args \
+                and isinstance(e.args[0], t.MapRef):
+            return len(self.s.table(e.args[0].name).decoded())
+        if isinstance(e, t.Call) and e.name == "strcontains" and len(e.args) == 2:
+            hay, needle = self.value(e.args[0]), self.value(e.args[1])
+            return int(isinstance(hay, str) and isinstance(needle, str) and needle in hay)
+        if isinstance(e, t.Field):
+            v = self.value(e)
+            if isinstance(v, int):
+                return v
+            raise TraceSemanticError("this expression has no integer value", e.loc)
         if isinstance(e, t.Call) and e.name == "ksym" and len(e.args) == 1:
             return self.expr(e.args[0])             # held as the address, printed by name
         if isinstance(e, t.Call) and e.name == "kaddr" and len(e.args) == 1 \

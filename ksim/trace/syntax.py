@@ -178,6 +178,16 @@ class While(Stmt):
 
 
 @dataclass(frozen=True)
+class ForMap(Stmt):
+    """``for ($var : @map) { body }``: the body once per entry of the map, ``$var`` the
+    tuple (key, value)."""
+
+    var: str
+    map: MapRef
+    body: tuple[Stmt, ...]
+
+
+@dataclass(frozen=True)
 class Break(Stmt):
     """``break``: the innermost loop ends here."""
 
@@ -254,7 +264,7 @@ class Program:
 
 __all__ = [
     "Assign", "AttachPoint", "Binary", "Break", "Builtin", "Call", "Cast", "Continue", "Declare",
-    "Deref", "Expr", "ExprStmt", "Field", "If", "Index", "Int", "MapRef", "OffsetOf", "Param",
+    "Deref", "Expr", "ExprStmt", "Field", "ForMap", "If", "Index", "Int", "MapRef", "OffsetOf", "Param",
     "Probe", "Program", "Return", "Scratch", "SizeOf", "Stmt", "Str", "Ternary", "Tuple", "Unary",
     "While",
 ]
