@@ -63,6 +63,25 @@ def test_a_tuple_map_read_back_in_a_kprobe(toy_path):
     assert report["maps"]["@before"] == before > 0
 
 
+def test_print_of_a_tuple_in_a_kprobe_prints_it_whole(toy_path):
+    """print() of a tuple is one event the client prints as bpftrace prints a tuple."""
+    hooks = Hooks(entry=size_comm_pid)
+    report, text = trace("kprobe:vfs_read /arg2 > 300/ { $t = (arg2, (comm, pid)); print($t); "
+                         "print($t.1); }", "unicorn:toy", on_attach=hooks, seed=3)
+    big = [(s, c, p) for s, c, p in hooks.seen["entry"] if s > 300]
+    assert big and report["printed"] == [x for s, c, p in big for x in ([s, [c, p]], [c, p])]
+    assert [x for x in text.splitlines() if x.startswith("(")] == [
+        x for s, c, p in big for x in (f"({s}, ({c}, {p}))", f"({c}, {p})")]
+
+
+def test_tuples_assigned_by_the_client_widen_their_strings(capsys, toy_path):
+    assert main(["trace", "-e", 'BEGIN { @b[1] = (1, "a"); @b[2] = (2, "a longer string"); '
+                 '$x = @b[2]; print($x.1); exit(); }']) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "a longer string" in out and "@b[1]: (1, a)" in out
+    assert "@b[2]: (2, a longer string)" in out
+
+
 # --- for over a map, len ---------------------------------------------------------------------
 def test_for_over_a_map_in_end_visits_every_entry(toy_path):
     hooks = Hooks(entry=size_comm_pid)
@@ -80,6 +99,15 @@ def test_for_over_a_map_in_end_visits_every_entry(toy_path):
     assert sorted(report["printf"][1:]) == sorted(f"{c}={n}\n" for c, n in counts.items())
     assert report["maps"]["@back"] == {f"{p},{k}": v for (p, k), v in sums.items()}
     assert report["maps"]["@visited"] == sum(1 for v in sums.values() if v > 0)
+
+
+def test_for_over_a_map_inside_a_macro(toy_path):
+    hooks = Hooks(entry=size_comm_pid)
+    report = run_trace('macro dump(@m) { for ($kv : @m) { printf("%d:%d\\n", $kv.0, $kv.1); } }\n'
+                       'kprobe:vfs_read { @c[arg2 % 3] = count(); } END { dump(@c); }',
+                       hooks, seed=3)
+    counts = Counter(s % 3 for s, _, _ in hooks.seen["entry"])
+    assert sorted(report["printf"]) == sorted(f"{k}:{n}\n" for k, n in counts.items())
 
 
 def test_for_over_an_empty_map_and_break_in_begin(capsys, toy_path):

@@ -350,7 +350,7 @@ def _check_statement_call(a: Analysis, call: t.Call, typer: ProbeCompiler) -> No
             raise TraceSemanticError("print() of a value takes one argument", call.loc)
         _check_expr(a, call.args[0], key=True)
         if typer.kernel:
-            _add_format(a, (VALUE_FORMAT, typer.printf_kinds(call.args)))
+            _add_format(a, (VALUE_FORMAT, typer.print_kinds(call.args[0])))
         return
     if call.name == "cat":
         if not call.args or not isinstance(call.args[0], t.Str):
@@ -964,7 +964,7 @@ class ProbeCompiler:
             mark = self.locals.mark()
             code = []
             args = [self.leaf(w, code) for w in self.key_words(call.args[0])]
-            fmt = (VALUE_FORMAT, self.printf_kinds(call.args))
+            fmt = (VALUE_FORMAT, self.print_kinds(call.args[0]))
             code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), args))
             self.locals.release(mark)
             return ast.Seq(tuple(code))
@@ -1010,6 +1010,13 @@ class ProbeCompiler:
         code.append(self.ring.emit(self.locals.take(), self.ring.formats.index(fmt), args))
         self.locals.release(mark)
         return ast.Seq(tuple(code))
+
+    def print_kinds(self, e: t.Expr) -> tuple[str, ...]:
+        """The kinds print(e)'s event holds: a tuple's one kind (printed whole, as
+        bpftrace prints it), else printf's."""
+        if isinstance(e, t.Tuple) or self.value(e).type.kind == "tuple":
+            return (kind_of(self.value(e).type, self.analysis.strlen),)
+        return self.printf_kinds((e,))
 
     def printf_kinds(self, args: tuple[t.Expr, ...]) -> tuple[str, ...]:
         """The kind of each printf argument, as the event ring holds it (a pointer as

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 from ksim.snippets import ast
 
-from .maps import MASK, WORD, decode, key_words, signed, width
+from .maps import MASK, TUPLE, WORD, decode, key_words, plain, signed, width
 
 #: a format standing for time(FORMAT) (as ksim.trace.compiler writes it)
 TIME_FORMAT = "\0time\0"
@@ -212,6 +212,9 @@ class Drain:
             if fmt.startswith(MAP_FORMAT):
                 op, name, top, div = fmt[len(MAP_FORMAT):].split("\0")
                 out.append(Action(op, (name, int(top), int(div))))
+            elif fmt == VALUE_FORMAT and kinds[0].startswith(TUPLE):
+                value = decode(kinds[0], rec[2:2 + key_words(kinds)], self.names)
+                out.append(Action("value", (f"{value}\n", plain(value))))
             elif fmt == VALUE_FORMAT:
                 kind = kinds[0]
                 words = rec[2:2 + key_words(kinds)]

@@ -1331,6 +1331,14 @@ def _substitute(node: Any, env: _MacroEnv) -> Any:
         if node.name in env.vars:
             return env.vars[node.name]
         return t.Scratch(node.loc, f"{node.name}.{env.suffix}")
+    if isinstance(node, t.ForMap):
+        arg = env.vars.get(node.var)
+        if arg is not None and not isinstance(arg, t.Scratch):
+            raise TraceSemanticError(f"${node.var} is a for loop's variable in the macro but "
+                                     "given a value that is not a variable", node.loc)
+        name = arg.name if isinstance(arg, t.Scratch) else f"{node.var}.{env.suffix}"
+        return dataclasses.replace(node, var=name, map=_substitute(node.map, env),
+                                   body=_substitute(node.body, env))
     if isinstance(node, t.Declare):
         if node.name in env.vars:
             arg = env.vars[node.name]
