@@ -110,6 +110,52 @@ def test_for_over_a_map_inside_a_macro(toy_path):
     assert sorted(report["printf"]) == sorted(f"{k}:{n}\n" for k, n in counts.items())
 
 
+def for_in_kprobe_oracle(sizes: list[int]) -> dict:
+    """What the program of test_for_over_a_map_in_a_kprobe_visits_each_record holds at
+    the end, computed hit by hit."""
+    m: dict[int, int] = {}
+    mx: dict[int, int] = {}
+    seen: Counter = Counter()
+    big = n = total = 0
+    for size in sizes:
+        m[size % 5] = m.get(size % 5, 0) + 1
+        mx[size % 3] = max(mx.get(size % 3, size), size)
+        n, total = len(m), sum(m.values())
+        for k in m:
+            if k != 2:
+                seen[str(k)] += 1
+        big += any(v > 400 for v in mx.values())
+    return {"@n": n, "@s": total, "@seen": dict(seen), "@big": big, "@l": len(m)}
+
+
+def test_for_over_a_map_in_a_kprobe_visits_each_record(toy_path):
+    """In a kernel probe's action the loop is unrolled over the map's records (8 here:
+    max_map_keys), each pass running for a record that holds a key; continue and break
+    as in any loop; len(@m) counts those records."""
+    hooks = Hooks(entry=size_comm_pid)
+    report = run_trace("config = { max_map_keys = 8 }\n"
+                       "kprobe:vfs_read { @m[arg2 % 5] = count(); @mx[arg2 % 3] = max(arg2); "
+                       "$n = 0; $s = 0; for ($kv : @m) { $n++; $s += $kv.1; "
+                       "if ($kv.0 == 2) { continue; } @seen[$kv.0] = count(); } "
+                       "@n = $n; @s = $s; @l = len(@m); "
+                       "for ($kv : @mx) { if ($kv.1 > 400) { @big = count(); break; } } }",
+                       hooks, seed=3)
+    expected = for_in_kprobe_oracle([s for s, _, _ in hooks.seen["entry"]])
+    assert {k: report["maps"].get(k) for k in expected} == expected
+    assert expected["@big"] > 0 and expected["@n"] == 5
+
+
+def test_for_and_len_over_a_large_map_in_a_kprobe_are_refused(capsys, toy_path):
+    """A map of bpftrace's default 4,096 keys would copy the loop's body 4,096 times."""
+    for program, head in (("kprobe:vfs_read { @m[arg2] = count(); for ($kv : @m) { @t = 1; } }",
+                           "stdin:1:39-42: ERROR: for over @m in a kernel probe's action: the "
+                           "map holds up to 4096 keys"),
+                          ("kprobe:vfs_read { @m[arg2] = count(); @n = len(@m); }",
+                           "stdin:1:44-47: ERROR: len(@m) in a kernel probe's action")):
+        assert main(["trace", "-e", program]) == 2
+        assert head in capsys.readouterr().err
+
+
 def test_for_over_an_empty_map_and_break_in_begin(capsys, toy_path):
     assert main(["trace", "-e", 'BEGIN { @m[1] = 10; @m[2] = 20; @m[3] = 30; $n = 0; '
                  'for ($kv : @m) { $n++; if ($n == 2) { break; } } printf("n=%d\\n", $n); '
@@ -199,12 +245,9 @@ def test_pton_and_numaid(capsys, toy_path):
     ('kprobe:f { $t = (1, 2); @x = $t.2; }', TraceSemanticError, "items are .0 to .1, not .2"),
     ('kprobe:f { @m[1] = (1, "a"); @m[2] = ("a", 1); }', TraceSemanticError,
      "Type mismatch for @m"),
-    ('kprobe:f { @m[1] = 1; for ($kv : @m) { } }', TraceUnsupported,
-     "not supported in a kernel probe's action"),
     ('END { for ($kv : @h) { } } kprobe:f { @h[1] = hist(arg0); }', TraceSemanticError,
      "holds a hist"),
     ('END { for ($kv : @x) { } } kprobe:f { @x = 1; }', TraceSemanticError, "has no keys"),
-    ('kprobe:f { @m[1] = 1; @n = len(@m); }', TraceUnsupported, "len(@m) in a kernel probe's"),
     ('END { @n = len(1); }', TraceSemanticError, "len() takes a map"),
     ('kprobe:f { @e = strerror(); }', TraceSemanticError, "strerror() takes one integer"),
     ('kprobe:f { @e = strcontains(comm, comm); }', TraceUnsupported, "not a string literal"),

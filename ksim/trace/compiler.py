@@ -212,14 +212,14 @@ def _analyse_stmt(a: Analysis, s: t.Stmt, typer: ProbeCompiler) -> None:
 
 
 def _check_for_map(a: Analysis, s: t.ForMap, typer: ProbeCompiler) -> None:
-    """``for ($kv : @m)``: run by the client (BEGIN, END, interval) over the map's
-    entries; ``$kv`` is the tuple (key, value), a key of several parts a tuple itself."""
-    if typer.kernel:
-        raise TraceUnsupported(
-            "for loops over a map's entries are not supported in a kernel probe's action: "
-            "the snippets have no backward jump, so a loop is its body copied once per pass, "
-            "and a map holds up to max_map_keys entries (they run in BEGIN, END and interval "
-            "actions)", s.loc)
+    """``for ($kv : @m)`` over the map's entries; ``$kv`` is the tuple (key, value), a
+    key of several parts a tuple itself.  Run by the client in BEGIN, END and interval;
+    in a kernel probe's action, unrolled over the map's records (ProbeCompiler.for_map)."""
+    typer.var_types[s.var] = for_map_type(a, s)
+
+
+def for_map_type(a: Analysis, s: t.ForMap) -> CType:
+    """The type of a for loop's ``$kv``: the tuple (key, value)."""
     m = a.maps.get(s.map.name)
     if m is None or m.kind is None or m.keys is None:
         raise TraceSemanticError(f"for: {s.map.name} is not assigned before this loop", s.map.loc)
@@ -231,7 +231,7 @@ def _check_for_map(a: Analysis, s: t.ForMap, typer: ProbeCompiler) -> None:
     key = m.keys[0] if len(m.keys) == 1 else tuple_kind(m.keys)
     value = "int" if m.kind in ("count", "sum", "min", "max", "avg") else m.kind
     # the loop's variable is its own: another loop's of the same name may hold another type
-    typer.var_types[s.var] = tuple_type((key, value))
+    return tuple_type((key, value))
 
 
 def _check_printf(a: Analysis, call: t.Call, typer: ProbeCompiler) -> None:
@@ -789,6 +789,12 @@ class ProbeCompiler:
                 typer.declare(s.target.name, typer.value(s.value).type, s.loc)
             elif isinstance(s, t.Declare) and s.type is not None:
                 typer.declare(s.name, self.types.named(s.type, s.loc), s.loc)
+            elif isinstance(s, t.ForMap):
+                # each loop's variable has its own type: its slots hold the largest
+                ct = for_map_type(self.analysis, s)
+                have = typer.var_types.get(s.var)
+                if have is None or have.size < ct.size:
+                    typer.var_types[s.var] = ct
         self.var_types = typer.var_types
         for name, ct in self.var_types.items():
             self.locals.var(name, ct.size // 8 if ct.kind == "tuple" else
@@ -859,6 +865,64 @@ class ProbeCompiler:
         bound = MAX_LOOP if s.bound is None else s.bound
         return ast.Seq((broken.assign(0), *([one] * bound)))
 
+    def for_map(self, s: t.ForMap) -> ast.Node:
+        """``for ($kv : @m)`` in a kernel probe's action: the body copied once per record
+        of the map (its capacity, max_map_keys), each copy running when its record was
+        handed out and holds a key (present), ``$kv`` its key and value read there.  A
+        map whose copies would make more than MAX_UNROLLED statements is refused:
+        bpftrace walks the map with bpf_for_each_map_elem, a snippet has no loop."""
+        from .parser import MAX_UNROLLED, TraceLimit, emitted_count
+
+        lay = self.layouts[s.map.name]
+        per = emitted_count(s.body) + 1
+        if lay.capacity * per > MAX_UNROLLED:
+            raise TraceLimit(f"for over {s.map.name} in a kernel probe's action: the map holds "
+                             f"up to {lay.capacity} keys, and the loop is its body copied once "
+                             f"per key ({lay.capacity} x {per} statements, more than "
+                             f"{MAX_UNROLLED}): set a smaller max_map_keys, or loop in an END or "
+                             "interval action", s.loc)
+        ct = for_map_type(self.analysis, s)
+        outer = self.var_types.get(s.var)
+        self.var_types[s.var] = ct
+        self.defined.add(s.var)
+        mark = self.locals.mark()
+        broken, continued = self.locals.take(), self.locals.take()
+        self.loops.append((broken, continued))
+        try:
+            body = self.block(s.body)
+        finally:
+            self.loops.pop()
+            if outer is not None:
+                self.var_types[s.var] = outer
+        alive: ast.Node = ast.lnot(broken)
+        if self.returned is not None:
+            alive = ast.land(alive, self.returned == 0)
+        base = self.locals.var(s.var).slot
+        assert lay.used is not None
+        used = self.locals.take()
+        passes: list[ast.Node] = [broken.assign(0), used.assign(ast.Var(lay.used))]
+        for r in range(lay.capacity):
+            words = [lay.word(r, lay.key0 + j) for j in range(lay.nkeys)]
+            words += self.record_value(lay, r)
+            bind = [ast.Local(base + i).assign(w) for i, w in enumerate(words)]
+            here = ast.land(ast.ult(ast.Const(r), used), lay.word(r, lay.present) != 0)
+            passes.append(ast.If(alive, ast.If(here, ast.Seq((continued.assign(0), *bind,
+                                                                 body)))))
+        self.locals.release(mark)
+        return ast.Seq(tuple(passes))
+
+    def record_value(self, lay: MapLayout, r: int) -> list[ast.Node]:
+        """The words of record ``r``'s value as the program reads it: an aggregation's
+        integer (min and max unbiased, avg the quotient), else the words held."""
+        kind = lay.type.kind
+        w = lay.word(r, lay.value0)
+        if kind in ("min", "max"):
+            return [ast.If(w == 0, ast.Const(0), (w if kind == "max" else ~w) ^ ast.Const(SIGN))]
+        if kind == "avg":
+            n = lay.word(r, lay.value0 + 1)
+            return [ast.If(n == 0, ast.Const(0), w / n)]
+        return [lay.word(r, lay.value0 + i) for i in range(width(kind or "int"))]
+
     def stmt(self, s: t.Stmt) -> ast.Node:
         if isinstance(s, t.Return):
             assert self.returned is not None
@@ -867,6 +931,8 @@ class ProbeCompiler:
             return ast.Seq(())
         if isinstance(s, t.While):
             return self.loop(s)
+        if isinstance(s, t.ForMap):
+            return self.for_map(s)
         if isinstance(s, t.Break | t.Continue):
             assert self.loops
             broken, continued = self.loops[-1]
@@ -1925,17 +1991,32 @@ class ProbeCompiler:
         return Val(INT64, ast.Seq((*code, found)) if code else found)
 
     def map_len(self, e: t.Call) -> Val:
-        """len(@m): the number of the map's keys, counted by the client (BEGIN, END,
-        interval); a kernel probe's action would read every record (no loop)."""
+        """len(@m): the number of the map's keys.  The client counts them in BEGIN, END
+        and interval; a kernel probe's action counts the records handed out that hold
+        a key, one test per record of the map (its capacity: at most MAX_UNROLLED)."""
+        from .parser import MAX_UNROLLED, TraceLimit
+
         if len(e.args) != 1 or not isinstance(e.args[0], t.MapRef) or e.args[0].keys:
             raise TraceSemanticError("len() takes a map: len(@m)", e.loc)
-        if self.kernel:
-            raise TraceUnsupported("len(@m) in a kernel probe's action is not supported: "
-                                   "counting a map's keys reads each of its max_map_keys "
-                                   "records, and the snippets have no loop (it runs in BEGIN, "
-                                   "END and interval actions)", e.name_loc or e.loc)
-        self.analysis.maps.setdefault(e.args[0].name, MapType(e.args[0].name))
-        return Val(INT64, ast.Const(0))
+        name = e.args[0].name
+        self.analysis.maps.setdefault(name, MapType(name))
+        if self.typing or not self.kernel:
+            return Val(INT64, ast.Const(0))
+        lay = self.layouts[name]
+        if not lay.keyed:
+            return Val(INT64, lay.word(0, lay.present) != 0)
+        if lay.capacity > MAX_UNROLLED:
+            raise TraceLimit(f"len({name}) in a kernel probe's action: the map holds up to "
+                             f"{lay.capacity} keys, and counting them tests each record (more "
+                             f"than {MAX_UNROLLED}): set a smaller max_map_keys, or count in an "
+                             "END or interval action", e.name_loc or e.loc)
+        assert lay.used is not None
+        n, used = self.locals.take(), self.locals.take()
+        code: list[ast.Node] = [n.assign(0), used.assign(ast.Var(lay.used))]
+        for r in range(lay.capacity):
+            here = ast.land(ast.ult(ast.Const(r), used), lay.word(r, lay.present) != 0)
+            code.append(n.assign(n + here))
+        return Val(INT64, ast.Seq((*code, n)))
 
     def macaddr(self, e: t.Call) -> Val:
         """macaddr(p): the six bytes at ``p`` (an array's, or a pointer's), printed by
@@ -2167,7 +2248,7 @@ def _may_return(s: t.Stmt) -> bool:
         return True
     if isinstance(s, t.If):
         return any(_may_return(x) for x in (*s.then, *s.orelse))
-    if isinstance(s, t.While):
+    if isinstance(s, t.While | t.ForMap):
         return any(_may_return(x) for x in s.body)
     return False
 
@@ -2178,7 +2259,7 @@ def _may_jump(s: t.Stmt) -> bool:
         return True
     if isinstance(s, t.If):
         return any(_may_jump(x) for x in (*s.then, *s.orelse))
-    if isinstance(s, t.While):
+    if isinstance(s, t.While | t.ForMap):
         return any(_may_return(x) for x in s.body)
     return False
 

@@ -708,8 +708,8 @@ class Parser:
         self.advance()
         if self.at(","):
             raise TraceUnsupported("for loops over a map's entries bind one variable, the "
-                                   "(key, value) tuple: for ($kv : @m) { ... $kv.0 ... $kv.1 }",
-                                   tok.loc)
+                                   "(key, value) tuple; two are not supported: for ($kv : @m) "
+                                   "{ ... $kv.0 ... $kv.1 }", tok.loc)
         self.expect(":", "':' after the loop's variable")
         if self.tok.kind == "map":
             ref = self.map_ref()
