@@ -15,6 +15,7 @@ from test_trace import Hooks, comm_of, pid_of, run_trace
 
 from ksim.cli import main
 from ksim.commands.trace import trace
+from ksim.live.testing import testbed  # noqa: F401  (the live tests' fixture)
 from ksim.trace.compiler import analyse
 from ksim.trace.errors import TraceError, TraceSemanticError, TraceUnsupported
 from ksim.trace.parser import parse
@@ -275,3 +276,24 @@ def test_json_output_holds_a_tuple_as_a_list(capsys, toy_path):
 def test_errors_are_trace_errors():
     with pytest.raises(TraceError):
         analyse(parse('kprobe:f { for ($k, $v : @m) { } }'))
+
+
+# --- on the live kernel (the testbed) -------------------------------------------------------
+LIVE_WORK = ("python3 -c \"import os\nfor _ in range({n}): os.getppid()\"")
+
+
+@pytest.mark.live
+def test_names_tuples_and_for_on_the_live_kernel(testbed):  # noqa: F811
+    """The workload's 40 getppid calls: syscall_name() names x86-64's numbers 110 and
+    39 (getppid, getpid: arch/x86/entry/syscalls/syscall_64.tbl) by the kernel's own
+    sys_call_table; a tuple per pid; for and len over the map in END."""
+    report, _ = trace('kprobe:__x64_sys_getppid /comm == "python3"/ { '
+                      '@[syscall_name(110)] = count(); @t[pid] = (comm, syscall_name(39)); '
+                      '@e = strerror(2); @[syscall_name(100000)] = count(); } '
+                      'END { for ($kv : @t) { printf("%s %s\\n", $kv.1.0, $kv.1.1); } '
+                      'printf("len %d\\n", len(@t)); }',
+                      testbed["address"], while_cmd=LIVE_WORK.format(n=40))
+    assert report["maps"]["@"] == {"getppid": 40, "Unknown syscall": 40}
+    assert list(report["maps"]["@t"].values()) == [["python3", "getpid"]]
+    assert report["maps"]["@e"] == "No such file or directory"
+    assert report["printf"] == ["python3 getpid\n", "len 1\n"]
