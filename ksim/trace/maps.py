@@ -181,12 +181,12 @@ UNKNOWN_SYSCALL = "Unknown syscall"
 
 
 def errno_text(n: int) -> str:
-    """strerror(n) as bpftrace's user space prints it: the C library's text of the
-    error (of -n for a negative n, as a kernel function returns it)."""
+    """strerror(n) as bpftrace 0.17's user space prints it: the C library's strerror(3)
+    of n as a C int (its low 32 bits, signed: "Unknown error -2" for -2)."""
     import os
 
-    n = signed(n)
-    return os.strerror(-n if n < 0 else n)
+    n &= 0xFFFFFFFF
+    return os.strerror(n - (1 << 32) if n >> 31 else n)
 
 
 def mac_text(word: int) -> str:
