@@ -110,7 +110,6 @@ def test_syntax_errors_name_line_and_columns(source, head):
     ("software:faults:1 { }", "software probes"),
     ("kprobe:mod:f { }", "kprobe with a module"),
     ("kprobe:f { for ($k, $v : @m) { } }", "for loops over a map's entries bind one variable"),
-    ("kprobe:f { @x = username; }", "username is not supported"),
     ("kprobe:f { @x = cpid; }", "cpid is not supported"),
     ('kprobe:f { @x = strcontains(comm, comm); }', "strcontains() with a needle that is not a "
      "string literal"),

@@ -257,13 +257,35 @@ def test_pton_and_numaid(capsys, toy_path):
     ('kprobe:f { @e = pton(comm); }', TraceSemanticError, "a string literal"),
     ('kprobe:f { @e = macaddr(comm); }', TraceSemanticError, "an array of 6 bytes or a pointer, not comm"),
     ('kprobe:f { printf("%d\\n", strerror(1)); }', TraceSemanticError, "%d specifier expects"),
-    ('kprobe:f { @u = username; }', TraceUnsupported, "username is not supported"),
     ('kprobe:f { @u = cpid; }', TraceUnsupported, "cpid is not supported"),
 ])
 def test_misuse_is_refused_with_a_position(program, error, message):
     with pytest.raises(error) as info:
         analyse(parse(program))
     assert message in info.value.message and info.value.loc is not None
+
+
+def test_username_names_a_uid_as_bpftrace_017_reads_etc_passwd():
+    """The first line whose third field is the uid; empty when none is."""
+    from ksim.trace.output import username_namer
+
+    reads: list[str] = []
+
+    def read(path: str) -> str:
+        reads.append(path)
+        return "root:x:0:0:root:/root:/bin/sh\nbad line\nalice:x:1000:1000::/home/a:\n" \
+               "alias:x:1000:1000::/:\n"
+
+    name = username_namer(read)
+    assert [name(0), name(1000), name(7)] == ["root", "alice", ""] and reads == ["/etc/passwd"]
+
+
+def test_username_on_the_toy_kernel_needs_credentials(capsys, toy_path):
+    """The toy kernel's tasks have no credentials (no struct cred): username, as uid,
+    is refused where it is, before anything is spliced."""
+    assert main(["trace", "-e", "kprobe:vfs_read { @[username] = count(); }"]) == 2
+    assert "stdin:1:21-29: ERROR: struct task_struct has no field named cred" in \
+        capsys.readouterr().err
 
 
 def test_json_output_holds_a_tuple_as_a_list(capsys, toy_path):
@@ -286,10 +308,13 @@ LIVE_WORK = ("python3 -c \"import os\nfor _ in range({n}): os.getppid()\"")
 def test_names_tuples_and_for_on_the_live_kernel(testbed):  # noqa: F811
     """The workload's 40 getppid calls: syscall_name() names x86-64's numbers 110 and
     39 (getppid, getpid: arch/x86/entry/syscalls/syscall_64.tbl) by the kernel's own
-    sys_call_table; a tuple per pid; for and len over the map in END."""
+    sys_call_table; a tuple per pid; for and len over the map in END; username."""
+    from ksim.live.testing import connect
+
     report, _ = trace('kprobe:__x64_sys_getppid /comm == "python3"/ { '
                       '@[syscall_name(110)] = count(); @t[pid] = (comm, syscall_name(39)); '
-                      '@e = strerror(2); @[syscall_name(100000)] = count(); } '
+                      '@e = strerror(2); @[syscall_name(100000)] = count(); '
+                      '@u[username, uid] = count(); } '
                       'END { for ($kv : @t) { printf("%s %s\\n", $kv.1.0, $kv.1.1); } '
                       'printf("len %d\\n", len(@t)); }',
                       testbed["address"], while_cmd=LIVE_WORK.format(n=40))
@@ -297,3 +322,9 @@ def test_names_tuples_and_for_on_the_live_kernel(testbed):  # noqa: F811
     assert list(report["maps"]["@t"].values()) == [["python3", "getpid"]]
     assert report["maps"]["@e"] == "No such file or directory"
     assert report["printf"] == ["python3 getpid\n", "len 1\n"]
+    t = connect(testbed)
+    try:        # the guest's own name for the workload's uid
+        uid, user = t.exec_checked("id -u").strip(), t.exec_checked("id -un").strip()
+    finally:
+        t.close()
+    assert report["maps"]["@u"] == {f"{user},{uid}": 40}

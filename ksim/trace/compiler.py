@@ -42,6 +42,7 @@ from .maps import (
     SIGN,
     SYSCALL,
     TUPLE,
+    USERNAME,
     MapLayout,
     MapType,
     hash_into,
@@ -58,11 +59,11 @@ from .types import VOID as VOID_T
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
-            "ppid", "pcomm", "kstack", "numaid",
+            "ppid", "pcomm", "kstack", "numaid", "username",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"ustack", "username", "ctx", "cpid",
+OTHER_BUILTINS = {"ustack", "ctx", "cpid",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
@@ -74,8 +75,6 @@ FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "str
              "pton"}
 #: why a builtin outside the subset is (where the plain "not supported" says too little)
 WHY_NOT = {
-    "username": "username is not supported: bpftrace names the uid by the user database of "
-                "the machine it runs on, which for ksim is not the traced one (uid is supported)",
     "cpid": "cpid is not supported: it is the process bpftrace's -c started, and ksim trace "
             "starts none (--while runs its command in the traced machine, its pid unknown to "
             "the client)",
@@ -665,8 +664,9 @@ CGROUP_PATH = CType("cgroup_path", 8, name="cgroup_path")
 STRERROR = CType(ERRNO, 8, name="strerror_t")
 SYSCALL_NAME = CType(SYSCALL, 8, name="syscall_name")
 MACADDR = CType(MAC, 8, name="macaddr_t")
+USERNAME_T = CType(USERNAME, 8, name="username")
 #: kinds of one word that print as text and are not integers
-NAMED_WORDS = (ERRNO, SYSCALL, MAC)
+NAMED_WORDS = (ERRNO, SYSCALL, MAC, USERNAME)
 
 
 def tuple_type(items: tuple[str, ...] | list[str]) -> CType:
@@ -1720,6 +1720,8 @@ class ProbeCompiler:
             current = self.builtin(t.Builtin(e.loc, "curtask"))
             parent = self.field(current, "real_parent", e.loc)
             return Val(integer(4, False), self.field(parent, "tgid", e.loc).node)
+        if name == "username":        # the uid, named by the client (ksim.trace.output)
+            return Val(USERNAME_T, self.builtin(t.Builtin(e.loc, "uid")).scalar(e.loc))
         if name in ("uid", "gid"):
             cred = self.field(self.builtin(t.Builtin(e.loc, "curtask")), "cred", e.loc)
             ids = self.field(cred, name, e.loc)
@@ -2350,7 +2352,8 @@ def kind_type(kind: str | None) -> CType:
         return CType("buf", 8 + int(kind[4:]), name="buffer", extra={"size": int(kind[4:])})
     if kind is not None and kind.startswith("tm:"):
         return CType("tm", 8, name="timestamp", extra={"format": kind[3:]})
-    return {ERRNO: STRERROR, SYSCALL: SYSCALL_NAME, MAC: MACADDR}.get(kind or "", INT64)
+    return {ERRNO: STRERROR, SYSCALL: SYSCALL_NAME, MAC: MACADDR,
+            USERNAME: USERNAME_T}.get(kind or "", INT64)
 
 
 __all__ = ["Analysis", "ProbeCompiler", "Site", "analyse", "constant_key", "map_refs"]

@@ -139,8 +139,8 @@ def plain(value: Any) -> Any:
 
 
 #: the kinds whose values the client names: errno numbers (strerror), system call
-#: numbers (syscall_name), MAC addresses (macaddr)
-ERRNO, SYSCALL, MAC = "strerror", "syscall", "macaddr"
+#: numbers (syscall_name), MAC addresses (macaddr), uids (username)
+ERRNO, SYSCALL, MAC, USERNAME = "strerror", "syscall", "macaddr", "username"
 
 
 def is_text(kind: str | None) -> bool:
@@ -156,14 +156,14 @@ def is_decoded(kind: str | None) -> bool:
 def is_named(kind: str | None) -> bool:
     """Whether a value of ``kind`` is, to the program, what it prints as (a tuple, an
     errno's or a system call's name, a MAC address, pton's bytes), not a number."""
-    return kind is not None and (kind in (ERRNO, SYSCALL, MAC)
+    return kind is not None and (kind in (ERRNO, SYSCALL, MAC, USERNAME)
                                  or kind.startswith((TUPLE, "bytes:")))
 
 
 #: value kinds a map holds as a plain value (assigned, not aggregated) that are not
 #: integers: strings, names, addresses printed as symbols, addresses of the network
 VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr", "cgroup_path", ERRNO, SYSCALL,
-               MAC)
+               MAC, USERNAME)
 
 
 #: how a kernel address is named (set by the client: the kernel's symbols)
@@ -178,6 +178,8 @@ CGROUP_PATHS: list[Callable[[int], str]] = []
 SYSCALL_NAMES: list[Callable[[int], str]] = []
 #: bpftrace's text for a number its table has no name for
 UNKNOWN_SYSCALL = "Unknown syscall"
+#: how a uid is named (set by the client: the traced machine's /etc/passwd)
+USERNAMES: list[Callable[[int], str]] = []
 
 
 def errno_text(n: int) -> str:
@@ -262,6 +264,10 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return UNKNOWN_SYSCALL
     if kind == MAC:
         return mac_text(part[0])
+    if kind == USERNAME:
+        for f in USERNAMES[-1:]:
+            return f(part[0] & 0xFFFFFFFF)
+        return ""
     if kind.startswith("bytes:"):
         return bytes_text(part, int(kind[6:]))
     if kind.startswith(TUPLE):

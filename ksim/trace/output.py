@@ -230,6 +230,26 @@ def syscall_namer(image: Any, read: Callable[[int, int], bytes]) -> Callable[[in
     return name
 
 
+def username_namer(read: Callable[[str], str]) -> Callable[[int], str]:
+    """username's text for each uid, as bpftrace 0.17 names it (resolve_uid): the first
+    field of the first line of the traced machine's /etc/passwd whose third field is
+    the uid; empty when none is (or the file cannot be read).  ``read(path)``: the
+    file's text (read once, on first use)."""
+    users: dict[str, str] | None = None
+
+    def name(uid: int) -> str:
+        nonlocal users
+        if users is None:
+            users = {}
+            for line in read("/etc/passwd").splitlines():
+                fields = line.split(":")
+                if len(fields) > 2:
+                    users.setdefault(fields[2], fields[0])
+        return users.get(str(uid), "")
+
+    return name
+
+
 def record(kind: str, data: Any) -> dict[str, Any]:
     """One piece of output as a JSON lines record, as bpftrace's ``-f json`` writes it:
     ``{"type": "printf", "data": "..."}``, ``{"type": "map", "data": {"@m": ...}}``,

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 
 from ksim.analysis.points import PointKind
 from ksim.errors import KsimError, OutOfMemory, UnknownSymbol
+from ksim.live.protocol import MAX_FILE_READ
 from ksim.snippets import ast
 
 from . import syntax as t
@@ -49,6 +50,7 @@ from .maps import (
     SYSCALL,
     SYSCALL_NAMES,
     TUPLE,
+    USERNAMES,
     MapLayout,
     MapUse,
     Sizing,
@@ -67,7 +69,7 @@ from .maps import (
     tuple_items,
     width,
 )
-from .output import MapPrinter, syscall_namer
+from .output import MapPrinter, syscall_namer, username_namer
 from .traced import TracedMachine
 from .types import CType, TypeSystem
 
@@ -715,6 +717,7 @@ class TraceSession:
         SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
         CGROUP_PATHS[:] = [self.traced.cgroup_path]
         SYSCALL_NAMES[:] = [syscall_namer(self.m.target.image, self.m.copy_from_kernel)]
+        USERNAMES[:] = [username_namer(lambda path: self.traced.cat(path, MAX_FILE_READ))]
         if self.clock is not None:
             self.m.allow_calls(self.clock)
         user_reader = self.m.target.abi.read_user_nofault
