@@ -202,6 +202,27 @@ def test_syscall_name_names_numbers_by_the_kernels_table(toy_path):
     assert report["maps"]["@far"] == "Unknown syscall"
 
 
+def test_syscall_name_is_refused_on_a_kernel_without_sys_call_table():
+    """Where the kernel's symbols have no sys_call_table, syscall_name() is refused at
+    the call (the session's symbol lookup raises, as for any symbol it lacks)."""
+    from ksim.trace.compiler import ProbeCompiler, Site
+
+    def lookup(name: str) -> int:
+        raise TraceSemanticError(f"the kernel has no symbol {name!r}")
+
+    from ksim.trace.maps import layout_for
+
+    program = parse("kprobe:f { @s = syscall_name(arg0); }")
+    a = analyse(program)
+    layouts = {"@s": layout_for(a.maps["@s"], lambda size: 0x1000, [])}
+    compiler = ProbeCompiler(layouts, Site("entry", "f", "kprobe:f"), stop=None,
+                             name_index=lambda n: 0, placed=lambda lay, key: None,
+                             analysis=a, lookup=lookup)
+    with pytest.raises(TraceUnsupported, match="this kernel has no such symbol") as info:
+        compiler.compile(program.probes[0])
+    assert (info.value.loc.col, info.value.loc.end) == (17, 29)
+
+
 def test_strcontains_finds_a_literal_in_a_string(toy_path):
     hooks = Hooks(entry=size_comm_pid)
     report = run_trace('kprobe:vfs_read { @[comm, strcontains(comm, "sh")] = count(); '
