@@ -149,10 +149,7 @@ def _analyse_probes(program: t.Program, a: Analysis,
                     tolerant: bool = False) -> None:
     """Each probe's filter and statements analysed into ``a``; ``tolerant``: a
     statement in error is passed over (the first pass, which only collects kinds)."""
-    # a probe looping over a map's entries is typed last: the map's key and value kinds
-    # are then known, wherever in the program it is assigned
-    loops = [p for p in program.probes if any(isinstance(s, t.ForMap) for s in _stmts(p.body))]
-    for probe in [p for p in program.probes if p not in loops] + loops:
+    for probe in program.probes:
         site = site_of(probe) if site_of is not None else None
         typer = ProbeCompiler({}, site or CLIENT_SITE, stop=None, name_index=lambda n: 0,
                               placed=lambda lay, key: None, analysis=a, typing=True)
@@ -221,7 +218,7 @@ def for_map_type(a: Analysis, s: t.ForMap) -> CType:
     """The type of a for loop's ``$kv``: the tuple (key, value)."""
     m = a.maps.get(s.map.name)
     if m is None or m.kind is None or m.keys is None:
-        raise TraceSemanticError(f"for: {s.map.name} is not assigned before this loop", s.map.loc)
+        raise TraceSemanticError(f"for: {s.map.name} is never assigned", s.map.loc)
     if not m.keys:
         raise TraceSemanticError(f"for: {s.map.name} has no keys to loop over", s.map.loc)
     if m.kind in ("hist", "lhist") or m.stats:
