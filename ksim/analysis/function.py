@@ -122,13 +122,17 @@ class FunctionAnalysis:
         return classify_target(self.image, self._support, target)
 
     def _standard_indirect(self, insn: Insn) -> bool:
-        """An indirect call follows the convention unless it goes through a table of
-        custom-convention calls (paravirt ops)."""
-        if insn.pc_ref is None:
-            return True
-        sym = self.image.symbol_containing(insn.pc_ref)
-        names = [sym.name] if sym else self.image.names_at(insn.pc_ref)
-        return not any(self._support.convention.special_call_table.match(n) for n in names)
+        return standard_indirect(self.image, self._support, insn)
+
+
+def standard_indirect(image: Image, support: ArchSupport, insn: Insn) -> bool:
+    """An indirect call follows the convention unless it goes through a table of
+    custom-convention calls (paravirt ops)."""
+    if insn.pc_ref is None:
+        return True
+    sym = image.symbol_containing(insn.pc_ref)
+    names = [sym.name] if sym else image.names_at(insn.pc_ref)
+    return not any(support.convention.special_call_table.match(n) for n in names)
 
 
 def classify_target(image: Image, support: ArchSupport, target: int) -> Target:

@@ -35,6 +35,7 @@ the point keeps all of it:
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable, Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import accumulate
@@ -86,7 +87,7 @@ class FunctionCode:
     name: str
     start: int
     end: int
-    insns: tuple[Insn, ...]
+    insns: Sequence[Insn]
     #: every address some branch (direct, jump table, or the entry itself) may reach
     branch_targets: frozenset[int]
     #: an indirect jump whose destinations are unknown: displacement is unsafe
@@ -97,8 +98,16 @@ class FunctionCode:
     #: instruction address -> why the kernel needs that instruction left alone
     #: (names of ksim.splice.hazards.HAZARDS); such an instruction is never moved
     hazards: Mapping[int, frozenset[str]] = field(default_factory=dict)
+    #: every instruction's start when known without its object (``insns`` may then
+    #: decode each when first indexed: ksim.analysis.record.Instructions)
+    addresses: Sequence[int] | None = None
 
     def index_of(self, address: int) -> int:
+        if self.addresses is not None:
+            i = bisect.bisect_left(self.addresses, address)
+            if i < len(self.addresses) and self.addresses[i] == address:
+                return i
+            raise NotOnBoundary(f"{address:#x} is not on an instruction boundary of {self.name}")
         lo, hi = 0, len(self.insns)
         while lo < hi:
             mid = (lo + hi) // 2

@@ -17,14 +17,19 @@ and the command line all plan through here, so they all give the same verdict.
 from __future__ import annotations
 
 import bisect
+from collections import OrderedDict
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cached_property, lru_cache
 
+from ksim.analysis.abi import support_for
 from ksim.analysis.callgraph import call_graph
 from ksim.analysis.cfg import EdgeKind
-from ksim.analysis.function import FunctionAnalysis, analyze
+from ksim.analysis.clobbers import own_writes
+from ksim.analysis.function import FunctionAnalysis, analyze, classify_target, standard_indirect
+from ksim.analysis.liveness import Target
 from ksim.analysis.points import Point, PointKind, is_padding
+from ksim.analysis.record import Instructions, RecordView, view
 from ksim.analysis.store import Store, store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
@@ -81,6 +86,9 @@ HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
 #: where an entry point's window lies -- past a 5-byte ftrace location, a jump's
 #: bytes, and the whole instructions it displaces (up to 15 bytes each)
 HEAD = 48
+#: record views kept (_view): a point's liveness and its function's FunctionCode are
+#: kept apart, so a view is needed only while its function is first looked at
+VIEWS = 4096
 
 
 class SiteFacts:
@@ -103,6 +111,9 @@ class SiteFacts:
         #: registers live at each point asked about (a few bytes each, kept for every
         #: point, unlike the analyses they come from; see live_at)
         self._live: dict[int, frozenset[str]] = {}
+        #: functions seen through their records (_view), the most recently used
+        self._views: OrderedDict[int, RecordView | None] = OrderedDict()
+        self._targets: dict[int, Target] = {}
 
     def function_of(self, what: Function | Point | str) -> Function:
         if isinstance(what, Function):
@@ -127,7 +138,7 @@ class SiteFacts:
         its bytes -- also while a tracer (a kprobe, bpftrace) uses that location,
         even one whose breakpoint sits in it now (arm64: a kprobe at +0 is a BRK over
         ``mov x9, x30``)."""
-        address = self.analysis(func).points.entry
+        address = func.address if self._view(func) is not None else self.analysis(func).points.entry
         code = self.function_code(func)
         for insn in code.insns:
             if insn.address != address or "ftrace" not in code.hazards.get(address, ()) \
@@ -170,8 +181,45 @@ class SiteFacts:
         after a pass over every function of a kernel analyses none of them again."""
         live = self._live.get(point.address)
         if live is None:
-            live = self._live[point.address] = self.analysis(point).live_at(point.address)
+            seen = self._view(self.function_of(point))
+            if seen is not None and seen.is_boundary(point.address):
+                live = seen.live_before(point.address)
+            else:
+                live = self.analysis(point).live_at(point.address)
+            self._live[point.address] = live
         return live
+
+    def _classify(self, target: int) -> Target:
+        """What a call or jump to ``target`` reaches (analysis.function.classify_target),
+        asked once per target for every function viewed: most calls go to a few
+        hundred functions."""
+        found = self._targets.get(target)
+        if found is None:
+            found = self._targets[target] = classify_target(self.image, support_for(self.image.arch),
+                                                            target)
+        return found
+
+    def _view(self, func: Function) -> RecordView | None:
+        """The function seen through its record in the analysis store, current with
+        the bytes it is read from now (ksim.analysis.record: what a batch of entry
+        points asks, without an object per instruction); None when the store has no
+        current record of it, or it needs the objects (then ``analysis`` answers)."""
+        if func.address in self._views:
+            self._views.move_to_end(func.address)
+            return self._views[func.address]
+        kept = store_for(self.image, build_missing=False)
+        comp = kept.get(func) if kept is not None else None
+        found = None
+        if comp is not None:
+            support = support_for(self.image.arch)
+            image = self.image
+            found = view(support, image.read(func.address, func.size), comp, self._classify,
+                         lambda insn: standard_indirect(image, support, insn),
+                         support.convention.caller_saved - own_writes(image, support, func))
+        self._views[func.address] = found
+        if len(self._views) > VIEWS:
+            self._views.popitem(last=False)
+        return found
 
     # --- what the planner needs -------------------------------------------------------
     def function_code(self, what: Function | Point | str) -> FunctionCode:
@@ -183,8 +231,15 @@ class SiteFacts:
         path reaches (int3/nop blocks, which kallsyms-derived extents include) is
         not code: it becomes the ``tail`` a window may spill over, together with
         the filler between this function and the next."""
-        cfg = self.analysis(func).cfg
         code_end, tail = self._extent(func)
+        seen = self._view(func)
+        if seen is not None:
+            lazy = seen.insns.upto(code_end)
+            return FunctionCode(
+                name=func.name, start=func.address, end=code_end, insns=lazy,
+                branch_targets=seen.branch_targets(), unknown_indirect=seen.misaligned(),
+                tail=tail, hazards=self.hazards(lazy), addresses=lazy.addresses)
+        cfg = self.analysis(func).cfg
         targets = {func.address}
         targets |= {e.dst for e in cfg.edges if e.kind is not EdgeKind.FALLTHROUGH}
         targets |= {i.target for i in cfg.insns
@@ -206,15 +261,19 @@ class SiteFacts:
         """Where the function's code ends, and the filler after it (its trailing
         unreachable int3/nop blocks and the filler up to the next function): what a
         neighbour's padding slots need, without the rest of its FunctionCode."""
-        cfg = self.analysis(func).cfg
-        code_end = func.end
-        for block in reversed(list(cfg.blocks.values())):
-            if block.start < code_end and block.end >= code_end and is_padding(block, self.arch):
-                code_end = block.start
-            else:
-                break
-        if code_end == func.address:  # all filler: keep it as it is
+        seen = self._view(func)
+        if seen is not None:
+            code_end = seen.code_end()
+        else:
+            cfg = self.analysis(func).cfg
             code_end = func.end
+            for block in reversed(list(cfg.blocks.values())):
+                if block.start < code_end and block.end >= code_end and is_padding(block, self.arch):
+                    code_end = block.start
+                else:
+                    break
+            if code_end == func.address:  # all filler: keep it as it is
+                code_end = func.end
         inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
         return code_end, inner + self._gap_after(func)
 
@@ -222,32 +281,35 @@ class SiteFacts:
         """Why the kernel needs each of ``insns`` left alone (only those with a reason).
         A running kernel's answer is asked when an instruction is first looked up
         (_KernelHazards): a batch of entries asks about its functions' first bytes
-        only, in one question (asking_ahead)."""
-        static = self._static_hazards(insns)
-        if self._ask is None or not insns:
+        only, in one question (asking_ahead).  Instructions decoded on demand
+        (ksim.analysis.record.Instructions) are not decoded for it."""
+        spans = insns.spans() if isinstance(insns, Instructions) else [(i.address, i.size) for i in insns]
+        static = self._static_hazards(spans)
+        if self._ask is None or not spans:
             return static
-        return _KernelHazards(self, tuple(insns), static)
+        return _KernelHazards(self, dict(spans), static)
 
-    def _static_hazards(self, insns: Sequence[Insn]) -> dict[int, frozenset[str]]:
-        """The image's tables' and ksim's own reasons (no question to the kernel)."""
+    def _static_hazards(self, spans: Sequence[tuple[int, int]]) -> dict[int, frozenset[str]]:
+        """The image's tables' and ksim's own reasons for each (address, size)
+        instruction (no question to the kernel)."""
         tables = self.image.tables
         out: dict[int, frozenset[str]] = {}
-        if not insns:
+        if not spans:
             return out
         # most functions touch no table entry, blacklist or static-call range at all:
         # asked once for the function's span, not once per instruction
-        lo, hi = insns[0].address, insns[-1].end
+        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
         if not tables.refs_in(lo, hi) and not self._blacklist_meets(lo, hi) \
                 and not any(a < hi and lo < b for a, b in self.static_call_text):
             return out
-        for insn in insns:
-            names = {ref.value for ref in tables.refs_in(insn.address, insn.end)}
-            if self.blacklisted(insn.address):
+        for address, size in spans:
+            names = {ref.value for ref in tables.refs_in(address, address + size)}
+            if self.blacklisted(address):
                 names.add("blacklist")
-            if any(lo <= insn.address < hi for lo, hi in self.static_call_text):
+            if any(lo <= address < hi for lo, hi in self.static_call_text):
                 names.add("static_call")
             if names:
-                out[insn.address] = frozenset(names)
+                out[address] = frozenset(names)
         return out
 
     def _blacklist_meets(self, lo: int, hi: int) -> bool:
@@ -544,11 +606,12 @@ class _KernelHazards(Mapping[int, frozenset[str]]):
     batch's question if it covered it (SiteFacts.asking_ahead), else for every
     instruction of the function not known yet, in one question."""
 
-    __slots__ = ("_facts", "_insns", "_static", "_kernel", "_complete")
+    __slots__ = ("_facts", "_spans", "_static", "_kernel", "_complete")
 
-    def __init__(self, facts: SiteFacts, insns: tuple[Insn, ...],
+    def __init__(self, facts: SiteFacts, spans: dict[int, int],
                  static: dict[int, frozenset[str]]) -> None:
-        self._facts, self._insns, self._static = facts, insns, static
+        # spans: each instruction's address -> its size
+        self._facts, self._spans, self._static = facts, spans, static
         self._kernel: dict[int, frozenset[str]] = {}
         self._complete = False
 
@@ -558,18 +621,17 @@ class _KernelHazards(Mapping[int, frozenset[str]]):
             return
         facts = self._facts
         if address is not None:
-            insn = next((i for i in self._insns if i.address == address), None)
-            if insn is None:
+            size = self._spans.get(address)
+            if size is None:
                 return  # not an instruction of this function: nothing to ask
-            found = facts.asked_ahead([(insn.address, insn.size)])
+            found = facts.asked_ahead([(address, size)])
             if found is not None:
                 self._kernel[address] = found[0]
                 return
-        todo = [i for i in self._insns if i.address not in self._kernel]
+        ranges = [(a, n) for a, n in self._spans.items() if a not in self._kernel]
         assert facts._ask is not None
-        ranges = [(i.address, i.size) for i in todo]
         answers = facts.asked_ahead(ranges) or facts._ask(ranges)
-        self._kernel.update(zip((i.address for i in todo), answers, strict=True))
+        self._kernel.update(zip((a for a, _ in ranges), answers, strict=True))
         self._complete = True
 
     def __getitem__(self, address: int) -> frozenset[str]:
