@@ -59,11 +59,11 @@ import tempfile
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate, chain
 from operator import attrgetter
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 from ksim.analysis.abi import support_for
 from ksim.analysis.cfg import JumpTable
@@ -145,6 +145,37 @@ def path_for(image: Image, directory: Path | None = None) -> Path:
 
 
 # --- the store --------------------------------------------------------------------------
+class _Effects(Sequence[tuple[frozenset[str], frozenset[str]]]):
+    """A chunk's table of (reads, writes), each entry's names made when first asked
+    for (a chunk has thousands; a function uses a few dozen)."""
+
+    __slots__ = ("_store", "_chunk", "_raw", "_made")
+
+    def __init__(self, store: Store, chunk: int) -> None:
+        self._store, self._chunk = store, chunk
+        self._raw = store._chunks[chunk]["effects"]
+        self._made: list[tuple[frozenset[str], frozenset[str]] | None] = [None] * len(self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[frozenset[str], frozenset[str]]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[frozenset[str], frozenset[str]]]: ...
+
+    def __getitem__(self, i: int | slice) -> Any:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        found = self._made[i]
+        if found is None:
+            r, w = self._raw[i]
+            found = self._made[i] = (self._store._names(self._chunk, r),
+                                     self._store._names(self._chunk, w))
+        return found
+
+
 class Store:
     """Every function's compact analysis of one image (read-only)."""
 
@@ -173,7 +204,7 @@ class Store:
             if len(arrays[name]) != len(functions):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
         self._chunks = meta["chunks"]
-        self._effects: dict[int, list[tuple[frozenset[str], frozenset[str]]]] = {}
+        self._effects: dict[int, _Effects] = {}
         self._masks: dict[tuple[int, int], frozenset[str]] = {}
         self._regs: dict[int, list[str]] = {}
         self._tables: dict[str, list] = meta["tables"]
@@ -281,11 +312,11 @@ class Store:
             names = self._masks[key] = frozenset(r for k, r in enumerate(regs) if mask >> k & 1)
         return names
 
-    def _effects_of(self, chunk: int) -> list[tuple[frozenset[str], frozenset[str]]]:
-        if chunk not in self._effects:
-            self._effects[chunk] = [(self._names(chunk, r), self._names(chunk, w))
-                                    for r, w in self._chunks[chunk]["effects"]]
-        return self._effects[chunk]
+    def _effects_of(self, chunk: int) -> Sequence[tuple[frozenset[str], frozenset[str]]]:
+        found = self._effects.get(chunk)
+        if found is None:
+            found = self._effects[chunk] = _Effects(self, chunk)
+        return found
 
     # --- the whole image ------------------------------------------------------------------
     def __len__(self) -> int:
