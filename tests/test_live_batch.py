@@ -23,7 +23,7 @@ import pytest
 
 from ksim.analysis.points import Point
 from ksim.core import Write
-from ksim.errors import KsimError, OutOfMemory, StaleText, TextOwned
+from ksim.errors import BlockInUse, KsimError, OutOfMemory, StaleText, TextOwned
 from ksim.kapi import Handle, Manager
 from ksim.live.client import KprobeCounter, LiveTarget
 from ksim.live.testing import (  # noqa: F401
@@ -373,13 +373,15 @@ def test_the_patch_area_and_heap_grow_by_areas_and_shrink_back(testbed) -> None:
         orig = t.read(site, 16)
         install_patch(t, big[1], data[1], site, insn)
         t.write(data[1], bytes(8))
+        t.free_data(data[0])  # while no patch code of this client is live
         jmp = Write(site, orig[:5], b"\xe9" + struct.pack("<i", big[1] - (site + 5)))
         t.apply(Change(text=(jmp,)))
+        with pytest.raises(BlockInUse):  # its patch code may write any of its blocks now
+            t.free_data(data[1])
         t.run(while_cmd=f"{getppid_loop()} 1000")
         assert 1000 <= read_u64(t, data[1]) <= 1002
         # kept, across a kerninstd restart: the new kerninstd adopts the added areas
         t.free_code(big[0])
-        t.free_data(data[0])
         t.keep(name=name)
         t = restart_kerninstd(t, testbed)
         assert t.read(site, 5) == jmp.new
