@@ -167,6 +167,53 @@ def test_freed_init_code_is_refused_before_it_is_read(testbed: dict) -> None:
         m.detach()
 
 
+def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None:
+    """digests (whether text is still what a record was made from, without reading
+    it): each row's digest is the analysis store's code_digest of the bytes a read
+    of that row gives; an unreadable row is named; the image's records of a batch's
+    callees are checked by digest, their bytes never read; rows the protocol does
+    not allow are refused."""
+    import struct
+
+    from ksim.analysis.store import code_digest, store_for
+    from ksim.errors import ProtocolError
+    from ksim.live import protocol as wire
+
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    t = m.target
+    try:
+        funcs = [f for f in t.image.functions if f.name.startswith("tcp_v4_")][:50]
+        rows = [(f.address, f.size) for f in funcs] + [(0x1000, 16)]
+        table = struct.pack(f"<{2 * len(rows)}Q", *(x for r in rows for x in r)).hex()
+        reply = t.conn.request("digests", ranges=table, kernel=True)
+        got = bytes.fromhex(reply["digests"])
+        assert reply["failed"] == [len(rows) - 1] and len(got) == wire.DIGEST * len(rows)
+        for k, (a, n) in enumerate(rows[:-1]):
+            assert int.from_bytes(got[8 * k:8 * k + 8], "little") == \
+                code_digest(t.read(a, n, kernel=True)), hex(a)
+        t.prefetch_digests(rows)
+        assert t.known_digest(*rows[0]) == code_digest(t.read(*rows[0], kernel=True))
+        assert t.known_digest(rows[0][0], rows[0][1] - 1) is None   # only the range asked
+        assert t.known_digest(*rows[-1]) is None                    # unreadable: read later
+        for bad in (table[:-2], struct.pack("<2Q", funcs[0].address, 0).hex()):
+            with pytest.raises(ProtocolError, match="digests"):
+                t.conn.request("digests", ranges=bad, kernel=False)
+    finally:
+        m.detach()
+    # a batch's callees are checked by digest: none of their bytes is read
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        store_for(m.target.image, build_missing=True)   # the records a batch relies on
+        m.target.close()
+        m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+        funcs = [f for f in m.target.image.functions if f.name.startswith("tcp_v4_")]
+        with requests(m.target) as seen:
+            ok, _refused = m.spliceable_entries(funcs)
+        assert ok and seen["digests"] >= 1 and seen["read"] <= 2, seen
+    finally:
+        m.detach()
+
+
 def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> None:
     """read_ranges (the text a batch reads, fetched ahead): each range's bytes are
     the ones a read of it alone gives, end to end; a range that cannot be read (no

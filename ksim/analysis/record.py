@@ -26,7 +26,15 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, compress
 from typing import overload
 
-from ksim.analysis.abi import EFFECT_SHIFT, FILLER_BIT, FLOW_MASK, FLOWS, TARGET_BIT, ArchSupport
+from ksim.analysis.abi import (
+    EFFECT_SHIFT,
+    FILLER_BIT,
+    FLOW_MASK,
+    FLOWS,
+    TARGET_BIT,
+    ArchSupport,
+    CallConvention,
+)
 from ksim.analysis.compact import Compact
 from ksim.analysis.liveness import Target, TargetKind
 from ksim.arch.base import Flow, Insn
@@ -92,6 +100,22 @@ def _effect_masks(effects: Sequence[tuple[frozenset[str], frozenset[str]]]) -> _
     if kept is None or kept._effects is not effects:
         kept = _EFFECT_MASKS[id(effects)] = _Masks(effects)
     return kept
+
+
+_CONVENTIONS: dict[int, tuple[CallConvention, tuple[int, ...]]] = {}
+
+
+def _convention_masks(cc: CallConvention) -> tuple[int, ...]:
+    """A convention's sets as masks: every register, the caller-saved ones, live at a
+    call, at a return and at a tail call (without ``preserved``), the return
+    registers and the stack pointer (its properties build the sets on each use)."""
+    kept = _CONVENTIONS.get(id(cc))
+    if kept is None or kept[0] is not cc:
+        masks = (_mask(cc.all_regs), _mask(cc.caller_saved), _mask(cc.at_call()),
+                 _mask(cc.at_return), _mask(cc.at_tail_call), _mask(frozenset(cc.ret_regs)),
+                 _mask(frozenset({cc.stack_reg})))
+        kept = _CONVENTIONS[id(cc)] = (cc, masks)
+    return kept[1]
 
 
 # --- instructions decoded when asked for -----------------------------------------------
@@ -226,14 +250,10 @@ class RecordView:
         self._target_of = dict(zip(with_target, comp.targets, strict=True))
         self.insns = Instructions(support, code, comp, addresses, with_target)
         self._effect_masks = _effect_masks(comp.effects)
-        cc = support.convention
-        self._all = _mask(cc.all_regs)
-        self._caller_saved = _mask(cc.caller_saved)
-        self._at_call = _mask(cc.at_call())
-        self._at_return = _mask(cc.at_return | preserved)
-        self._at_tail_call = _mask(cc.at_tail_call | preserved)
-        self._ret = _mask(frozenset(cc.ret_regs))
-        self._sp = _mask(frozenset({cc.stack_reg}))
+        (self._all, self._caller_saved, self._at_call, at_return, at_tail_call, self._ret,
+         self._sp) = _convention_masks(support.convention)
+        keep = _mask(preserved)
+        self._at_return, self._at_tail_call = at_return | keep, at_tail_call | keep
         self._live_in: list[int] | None = None
         self._blocks()
 

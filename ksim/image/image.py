@@ -25,6 +25,9 @@ if TYPE_CHECKING:
 MemoryReader = Callable[[int, int], bytes]
 #: told the (address, size) ranges a reader is about to be asked for (Image.prefetch)
 Prefetcher = Callable[[Sequence[tuple[int, int]]], None]
+#: the digest (ksim.analysis.store.code_digest) of exactly the range (address, size)
+#: as the reader would read it, when known without reading it (Image.known_digest)
+DigestOf = Callable[[int, int], "int | None"]
 
 _BINDING_RANK = {"global": 0, "weak": 1, "local": 2}
 
@@ -45,9 +48,11 @@ class Image:
         build_id: bytes | None = None,
         identity: bytes | None = None,
         prefetch: Prefetcher | None = None,
+        digests: tuple[Prefetcher, DigestOf] | None = None,
     ) -> None:
         self.path = path
         self._prefetch = prefetch
+        self._digests = digests
         #: the ELF's GNU build id (``.note.gnu.build-id``), when the file has one
         self.build_id = build_id
         #: for an image read from a running kernel: what names that kernel (release,
@@ -172,6 +177,18 @@ class Image:
         reads them in a few requests (a running kernel's reader); nothing otherwise."""
         if self._prefetch is not None and ranges:
             self._prefetch(ranges)
+
+    def prefetch_digests(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Tell the reader the ranges whose digests (``known_digest``) are about to be
+        asked for, not their bytes (a running kernel's reader learns them in a few
+        requests, none of the bytes crossing the wire); nothing otherwise."""
+        if self._digests is not None and ranges:
+            self._digests[0](ranges)
+
+    def known_digest(self, addr: int, size: int) -> int | None:
+        """The digest of the ``size`` bytes at ``addr`` as ``read`` would give them, when
+        the reader knows it without reading them; None otherwise (read them)."""
+        return self._digests[1](addr, size) if self._digests is not None else None
 
     @property
     def reads_memory(self) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 from ksim.errors import ImageError, MalformedImage
 from ksim.image.elf import load_image
-from ksim.image.image import Image, MemoryReader, Prefetcher
+from ksim.image.image import DigestOf, Image, MemoryReader, Prefetcher
 from ksim.image.model import Section, Symbol
 
 _LINE = re.compile(r"^([0-9a-fA-F]{1,16})\s+([A-Za-z?])\s+(\S+)(?:\s+\[(\S+)\])?\s*$")
@@ -70,10 +70,12 @@ def load_kallsyms(
     identity: bytes | None = None,
     arch: str = "x86_64",
     prefetch: Prefetcher | None = None,
+    digests: tuple[Prefetcher, DigestOf] | None = None,
 ) -> Image:
     """An Image from a kallsyms-format file, with code from ``image_path`` or ``reader``
     (``identity``: what names the running kernel the reader reads; see Image; ``arch``:
-    the ``ksim.arch`` name of its code; ``prefetch``: the reader's, see Image)."""
+    the ``ksim.arch`` name of its code; ``prefetch`` and ``digests``: the reader's, see
+    Image)."""
     source = str(symbols_path)
     try:
         with open(symbols_path, "rb") as f:
@@ -105,6 +107,7 @@ def load_kallsyms(
         build_id=build_id,
         identity=identity,
         prefetch=prefetch,
+        digests=digests,
     )
 
 

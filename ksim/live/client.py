@@ -280,6 +280,8 @@ class LiveTarget:
         # ... and the exact ranges a batch read ahead (prefetch_text): starts, bytes
         self._ahead_at: list[int] = []
         self._ahead: list[bytes] = []
+        # ... and the digests of ranges a batch checks but need not read (prefetch_digests)
+        self._digests: dict[tuple[int, int], int] = {}
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
@@ -360,7 +362,8 @@ class LiveTarget:
         # modules are loaded: what an analysis store of this kernel is found by
         return load_kallsyms(self.kallsyms_path, reader=self._image_read,
                              identity=self.kallsyms_path.stem.encode(), arch=self.arch.name,
-                             prefetch=self.prefetch_text)
+                             prefetch=self.prefetch_text, digests=(self.prefetch_digests,
+                                                                   self.known_digest))
 
     def _image_read(self, address: int, size: int) -> bytes:
         """What the image reads: core kernel text as it was before this client's pokes
@@ -446,6 +449,48 @@ class LiveTarget:
             merged = sorted([*zip(self._ahead_at, self._ahead, strict=True), *got])
             self._ahead_at = [a for a, _ in merged]
             self._ahead = [d for _, d in merged]
+
+    def prefetch_digests(self, ranges: Sequence[tuple[int, int]]) -> None:
+        """Learn the 64-bit BLAKE2b of each text range (address, size) as the image
+        would read it, without reading it (kerninstd's ``digests``): whether a
+        function is still the bytes its analysis record was made from, for the
+        functions a batch's callees reach, is some MB of text that need not cross the
+        wire.  Ranges read ahead already, or known, are not asked again."""
+        todo = sorted({(int(a), int(n)) for a, n in ranges
+                       if 0 < n <= wire.MAX_READ and (a, n) not in self._digests})
+        i = 0
+        while i < len(todo):
+            j, total = i, 0
+            while j < len(todo) and j - i < wire.MAX_RANGES and total + todo[j][1] <= wire.MAX_DIGESTED:
+                total += todo[j][1]
+                j += 1
+            part = todo[i:j]
+            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
+            try:
+                reply = self._request("digests", ranges=table.hex(), kernel=True)
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    raise
+                return  # a kerninstd from before digests: the image reads the bytes
+            data = bytes.fromhex(reply["digests"])
+            if len(data) != wire.DIGEST * len(part):
+                raise ProtocolError(f"digests: {len(data)} bytes for {len(part)} rows")
+            failed = set(reply.get("failed", ()))
+            for k, r in enumerate(part):
+                if k not in failed:     # an unreadable range is read as asked, later
+                    self._digests[r] = int.from_bytes(data[k * wire.DIGEST:(k + 1) * wire.DIGEST],
+                                                      "little")
+            i = j
+
+    def known_digest(self, address: int, size: int) -> int | None:
+        """The digest prefetch_digests learnt of exactly this range, as the image reads
+        it; None when it was not asked, or this client has poked a byte of it since
+        (the image reads that byte as it was before)."""
+        found = self._digests.get((address, size))
+        if found is not None and self._original and any(
+                a in self._original for a in range(address, address + size)):
+            return None
+        return found
 
     def _as_before(self, address: int, out: bytearray) -> bytes:
         """``out``, read at ``address``, with the bytes this client's pokes changed

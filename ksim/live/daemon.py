@@ -697,19 +697,33 @@ class Daemon:
         """op_read of many ranges in one request: ``ranges`` packed as hazard_table's
         rows (address, length); the bytes of each, end to end, and the rows that could
         not be read (zeros in their place)."""
+        pieces, failed = self._read_rows(session, "read_ranges", ranges, wire.MAX_READ, kernel)
+        return {"data": b"".join(pieces).hex(), "failed": failed}
+
+    def op_digests(self, session: Session, ranges: bytes, kernel: bool = False) -> dict[str, Any]:
+        """op_read_ranges as a 64-bit BLAKE2b of each row (what an analysis record
+        keeps of the bytes it was made from): a client checks that text it has records
+        of is unchanged without reading it."""
+        pieces, failed = self._read_rows(session, "digests", ranges, wire.MAX_DIGESTED, kernel)
+        return {"digests": b"".join(hashlib.blake2b(p, digest_size=wire.DIGEST).digest()
+                                    for p in pieces).hex(), "failed": failed}
+
+    def _read_rows(self, session: Session, op: str, ranges: bytes, most: int,
+                   kernel: bool) -> tuple[list[bytes], list[int]]:
+        """The bytes of each packed (address, length) row, ``most`` in all, and the
+        rows that could not be read (zeros in their place)."""
         if len(ranges) % wire.RANGE_ROW:
-            raise ProtocolError(f"read_ranges: argument 'ranges' is {len(ranges)} bytes, "
+            raise ProtocolError(f"{op}: argument 'ranges' is {len(ranges)} bytes, "
                                 f"not a whole number of {wire.RANGE_ROW}-byte rows")
         rows = list(struct.iter_unpack("<QQ", ranges))
         total = 0
         for i, (address, length) in enumerate(rows):
             total += length
             if not 1 <= length <= wire.MAX_READ or address + length > wire.U64_MAX + 1:
-                raise ProtocolError(f"read_ranges: argument 'ranges[{i}]': {address:#x}+{length} "
+                raise ProtocolError(f"{op}: argument 'ranges[{i}]': {address:#x}+{length} "
                                     f"is not 1..{wire.MAX_READ} bytes inside the address space")
-            if total > wire.MAX_READ:
-                raise ProtocolError(f"read_ranges: the ranges hold more than {wire.MAX_READ} "
-                                    "bytes in all")
+            if total > most:
+                raise ProtocolError(f"{op}: the ranges hold more than {most} bytes in all")
         # rows close together are read as one window of at most MAX_IO bytes: one module
         # call (and one capability check, which tools tracing cap_capable see) for many
         order = sorted(range(len(rows)), key=lambda i: rows[i][0])
@@ -739,7 +753,7 @@ class Daemon:
                         data = bytes(length)
                 pieces[i] = self._as_kernel(session, address, data) if kernel else data
             k = j
-        return {"data": b"".join(pieces).hex(), "failed": sorted(failed)}
+        return pieces, sorted(failed)
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:

@@ -38,6 +38,8 @@ MAX_FRAME = 80 << 20
 # unauthenticated peer can make the daemon buffer only this much per frame.
 MAX_AUTH_FRAME = 1 << 10
 MAX_READ = 1 << 20           # bytes per read op
+MAX_DIGESTED = 32 << 20      # bytes a digests op reads (and hashes) in all
+DIGEST = 8                   # bytes of a digests row's digest
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
@@ -128,6 +130,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
            "MAX_READ bytes and MAX_READ in all -> their bytes end to end (a batch's "
            "functions in one request, not the chunks around them) and the indexes of "
            "the rows that could not be read (zeros in their place)"),
+    Op("digests", {"ranges": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW), "kernel": BOOL},
+       doc="what read_ranges would give, as a digest per row: rows as read_ranges', "
+           "MAX_DIGESTED bytes in all -> each row's 64-bit BLAKE2b (8 bytes, little-endian "
+           "as the analysis store keeps them), end to end, and the rows that could not "
+           "be read (zeros in their place): whether text is still the bytes a record "
+           "was made from, without its bytes crossing the wire"),
     Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
     Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
     Op("free_code", {"address": U64},
@@ -180,6 +188,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "kallsyms": {"offset": 0},
     "read": {"kernel": False},
     "read_ranges": {"kernel": False},
+    "digests": {"kernel": False},
     "poke": {"routes": []},
     "alloc_data": {"align": 8},
     "keep": {"keep": True, "name": ""},

@@ -397,7 +397,9 @@ class SiteFacts:
         if kept is not None and funcs and self.image.reads_memory:
             # their text, and what analysing them reads, in a few requests (not what the
             # question found is no text: nothing of a gone function is read)
-            self.image.prefetch(self._read_ahead(kept, [f for f in funcs if self.gone(f) is None]))
+            here = [f for f in funcs if self.gone(f) is None]
+            self.image.prefetch(self._read_ahead(here))
+            self.image.prefetch_digests(self._checked_ahead(kept, here))
         if outer:
             yield
             return
@@ -413,13 +415,17 @@ class SiteFacts:
         with self.asking_ahead(()):
             yield
 
-    def _read_ahead(self, kept: Store, funcs: Sequence[Function]) -> list[tuple[int, int]]:
-        """The text analysing and planning ``funcs`` reads: each function with the
-        filler after it (_gap_after), and every function it reaches (Store.reach:
-        their clobbers decide what is live at a call)."""
-        out = [(func.address, self._gap_end(func) - func.address) for func in funcs]
-        out += [(f.address, f.size) for f in kept.reach(self.image, funcs)]
-        return out
+    def _read_ahead(self, funcs: Sequence[Function]) -> list[tuple[int, int]]:
+        """The text planning ``funcs`` reads: each function with the filler after it
+        (_gap_after)."""
+        return [(func.address, self._gap_end(func) - func.address) for func in funcs]
+
+    def _checked_ahead(self, kept: Store, funcs: Sequence[Function]) -> list[tuple[int, int]]:
+        """The text whose records analysing ``funcs`` relies on without reading it:
+        every function they reach, other than themselves (Store.reach: their clobbers
+        decide what is live at a call), each checked current by its digest."""
+        mine = {f.address for f in funcs}
+        return [(f.address, f.size) for f in kept.reach(self.image, funcs) if f.address not in mine]
 
     def _gap_end(self, func: Function) -> int:
         """Where the gap after ``func`` ends: the next function's start when it is at
@@ -487,9 +493,10 @@ class SiteFacts:
         lo = bisect.bisect_left(self._starts, near - 4 * reach)
         hi = bisect.bisect_right(self._starts, near + reach)
         out = []
-        for func in self.image.functions[max(lo - 1, 0):hi]:
-            if func.end + 64 < near - reach:
-                continue  # its filler (at most the function's own, then 64 bytes) is out of reach
+        # its filler (at most the function's own, then 64 bytes) is in reach
+        around = [f for f in self.image.functions[max(lo - 1, 0):hi] if f.end + 64 >= near - reach]
+        self.image.prefetch(self._read_ahead(around))  # a running kernel's: one request
+        for func in around:
             try:
                 end, tail = self._extent(func)
             except KsimError:  # undecodable or unanalysable neighbour: no slots there
