@@ -81,3 +81,39 @@ def test_points_resolve_their_function_by_address_not_by_name(images, tmp_path):
         assert code.insns[0].raw == elf.read(func.address, code.insns[0].size)
         assert facts.live_at(point) == SiteFacts(elf, ARCH).live_at(
             Point(func.address, PointKind.ENTRY, func.name))
+
+
+def _one_by_one(facts: SiteFacts, insns) -> dict[int, frozenset[str]]:
+    """Each instruction's static hazards looked up alone (what _static_hazards finds
+    for the whole span at once)."""
+    out = {}
+    for insn in insns:
+        names = {ref.value for ref in facts.image.tables.refs_in(insn.address, insn.end)}
+        if facts.blacklisted(insn.address):
+            names.add("blacklist")
+        if any(lo <= insn.address < hi for lo, hi in facts.static_call_text):
+            names.add("static_call")
+        if names:
+            out[insn.address] = frozenset(names)
+    return out
+
+
+def test_static_hazards_of_a_span_are_each_instructions_own(debian_kernel):
+    """The table entries, blacklist and static-call ranges of every 10th function of
+    Debian's vmlinux, found once per function, are what each instruction's own
+    lookup finds."""
+    from ksim.analysis import analyze
+
+    vmlinux = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
+    facts = SiteFacts(vmlinux, ARCH)
+    checked = with_hazards = 0
+    for func in vmlinux.functions[::10]:
+        try:
+            insns = analyze(vmlinux, func).insns
+        except Exception:  # noqa: BLE001 - a function that cannot be analysed: not compared
+            continue
+        found = facts._static_hazards([(i.address, i.size) for i in insns])
+        assert found == _one_by_one(facts, insns), func.name
+        checked += 1
+        with_hazards += bool(found)
+    assert checked > 4000 and with_hazards > 1000, (checked, with_hazards)

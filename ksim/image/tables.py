@@ -132,6 +132,13 @@ class KernelTables:
             mask |= m
         return _REF_SETS[mask]
 
+    def refs_at(self, start: int, end: int) -> list[tuple[int, frozenset[TextRef]]]:
+        """Each recorded address in ``[start, end)`` with its kinds, in address order."""
+        addrs = self._addrs
+        i = bisect.bisect_left(addrs, start)
+        j = bisect.bisect_left(addrs, end, i)
+        return [(addrs[k], _REF_SETS[self._masks[k]]) for k in range(i, j)]
+
     def addresses(self, kind: TextRef) -> tuple[int, ...]:
         """The recorded addresses of one kind, sorted."""
         return tuple(self.sites[kind])  # already a sorted tuple: no copy

@@ -291,26 +291,31 @@ class SiteFacts:
 
     def _static_hazards(self, spans: Sequence[tuple[int, int]]) -> dict[int, frozenset[str]]:
         """The image's tables' and ksim's own reasons for each (address, size)
-        instruction (no question to the kernel)."""
-        tables = self.image.tables
+        instruction, the instructions end to end (no question to the kernel): each
+        table entry, blacklisted start and static-call range found once for the span
+        and given to the instruction holding it, not looked for instruction by
+        instruction."""
         out: dict[int, frozenset[str]] = {}
         if not spans:
             return out
-        # most functions touch no table entry, blacklist or static-call range at all:
-        # asked once for the function's span, not once per instruction
         lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
-        if not tables.refs_in(lo, hi) and not self._blacklist_meets(lo, hi) \
-                and not any(a < hi and lo < b for a, b in self.static_call_text):
-            return out
-        for address, size in spans:
-            names = {ref.value for ref in tables.refs_in(address, address + size)}
-            if self.blacklisted(address):
-                names.add("blacklist")
-            if any(lo <= address < hi for lo, hi in self.static_call_text):
-                names.add("static_call")
-            if names:
-                out[address] = frozenset(names)
-        return out
+        refs = self.image.tables.refs_at(lo, hi)
+        black = self._blacklist_meets(lo, hi)
+        calls = [(a, b) for a, b in self.static_call_text if a < hi and lo < b]
+        if not refs and not black and not calls:
+            return out   # most functions touch no table entry, blacklist or static call
+        starts = [a for a, _ in spans]
+        found: dict[int, set[str]] = {}
+        for address, kinds in refs:
+            k = bisect.bisect_right(starts, address) - 1
+            found.setdefault(starts[k], set()).update(ref.value for ref in kinds)
+        if black or calls:
+            for address in starts:
+                if black and self.blacklisted(address):
+                    found.setdefault(address, set()).add("blacklist")
+                if any(a <= address < b for a, b in calls):
+                    found.setdefault(address, set()).add("static_call")
+        return {a: frozenset(found[a]) for a in sorted(found)}
 
     def _blacklist_meets(self, lo: int, hi: int) -> bool:
         """Whether a blacklisted range overlaps [lo, hi)."""
