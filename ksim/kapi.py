@@ -49,6 +49,7 @@ from ksim.image.model import Function
 from ksim.snippets import ast
 from ksim.snippets.check import ACCESS_SIZES
 from ksim.snippets.check import check as check_snippet
+from ksim.snippets.codegen import facts as snippet_facts
 from ksim.snippets.codegen import gprs, position_independent
 from ksim.snippets.verify import Guard, Rules, verify
 from ksim.splice import planner
@@ -555,10 +556,11 @@ class Manager:
                                      "points with nothing at them")
             seen.add(p.address)
         rules = self.rules()
+        registers = gprs(self.arch)
         handles = []
         for p in points:
             code = snippet(p) if callable(snippet) and not isinstance(snippet, ast.Node) else snippet
-            check_snippet(code, p.kind, registers=gprs(self.arch),
+            check_snippet(code, p.kind, registers=registers,
                           call_operand=self._call_operand(p, [code]))
             handles.append(Handle(next(self._ids), p, verify([code], rules)[0]))
         if not handles:
@@ -847,7 +849,7 @@ class Manager:
         CallTarget (decoded only then: a call whose operand snippet code cannot
         evaluate must not stop other snippets at its point)."""
         if point.kind is not PointKind.CALLSITE or not any(
-                isinstance(x, ast.CallTarget) for s in snippets for x in ast.walk(s)):
+                snippet_facts(s).call_target for s in snippets):
             return None
         return self.arch.call_operand(self.facts.analysis(point).insn_at(point.address))
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 from dataclasses import replace as _replace
+from functools import lru_cache
 from typing import Any
 
 #: 8-byte words of a task's name (Linux's TASK_COMM_LEN is 16)
@@ -570,19 +571,35 @@ def walk(node: Any) -> Any:
 
 def substitute(node: Any, replace: Any) -> Any:
     """A copy of the tree in which every node for which ``replace(node)`` returns a
-    node is that node instead (children of a replaced node are not visited)."""
+    node is that node instead (children of a replaced node are not visited).  A
+    subtree in which nothing is replaced is kept as it is, not copied (nodes are
+    immutable): a tree nothing changes comes back itself."""
     if not isinstance(node, Node):
         return node
     new = replace(node)
     if new is not None:
         return new
     changes = {}
-    for f in fields(node):  # type: ignore[arg-type]
-        value = getattr(node, f.name)
+    for name in _field_names(type(node)):  # type: ignore[arg-type]  # a class hashes
+        value = getattr(node, name)
+        if type(value) in _SCALARS:
+            continue            # no node in it: kept
         if isinstance(value, tuple | list):
             rebuilt: Any = tuple(substitute(v, replace) for v in value)
+            if type(value) is tuple and all(r is v for r, v in zip(rebuilt, value, strict=True)):
+                rebuilt = value     # nothing in it replaced: the tree is kept, not copied
         else:
             rebuilt = substitute(value, replace)
         if rebuilt is not value:
-            changes[f.name] = rebuilt
+            changes[name] = rebuilt
     return _replace(node, **changes) if changes else node  # type: ignore[type-var]
+
+
+#: field values that hold no node (exactly these types, not subclasses)
+_SCALARS = frozenset({int, str, bool, bytes, type(None)})
+
+
+@lru_cache(maxsize=256)
+def _field_names(cls: type) -> tuple[str, ...]:
+    """The fields of the node class ``cls``, in order (one entry a class)."""
+    return tuple(f.name for f in fields(cls))  # type: ignore[arg-type]

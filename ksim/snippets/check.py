@@ -103,43 +103,58 @@ def check_shape(snippet: Any) -> None:
     depth: dict[int, int] = {}
     size: dict[int, int] = {}
     open_: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(snippet, False)]
+    # (node, None): not yet opened; (node, its children): every child done
+    stack: list[tuple[Any, tuple[Any, ...] | None]] = [(snippet, None)]
     while stack:
-        node, ready = stack.pop()
-        if id(node) in depth:
-            continue
-        kids = node.children() if isinstance(node, ast.Node) else ()
-        if not ready:
-            if id(node) in open_:
+        node, kids = stack.pop()
+        key = id(node)
+        if kids is None:
+            if key in depth:
+                continue
+            if key in open_:
                 raise SlotError(f"{type(node).__name__} contains itself")
-            open_.add(id(node))
-            stack.append((node, True))
-            stack.extend((k, False) for k in kids if id(k) not in depth)
+            kids = node.children() if isinstance(node, ast.Node) else ()
+            if not kids:        # a leaf: one level, one node
+                depth[key] = size[key] = 1
+                continue
+            open_.add(key)
+            stack.append((node, kids))
+            stack.extend((k, None) for k in kids if id(k) not in depth)
             continue
-        open_.discard(id(node))
-        d = 1 + max((depth[id(k)] for k in kids), default=0)
-        n = 1 + sum(size[id(k)] for k in kids)
+        open_.discard(key)
+        d = n = 0
+        for k in kids:
+            kd = depth[id(k)]
+            if kd > d:
+                d = kd
+            n += size[id(k)]
+        d += 1
+        n += 1
         if d > MAX_DEPTH:
             raise SnippetTooLarge(f"the snippet nests deeper than {MAX_DEPTH} levels")
         if n > MAX_NODES:
             raise SnippetTooLarge(f"the snippet has more than {MAX_NODES} nodes (a node used in "
                                   "several places counts in each)")
-        depth[id(node)], size[id(node)] = d, n
+        depth[key], size[key] = d, n
 
 
-def _check(node: Any, kind: str, slot: str, site: _Site) -> None:
-    if not isinstance(node, ast.Node):
-        raise SlotError(f"{slot}: expected a snippet node or an int, got {node!r}")
-    if type(node) not in _KNOWN:
-        raise SlotError(f"{slot}: {type(node).__name__} is not a snippet node codegen knows")
-    rule = _RULES.get(type(node))
+def _check(node: Any, kind: str, slot: str | tuple[Any, int], site: _Site) -> None:
+    """``slot``: where ``node`` is, for a refusal's message: a name, or (parent, index)
+    (named only when refused)."""
+    t = type(node)
+    if t not in _KNOWN:
+        where = slot if isinstance(slot, str) else f"{type(slot[0]).__name__} operand {slot[1]}"
+        if not isinstance(node, ast.Node):
+            raise SlotError(f"{where}: expected a snippet node or an int, got {node!r}")
+        raise SlotError(f"{where}: {t.__name__} is not a snippet node codegen knows")
+    rule = _RULES.get(t)
     if rule is not None:
         rule(node, kind)
-    site_rule = _SITE_RULES.get(type(node))
+    site_rule = _SITE_RULES.get(t)
     if site_rule is not None:
         site_rule(node, kind, site)
     for i, child in enumerate(node.children()):
-        _check(child, kind, f"{type(node).__name__} operand {i}", site)
+        _check(child, kind, (node, i), site)
 
 
 def _const(node: ast.Const, kind: str) -> None:

@@ -22,6 +22,7 @@ around its body.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -691,13 +692,101 @@ def _is_var(node: Any, t: ast.Var) -> bool:
             and node.signed == t.signed)
 
 
+@dataclass(frozen=True, slots=True)
+class Facts:
+    """What codegen and the Manager ask of a whole tree, found in one walk."""
+
+    #: a Call
+    calls: bool = False
+    #: a Load (exactly: not OperandLoad), and one with ``user``
+    loads: bool = False
+    user_loads: bool = False
+    #: a node that reads the kernel's ABI (Pid, Tgid, Comm, Cpu, CurrentTask)
+    abi: bool = False
+    #: a CallTarget
+    call_target: bool = False
+    #: what the tree reads of the point: Arg numbers, RetVal, Reg names (as the
+    #: nodes hold them, in walk order: a name the check refuses is not hashed here)
+    args: tuple[Any, ...] = ()
+    retval: bool = False
+    regs: tuple[Any, ...] = ()
+
+    def __or__(self, o: Facts) -> Facts:
+        return Facts(self.calls or o.calls, self.loads or o.loads, self.user_loads or o.user_loads,
+                     self.abi or o.abi, self.call_target or o.call_target, self.args + o.args,
+                     self.retval or o.retval, self.regs + o.regs)
+
+
+_ABI_NODES = (ast.Pid, ast.Tgid, ast.Comm, ast.Cpu, ast.CurrentTask)
+#: classes (exactly) of which no node adds a fact
+_NO_FACTS = frozenset({
+    int, ast.Const, ast.Var, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr,
+    ast.LogicalNot, ast.Assign, ast.AtomicAssign, ast.If, ast.Tsc, ast.Guarded, ast.Frame,
+    ast.Local, ast.LocalAddress, ast.Elem, ast.CompareExchange,
+})
+
+
+def facts(node: Any) -> Facts:
+    """The Facts of the tree ``node``, remembered by identity (nodes never change;
+    a tree with a list in it, which may, is walked each time)."""
+    known = _FACTS.get(id(node))
+    if known is not None and known[0] is node:
+        _FACTS.move_to_end(id(node))
+        return known[1]
+    calls = loads = user_loads = abi = call_target = retval = False
+    args: list[Any] = []
+    regs: list[Any] = []
+    mutable = False
+    stack = [node]
+    while stack:
+        x = stack.pop()
+        t = type(x)
+        if t in _NO_FACTS:
+            pass
+        elif t is ast.Load:
+            loads = True
+            user_loads = user_loads or bool(x.user)
+        elif isinstance(x, ast.Call):
+            calls = True
+            mutable = mutable or type(x.args) is not tuple
+        elif isinstance(x, ast.Seq):
+            mutable = mutable or type(x.body) is not tuple
+        elif isinstance(x, _ABI_NODES):
+            abi = True
+        elif isinstance(x, ast.CallTarget):
+            call_target = True
+        elif isinstance(x, ast.Arg):
+            args.append(x.n)
+        elif isinstance(x, ast.RetVal):
+            retval = True
+        elif isinstance(x, ast.Reg):
+            regs.append(x.name)
+        if isinstance(x, ast.Node):
+            stack.extend(x.children())
+    out = Facts(calls, loads, user_loads, abi, call_target, tuple(args), retval, tuple(regs))
+    if isinstance(node, ast.Node) and not mutable:
+        _FACTS[id(node)] = (node, out)
+        if len(_FACTS) > FACTS:
+            _FACTS.popitem(last=False)
+    return out
+
+
+#: trees whose Facts are known, by identity (holding the node keeps its id from
+#: being reused): a snippet is asked about by the verifier, the Manager and codegen
+_FACTS: OrderedDict[int, tuple[Any, Facts]] = OrderedDict()
+FACTS = 1 << 16
+
+
 def uses_calls(node: Any, abi: Any = None) -> bool:
     """Whether the code for ``node`` calls out: a Call, or a Load read through the
     ABI's read_nofault function."""
+    return _calls_out(facts(node), abi)
+
+
+def _calls_out(f: Facts, abi: Any) -> bool:
     nofault = read_mode(abi) == "nofault"
     user = abi is not None and abi.read_user_nofault is not None
-    return any(isinstance(x, ast.Call) or (type(x) is ast.Load and (nofault or (user and x.user)))
-               for x in ast.walk(node))
+    return f.calls or (f.loads and nofault) or (f.user_loads and user)
 
 
 def position_independent(snippets: Sequence[ast.Node], abi: Any = None) -> bool:
@@ -708,14 +797,13 @@ def position_independent(snippets: Sequence[ast.Node], abi: Any = None) -> bool:
 
 def point_reads(arch: Arch, node: Any) -> frozenset[str]:
     """Registers whose value at the point the snippet reads (Arg, RetVal)."""
-    out = set()
-    for x in ast.walk(node):
-        if isinstance(x, ast.Arg):
-            out.add(arch.arg_regs[x.n])
-        elif isinstance(x, ast.RetVal):
-            out.add(arch.ret_reg)
-        elif isinstance(x, ast.Reg):
-            out.add(x.name)
+    return _point_reads(arch, facts(node))
+
+
+def _point_reads(arch: Arch, f: Facts) -> frozenset[str]:
+    out = {arch.arg_regs[n] for n in f.args} | set(f.regs)
+    if f.retval:
+        out.add(arch.ret_reg)
     return frozenset(out)
 
 
@@ -777,12 +865,13 @@ def compile_snippets(
     for s in snippets:
         check(s, point_kind, registers=gprs(arch), call_operand=call_operand)
     snippets = [expand_call_target(s, call_operand) for s in snippets]
-    body = ast.Seq(tuple(snippets))
-    if abi is None and any(isinstance(x, ast.Pid | ast.Tgid | ast.Comm | ast.Cpu | ast.CurrentTask)
-                           for x in ast.walk(body)):
+    found = Facts()
+    for s in snippets:
+        found |= facts(s)
+    if abi is None and found.abi:
         raise CodegenError("Pid, Tgid, Comm and Cpu need the kernel's ABI (abi=KernelABI(...))")
-    calls = uses_calls(body, abi)
-    needed = frozenset(live) | point_reads(arch, body)
+    calls = _calls_out(found, abi)
+    needed = frozenset(live) | _point_reads(arch, found)
     first = new_emitter()
     save = first.clobbers(calls) & needed
     code = _generate(arch, snippets, first, save, calls, abi)

@@ -119,6 +119,8 @@ class _Verifier:
         # exactly ints, on both sides of the lookup: an int subclass may say it equals
         # (and hashes as) an allowed address while its value is another one
         self.calls = frozenset(a for a in rules.calls if type(a) is int)
+        #: the blocks ``_known`` reads in (made when first asked)
+        self._known_blocks: list[Block] | None = None
 
     def snippet(self, node: Any) -> ast.Node:
         g = self.rules.guard
@@ -137,15 +139,15 @@ class _Verifier:
 
     def _node(self, node: ast.Node) -> ast.Node | None:
         """The replacement of one node (None: keep it, visit its children)."""
+        if type(node) in _PLAIN:
+            return None
         if isinstance(node, ast.Assign | ast.AtomicAssign):
             self._write(node.target)
-            return dataclasses.replace(node, target=self._target(node.target),
-                                       value=self.rewrite(node.value))
+            return _replaced(node, target=self._target(node.target), value=self.rewrite(node.value))
         if isinstance(node, ast.CompareExchange):
             self._write(node.target)
-            return dataclasses.replace(node, target=self._target(node.target),
-                                       expected=self.rewrite(node.expected),
-                                       new=self.rewrite(node.new))
+            return _replaced(node, target=self._target(node.target),
+                             expected=self.rewrite(node.expected), new=self.rewrite(node.new))
         if isinstance(node, ast.Var):
             return self._read_var(node)
         if isinstance(node, ast.Elem):
@@ -162,7 +164,7 @@ class _Verifier:
     def _target(self, target: Any) -> Any:
         """An assignment's target with its index (an Elem's) verified as a read."""
         if isinstance(target, ast.Elem):
-            return dataclasses.replace(target, index=self.rewrite(target.index))
+            return _replaced(target, index=self.rewrite(target.index))
         return target
 
     def _write(self, target: Any) -> None:
@@ -205,7 +207,7 @@ class _Verifier:
         if not self._known(start, start + size):
             raise ReadOutsideKnownMemory(f"table of {node.count} {node.size}-byte elements at "
                                          f"{start:#x} is not in memory known to be mapped")
-        return dataclasses.replace(node, index=self.rewrite(node.index))
+        return _replaced(node, index=self.rewrite(node.index))
 
     def _read_var(self, var: ast.Var) -> ast.Node:
         if var.segment is not None:
@@ -230,6 +232,8 @@ class _Verifier:
         if self.mode == "plain":
             raise UnsafeLoad("a load through a computed pointer could fault, and the kernel's ABI "
                              "offers no fault-safe read (KernelABI.readable or read_nofault)")
+        if ptr is load.ptr and type(load) is ast.Load:
+            return load         # nothing to rewrite: the node itself, as substitute keeps it
         return ast.Load(ptr, load.size, load.signed, load.user)
 
     def _unknown_read(self, address: int, size: int, signed: bool) -> ast.Node:
@@ -245,13 +249,16 @@ class _Verifier:
                                      "kernel's ABI offers no fault-safe read")
 
     def _known(self, start: int, end: int) -> bool:
-        blocks = list(self.rules.writable) + list(self.rules.readable)
-        g = self.rules.guard
-        if g is not None:
-            blocks.append((g.address, g.size))
-        if self.abi is not None:
-            blocks += [(r.start, r.size) for r in self.abi.readable]
-            blocks += [(m.address, m.size) for m in _memrefs(self.abi) if m.segment is None]
+        blocks = self._known_blocks
+        if blocks is None:
+            blocks = list(self.rules.writable) + list(self.rules.readable)
+            g = self.rules.guard
+            if g is not None:
+                blocks.append((g.address, g.size))
+            if self.abi is not None:
+                blocks += [(r.start, r.size) for r in self.abi.readable]
+                blocks += [(m.address, m.size) for m in _memrefs(self.abi) if m.segment is None]
+            self._known_blocks = blocks
         return any(_inside(start, end, b) for b in blocks)
 
     def _percpu_readable(self, var: ast.Var) -> bool:
@@ -273,6 +280,24 @@ class _Verifier:
         raise CallNotAllowed(f"call to {node.address:#x} is not allowed: snippets call only the "
                              f"functions named as callable (allowed: {allowed}); allow it with "
                              "Manager.allow_calls")
+
+
+#: node classes ``_node`` keeps as they are (exactly these: a subclass of any node
+#: class goes through every test)
+_PLAIN = frozenset({
+    ast.Const, ast.BinOp, ast.Unary, ast.Compare, ast.LogicalAnd, ast.LogicalOr, ast.LogicalNot,
+    ast.If, ast.Seq, ast.Tsc, ast.Pid, ast.Tgid, ast.CurrentTask, ast.Comm, ast.Cpu, ast.Arg,
+    ast.RetVal, ast.Reg, ast.CallTarget, ast.Frame, ast.Local, ast.LocalAddress,
+})
+
+
+def _replaced(node: Any, **fields: Any) -> Any:
+    """``node`` with ``fields`` replaced; ``node`` itself when every one is the
+    object it already holds (a verified tree that needs no rewriting is the tree
+    itself, so that the check it passed is not run on a copy)."""
+    if all(getattr(node, k) is v for k, v in fields.items()):
+        return node
+    return dataclasses.replace(node, **fields)
 
 
 def _memrefs(abi: KernelABI) -> list[Any]:
