@@ -57,6 +57,8 @@ COMMUTATIVE = {"add": "add", "and": "and", "or": "or", "xor": "xor"}
 SHIFTS = {"shl": "shl", "sar": "sar", "shr": "shr"}
 #: movabs rax, imm64 (10) + call rax (2)
 _FAR_CALL_SIZE = 12
+#: the last body ``writes`` decoded, and the registers it writes (one entry)
+_LAST_BODY: tuple[bytes, frozenset[str]] | None = None
 
 
 class X86Emitter(Emitter):
@@ -98,15 +100,27 @@ class X86Emitter(Emitter):
         caller-saved register when the code calls out."""
         from .reader import decode
 
+        global _LAST_BODY
         body = self._code[self._body_start:self._body_end]
-        out: set[str] = set()
-        for insn in decode(body, self.w.address + self._body_start):
-            out |= insn.writes
-        if sum(len(i.raw) for i in decode(body, 0)) != len(body):
-            raise CodegenError("generated code does not decode")
+        last = _LAST_BODY
+        if last is not None and last[0] == body:
+            # the same bytes decode the same (the second pass of compile_snippets
+            # changes the saves around a body that is often unchanged): lengths and
+            # register effects do not depend on where the code lies
+            written = last[1]
+        else:
+            out: set[str] = set()
+            length = 0
+            for insn in decode(body, self.w.address + self._body_start):
+                out |= insn.writes
+                length += len(insn.raw)
+            if length != len(body):
+                raise CodegenError("generated code does not decode")
+            written = frozenset(out)
+            _LAST_BODY = (body, written)
         if self._frame_reg:
-            out |= CALL_CLOBBERS
-        return frozenset(out - {"rsp"})
+            written |= CALL_CLOBBERS
+        return frozenset(written - {"rsp"})
 
     def _slot(self, reg: str) -> Mem:
         """Where the prologue saved ``reg``."""
