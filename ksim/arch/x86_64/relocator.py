@@ -179,15 +179,45 @@ def classify(insn: Insn) -> _Form:
     branch = _branch_form(insn)
     if branch is not None:
         return branch
-    decoded = _decoded(insn)
+    kind, at, base = _decoded_shape(bytes(insn.raw))
+    if kind == "undecodable":
+        raise RelocationError(f"{insn}: bytes do not decode as one instruction")
     # whatever the decoder knows to be relative and the table above does not: refuse
-    if decoded.group(capstone.CS_GRP_BRANCH_RELATIVE) or decoded.mnemonic == "xbegin":
+    if kind == "relative":
         raise RelocationError(f"{insn}: relative branch form {insn.raw.hex()} is not relocatable")
-    if decoded.group(capstone.CS_GRP_CALL):
+    if kind == "call":
         if not _is_near_indirect_call(insn):
             raise RelocationError(f"{insn}: only near calls (e8, ff /2) can be relocated")
         return _Form("icall")
-    return _pc_relative_form(insn, decoded) or _Form("copy")
+    if kind == "pc":
+        if not 0 < at <= insn.size - 4:
+            raise RelocationError(f"{insn}: no 32-bit displacement where the decoder puts it")
+        disp = struct.unpack_from("<i", insn.raw, at)[0]
+        if base == cs_x86.X86_REG_EIP:
+            return _Form("eiprel", target=(insn.end + disp) & 0xFFFFFFFF, disp_offset=at)
+        return _Form("riprel", target=(insn.end + disp) & _MASK64, disp_offset=at)
+    return _Form("copy")
+
+
+@lru_cache(maxsize=1 << 16)
+def _decoded_shape(raw: bytes) -> tuple[str, int, int]:
+    """What the decoder's full detail says of the instruction ``raw`` that matters to
+    :func:`classify` beyond its branch forms: ("undecodable" | "relative" | "call" |
+    "pc" | "other", the offset of a PC-relative operand's disp32, its base register).
+    It depends on the bytes only, not on where they lie: the kernel's functions
+    share a few prologues, decoded once."""
+    decoded = next(_cs.disasm(raw, 0), None)
+    if decoded is None or decoded.size != len(raw):
+        return "undecodable", 0, 0
+    if decoded.group(capstone.CS_GRP_BRANCH_RELATIVE) or decoded.mnemonic == "xbegin":
+        return "relative", 0, 0
+    if decoded.group(capstone.CS_GRP_CALL):
+        return "call", 0, 0
+    for op in decoded.operands:
+        if op.type != cs_x86.X86_OP_MEM or op.mem.base not in (cs_x86.X86_REG_RIP, cs_x86.X86_REG_EIP):
+            continue
+        return "pc", decoded.disp_offset, op.mem.base
+    return "other", 0, 0
 
 
 def _is_near_indirect_call(insn: Insn) -> bool:
