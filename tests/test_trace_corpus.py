@@ -58,15 +58,16 @@ from ksim.live.testing import connect, program, testbed  # noqa: F401
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 #: the side-by-side runs (seven ksim traces beside seven bpftraces at once, in
-#: batches) run when KSIM_SIDE_BY_SIDE=1.  Open: in one of the three whole-suite
-#: runs where they ran last, the guest's network stopped during the fourth batch
-#: (virtio_net "TX timeout", no warning before it) and the suite hung; it happened
-#: once before under the same load, cause not found.  Until it is, they are not
-#: part of the default suite.
+#: batches) are part of the suite; KSIM_SIDE_BY_SIDE=0 leaves them out.  Under that
+#: load the guest's network has stopped twice in some twenty runs (virtio_net "TX
+#: timeout", no warning before it; the guest's watchdog then writes every CPU's
+#: backtrace into the console log): a batch that fails so is run once more on a
+#: rebooted testbed (NETWORK_STALL), and says so.
 SIDE_BY_SIDE = pytest.mark.skipif(
-    os.environ.get("KSIM_SIDE_BY_SIDE") != "1",
-    reason="KSIM_SIDE_BY_SIDE=1 runs bpftrace's tools beside ksim trace (the guest's "
-           "network has stopped once under that load: open)")
+    os.environ.get("KSIM_SIDE_BY_SIDE") == "0",
+    reason="KSIM_SIDE_BY_SIDE=0 leaves out bpftrace's tools beside ksim trace")
+#: what the guest's console says when its network stalled (ksim.live.testbed's init)
+NETWORK_STALL = (b"TX timeout", b"the network stalled")
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "examples" / "tools"
@@ -843,10 +844,25 @@ def outputs(testbed: dict[str, Any], case: Case) -> Outputs:
     the workload ran without error."""
     (index,) = [i for i, batch in enumerate(CASES) if case in batch.cases]
     if index not in _batches:
-        try:
-            _batches[index] = run_batch(testbed, CASES[index])
-        except BaseException as exc:  # noqa: BLE001  (each of the batch's cases fails)
-            _batches[index] = exc
+        for attempt in range(2):
+            console = tb.cache_dir() / "console.log"
+            seen = console.stat().st_size if console.exists() else 0
+            try:
+                _batches[index] = run_batch(testbed, CASES[index])
+                break
+            except BaseException as exc:  # noqa: BLE001  (each of the batch's cases fails)
+                _batches[index] = exc
+                said = console.read_bytes()[seen:] if console.exists() else b""
+                if attempt or not any(word in said for word in NETWORK_STALL):
+                    break
+                # the guest's network device stalled (not ksim: the host lost the
+                # guest): once more on a fresh boot, the stall's console kept aside
+                kept = tb.cache_dir() / f"console-network-stall-{int(time.time())}.log"
+                kept.write_bytes(console.read_bytes())
+                print(f"\nbatch {index}: the guest's network stalled ({exc!r}); its console "
+                      f"is kept in {kept}; the batch runs again on a rebooted testbed")
+                tb.down()
+                tb.up()
     got = _batches[index]
     if isinstance(got, BaseException):
         raise got
