@@ -53,7 +53,7 @@ import pytest
 from ksim.errors import KsimError
 from ksim.live import testbed as tb
 from ksim.live.testbed import guest_file, host_python
-from ksim.live.testing import connect, program, testbed  # noqa: F401
+from ksim.live.testing import connect, program, testbed, testbed_instance  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -845,7 +845,8 @@ def outputs(testbed: dict[str, Any], case: Case) -> Outputs:
     (index,) = [i for i, batch in enumerate(CASES) if case in batch.cases]
     if index not in _batches:
         for attempt in range(2):
-            console = tb.cache_dir() / "console.log"
+            inst = testbed_instance()
+            console = inst.dir / "console.log"
             seen = console.stat().st_size if console.exists() else 0
             try:
                 _batches[index] = run_batch(testbed, CASES[index])
@@ -857,12 +858,12 @@ def outputs(testbed: dict[str, Any], case: Case) -> Outputs:
                     break
                 # the guest's network device stalled (not ksim: the host lost the
                 # guest): once more on a fresh boot, the stall's console kept aside
-                kept = tb.cache_dir() / f"console-network-stall-{int(time.time())}.log"
+                kept = inst.dir / f"console-network-stall-{int(time.time())}.log"
                 kept.write_bytes(console.read_bytes())
                 print(f"\nbatch {index}: the guest's network stalled ({exc!r}); its console "
                       f"is kept in {kept}; the batch runs again on a rebooted testbed")
-                tb.down()
-                tb.up()
+                tb.down(instance=inst)
+                tb.up(instance=inst)
     got = _batches[index]
     if isinstance(got, BaseException):
         raise got
