@@ -64,6 +64,13 @@ class Emitter(ABC):
     def end(self) -> bytes:
         """Epilogue (restore what ``begin`` saved) and the finished code."""
 
+    def resave(self, save: frozenset[str]) -> bytes | None:
+        """After ``end``: the code a generation begun with ``save`` (and the same
+        ``calls``) would finish with, and this emitter as that one would be, made
+        without generating again; None (nothing changed) when it cannot be sure the
+        bytes would be the same."""
+        return None
+
     @abstractmethod
     def writes(self) -> frozenset[str]:
         """After ``end``: every register (and "flags") the finished code may change
@@ -855,7 +862,9 @@ def compile_snippets(
     Two passes: the first saves every live register the Emitter *may* clobber and
     learns which ones the code really writes; the second saves exactly those (a
     counter increment at a point where only the flags are live saves only the
-    flags).  The result is then verified: nothing live is written unsaved.
+    flags), generated again unless the Emitter can put the new saves around the
+    first's body (:meth:`Emitter.resave`).  The result is then verified: nothing
+    live is written unsaved.
 
     ``call_operand`` is the operand of the indirect call at the point: CallTarget
     becomes the Reg (and Load) tree that computes the call's destination."""
@@ -877,8 +886,14 @@ def compile_snippets(
     code = _generate(arch, snippets, first, save, calls, abi)
     exact = first.writes() & needed
     if exact != save:
-        second = new_emitter()
-        code = _generate(arch, snippets, second, exact, calls, abi)
+        # the saves change around a body that often does not: then it is not
+        # generated again (the Emitter says when the bytes would be the same)
+        resaved = first.resave(exact)
+        if resaved is not None:
+            second, code = first, resaved
+        else:
+            second = new_emitter()
+            code = _generate(arch, snippets, second, exact, calls, abi)
         if not second.writes() & needed <= exact:
             raise CodegenError("generated code writes a live register it does not save")
     return code

@@ -61,6 +61,21 @@ _FAR_CALL_SIZE = 12
 _LAST_BODY: tuple[bytes, frozenset[str]] | None = None
 
 
+def _save_order(save: frozenset[str]) -> list[str]:
+    """The order the prologue saves ``save`` in: the flags first, then encoding order."""
+    return (["flags"] if "flags" in save else []) + [r for r in GPR64 if r in save]
+
+
+def _prologue(w: Writer, saved: list[str]) -> None:
+    for reg in saved:
+        w.put_pushfq() if reg == "flags" else w.put_push(reg)
+
+
+def _epilogue(w: Writer, saved: list[str]) -> None:
+    for reg in reversed(saved):
+        w.put_popfq() if reg == "flags" else w.put_pop(reg)
+
+
 class X86Emitter(Emitter):
     """Implements ksim.snippets.codegen.Emitter for code placed at ``address``."""
 
@@ -71,15 +86,16 @@ class X86Emitter(Emitter):
         self._frame_reg = False
         self._body_start = self._body_end = 0
         self._code = b""
+        #: the body read where the prologue saved a register (its code depends on the saves)
+        self._read_saves = False
 
     # --- frame -----------------------------------------------------------------------
     def clobbers(self, calls: bool) -> frozenset[str]:
         return CALL_CLOBBERS if calls else BASE_CLOBBERS
 
     def begin(self, save: frozenset[str], calls: bool) -> None:
-        self._saved = (["flags"] if "flags" in save else []) + [r for r in GPR64 if r in save]
-        for reg in self._saved:
-            self.w.put_pushfq() if reg == "flags" else self.w.put_push(reg)
+        self._saved = _save_order(save)
+        _prologue(self.w, self._saved)
         self._body_start = self.w.offset
         if calls:
             self._frame_reg = True
@@ -90,9 +106,27 @@ class X86Emitter(Emitter):
         if self._frame_reg:
             self.w.put_mov_reg_reg("rsp", "rbx")
         self._body_end = self.w.offset
-        for reg in reversed(self._saved):
-            self.w.put_popfq() if reg == "flags" else self.w.put_pop(reg)
+        _epilogue(self.w, self._saved)
         self._code = self.w.flush()
+        return self._code
+
+    def resave(self, save: frozenset[str]) -> bytes | None:
+        """The code begin(save) would lead to, from this finished code's body: it is
+        the same bytes when the body neither calls (a call is placed relative to
+        where it lies; without calls nothing in the body depends on its address,
+        labels being relative within it) nor read a saved register's slot."""
+        if self._frame_reg or self._read_saves:
+            return None
+        body = self._code[self._body_start:self._body_end]
+        w = Writer(self.w.address)
+        saved = _save_order(save)
+        _prologue(w, saved)
+        start = w.offset
+        w.put_bytes(body)
+        end = w.offset
+        _epilogue(w, saved)
+        self.w, self._saved, self._body_start, self._body_end = w, saved, start, end
+        self._code = w.flush()
         return self._code
 
     def writes(self) -> frozenset[str]:
@@ -132,11 +166,13 @@ class X86Emitter(Emitter):
     def point_reg(self, reg: str) -> None:
         if reg == "rsp":
             # the point's rsp lies above the prologue's saves (and the temporaries)
+            self._read_saves = True
             saves = 8 * len(self._saved)
             below = Mem(base="rbx", disp=saves) if self._frame_reg else \
                 Mem(base="rsp", disp=8 * self.depth + saves)
             self.w.put_lea(ACC, below)
         elif reg in self._saved:
+            self._read_saves = True
             self.w.put_mov_reg_mem(ACC, self._slot(reg))
         else:
             # not saved: the code never writes it (compile_snippets verifies this)
