@@ -21,10 +21,12 @@ around its body.
 
 from __future__ import annotations
 
+import operator
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import reduce
 from typing import TYPE_CHECKING, Any
 
 from ksim.errors import CodegenError
@@ -868,15 +870,14 @@ def compile_snippets(
 
     ``call_operand`` is the operand of the indirect call at the point: CallTarget
     becomes the Reg (and Load) tree that computes the call's destination."""
-    unknown = set(live) - set(arch.all_regs)
+    unknown = set(live).difference(arch.all_regs)
     if unknown:
         raise CodegenError(f"unknown registers in the live set: {sorted(unknown)}")
+    registers = gprs(arch)
     for s in snippets:
-        check(s, point_kind, registers=gprs(arch), call_operand=call_operand)
+        check(s, point_kind, registers=registers, call_operand=call_operand)
     snippets = [expand_call_target(s, call_operand) for s in snippets]
-    found = Facts()
-    for s in snippets:
-        found |= facts(s)
+    found = reduce(operator.or_, map(facts, snippets)) if snippets else Facts()
     if abi is None and found.abi:
         raise CodegenError("Pid, Tgid, Comm and Cpu need the kernel's ABI (abi=KernelABI(...))")
     calls = _calls_out(found, abi)

@@ -132,7 +132,7 @@ class X86Emitter(Emitter):
     def writes(self) -> frozenset[str]:
         """Decoded from the finished code (the reader's register effects), plus every
         caller-saved register when the code calls out."""
-        from .reader import decode
+        from .reader import sweep_writes
 
         global _LAST_BODY
         body = self._code[self._body_start:self._body_end]
@@ -143,14 +143,9 @@ class X86Emitter(Emitter):
             # register effects do not depend on where the code lies
             written = last[1]
         else:
-            out: set[str] = set()
-            length = 0
-            for insn in decode(body, self.w.address + self._body_start):
-                out |= insn.writes
-                length += len(insn.raw)
+            written, length = sweep_writes(body, self.w.address + self._body_start)
             if length != len(body):
                 raise CodegenError("generated code does not decode")
-            written = frozenset(out)
             _LAST_BODY = (body, written)
         if self._frame_reg:
             written |= CALL_CLOBBERS

@@ -344,6 +344,20 @@ def decode(code: bytes, address: int) -> Iterator[Insn]:
         yield _build(code, addr - address, addr, size, mnemonic, op_str)
 
 
+def sweep_writes(code: bytes, address: int) -> tuple[frozenset[str], int]:
+    """(every register the instructions of a linear sweep of ``code`` write, as
+    :func:`decode` gives each one's ``writes``; how many bytes the sweep decoded),
+    without building the instructions."""
+    written: set[str] = set()
+    length = 0
+    for addr, size, mnemonic, op_str in _CS_LITE.disasm_lite(code, address):
+        offset = addr - address
+        _flow, _target, effects = classify(mnemonic, op_str, bytes(code[offset:offset + size]), addr)
+        written |= EFFECTS[effects][1]
+        length += size
+    return frozenset(written), length
+
+
 def decode_one(code: bytes, address: int) -> Insn:
     """Decode the single instruction at the start of ``code``; DecodeError if there is none."""
     for addr, size, mnemonic, op_str in _CS_LITE.disasm_lite(code[:15], address, 1):
