@@ -580,7 +580,7 @@ def substitute(node: Any, replace: Any) -> Any:
     if new is not None:
         return new
     changes = {}
-    for name in _field_names(type(node)):  # type: ignore[arg-type]  # a class hashes
+    for name in _field_names(type(node)):  # type: ignore[arg-type]
         value = getattr(node, name)
         if type(value) in _SCALARS:
             continue            # no node in it: kept

@@ -114,8 +114,10 @@ class X86Emitter(Emitter):
         """The code begin(save) would lead to, from this finished code's body: it is
         the same bytes when the body neither calls (a call is placed relative to
         where it lies; without calls nothing in the body depends on its address,
-        labels being relative within it) nor read a saved register's slot."""
-        if self._frame_reg or self._read_saves:
+        labels being relative within it) nor read a saved register's slot, and
+        ``save`` saves nothing this code did not (a register read at the point that
+        was not saved here is read where it is, as it would be again)."""
+        if self._frame_reg or self._read_saves or not save <= frozenset(self._saved):
             return None
         body = self._code[self._body_start:self._body_end]
         w = Writer(self.w.address)
