@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ksim.snippets import ast
 from ksim.snippets.ast import COMM_WORDS
@@ -72,12 +72,20 @@ STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "joi
 #: functions with a value, in the subset
 FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack",
              "buf", "cgroup_path", "strerror", "syscall_name", "strcontains", "len", "macaddr",
-             "pton"}
+             "pton", "path"}
+#: why ustack, as a builtin and as a function, is outside the subset
+USTACK_WHY = ("bpftrace prints a user stack's frames as the symbols bcc finds for them, when "
+              "the stack is printed, in the process's ELF files (/proc/PID/maps, each file's "
+              ".symtab or .dynsym, separate debug files, the vDSO); ksim's client reads the "
+              "traced machine's files only through kerninstd's read_file, which gives a "
+              "file's first 64 KiB (protocol.MAX_FILE_READ), and a shared library's symbol "
+              "tables lie past them, so ksim cannot print the frames bpftrace prints")
 #: why a builtin outside the subset is (where the plain "not supported" says too little)
 WHY_NOT = {
     "cpid": "cpid is not supported: it is the process bpftrace's -c started, and ksim trace "
             "starts none (--while runs its command in the traced machine, its pid unknown to "
             "the client)",
+    "ustack": f"builtin ustack is not supported: {USTACK_WHY}",
 }
 #: the most bytes of a string strcontains() searches (the program's max_strlen, at most)
 STRCONTAINS_MAX = 64
@@ -86,6 +94,17 @@ BUF_MAX = 64
 #: kstack's frames when the program does not say (kstack(N)); its modes
 KSTACK_DEPTH = 32
 STACK_MODES = ("bpftrace", "perf", "raw")
+#: where the kernel lets bpf_d_path run, and so where path() may: kfunc and kretfunc
+#: probes of the functions of its btf_allowlist_d_path (kernel/trace/bpf_trace.c, the
+#: same list in 6.1 and today; the security_* ones exist with CONFIG_SECURITY and
+#: CONFIG_SECURITY_PATH).  d_path follows the path's dentry and mount chains under
+#: rename_lock and mount_lock: safe where the caller holds a live struct path and
+#: neither lock, which the kernel vouches for in these functions alone
+D_PATH_ALLOWED = ("security_file_permission", "security_inode_getattr", "security_file_open",
+                  "security_path_truncate", "vfs_truncate", "vfs_fallocate", "dentry_open",
+                  "vfs_getattr", "filp_close")
+#: d_path's ERR_PTR values: -MAX_ERRNO and above (include/linux/err.h)
+ERR_PTR_START = (1 << 64) - 4095
 OTHER_FUNCTIONS = {"usym", "uaddr",
                    "reg", "system", "cat", "signal", "override", "cgroupid",
                    "macaddr", "strftime", "path", "kstack", "ustack", "cgroup_path",
@@ -116,8 +135,10 @@ class Analysis:
     #: printf formats with the kind of each argument ("int", "name" for func and
     #: probe, "comm", "str:N", "kaddr", "inet"), numbered in program order
     formats: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
-    #: the bytes str() reads by default (the program's max_strlen)
+    #: the bytes str() reads by default (the program's max_strlen, a multiple of 8)
     strlen: int = DEFAULT_STRLEN
+    #: the program's max_strlen as it gives it (path()'s buffer)
+    max_strlen: int = DEFAULT_STRLEN
     #: the program's types (base types, its struct definitions, the kernel's BTF)
     types: TypeSystem = field(default_factory=TypeSystem)
 
@@ -127,15 +148,16 @@ def analyse(program: t.Program, types: TypeSystem | None = None,
     """Every map's type, checked across the whole program; builtins and functions
     checked against the subset.  ``site_of(probe)``: a point the probe attaches to,
     whose arguments type its expressions (kfunc's, a tracepoint's)."""
-    strlen = -(-int(program.config.get("max_strlen", DEFAULT_STRLEN)) // 8) * 8
+    max_strlen = int(program.config.get("max_strlen", DEFAULT_STRLEN))
+    strlen = -(-max_strlen // 8) * 8
     types = types or TypeSystem()
     for kind, name, fields, loc in program.records:
         types.define(kind, name, list(fields), loc)
     # twice: a map read before the assignment that types it (in the program's order) is
     # typed by what the first pass found it holds (an error there is found again)
-    first = Analysis(strlen=strlen, types=types)
+    first = Analysis(strlen=strlen, max_strlen=max_strlen, types=types)
     _analyse_probes(program, first, site_of, tolerant=True)
-    a = Analysis(strlen=strlen, types=types)
+    a = Analysis(strlen=strlen, max_strlen=max_strlen, types=types)
     a.maps = {name: dataclasses.replace(m) for name, m in first.maps.items() if m.kind is not None}
     _analyse_probes(program, a, site_of)
     for m in a.maps.values():
@@ -547,7 +569,8 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
                 _check_expr(a, x, key=True)
         return
     if name in OTHER_FUNCTIONS:
-        raise TraceUnsupported(f"function {name}() is not supported", loc)
+        why = f": {USTACK_WHY}" if name == "ustack" else ""
+        raise TraceUnsupported(f"function {name}() is not supported{why}", loc)
     raise TraceSemanticError(f"Unknown function: {name}", loc)
 
 
@@ -627,6 +650,17 @@ class Site:
     arg_base: int = 0
     #: the point's address (where kstack starts)
     address: int = 0
+    #: what path() calls (kfunc, kretfunc): None where the kernel has no d_path
+    d_path: PathCall | None = None
+
+
+class PathCall(NamedTuple):
+    """What path()'s code calls: the kernel's ``d_path(const struct path *, char *buf,
+    int buflen)``, and the bytes between the Frame's slots (its buffer is made of
+    them, as kstack's)."""
+
+    address: int
+    slot_bytes: int = 8
 
 
 #: where BEGIN, END and interval actions are typed
@@ -1867,6 +1901,8 @@ class ProbeCompiler:
             return self.kstack(e, mode, depth)
         if name == "buf":
             return self.buf(e)
+        if name == "path":
+            return self.path(e)
         if name == "cgroup_path":
             # the id, printed as its cgroup's path by the client (which asks the traced
             # machine: ksim.trace.session)
@@ -2101,6 +2137,102 @@ class ProbeCompiler:
         words: list[ast.Node] = [ast.Seq((p.assign(address), length))]
         words += [self.read(p + 8 * i, 8, False) for i in range(-(-size // 8))]
         return Val(ct, words=words)
+
+    def path(self, e: t.Call) -> Val:
+        """path(p [, size]): the full path of struct path ``p`` as d_path writes it
+        (bpftrace's bpf_d_path), at most max_strlen (or ``size``) bytes with its NUL:
+        the kernel's d_path called into a buffer of the Frame's slots, as bpf_d_path
+        calls it, only where the kernel lets bpf_d_path run (D_PATH_ALLOWED).
+
+        d_path writes the name at the buffer's end, NUL last, and returns where it
+        starts, or ERR_PTR(-ENAMETOOLONG) when it does not fit: then it has filled
+        the whole buffer with the name's tail (fs/d_path.c prepend()), or written
+        nothing (a d_dname's dynamic_dname()).  bpftrace prints the buffer it zeroed
+        first either way; here a marker in the buffer's last word, which d_path's
+        NUL clears, tells the two apart (the slots cannot all be zeroed where a slot
+        is wider than its 8-byte Local)."""
+        loc = e.name_loc or e.loc
+        provider, _, function = self.site.probe.partition(":")
+        if provider not in t.FUNC_PROVIDERS:
+            where = f"{provider} probes" if provider else "this probe"
+            raise TraceUnsupported(f"function path() is not supported in {where}: only in kfunc "
+                                   "and kretfunc probes, where the kernel lets bpf_d_path run "
+                                   "(bpftrace refuses it elsewhere)", loc)
+        if function not in D_PATH_ALLOWED:
+            raise TraceUnsupported(
+                f"path() in {self.site.probe}: the kernel lets d_path run only in probes of "
+                f"{', '.join(D_PATH_ALLOWED)} (its btf_allowlist_d_path, "
+                f"kernel/trace/bpf_trace.c), and {function} is not one of them", loc)
+        call = self.site.d_path
+        if call is None:
+            raise TraceUnsupported("path() calls the kernel's d_path, and this kernel has no "
+                                   "such function", loc)
+        if not 1 <= len(e.args) <= 2:
+            raise TraceSemanticError("path() takes a struct path (or a pointer to one) and an "
+                                     "optional size", e.loc)
+        address, path_type = self.path_argument(e.args[0])
+        buflen = self.analysis.max_strlen
+        if len(e.args) == 2:
+            # newer bpftrace's size: an integer literal, at most max_strlen
+            n = self.expr(e.args[1])
+            if not isinstance(n, ast.Const) or n.value >= 1 << 63:
+                raise TraceSemanticError("path()'s size must be a non-negative integer "
+                                         "literal", e.args[1].loc)
+            buflen = min(n.value, buflen)
+        size = max(8, -(-buflen // 8) * 8)
+        if self.typing or buflen == 0:      # bpf_d_path of 0 bytes writes nothing
+            return Val(string(size), words=[ast.Const(0)] * (size // 8))
+        stride = call.slot_bytes
+        # the buffer starts ``off`` bytes into the slots, so that its last 8 bytes
+        # are one slot's Local (the marker)
+        off = (8 - buflen) % stride
+        p, r, empty, name = (self.locals.take() for _ in range(4))
+        slots = [self.locals.take() for _ in range(-(-(off + buflen) // stride))]
+        marker = slots[len(slots) - 1 - (off + buflen - 8) // stride]
+        buf = ast.LocalAddress(slots[-1].slot) + off if off else ast.LocalAddress(slots[-1].slot)
+        # the struct path read first, as bpf_d_path does (copy_from_kernel_nofault):
+        # a pointer the kernel cannot read, or a path without a mount or dentry,
+        # gives the empty string, not a fault in d_path
+        checks: ast.Node = ast.Const(1)
+        for member in ("mnt", "dentry"):
+            m = path_type.member(member)
+            if m is None:
+                raise TraceUnsupported(f"path(): the kernel's BTF has no struct path member "
+                                       f"{member}", loc)
+            at = p + ast.Const(m[0] // 8) if m[0] else p
+            checks = ast.land(checks, ast.load(at, 8) != 0)
+        marker_value = 0xFF << 56
+        code: list[ast.Node] = [
+            p.assign(address), r.assign(0), empty.assign(0), marker.assign(marker_value),
+            ast.If(checks, r.assign(ast.Call(call.address, (p, buf, ast.Const(buflen))))),
+            # the name: where d_path says; the filled buffer after ENAMETOOLONG; else ""
+            name.assign(ast.If(ast.land(r != 0, ast.ult(r, ast.Const(ERR_PTR_START))), r,
+                              ast.If(ast.land(r != 0, ast.ult(marker, ast.Const(1 << 56))),
+                                     buf, ast.LocalAddress(empty.slot)))),
+        ]
+        words = self.read_string(name, buflen, size // 8, user=False)
+        words[0] = ast.Seq((*code, words[0]))
+        return Val(string(size), words=words)
+
+    def path_argument(self, arg: t.Expr) -> tuple[ast.Node, CType]:
+        """The address of the struct path path() reads: the kernel's own (its BTF's),
+        reached from the probed function's arguments or return value by fields alone,
+        as bpf_d_path takes only a pointer the verifier trusts (PTR_TO_BTF_ID of
+        struct path): a cast, a variable or an index could hand d_path any address."""
+        e = arg
+        while isinstance(e, t.Field):
+            e = e.operand
+        if not (isinstance(e, t.Builtin) and e.name in ("args", "retval")) or e is arg:
+            raise TraceUnsupported("path() takes a struct path that the probed function's "
+                                   "arguments (args) or return value (retval) lead to by "
+                                   "fields, e.g. path(args->filp->f_path), as bpf_d_path takes "
+                                   "only a pointer the kernel's verifier trusts", arg.loc)
+        v = self.value(arg)
+        ct = v.type.ref if v.type.kind == "ptr" else v.type
+        if ct.kind != "record" or ct.name != "struct path" or ct.origin != "btf":
+            raise TraceSemanticError(f"path() takes a struct path or a pointer to one "
+                                     f"({v.type.name or v.type.kind} given)", arg.loc)
+        return (v.node if v.type.kind == "record" else v.scalar(arg.loc)), ct
 
     def kstack(self, e: t.Expr, mode: str, depth: int) -> Val:
         """The kernel's stack at the point, unwound by the kernel's own unwinder from

@@ -33,6 +33,7 @@ from .compiler import (
     BINOPS,
     COMPARES,
     STATEMENTS,
+    PathCall,
     ProbeCompiler,
     Site,
     analyse,
@@ -152,6 +153,7 @@ class TraceSession:
         #: and those it refuses are skipped (see attach)
         self._deferred: set[int] = set()
         self._unwinder: Unwinder | None | bool = False
+        self._path_call: PathCall | None | bool = False
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
         self._typing_sites: dict[int, Site | None] = {}
@@ -263,9 +265,9 @@ class TraceSession:
         params, ret = proto
         if ap.provider == "kfunc":
             args = tuple((pname, ct, ast.Arg(i)) for i, (pname, ct) in enumerate(params[:6]))
-            return Site("entry", name, probe_name, args=args)
+            return Site("entry", name, probe_name, args=args, d_path=self.path_call())
         # kretfunc: the arguments' registers are gone at a return; retval is typed
-        return Site("exit", name, probe_name, args=(), ret=ret)
+        return Site("exit", name, probe_name, args=(), ret=ret, d_path=self.path_call())
 
     def _func_sites(self, ap: t.AttachPoint, first: bool) -> list[tuple[Any, Site]]:
 
@@ -446,6 +448,21 @@ class TraceSession:
         self.m.allow_calls(save)
         self._unwinder = Unwinder(save, regs.size, tuple(fields), abi.slot_bytes)
         return self._unwinder
+
+    def path_call(self) -> PathCall | None:
+        """What path() calls on this kernel: its d_path, which snippets may then call;
+        None when the program calls no path() or the kernel has no d_path."""
+        if self._path_call is not False:
+            return self._path_call  # type: ignore[return-value]
+        self._path_call = None
+        if _calls(self.program, "path"):
+            try:
+                address = int(self.m.find_function("d_path").address)
+            except KsimError:
+                return None
+            self.m.allow_calls(address)
+            self._path_call = PathCall(address, self.m.arch.stack.slot_bytes)
+        return self._path_call
 
     def symbol(self, address: int) -> str:
         """``function+offset`` of a kernel address, as bpftrace prints a stack's frame."""
@@ -1362,6 +1379,19 @@ def _refuse_cgroup_path(program: t.Program, target: Any) -> None:
                                    f"{target.name} is an emulated kernel without cgroups (it "
                                    "runs on live:// targets)", node.name_loc or node.loc)
         stack += _children(node)
+
+
+def _calls(program: t.Program, name: str) -> bool:
+    """Whether some probe's filter or action calls function ``name``."""
+    from .parser import _children
+
+    stack: list[Any] = [x for p in program.probes for x in (*p.body, p.pred) if x is not None]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, t.Call) and node.name == name:
+            return True
+        stack += _children(node)
+    return False
 
 
 def _uses_rand(program: t.Program) -> bool:
