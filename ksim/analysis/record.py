@@ -229,13 +229,14 @@ class RecordView:
     def __init__(self, support: ArchSupport, code: bytes, comp: Compact, flows: bytes,
                  classify: Classify, standard_indirect: Callable[[Insn], bool],
                  preserved: frozenset[str]) -> None:
-        # flows: each instruction's flow index, padding included
+        # flows: each instruction's flow index, the padding kept (view's TAIL_KEPT) included
         self.start, self.end = comp.start, comp.end
         self._support, self._comp = support, comp
         self._classify_fn = classify
         self._classified: dict[int, Target] = {}
         self._standard_indirect = standard_indirect
-        n, tail = len(comp.sizes), comp.tail
+        n = len(comp.sizes)
+        tail = len(flows) - n   # the padding instructions kept (see view)
         addresses = list(accumulate(comp.sizes, initial=comp.start))
         pad = addresses.pop()
         addresses += range(pad, pad + tail)
@@ -506,17 +507,29 @@ class RecordView:
         return False, writes, reads
 
 
+#: one-byte filler instructions after a function's last decoded one that a view keeps
+#: as instructions: a kallsyms extent can run over a megabyte of int3 up to the next
+#: symbol (``__kprobes_text_end``, ``srso_alias_safe_ret``), which as one block each
+#: is seconds of work; no point looks further than a window's spill or a springboard's
+#: reach into it.  A jump into the filler past them leaves the view to the objects.
+TAIL_KEPT = 4096
+
+
 def view(support: ArchSupport, code: bytes, comp: Compact, classify: Classify,
          standard_indirect: Callable[[Insn], bool], preserved: frozenset[str]) -> RecordView | None:
     """The view of a function from its record, or None when the object path must
     answer (see the module's doc)."""
-    if comp.tables or not comp.sizes:
+    if comp.tables:
         return None
-    if comp.start + sum(comp.sizes) + comp.tail != comp.end:
-        return None  # bytes that do not decode
+    pad = comp.start + sum(comp.sizes)
+    if pad + comp.tail != comp.end or comp.start == comp.end:
+        return None  # bytes that do not decode, or no instruction at all
     if comp.tail and comp.tail_code & (FLOW_MASK | FILLER_BIT) != _STOP | FILLER_BIT:
         return None
-    flows = bytes(map(FLOW_MASK.__and__, comp.codes)) + bytes([comp.tail_code & FLOW_MASK]) * comp.tail
+    kept = min(comp.tail, TAIL_KEPT)
+    flows = bytes(map(FLOW_MASK.__and__, comp.codes)) + bytes([comp.tail_code & FLOW_MASK]) * kept
     if _JMPI in flows:
         return None
+    if kept < comp.tail and any(pad + kept <= t < comp.end for t in comp.targets):
+        return None  # a jump into the filler not kept
     return RecordView(support, code, comp, flows, classify, standard_indirect, preserved)

@@ -29,7 +29,7 @@ from ksim.analysis.clobbers import own_writes
 from ksim.analysis.function import FunctionAnalysis, analyze, classify_target, standard_indirect
 from ksim.analysis.liveness import Target
 from ksim.analysis.points import Point, PointKind, is_padding
-from ksim.analysis.record import Instructions, RecordView, view
+from ksim.analysis.record import TAIL_KEPT, Instructions, RecordView, view
 from ksim.analysis.store import Store, store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
@@ -274,8 +274,12 @@ class SiteFacts:
                     break
             if code_end == func.address:  # all filler: keep it as it is
                 code_end = func.end
-        inner = self.image.read(code_end, func.end - code_end) if code_end < func.end else b""
-        return code_end, inner + self._gap_after(func)
+        # the filler a window may spill over or a springboard may use is within a few
+        # hundred bytes: an extent that runs over a megabyte of it to the next symbol
+        # is not read whole
+        size = func.end - code_end
+        inner = self.image.read(code_end, min(size, TAIL_KEPT)) if size else b""
+        return code_end, inner + (self._gap_after(func) if size <= TAIL_KEPT else b"")
 
     def hazards(self, insns: Sequence[Insn]) -> Mapping[int, frozenset[str]]:
         """Why the kernel needs each of ``insns`` left alone (only those with a reason).
