@@ -59,7 +59,7 @@ import tempfile
 import threading
 import weakref
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import accumulate, chain
 from operator import attrgetter
 from pathlib import Path
@@ -251,18 +251,20 @@ class Store:
             calls_out=tuple(part("calls_out")), jumps_out=tuple(part("jumps_out")),
         )
 
-    def reach(self, image: Image, funcs: Iterable[Function]) -> list[Function]:
+    def reach(self, image: Image, funcs: Iterable[Function],
+              known: Container[int] = frozenset()) -> list[Function]:
         """``funcs`` and every function they call or jump into, transitively, as the
         records say, without reading anything (a function without a good record ends
         the walk): what analysing ``funcs`` reads, their callees' clobbers included,
-        to be read ahead of it."""
+        to be read ahead of it.  The walk does not enter the functions at ``known``
+        addresses (their reach was found before), nor gives them."""
         a = self._arrays
         calls, jumps = self._offsets["n_calls_out"], self._offsets["n_jumps_out"]
         seen: dict[int, Function] = {}
         work = list(funcs)
         while work:
             func = work.pop()
-            if func.address in seen:
+            if func.address in seen or func.address in known:
                 continue
             seen[func.address] = func
             i = self.index_of(func)

@@ -114,6 +114,8 @@ class SiteFacts:
         #: functions seen through their records (_view), the most recently used
         self._views: OrderedDict[int, RecordView | None] = OrderedDict()
         self._targets: dict[int, Target] = {}
+        #: the functions whose reach a batch has had checked (_checked_ahead)
+        self._reached: set[int] = set()
 
     def function_of(self, what: Function | Point | str) -> Function:
         if isinstance(what, Function):
@@ -432,9 +434,13 @@ class SiteFacts:
     def _checked_ahead(self, kept: Store, funcs: Sequence[Function]) -> list[tuple[int, int]]:
         """The text whose records analysing ``funcs`` relies on without reading it:
         every function they reach, other than themselves (Store.reach: their clobbers
-        decide what is live at a call), each checked current by its digest."""
+        decide what is live at a call), each checked current by its digest.  What an
+        earlier batch reached is not walked again (its digests are known: the
+        target keeps them like the text it read ahead)."""
         mine = {f.address for f in funcs}
-        return [(f.address, f.size) for f in kept.reach(self.image, funcs) if f.address not in mine]
+        found = kept.reach(self.image, funcs, self._reached)
+        self._reached.update(f.address for f in found)
+        return [(f.address, f.size) for f in found if f.address not in mine]
 
     def _gap_end(self, func: Function) -> int:
         """Where the gap after ``func`` ends: the next function's start when it is at
