@@ -22,7 +22,6 @@ and no client frees or writes another's.
 # ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
-import os
 import struct
 
 import pytest
@@ -35,6 +34,7 @@ from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
+    own_log,
     plain_insn,
     read_u64,
     target,
@@ -66,15 +66,8 @@ def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
 
 
 def data_blocks_of(t: LiveTarget) -> set[int]:
-    """The data blocks the module records as ``t``'s session's, read from its own log:
-    the session is listed as kept, under a name of its own, for the moment of the look."""
-    name = f"blocks-of-{os.getpid()}-{id(t):x}"
-    t.keep(name=name)
-    try:
-        (mine,) = [k for k in t.kept() if k["name"] == name]
-    finally:
-        t.keep(False)
-    return {int(b["address"]) for b in mine["blocks"] if b["region"] == "data"}
+    """The data blocks the module records as ``t``'s session's, read from its own log."""
+    return {int(b["address"]) for b in own_log(t)["blocks"] if b["region"] == "data"}
 
 
 def test_a_block_a_snippet_writes_is_not_freed(testbed: dict) -> None:

@@ -26,7 +26,7 @@ import socket
 import struct
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -421,22 +421,12 @@ class LiveTarget:
                 a += wire.MAX_READ
             todo.append((a, end - a))
         got: list[tuple[int, bytes]] = []
-        i = 0
-        while i < len(todo):
-            j, total = i, 0
-            while j < len(todo) and j - i < wire.MAX_RANGES and total + todo[j][1] <= wire.MAX_READ:
-                total += todo[j][1]
-                j += 1
-            part = todo[i:j]
-            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
-            try:
-                reply = self._request("read_ranges", ranges=table.hex(), kernel=True)
-            except ProtocolError as exc:
-                if "unknown op" not in str(exc):
-                    raise
+        for part, reply in self._by_rows("read_ranges", todo, wire.MAX_READ):
+            if reply is None:
                 return  # a kerninstd from before read_ranges: the image reads as it would
             data = bytes.fromhex(reply["data"])
             failed = set(reply.get("failed", ()))
+            total = sum(n for _, n in part)
             if len(data) != total:
                 raise ProtocolError(f"read_ranges: {len(data)} bytes for {total}")
             at = 0
@@ -444,7 +434,6 @@ class LiveTarget:
                 if k not in failed:     # an unreadable range is read as asked, later
                     got.append((a, data[at:at + n]))
                 at += n
-            i = j
         if got:
             merged = sorted([*zip(self._ahead_at, self._ahead, strict=True), *got])
             self._ahead_at = [a for a, _ in merged]
@@ -458,19 +447,8 @@ class LiveTarget:
         wire.  Ranges read ahead already, or known, are not asked again."""
         todo = sorted({(int(a), int(n)) for a, n in ranges
                        if 0 < n <= wire.MAX_READ and (a, n) not in self._digests})
-        i = 0
-        while i < len(todo):
-            j, total = i, 0
-            while j < len(todo) and j - i < wire.MAX_RANGES and total + todo[j][1] <= wire.MAX_DIGESTED:
-                total += todo[j][1]
-                j += 1
-            part = todo[i:j]
-            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
-            try:
-                reply = self._request("digests", ranges=table.hex(), kernel=True)
-            except ProtocolError as exc:
-                if "unknown op" not in str(exc):
-                    raise
+        for part, reply in self._by_rows("digests", todo, wire.MAX_DIGESTED):
+            if reply is None:
                 return  # a kerninstd from before digests: the image reads the bytes
             data = bytes.fromhex(reply["digests"])
             if len(data) != wire.DIGEST * len(part):
@@ -480,6 +458,29 @@ class LiveTarget:
                 if k not in failed:     # an unreadable range is read as asked, later
                     self._digests[r] = int.from_bytes(data[k * wire.DIGEST:(k + 1) * wire.DIGEST],
                                                       "little")
+
+    def _by_rows(self, op: str, rows: list[tuple[int, int]], most: int
+                 ) -> Iterator[tuple[list[tuple[int, int]], dict[str, Any] | None]]:
+        """``op`` (read_ranges, digests) over the (address, length) ``rows`` in as few
+        requests as the protocol allows (MAX_RANGES rows, ``most`` bytes each): each
+        request's rows and reply; None for the reply of a kerninstd without the op
+        (then no more)."""
+        i = 0
+        while i < len(rows):
+            j, total = i, 0
+            while j < len(rows) and j - i < wire.MAX_RANGES and total + rows[j][1] <= most:
+                total += rows[j][1]
+                j += 1
+            part = rows[i:j]
+            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
+            try:
+                reply = self._request(op, ranges=table.hex(), kernel=True)
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    raise
+                yield part, None
+                return
+            yield part, reply
             i = j
 
     def known_digest(self, address: int, size: int) -> int | None:

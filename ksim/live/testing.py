@@ -101,17 +101,22 @@ def read_u64(target: LiveTarget, address: int) -> int:
     return int(struct.unpack("<Q", target.read(address, 8))[0])
 
 
-def routes_of(target: LiveTarget) -> dict[int, int]:
-    """The trap routes the module holds for ``target``'s session (site -> patch), read
-    from the module's own log: the session is listed as kept, under a name of its own,
-    for the moment of the look (so ``target`` must not be kept already)."""
-    name = f"routes-of-{os.getpid()}-{id(target):x}"
+def own_log(target: LiveTarget) -> dict[str, Any]:
+    """What the module's own log holds for ``target``'s session (its text writes,
+    routes and blocks): the session is listed as kept, under a name of its own, for the
+    moment of the look (so ``target`` must not be kept already)."""
+    name = f"log-of-{os.getpid()}-{id(target):x}"
     target.keep(name=name)
     try:
         (mine,) = [k for k in target.kept() if k["name"] == name]
     finally:
         target.keep(False)
-    return {int(r["site"]): int(r["patch"]) for r in mine["routes"]}
+    return mine
+
+
+def routes_of(target: LiveTarget) -> dict[int, int]:
+    """The trap routes the module holds for ``target``'s session (site -> patch)."""
+    return {int(r["site"]): int(r["patch"]) for r in own_log(target)["routes"]}
 
 
 def connect(testbed: dict[str, Any], timeout: float = 90.0) -> LiveTarget:

@@ -1054,26 +1054,26 @@ class Interpreter:
         from .parser import MAX_LOOP
 
         for _ in range(MAX_LOOP if s.bound is None else s.bound):
-            if not self.expr(s.cond):
+            if not self.expr(s.cond) or not self.loop_pass(s.body):
                 return
-            try:
-                self.block(s.body)
-            except _Break:
-                return
-            except _Continue:
-                pass
             self.block(s.step)
 
     def for_map(self, s: t.ForMap) -> None:
         """The body once per entry of the map as it is now, ``$var`` its (key, value)."""
         for key, value in self.s.table(s.map.name).decoded():
             self.vars[s.var] = TupleValue((key, value))
-            try:
-                self.block(s.body)
-            except _Break:
+            if not self.loop_pass(s.body):
                 return
-            except _Continue:
-                pass
+
+    def loop_pass(self, body: tuple[t.Stmt, ...]) -> bool:
+        """One pass of a loop's body; False when it breaks out of the loop."""
+        try:
+            self.block(body)
+        except _Break:
+            return False
+        except _Continue:
+            pass
+        return True
 
     def stmt(self, s: t.Stmt) -> None:
         if isinstance(s, t.While):
