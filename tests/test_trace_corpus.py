@@ -53,7 +53,7 @@ import pytest
 from ksim.errors import KsimError
 from ksim.live import testbed as tb
 from ksim.live.testbed import guest_file, host_python
-from ksim.live.testing import connect, program, testbed, testbed_instance  # noqa: F401
+from ksim.live.testing import connect, program, testbed, which_testbed  # noqa: F401
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
 
@@ -845,7 +845,7 @@ def outputs(testbed: dict[str, Any], case: Case) -> Outputs:
     (index,) = [i for i, batch in enumerate(CASES) if case in batch.cases]
     if index not in _batches:
         for attempt in range(2):
-            inst = testbed_instance()
+            inst = which_testbed()
             console = inst.dir / "console.log"
             seen = console.stat().st_size if console.exists() else 0
             try:

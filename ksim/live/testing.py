@@ -146,7 +146,7 @@ def restart_kerninstd(t: LiveTarget, testbed: dict[str, Any], *, unload: bool = 
     return connect(testbed)
 
 
-def testbed_instance() -> tb.Instance:
+def which_testbed() -> tb.Instance:
     """The x86-64 testbed the tests use: the default one, or KSIM_TESTBED_INSTANCE's."""
     return tb.resolve_instance(os.environ.get("KSIM_TESTBED_INSTANCE") or None)
 
@@ -156,7 +156,7 @@ def testbed() -> Iterator[dict[str, Any]]:
     """The x86-64 testbed, booted once per session (stopped at the end if this booted
     it); KSIM_TESTBED_INSTANCE=NAME: the named instance (``ksim testbed up --name
     NAME``) instead, so that two test runs need not share one kernel."""
-    inst = testbed_instance()
+    inst = which_testbed()
     already = tb.status(inst)["up"]
     state = tb.up(instance=inst, progress=lambda m: print(f"testbed: {m}", flush=True))
     yield state
