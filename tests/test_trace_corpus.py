@@ -517,16 +517,21 @@ class Outputs:
 
 
 def same_events(keep: str, count: int, header: int = 2, fix: Callable[[str], str] = no_time,
-                exact: bool = True) -> Callable[[Outputs], None]:
+                exact: bool = True, in_flight: tuple[str, ...] = ()) -> Callable[[Outputs], None]:
     """Both print the same BEGIN lines, and the same ``count`` lines matching ``keep``
-    (``exact=False``: at least ``count``)."""
+    (``exact=False``: at least ``count``), and the same maps but those ``in_flight``:
+    a map a tool fills at a function's entry and empties at its return holds, when
+    the tool exits, the calls still under way (other tasks', not the workload's), and
+    bpftrace, which takes its probes out one by one, leaves more of them there than
+    ksim, which takes them out at once."""
     def check(o: Outputs) -> None:
         mine, theirs = o.header(header)
         assert mine == theirs, (mine, theirs)
         mine, theirs = o.events(keep, fix)
         assert len(theirs) == count or not exact and len(theirs) > count, o.why()
         assert mine == theirs, o.why()
-        assert printed_maps(o.ours) == printed_maps(o.theirs), o.why()
+        assert [m for m in printed_maps(o.ours) if m not in in_flight] == \
+            [m for m in printed_maps(o.theirs) if m not in in_flight], o.why()
     return check
 
 
@@ -674,7 +679,7 @@ CASES: list[Batch] = [
     Batch([
         Case(f"{V017}/dcsnoop.bt", ("dc",),
              same_events(r"ksim-corpus-dc-", 2 * COUNTS["dc"], exact=False,
-                         fix=lambda line: columns(line, slice(0, 1)))),
+                         fix=lambda line: columns(line, slice(0, 1)), in_flight=("@fname",))),
         Case(f"{V017}/tcpconnect.bt", ("tcp",),
              same_events(COMM.format("ksimcp_tcp"), COUNTS["tcp"])),
         Case(f"{V017}/tcpaccept.bt", ("tcp",),
