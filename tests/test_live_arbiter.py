@@ -19,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -37,9 +36,12 @@ from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
+    install_patch,
+    jmp,
     plain_insn,
     plain_site,
     read_u64,
+    rel32,
     restart_kerninstd,
     target,
     testbed,
@@ -54,23 +56,6 @@ PARAMS = "/sys/module/kerninst/parameters"
 OLD_TRAP_TABLE = 512   # the fixed route table before ABI 3
 
 _cs = capstone.Cs(capstone.CS_ARCH_X86, capstone.CS_MODE_64)
-
-
-def rel32(frm: int, to: int) -> bytes:
-    return struct.pack("<i", to - frm)
-
-
-def jmp(site: int, dest: int) -> bytes:
-    return b"\xe9" + rel32(site + 5, dest)
-
-
-def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
-    """lock incq [rip+counter]; <insn, as is>; jmp site+len(insn) -- in a new block of t's."""
-    patch = t.alloc_code(64, near=site)
-    code = b"\xf0\x48\xff\x05" + rel32(patch + 8, counter) + insn
-    code += b"\xe9" + rel32(patch + len(code) + 5, site + len(insn))
-    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
-    return patch
 
 
 class Splice:

@@ -22,8 +22,6 @@ and no client frees or writes another's.
 # ruff: noqa: F811  (pytest fixtures imported from ksim.live.testing are parameters here)
 from __future__ import annotations
 
-import struct
-
 import pytest
 
 from ksim.core import Write
@@ -34,9 +32,12 @@ from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
     getppid_loop,
+    install_patch,
+    jmp,
     own_log,
     plain_insn,
     read_u64,
+    rel32,
     target,
     testbed,
 )
@@ -46,23 +47,6 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 FUNC = "__x64_sys_getppid"
 N = 5_000
-
-
-def rel32(frm: int, to: int) -> bytes:
-    return struct.pack("<i", to - frm)
-
-
-def jmp(site: int, dest: int) -> bytes:
-    return b"\xe9" + rel32(site + 5, dest)
-
-
-def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
-    """lock incq [rip+counter]; <insn, as is>; jmp site+len(insn) -- in a new block of t's."""
-    patch = t.alloc_code(64, near=site)
-    code = b"\xf0\x48\xff\x05" + rel32(patch + 8, counter) + insn
-    code += b"\xe9" + rel32(patch + len(code) + 5, site + len(insn))
-    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
-    return patch
 
 
 def data_blocks_of(t: LiveTarget) -> set[int]:

@@ -30,7 +30,15 @@ from ksim.core import Write
 from ksim.errors import JumpOutside, TextOwned
 from ksim.live import abi
 from ksim.live.client import LiveTarget
-from ksim.live.testing import connect, dmesg_problems, plain_insn, target, testbed  # noqa: F401
+from ksim.live.testing import (  # noqa: F401
+    connect,
+    dmesg_problems,
+    jmp,
+    plain_insn,
+    rel32,
+    target,
+    testbed,
+)
 from ksim.splice.patch import Change
 
 pytestmark = [pytest.mark.live, pytest.mark.slow]
@@ -94,14 +102,6 @@ def test_every_command_but_version_needs_cap_sys_admin(target: LiveTarget) -> No
     assert out["with"] == {"version": 0, "info": 0}
     assert out["without"] == {"version": 0, "info": 13, "owner_new": 13}   # EACCES
     assert target.read(target.text[0], 8)  # kerninstd's own descriptor goes on working
-
-
-def rel32(frm: int, to: int) -> bytes:
-    return struct.pack("<i", to - frm)
-
-
-def jmp(site: int, dest: int) -> bytes:
-    return b"\xe9" + rel32(site + 5, dest)
 
 
 def refused(t: LiveTarget, change: Change, site: int, error=JumpOutside) -> None:

@@ -22,9 +22,11 @@ from typing import Any
 
 import pytest
 
+from ksim.core import Write
 from ksim.errors import KsimError, TargetDied, TargetError
 from ksim.live import testbed as tb
 from ksim.live.client import LiveTarget
+from ksim.splice.patch import Change
 
 GETPPID_LOOP = r"""
 #include <stdio.h>
@@ -68,6 +70,25 @@ def program(name: str, source: str, arch: str = "x86_64") -> Path:
 
 def getppid_loop(arch: str = "x86_64") -> Path:
     return program("getppid_loop", GETPPID_LOOP, arch)
+
+
+def rel32(frm: int, to: int) -> bytes:
+    """The rel32 field of an x86-64 branch ending at ``frm`` that leads to ``to``."""
+    return struct.pack("<i", to - frm)
+
+
+def jmp(site: int, dest: int) -> bytes:
+    """A 5-byte x86-64 ``jmp dest`` placed at ``site``."""
+    return b"\xe9" + rel32(site + 5, dest)
+
+
+def install_patch(t: LiveTarget, counter: int, site: int, insn: bytes) -> int:
+    """lock incq [rip+counter]; <insn, as is>; jmp site+len(insn) -- in a new block of t's."""
+    patch = t.alloc_code(64, near=site)
+    code = b"\xf0\x48\xff\x05" + rel32(patch + 8, counter) + insn
+    code += b"\xe9" + rel32(patch + len(code) + 5, site + len(insn))
+    t.apply(Change(code=(Write(patch, t.read(patch, len(code)), code),)))
+    return patch
 
 
 def plain_site(target: LiveTarget, name: str) -> int:
