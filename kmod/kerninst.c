@@ -2973,46 +2973,21 @@ static bool ki_block_reached(const struct ki_block *b)
 	return false;
 }
 
-/* Whether @addr lies in a code block @o holds. */
-static bool ki_code_block_of(const struct ki_owner *o, unsigned long addr)
+/*
+ * Whether patch code of @o may run: a trap route or a live jump in text into
+ * one of its code blocks (ki_block_reached).  The module cannot tell which data
+ * blocks that code writes (x86-64 code holds their addresses as displacements
+ * or immediates, AArch64 code as MOVZ/MOVK immediates, and a client's own word
+ * would not bind the clients this protects against), so while any of it is
+ * live every data block of @o counts as written.
+ */
+static bool ki_owner_patch_live(const struct ki_owner *o)
 {
 	const struct ki_block *b;
 
 	list_for_each_entry(b, &ki_blocks, node)
-		if (b->region == KERNINST_REGION_CODE && b->owner == o &&
-		    ki_in(addr, 1, b->addr, b->addr + b->size))
+		if (b->region == KERNINST_REGION_CODE && b->owner == o && ki_block_reached(b))
 			return true;
-	return false;
-}
-
-/*
- * Whether patch code of @o may run: a trap route of its, or a live jump in
- * text into one of its code blocks.  The module cannot tell which data blocks
- * that code writes (x86-64 code holds their addresses as displacements or
- * immediates, AArch64 code as MOVZ/MOVK immediates, and a client's own word
- * would not bind the clients this protects against), so while any of it is
- * live every data block of @o counts as written.  A jump into the patch area
- * leads only into its writer's blocks (ki_check_jump_dest), and an owner's
- * text writes, routes and blocks move together (ki_owner_move): only @o's own
- * text writes need looking at.
- */
-static bool ki_owner_patch_live(const struct ki_owner *o)
-{
-	const struct ki_splice *s;
-	struct ki_route *r;
-	unsigned long dest;
-	int bkt;
-
-	hash_for_each(ki_routes, bkt, r, hnode)
-		if (r->owner == o)
-			return true;
-	list_for_each_entry(s, &ki_splices, node) {
-		if (s->owner != o)
-			continue;
-		dest = ki_jump_dest(s->addr, s->cur, s->len);
-		if (dest && ki_code_block_of(o, dest))
-			return true;
-	}
 	return false;
 }
 
