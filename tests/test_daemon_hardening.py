@@ -409,6 +409,18 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("empty data", {"op": "write", "address": LAYOUT["data_start"], "data": ""},
      r"write: argument 'data' has 0 bytes, fewer than 1"),
     ("missing argument", {"op": "read", "address": 0}, r"read: missing argument 'size'"),
+    ("negative file offset", {"op": "read_file", "path": "/etc/hostname", "size": 8, "offset": -1},
+     rf"read_file: argument 'offset' must be int in 0\.\.{wire.MAX_FILE_OFFSET}, got int -1"),
+    ("file offset past off_t", {"op": "read_file", "path": "/etc/hostname", "size": 8,
+                                "offset": wire.MAX_FILE_OFFSET + 1},
+     rf"read_file: argument 'offset' must be int in 0\.\.{wire.MAX_FILE_OFFSET}, got int "
+     rf"{wire.MAX_FILE_OFFSET + 1}"),
+    ("file offset a str", {"op": "read_file", "path": "/etc/hostname", "size": 8, "offset": "0x10"},
+     r"read_file: argument 'offset' must be int .*got str '0x10'"),
+    ("file read over the limit", {"op": "read_file", "path": "/etc/hostname",
+                                  "size": wire.MAX_FILE_READ + 1, "offset": 0},
+     rf"read_file: argument 'size' must be int in 1\.\.{wire.MAX_FILE_READ}, got int "
+     rf"{wire.MAX_FILE_READ + 1}"),
     ("unknown op", {"op": "\ud800" * 1000}, r"unknown op str '\\ud800.*\.\.\.$"),
     ("version true", {"op": "info", "v": True}, r"protocol version bool true, expected 1"),
 ]
@@ -515,3 +527,28 @@ def test_a_session_that_ends_is_dropped_and_its_blocks_follow_the_module(serve) 
         c.request("bye")
     d.wait_for(lambda: not d.daemon.sessions)
     assert d.on_loop(lambda: d.daemon.data.allocated()) == {}
+
+
+def test_read_file_reads_from_an_offset_and_refuses_what_it_did(serve, tmp_path) -> None:
+    """read_file's offset: the bytes from there (fewer at the file's end, none past
+    it), 0 when left out; the refusals are the same from any offset."""
+    data = bytes(range(256)) * 1024                 # 256 KiB, past one read's limit
+    path = tmp_path / "blob"
+    path.write_bytes(data)
+    d = serve()
+    with d.connect() as c:
+        def read(**args: Any) -> bytes:
+            return bytes.fromhex(c.request("read_file", path=str(path), **args)["data"])
+
+        assert read(size=16) == data[:16]
+        assert read(size=16, offset=0) == data[:16]
+        assert read(size=wire.MAX_FILE_READ, offset=100_000) == data[100_000:100_000 + (64 << 10)]
+        assert read(size=100, offset=len(data) - 10) == data[-10:]
+        assert read(size=100, offset=len(data)) == b""
+        assert read(size=wire.MAX_FILE_READ, offset=wire.MAX_FILE_OFFSET) == b""
+        for bad, why in ((str(tmp_path), "is not a regular file"),
+                         (str(tmp_path / "none"), "No such file or directory"),
+                         (str(tmp_path / ".." / "blob"), "is not an absolute path without '..'")):
+            with pytest.raises(wire.TracedFileRefused, match=re.escape(why)):
+                c.request("read_file", path=bad, size=8, offset=4096)
+    assert d.device.used == []

@@ -780,10 +780,14 @@ class LiveTarget:
         trace instance, ``/sys/kernel/tracing/instances/ksim-NAME``."""
         return str(self._request("tracefs", file=file, mode=mode, data=data).get("data", ""))
 
-    def read_file(self, path: str, size: int) -> bytes:
-        """The first ``size`` bytes (at most protocol.MAX_FILE_READ) of a regular file
-        of the guest, read by kerninstd (ksim trace's cat())."""
-        return bytes.fromhex(str(self._request("read_file", path=path, size=size)["data"]))
+    def read_file(self, path: str, size: int, offset: int = 0) -> bytes:
+        """Up to ``size`` bytes (at most protocol.MAX_FILE_READ) from ``offset`` of a
+        regular file of the guest, read by kerninstd (ksim trace's cat(), the ELF files
+        naming a user stack's frames); fewer at the file's end."""
+        args: dict[str, Any] = {"path": path, "size": size}
+        if offset:          # left out when 0: a kerninstd without offsets serves it too
+            args["offset"] = offset
+        return bytes.fromhex(str(self._request("read_file", **args)["data"]))
 
     def cgroup_path(self, cgroup_id: int) -> str:
         """The path, under the guest's cgroup2 mount, of the cgroup with that id."""

@@ -1121,10 +1121,12 @@ class Daemon:
             raise BTFError(f"btf: {path}: {exc.strerror}") from None
         return data, hashlib.sha256(data).hexdigest()
 
-    def op_read_file(self, session: Session, path: str, size: int) -> dict[str, Any]:
-        """The first ``size`` bytes of a regular file (ksim trace's cat()).  Opened
-        without following a last symbolic link and without blocking (a fifo is never
-        waited on), then checked to be a regular file before a byte is read."""
+    def op_read_file(self, session: Session, path: str, size: int,
+                     offset: int = 0) -> dict[str, Any]:
+        """Up to ``size`` bytes from ``offset`` of a regular file (ksim trace's cat(),
+        and the ELF files a user stack's frames are named from); fewer at its end.
+        Opened without following a last symbolic link and without blocking (a fifo is
+        never waited on), then checked to be a regular file before a byte is read."""
         if not path.startswith("/") or "\0" in path or ".." in path.split("/"):
             raise wire.TracedFileRefused(f"read_file: {wire.clip(repr(path))} is not an absolute "
                                          "path without '..'")
@@ -1137,7 +1139,7 @@ class Daemon:
                 raise wire.TracedFileRefused(f"read_file: {path} is not a regular file")
             data = bytearray()
             while len(data) < size:     # procfs and sysfs files come a page at a time
-                chunk = os.read(fd, size - len(data))
+                chunk = os.pread(fd, size - len(data), offset + len(data))
                 if not chunk:
                     break
                 data += chunk

@@ -62,6 +62,9 @@ MAX_BTF_NAME = 64            # UTF-8 bytes of a BTF name: vmlinux or a module's 
 #: the most bytes of a file read_file returns (ksim trace's cat(), bpftrace's
 #: max_cat_bytes is 10 KiB by default)
 MAX_FILE_READ = 64 << 10
+#: the largest offset read_file starts at: its end (offset + size) stays a file
+#: offset (off_t), which pread(2) refuses past
+MAX_FILE_OFFSET = (1 << 63) - 1 - MAX_FILE_READ
 #: cgroup directories cgroup_path looks through for an id, at most
 MAX_CGROUP_DIRS = 100_000
 #: tracefs modes: a file's read (r), write (w) or append (a); a ksim instance's mkdir or rmdir
@@ -172,9 +175,12 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("btf", {"name": text(1, MAX_BTF_NAME), "offset": U64, "length": integer(0, MAX_BTF_CHUNK)},
        doc="a chunk of /sys/kernel/btf/NAME (vmlinux or a module), with the file's size "
            "and sha256 (length 0: size and digest only)"),
-    Op("read_file", {"path": text(1, MAX_PATH), "size": integer(1, MAX_FILE_READ)},
-       doc="the first bytes of a regular file of the guest, by its absolute path (ksim "
-           "trace's cat()): nothing else (a directory, a device, a fifo) is opened for reading"),
+    Op("read_file", {"path": text(1, MAX_PATH), "size": integer(1, MAX_FILE_READ),
+                     "offset": integer(0, MAX_FILE_OFFSET)},
+       doc="up to size bytes from offset (0: the file's first bytes) of a regular file of "
+           "the guest, by its absolute path (ksim trace's cat(), and the ELF files whose "
+           "symbols name a user stack's frames): nothing else (a directory, a device, a "
+           "fifo) is opened for reading"),
     Op("cgroup_path", {"cgroup": U64},
        doc="the path under the cgroup2 mount (/sys/fs/cgroup) of the cgroup whose id "
            "(its directory's inode number, the kernel's kernfs node id) is given"),
@@ -195,6 +201,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "exec": {"timeout": 60.0},
     "tracefs": {"mode": "r", "data": ""},
     "btf": {"offset": 0, "length": 0},
+    "read_file": {"offset": 0},
 }
 
 # a chunk of BTF as hex, with its reply's other fields, fits a frame
