@@ -59,11 +59,11 @@ from .types import VOID as VOID_T
 
 #: builtins, and where they mean something
 BUILTINS = {"pid", "tid", "cpu", "nsecs", "retval", "func", "probe", "comm", "curtask", "args",
-            "ppid", "pcomm", "kstack", "numaid", "username",
+            "ppid", "pcomm", "kstack", "ustack", "numaid", "username",
             "uid", "gid", "elapsed", "cgroup", "jiffies", "rand", "ncpus",
             *(f"arg{i}" for i in range(6))}
 #: builtins of bpftrace's language outside the subset
-OTHER_BUILTINS = {"ustack", "ctx", "cpid",
+OTHER_BUILTINS = {"ctx", "cpid",
                   "sarg0", "sarg1", "sarg2", "sarg3", "sarg4", "sarg5", "usym", "ksym",
                   "arg6", "arg7", "arg8", "arg9", "__builtin_probe"}
 AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "lhist": 4,
@@ -71,29 +71,23 @@ AGGREGATIONS = {"count": 0, "sum": 1, "min": 1, "max": 1, "avg": 1, "hist": 1, "
 STATEMENTS = {"print", "clear", "delete", "exit", "printf", "time", "zero", "join", "cat"}
 #: functions with a value, in the subset
 FUNCTIONS = {"str", "ksym", "kaddr", "ntop", "has_key", "strncmp", "bswap", "strftime", "kstack",
-             "buf", "cgroup_path", "strerror", "syscall_name", "strcontains", "len", "macaddr",
+             "ustack", "buf", "cgroup_path", "strerror", "syscall_name", "strcontains", "len", "macaddr",
              "pton", "path"}
-#: why ustack, as a builtin and as a function, is outside the subset
-USTACK_WHY = ("bpftrace prints a user stack's frames as the symbols bcc finds for them, when "
-              "the stack is printed, in the process's ELF files (/proc/PID/maps, each file's "
-              ".symtab or .dynsym, separate debug files, the vDSO); ksim's client reads the "
-              "traced machine's files only through kerninstd's read_file, which gives a "
-              "file's first 64 KiB (protocol.MAX_FILE_READ), and a shared library's symbol "
-              "tables lie past them, so ksim cannot print the frames bpftrace prints")
 #: why a builtin outside the subset is (where the plain "not supported" says too little)
 WHY_NOT = {
     "cpid": "cpid is not supported: it is the process bpftrace's -c started, and ksim trace "
             "starts none (--while runs its command in the traced machine, its pid unknown to "
             "the client)",
-    "ustack": f"builtin ustack is not supported: {USTACK_WHY}",
 }
 #: the most bytes of a string strcontains() searches (the program's max_strlen, at most)
 STRCONTAINS_MAX = 64
 #: the most bytes buf() keeps
 BUF_MAX = 64
-#: kstack's frames when the program does not say (kstack(N)); its modes
+#: kstack's and ustack's frames when the program does not say (kstack(N)); their modes
 KSTACK_DEPTH = 32
 STACK_MODES = ("bpftrace", "perf", "raw")
+#: the stacks: the kernel's, the task's user stack
+STACKS = ("kstack", "ustack")
 #: where the kernel lets bpf_d_path run, and so where path() may: kfunc and kretfunc
 #: probes of the functions of its btf_allowlist_d_path (kernel/trace/bpf_trace.c, the
 #: same list in 6.1 and today; the security_* ones exist with CONFIG_SECURITY and
@@ -563,14 +557,13 @@ def _check_call(a: Analysis, e: t.Call, allow_aggregation: bool) -> None:
         return      # delete()'s value (newer bpftrace): checked as the statement it also is
     if name in FUNCTIONS:
         for x in e.args:
-            if name == "kstack" and isinstance(x, t.Builtin) and x.name in STACK_MODES:
+            if name in STACKS and isinstance(x, t.Builtin) and x.name in STACK_MODES:
                 continue
             if not (name in ("has_key", "len") and isinstance(x, t.MapRef)):
                 _check_expr(a, x, key=True)
         return
     if name in OTHER_FUNCTIONS:
-        why = f": {USTACK_WHY}" if name == "ustack" else ""
-        raise TraceUnsupported(f"function {name}() is not supported{why}", loc)
+        raise TraceUnsupported(f"function {name}() is not supported", loc)
     raise TraceSemanticError(f"Unknown function: {name}", loc)
 
 
@@ -772,10 +765,13 @@ class ProbeCompiler:
                  ring: Any = None, clock: int | None = None, analysis: Analysis | None = None,
                  typing: bool = False, lookup: Callable[[str], int] | None = None,
                  start: ast.Var | None = None, unwinder: Any = None,
-                 user_reads: bool = False) -> None:
+                 user_unwinder: Any = None, user_reads: bool = False) -> None:
         self.analysis = analysis if analysis is not None else Analysis()
         #: how kstack asks the kernel to unwind (None: it cannot)
         self.unwinder = unwinder
+        #: how ustack asks the kernel to walk the task's user frames (a
+        #: session.UserUnwinder; its ``save`` None: it cannot, ``why`` says why)
+        self.user_unwinder = user_unwinder
         #: the kernel reads user memory its own way (copy_from_user_nofault)
         self.user_reads = user_reads
         self.types = self.analysis.types
@@ -1360,7 +1356,7 @@ class ProbeCompiler:
         """A value of ``kind`` held in ``words`` (a tuple's item)."""
         ct = kind_type(kind)
         if len(words) == 1 and not is_text(kind) and not kind.startswith(
-                (TUPLE, "bytes:", "buf:", "kstack:")) and kind != "inet":
+                (TUPLE, "bytes:", "buf:", "kstack:", "ustack:")) and kind != "inet":
             return Val(ct, words[0])
         return Val(ct, words=words)
 
@@ -1391,7 +1387,7 @@ class ProbeCompiler:
             return self.text_words(v, 16 if kind == "comm" else int(kind[4:]), e.loc)
         if kind.startswith(TUPLE):
             return self.tuple_words(e, kind, v)
-        if kind == "inet" or kind.startswith(("kstack:", "buf:", "bytes:")):
+        if kind == "inet" or kind.startswith(("kstack:", "ustack:", "buf:", "bytes:")):
             if v.words is None:
                 raise TraceSemanticError(f"a value of type {v.type.name or v.type.kind} where "
                                          f"a {_kind_text(kind)} is held", e.loc)
@@ -1744,6 +1740,8 @@ class ProbeCompiler:
             return Val(CType("args", 0, name="args", extra={"args": self.site.args}), ast.Const(0))
         if name == "kstack":
             return self.kstack(e, "bpftrace", KSTACK_DEPTH)
+        if name == "ustack":
+            return self.ustack(e, "bpftrace", KSTACK_DEPTH)
         if name == "pcomm":       # the parent's name (newer bpftrace)
             current = self.builtin(t.Builtin(e.loc, "curtask"))
             return self.field(self.field(current, "real_parent", e.loc), "comm", e.loc)
@@ -1888,7 +1886,7 @@ class ProbeCompiler:
                 mask = ast.Const((1 << (8 * keep)) - 1 if keep < 8 else MASK)
                 same = ast.land(same, (p & mask) == (q & mask))
             return Val(INT64, ast.lnot(same))
-        if name == "kstack":
+        if name in STACKS:
             mode, depth = "bpftrace", KSTACK_DEPTH
             for option in e.args:
                 if isinstance(option, t.Builtin) and option.name in STACK_MODES:
@@ -1896,9 +1894,9 @@ class ProbeCompiler:
                 elif isinstance(option, t.Int) and 1 <= option.value <= 127:
                     depth = option.value
                 else:
-                    raise TraceSemanticError("kstack() takes a mode (bpftrace, perf, raw) and a "
+                    raise TraceSemanticError(f"{name}() takes a mode (bpftrace, perf, raw) and a "
                                              "depth from 1 to 127", option.loc)
-            return self.kstack(e, mode, depth)
+            return self.kstack(e, mode, depth) if name == "kstack" else self.ustack(e, mode, depth)
         if name == "buf":
             return self.buf(e)
         if name == "path":
@@ -2251,15 +2249,9 @@ class ProbeCompiler:
         mark = self.locals.mark()
         regs = [self.locals.take() for _ in range(-(-uw.regs_bytes // stride))]
 
-        # the slots from s are a buffer at slot s + n - 1, slot s + n - 1 - k at byte
-        # k * stride of it (a Local's value in the slot's first 8 bytes)
-        def at(slots: list[ast.Local], offset: int) -> ast.Local | None:
-            k, r = divmod(offset, stride)
-            return slots[len(slots) - 1 - k] if r == 0 else None
-
         code: list[ast.Node] = [x.assign(0) for x in (*regs, *store)]
         for offset, what in uw.fields:
-            slot = at(regs, offset)
+            slot = _buffer_slot(regs, offset, stride)
             if slot is None:
                 raise TraceUnsupported(f"kstack: struct pt_regs's member at byte {offset} is not "
                                        f"at the start of one of the snippet's {stride}-byte "
@@ -2269,13 +2261,33 @@ class ProbeCompiler:
         base = ast.LocalAddress(store[-1].slot)
         code.append(ast.Call(uw.save, (ast.LocalAddress(regs[-1].slot), base,
                                        ast.Const(depth), ast.Const(0))))
-        words: list[ast.Node] = []
-        for j in range(depth):
-            slot = at(store, 8 * j)
-            words.append(slot if slot is not None else ast.load(base + 8 * j, 8))
+        words = _buffer_words(store, depth, stride)
         words[0] = ast.Seq((*code, words[0]))
         self.locals.release(mark)
         return Val(ct, words=words)
+
+    def ustack(self, e: t.Expr, mode: str, depth: int) -> Val:
+        """The task's user stack, walked by the kernel's own walker of user frames
+        (Linux's ``stack_trace_save_user(store, size)``, kernel/stacktrace.c: from the
+        user registers the task entered the kernel with, task_pt_regs(current), each
+        frame read with page faults disabled; nothing in a kernel thread), and the
+        process's pid, as bpftrace keeps both, since the client names the frames in
+        that process's files: the pid, then up to ``depth`` return addresses, zeros
+        after."""
+        ct = CType("ustack", 8 * (depth + 1), name="ustack", extra={"mode": mode, "depth": depth})
+        uw = self.user_unwinder
+        if self.typing or uw is None or uw.save is None:
+            if not self.typing:
+                why = uw.why if uw is not None else "no walker of user frames ksim knows"
+                raise TraceUnsupported(f"ustack is not supported on this kernel: {why}", e.loc)
+            return Val(ct, words=[ast.Const(0)] * (depth + 1))
+        stride = uw.slot_bytes
+        store = [self.locals.take() for _ in range(-(-8 * depth // stride))]
+        base = ast.LocalAddress(store[-1].slot)
+        code: list[ast.Node] = [x.assign(0) for x in store]
+        code.append(ast.Call(uw.save, (base, ast.Const(depth))))
+        pid = self.builtin(t.Builtin(e.loc, "pid")).scalar(e.loc)
+        return Val(ct, words=[ast.Seq((*code, pid)), *_buffer_words(store, depth, stride)])
 
     def ntop(self, e: t.Call) -> Val:
         """ntop([family,] address): an IPv4 address (an integer, or 4 bytes) or an
@@ -2322,7 +2334,7 @@ class ProbeCompiler:
                                      ref.loc)
         ct = m.ctype if m is not None and m.ctype is not None and kind == "ptr" \
             else kind_type(kind)
-        held = ("str", "inet", "kstack", "tuple", "bytes", "buf")
+        held = ("str", "inet", "kstack", "ustack", "tuple", "bytes", "buf")
         if self.typing:
             _use_map(self.analysis, ref, self)
             if ct.kind in held:
@@ -2417,6 +2429,26 @@ def _fit(node: Any, ct: CType) -> Any:
     return (low ^ sign) - sign
 
 
+def _buffer_slot(slots: list[ast.Local], offset: int, stride: int) -> ast.Local | None:
+    """The slot at byte ``offset`` of a buffer made of ``slots`` (None: the offset is
+    inside one).  Slots taken one after another are a buffer at the last one's
+    address, slot ``len(slots) - 1 - k`` at byte ``k * stride`` of it, a Local's value
+    in its slot's first 8 bytes."""
+    k, r = divmod(offset, stride)
+    return slots[len(slots) - 1 - k] if r == 0 else None
+
+
+def _buffer_words(slots: list[ast.Local], n: int, stride: int) -> list[ast.Node]:
+    """The first ``n`` 8-byte words of the buffer made of ``slots``: a slot's Local
+    where a word starts one, a load from the buffer otherwise."""
+    base = ast.LocalAddress(slots[-1].slot)
+    words: list[ast.Node] = []
+    for j in range(n):
+        slot = _buffer_slot(slots, 8 * j, stride)
+        words.append(slot if slot is not None else ast.load(base + 8 * j, 8))
+    return words
+
+
 def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
     """The kind a map key, map value or printf argument of type ``ct`` is held as."""
     if ct is COMM:
@@ -2433,8 +2465,8 @@ def kind_of(ct: CType, strlen: int = DEFAULT_STRLEN) -> str:
         return "cgroup_path"
     if ct.kind == "tm":
         return "tm:" + ct.extra["format"]
-    if ct.kind == "kstack":
-        return f"kstack:{ct.extra['depth']}:{ct.extra['mode']}"
+    if ct.kind in STACKS:
+        return f"{ct.kind}:{ct.extra['depth']}:{ct.extra['mode']}"
     if ct.kind == "buf":
         return f"buf:{ct.extra['size']}"
     if ct.kind == "inet":
@@ -2469,10 +2501,10 @@ def kind_type(kind: str | None) -> CType:
         return CGROUP_PATH
     if kind == "inet":
         return INET
-    if kind is not None and kind.startswith("kstack:"):
-        _, depth, mode = kind.split(":")
-        return CType("kstack", 8 * int(depth), name="kstack",
-                     extra={"mode": mode, "depth": int(depth)})
+    if kind is not None and kind.startswith(("kstack:", "ustack:")):
+        name, depth, mode = kind.split(":")
+        words = int(depth) + (name == "ustack")         # a ustack's pid, then its frames
+        return CType(name, 8 * words, name=name, extra={"mode": mode, "depth": int(depth)})
     if kind is not None and kind.startswith(TUPLE):
         return tuple_type(tuple_items(kind))
     if kind is not None and kind.startswith("bytes:"):

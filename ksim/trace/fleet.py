@@ -45,6 +45,7 @@ from typing import Any, Protocol
 from .maps import (
     MASK,
     SYMBOLIZE,
+    USER_SYMBOLIZE,
     MapLayout,
     MapType,
     decode,
@@ -56,8 +57,9 @@ from .maps import (
 from .output import MapPrinter
 from .session import Exited, Interpreter, Output, TraceSession
 
-#: decoding a key or an event names addresses through SYMBOLIZE, which is global:
-#: one host at a time decodes, with its own kernel's symbols
+#: decoding a key or an event names addresses through SYMBOLIZE and USER_SYMBOLIZE,
+#: which are global: one host at a time decodes, with its own kernel's symbols and its
+#: own machine's files
 _DECODING = threading.Lock()
 
 
@@ -65,6 +67,7 @@ _DECODING = threading.Lock()
 def decoding(session: TraceSession) -> Iterator[None]:
     with _DECODING:
         SYMBOLIZE[:] = [session.symbol]
+        USER_SYMBOLIZE[:] = [session.user_symbols.frame]
         yield
 
 

@@ -101,6 +101,8 @@ def width(kind: str) -> int:
         return -(-int(kind[4:]) // WORD)
     if kind.startswith("kstack:"):
         return int(kind.split(":")[1])
+    if kind.startswith("ustack:"):
+        return 1 + int(kind.split(":")[1])        # the pid, then the frames
     if kind.startswith("buf:"):
         return 1 + -(-int(kind[4:]) // WORD)
     if kind.startswith("bytes:"):
@@ -150,7 +152,8 @@ def is_text(kind: str | None) -> bool:
 def is_decoded(kind: str | None) -> bool:
     """Whether a map value of ``kind`` prints as something other than its integer."""
     return kind is not None and (kind in VALUE_KINDS or is_text(kind)
-                                 or kind.startswith(("kstack:", "tm:", "buf:", "bytes:", TUPLE)))
+                                 or kind.startswith(("kstack:", "ustack:", "tm:", "buf:", "bytes:",
+                                                     TUPLE)))
 
 
 def is_named(kind: str | None) -> bool:
@@ -168,6 +171,11 @@ VALUE_KINDS = ("comm", "ksym", "probe", "kaddr", "inet", "ptr", "cgroup_path", E
 
 #: how a kernel address is named (set by the client: the kernel's symbols)
 SYMBOLIZE: list[Callable[[int], str]] = []
+
+
+#: how a user address of a process is named: (pid, address, perf mode) -> its frame's
+#: text (set by the client: the traced machine's files, ksim.trace.usym)
+USER_SYMBOLIZE: list[Callable[[int, int, bool], str]] = []
 
 
 #: how a cgroup's id is named (set by the client: the traced machine's cgroups)
@@ -215,7 +223,12 @@ def buf_text(words: Sequence[int]) -> str:
     return "".join(chr(b) if 32 <= b < 127 else f"\\x{b:02x}" for b in raw)
 
 
-def stack_text(words: Sequence[int], mode: str) -> str:
+#: the spaces before a stack's frame in "bpftrace" mode: bpftrace 0.17 indents a map
+#: key's by 4, a value's (printed, or printf's %s) by 8 (BPFtrace::get_stack's indent)
+KEY_INDENT, VALUE_INDENT = 4, 8
+
+
+def stack_text(words: Sequence[int], mode: str, indent: int = VALUE_INDENT) -> str:
     """A kernel stack as bpftrace prints it: a line per frame, "bpftrace" mode
     ``sym+off`` indented, "perf" mode ``\taddress sym+off``, "raw" mode the
     addresses."""
@@ -226,7 +239,30 @@ def stack_text(words: Sequence[int], mode: str) -> str:
         return "".join(f"\n{f:x}" for f in frames) + "\n"
     if mode == "perf":
         return "".join(f"\n\t{f:x} {symbol_text(f)}" for f in frames) + "\n"
-    return "".join(f"\n        {symbol_text(f)}" for f in frames) + "\n"
+    return "".join(f"\n{' ' * indent}{symbol_text(f)}" for f in frames) + "\n"
+
+
+def user_frame_text(pid: int, address: int, perf: bool) -> str:
+    for f in USER_SYMBOLIZE[-1:]:
+        return f(pid, address, perf)
+    return f"0x{address:x}" + (" ([unknown])" if perf else "")
+
+
+def ustack_text(words: Sequence[int], mode: str, indent: int = VALUE_INDENT) -> str:
+    """A user stack (its pid, then its frames) as bpftrace 0.17 prints it
+    (BPFtrace::get_stack): as a kernel stack, each frame named in the process's files
+    (``sym+off``, with `` (module)`` in perf mode); no text at all for a stack with no
+    frame (a kernel thread's: bpftrace's stack id is then -EFAULT, printed as "")."""
+    pid, frames = words[0] & 0xFFFFFFFF, [w & MASK for w in words[1:]]
+    if 0 in frames:
+        frames = frames[:frames.index(0)]
+    if not frames:
+        return ""
+    if mode == "raw":
+        return "".join(f"\n{f:x}" for f in frames) + "\n"
+    if mode == "perf":
+        return "".join(f"\n\t{f:x} {user_frame_text(pid, f, True)}" for f in frames) + "\n"
+    return "".join(f"\n{' ' * indent}{user_frame_text(pid, f, False)}" for f in frames) + "\n"
 
 
 def inet_text(words: Sequence[int]) -> str:
@@ -279,6 +315,8 @@ def decode(kind: str, part: Sequence[int], names: Sequence[str]) -> Any:
         return TupleValue(items)
     if kind.startswith("kstack:"):
         return stack_text(part, kind.split(":")[2])
+    if kind.startswith("ustack:"):
+        return ustack_text(part, kind.split(":")[2])
     if kind.startswith("buf:"):
         return buf_text(part)
     if kind.startswith("tm:"):
@@ -814,7 +852,11 @@ def decode_key(kinds: Sequence[str], words: Sequence[int], names: Sequence[str])
     at = 0
     for kind in kinds:
         n = width(kind)
-        out.append(decode(kind, words[at:at + n], names))
+        if kind.startswith(("kstack:", "ustack:")):
+            text = stack_text if kind[0] == "k" else ustack_text
+            out.append(text(words[at:at + n], kind.split(":")[2], KEY_INDENT))
+        else:
+            out.append(decode(kind, words[at:at + n], names))
         at += n
     return out
 

@@ -51,6 +51,7 @@ from .maps import (
     SYSCALL,
     SYSCALL_NAMES,
     TUPLE,
+    USER_SYMBOLIZE,
     USERNAMES,
     MapLayout,
     MapUse,
@@ -73,6 +74,7 @@ from .maps import (
 from .output import MapPrinter, syscall_namer, username_namer
 from .traced import TracedMachine
 from .types import CType, TypeSystem
+from .usym import UserSymbols
 
 
 class Unwinder(NamedTuple):
@@ -84,6 +86,21 @@ class Unwinder(NamedTuple):
     regs_bytes: int
     fields: tuple[tuple[int, str], ...]
     slot_bytes: int = 8
+
+
+class UserUnwinder(NamedTuple):
+    """What ustack's code calls: the kernel's stack_trace_save_user (None: it cannot,
+    ``why`` says why), and the bytes between the Frame's slots."""
+
+    save: int | None
+    why: str = ""
+    slot_bytes: int = 8
+
+
+#: the kernel's walker of the current task's user frames (kernel/stacktrace.c, with
+#: CONFIG_USER_STACKTRACE_SUPPORT): unsigned int stack_trace_save_user(unsigned long
+#: *store, unsigned int size)
+SAVE_USER = "stack_trace_save_user"
 
 
 @dataclass
@@ -153,12 +170,15 @@ class TraceSession:
         #: and those it refuses are skipped (see attach)
         self._deferred: set[int] = set()
         self._unwinder: Unwinder | None | bool = False
+        self._user_unwinder: UserUnwinder | None = None
         self._path_call: PathCall | None | bool = False
         self.types = TypeSystem(load=self._btf)
         #: a representative point of each probe, typing its expressions
         self._typing_sites: dict[int, Site | None] = {}
         #: the traced machine's files (cat, cgroup_path)
         self.traced = TracedMachine(manager.target)
+        #: names a user stack's frames (ustack) from the traced machine's files
+        self.user_symbols = UserSymbols(self.traced.read)
         try:
             self.analysis = analyse(program, self.types, self.typing_site)
             if not self.traced.live:
@@ -449,6 +469,29 @@ class TraceSession:
         self._unwinder = Unwinder(save, regs.size, tuple(fields), abi.slot_bytes)
         return self._unwinder
 
+    def user_unwinder(self) -> UserUnwinder:
+        """How ustack asks this kernel for the task's user frames: its
+        stack_trace_save_user, which snippets may then call.  An emulated kernel runs
+        no user space, and a kernel without the function has no walker ksim knows."""
+        if self._user_unwinder is None:
+            slot = self.m.arch.stack.slot_bytes
+            if not self.traced.live:
+                self._user_unwinder = UserUnwinder(None, "an emulated kernel runs no user "
+                                                   "space: no task has a user stack to walk",
+                                                   slot)
+                return self._user_unwinder
+            try:
+                save = int(self.m.target.image.address_of(SAVE_USER))
+            except KsimError:
+                self._user_unwinder = UserUnwinder(
+                    None, f"this kernel has no {SAVE_USER} (Linux's walk of a task's user "
+                    "frames, kernel/stacktrace.c, built with CONFIG_USER_STACKTRACE_SUPPORT)",
+                    slot)
+                return self._user_unwinder
+            self.m.allow_calls(save)
+            self._user_unwinder = UserUnwinder(save, "", slot)
+        return self._user_unwinder
+
     def path_call(self) -> PathCall | None:
         """What path() calls on this kernel: its d_path, which snippets may then call;
         None when the program calls no path() or the kernel has no d_path."""
@@ -711,6 +754,8 @@ class TraceSession:
                                      lookup=self.lookup, start=self.start,
                                      unwinder=self.unwinder() if "kstack" in self.program.source
                                      else None,
+                                     user_unwinder=self.user_unwinder()
+                                     if "ustack" in self.program.source else None,
                                      user_reads=self.m.target.abi.read_user_nofault is not None)
             compiler.rand_call, compiler.rand_state = self.rand_call, self.rand_state
             try:
@@ -732,6 +777,7 @@ class TraceSession:
         and splice them in one batch; ``timings["attach_s"]`` is how long it took."""
         start = time.perf_counter()
         SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
+        USER_SYMBOLIZE[:] = [self.user_symbols.frame]   # user ones: the traced machine's files
         CGROUP_PATHS[:] = [self.traced.cgroup_path]
         SYSCALL_NAMES[:] = [syscall_namer(self.m.target.image, self.m.copy_from_kernel)]
         USERNAMES[:] = [username_namer(lambda path: self.traced.cat(path, MAX_FILE_READ))]

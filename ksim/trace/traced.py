@@ -1,9 +1,9 @@
-"""What cat() and cgroup_path() read: the traced machine's files, which bpftrace
-reads in its user space, on the traced machine itself.
+"""What cat(), cgroup_path() and ustack's symbolizer read: the traced machine's
+files, which bpftrace reads in its user space, on the traced machine itself.
 
-ksim's client runs on another host than a live kernel, so on ``live://`` both go
-through kerninstd (``read_file`` and ``cgroup_path``, read-only ops bounded by
-protocol.MAX_FILE_READ and MAX_CGROUP_DIRS).  An emulated kernel (``unicorn:``,
+ksim's client runs on another host than a live kernel, so on ``live://`` they go
+through kerninstd (``read_file``, from an offset, and ``cgroup_path``, read-only ops
+bounded by protocol.MAX_FILE_READ and MAX_CGROUP_DIRS).  An emulated kernel (``unicorn:``,
 ``qemu:``) has no filesystem: cat() reads the client's own file, which stands for
 it, and cgroup_path() is refused before anything is spliced (there are no
 cgroups to name).
@@ -23,7 +23,7 @@ class GuestFiles(Protocol):
     """What a target serving a running Linux kernel offers of its machine's files
     (ksim.live.client.LiveTarget)."""
 
-    def read_file(self, path: str, size: int) -> bytes: ...
+    def read_file(self, path: str, size: int, offset: int = 0) -> bytes: ...
 
     def cgroup_path(self, cgroup_id: int) -> str: ...
 
@@ -50,6 +50,19 @@ class TracedMachine:
             why = exc.strerror if isinstance(exc, OSError) else str(exc)
             return f"ERROR: failed to open file '{path}': {why}\n"
         return raw.decode("utf-8", "replace")
+
+    def read(self, path: str, offset: int, size: int) -> bytes:
+        """Up to ``size`` bytes of the file from ``offset`` (fewer at its end), for
+        ustack's symbolizer (a ksim.trace.usym.RangeReader); KsimError when the file
+        cannot be read."""
+        if self.live:
+            return cast(GuestFiles, self.target).read_file(path, size, offset)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(size)
+        except OSError as exc:
+            raise KsimError(f"{path}: {exc.strerror}") from None
 
     def cgroup_path(self, cgroup_id: int) -> str:
         """bpftrace's text for a cgroup id: ``unified:PATH`` (the cgroup2 hierarchy);
