@@ -115,7 +115,7 @@ def test_syntax_errors_name_line_and_columns(source, head):
      "string literal"),
     ("#define M(x) x\nkprobe:f { }", "function-like macros"),
     ("kprobe:f { @x = &arg0; }", "taking an address"),
-    ("kprobe:f { @[ustack] = count(); }", "builtin ustack"),
+    ("kprobe:f { @[usym(arg0)] = count(); }", "function usym()"),
     ("kprobe:f { printf(\"%f\\n\", 1); }", "printf conversion '%f\\n'"),
     ("kprobe:f { @x = hist(arg0, 2); }", "hist() with a precision argument"),
     ("kprobe:f { @x = path(arg0); }", "function path()"),
