@@ -165,6 +165,24 @@ def test_a_running_pies_functions_are_named_at_the_addresses_it_prints(tmp_path:
         assert syms.frame(p.pid, 0x10, perf=True) == "0x10 ([unknown])"
         # the file's tables are read in bounded pieces, not whole
         assert reader.bytes < exe.stat().st_size + (64 << 10)
+        # a ustack's words (its pid, then its frames, zeros after) as bpftrace 0.17
+        # prints them in each mode, a key's frames indented by 4, a value's by 8
+        from ksim.trace.maps import USER_SYMBOLIZE, decode, decode_key
+
+        words = [p.pid, leaf + 1, glob + 3, 0x10, 0, 0]
+        USER_SYMBOLIZE[:] = [syms.frame]
+        try:
+            assert decode("ustack:5:bpftrace", words, []) == (
+                "\n        ksim_static_leaf+1\n        ksim_global_fn+3\n        0x10\n")
+            assert decode_key(["ustack:5:bpftrace"], words, []) == [
+                "\n    ksim_static_leaf+1\n    ksim_global_fn+3\n    0x10\n"]
+            assert decode("ustack:5:perf", words, []) == (
+                f"\n\t{leaf + 1:x} ksim_static_leaf+1 ({exe})\n\t{glob + 3:x} ksim_global_fn+3 "
+                f"({exe})\n\t10 0x10 ([unknown])\n")
+            assert decode("ustack:5:raw", words, []) == f"\n{leaf + 1:x}\n{glob + 3:x}\n10\n"
+            assert decode("ustack:5:bpftrace", [p.pid] + [0] * 5, []) == ""    # no frame
+        finally:
+            USER_SYMBOLIZE.clear()
     finally:
         assert p.stdin is not None
         p.stdin.close()
