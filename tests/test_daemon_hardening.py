@@ -538,7 +538,9 @@ def test_read_file_reads_from_an_offset_and_refuses_what_it_did(serve, tmp_path)
     d = serve()
     with d.connect() as c:
         def read(**args: Any) -> bytes:
-            return bytes.fromhex(c.request("read_file", path=str(path), **args)["data"])
+            reply = c.request("read_file", path=str(path), **args)
+            assert reply["offset"] == args.get("offset", 0)     # told back: read from there
+            return bytes.fromhex(reply["data"])
 
         assert read(size=16) == data[:16]
         assert read(size=16, offset=0) == data[:16]

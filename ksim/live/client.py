@@ -787,7 +787,13 @@ class LiveTarget:
         args: dict[str, Any] = {"path": path, "size": size}
         if offset:          # left out when 0: a kerninstd without offsets serves it too
             args["offset"] = offset
-        return bytes.fromhex(str(self._request("read_file", **args)["data"]))
+        reply = self._request("read_file", **args)
+        if offset and reply.get("offset") != offset:
+            # a kerninstd older than the offset ignores it and reads from 0
+            raise wire.TracedFileRefused(f"read_file: {path}: this kerninstd reads a file "
+                                         "from its start only (it predates read_file's offset): "
+                                         "update it")
+        return bytes.fromhex(str(reply["data"]))
 
     def cgroup_path(self, cgroup_id: int) -> str:
         """The path, under the guest's cgroup2 mount, of the cgroup with that id."""

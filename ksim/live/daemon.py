@@ -1147,7 +1147,9 @@ class Daemon:
             raise wire.TracedFileRefused(f"read_file: {path}: {exc.strerror}") from None
         finally:
             os.close(fd)
-        return {"data": bytes(data).hex()}
+        # the offset told back: a client asking from one knows this daemon read from it
+        # (an older one ignores the field it does not know, and reads from 0)
+        return {"data": bytes(data).hex(), "offset": offset}
 
     CGROUP_ROOT = "/sys/fs/cgroup"
 

@@ -179,8 +179,9 @@ OPS: dict[str, Op] = {op.name: op for op in (
                      "offset": integer(0, MAX_FILE_OFFSET)},
        doc="up to size bytes from offset (0: the file's first bytes) of a regular file of "
            "the guest, by its absolute path (ksim trace's cat(), and the ELF files whose "
-           "symbols name a user stack's frames): nothing else (a directory, a device, a "
-           "fifo) is opened for reading"),
+           "symbols name a user stack's frames) -> the bytes, and the offset read from "
+           "(which a kerninstd older than the field, ignoring it, does not tell): nothing "
+           "else (a directory, a device, a fifo) is opened for reading"),
     Op("cgroup_path", {"cgroup": U64},
        doc="the path under the cgroup2 mount (/sys/fs/cgroup) of the cgroup whose id "
            "(its directory's inode number, the kernel's kernfs node id) is given"),
