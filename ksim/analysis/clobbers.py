@@ -26,7 +26,9 @@ Only the caller-saved part of a function's clobbers is ever used (a callee-saved
 register comes back intact either way), so every function of a cycle gets the
 same answer, the union over the cycle.  The per-function inputs come from a
 :class:`Summary`, which an image's analysis store keeps for every function: no
-callee is decoded to answer.
+callee is decoded to answer.  The store also keeps every function's answer,
+derived when it was made: it is used while every function the answer depends on
+still has the bytes it was made from (``Store.settled``).
 """
 
 from __future__ import annotations
@@ -102,9 +104,22 @@ def function_clobbers(image: Image, support: ArchSupport, func: Function) -> fro
     memo = _CACHE.setdefault(image, {})
     found = memo.get(func.address)
     if found is None:
+        from ksim.analysis import store
+
+        kept = store.store_for(image, build_missing=False)
+        found = kept.clobbers(image, func) if kept is not None else None
+        if found is not None:   # derived when the store was made, its reach unchanged since
+            memo[func.address] = found
+            return found
         _solve(image, support, func, memo)
         found = memo[func.address]
     return found
+
+
+def prime(image: Image, summaries: dict[int, Summary]) -> None:
+    """Take ``summaries`` (function address -> Summary) as ``image``'s: a store being
+    made derives every function's clobbers from its records, not from the image."""
+    _SUMMARIES.setdefault(image, {}).update(summaries)
 
 
 def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str], list[Function]]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, compress
-from typing import overload
+from typing import Any, overload
 
 from ksim.analysis.abi import (
     EFFECT_SHIFT,
@@ -256,11 +256,22 @@ class RecordView:
         keep = _mask(preserved)
         self._at_return, self._at_tail_call = at_return | keep, at_tail_call | keep
         self._live_in: list[int] | None = None
+
+    #: what _blocks makes, when first asked for: a batch's entry points need the
+    #: blocks of a function only when the store derived nothing for it
+    _LAZY = frozenset({"_index", "firsts", "_block_of_first", "_lasts", "succs", "preds",
+                       "reachable"})
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in RecordView._LAZY:
+            raise AttributeError(name)
         self._blocks()
+        return self.__dict__[name]
 
     def is_boundary(self, address: int) -> bool:
         """Whether an instruction starts at ``address``."""
-        return address in self._index
+        i = bisect.bisect_left(self.addresses, address)
+        return i < self.count and self.addresses[i] == address
 
     def _filler(self, i: int) -> bool:
         comp = self._comp

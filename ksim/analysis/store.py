@@ -75,7 +75,7 @@ from ksim.image.model import Function
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 2
+ANALYSIS_VERSION = 3
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQ32s")  # magic, version, key, body length, body digest
@@ -100,6 +100,18 @@ _COUNTED_BY = {"sizes": "n_insns", "codes": "n_insns", "targets": "n_targets", "
                "bpoints": "n_bpoints", "calls": "n_calls", "calls_out": "n_calls_out",
                "jumps_out": "n_jumps_out"}
 _OK, _FAILED = 0, 1
+#: what the store derives over each function's reach once every record is made
+#: (:func:`_derive`): the registers it and its callees may write (``clob``), and the
+#: registers live before each of its first HEAD_LIVE instructions (``live0``...),
+#: as masks over ``meta["derived_regs"]``; ``derived`` says which of them a function
+#: has (_CLOB, _LIVE bits)
+HEAD_LIVE = 3
+_DERIVED = {"derived": "B", "clob": "Q", **{f"live{k}": "Q" for k in range(HEAD_LIVE)},
+            "code_end": "I", "n_succ": "I"}
+_CLOB, _LIVE, _END = 1, 2, 4
+#: ... and, counted by ``n_succ``, the index of every function each one calls or
+#: jumps into (the clobber analysis's edges), found once instead of by address
+_DERIVED_DATA = {"succ": "I"}
 
 
 class StoreError(KsimError):
@@ -194,13 +206,13 @@ class Store:
         # tools' patches): every record is checked against the bytes read now
         self._image = weakref.ref(image) if image.reads_memory else None
         self._offsets: dict[str, list[int]] = {}
-        for name, counter in _COUNTED_BY.items():
+        for name, counter in (*_COUNTED_BY.items(), ("succ", "n_succ")):
             if counter not in self._offsets:
                 self._offsets[counter] = list(accumulate(arrays[counter], initial=0))
             if self._offsets[counter][-1] != len(arrays[name]):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not "
                                  f"{self._offsets[counter][-1]}")
-        for name in _PER_FUNCTION:
+        for name in (*_PER_FUNCTION, *_DERIVED):
             if len(arrays[name]) != len(functions):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
         self._chunks = meta["chunks"]
@@ -208,6 +220,10 @@ class Store:
         self._masks: dict[tuple[int, int], frozenset[str]] = {}
         self._regs: dict[int, list[str]] = {}
         self._tables: dict[str, list] = meta["tables"]
+        self._derived_regs: list[str] = meta.get("derived_regs", [])
+        self._derived_names: dict[int, frozenset[str]] = {}
+        #: functions whose whole reach has current records (settled), or not
+        self._settled: dict[int, bool] = {}
 
     # --- one function ----------------------------------------------------------------
     def index_of(self, func: Function) -> int | None:
@@ -231,8 +247,10 @@ class Store:
         """The compact analysis of ``func``; None when it is not in the store or could
         not be analysed (its bytes could not be read: a fresh analysis says why)."""
         i = self._current(func)
-        if i is None:
-            return None
+        return self._record(i, func) if i is not None else None
+
+    def _record(self, i: int, func: Function) -> Compact:
+        """Record ``i`` (of ``func``), whatever the bytes are now."""
         a = self._arrays
         chunk = a["chunk"][i]
 
@@ -288,24 +306,134 @@ class Store:
         return (self._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
                 tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
 
+    # --- what the store derived over a function's reach ----------------------------------
+    def clobbers(self, image: Image, func: Function) -> frozenset[str] | None:
+        """The registers ``func`` or anything it reaches may write
+        (clobbers.function_clobbers), as derived when the store was made; None unless
+        every function it reaches has a current record (``settled``)."""
+        i = self.index_of(func)
+        if i is None or not self._arrays["derived"][i] & _CLOB or not self.settled(image, func):
+            return None
+        return self._derived_set(self._arrays["clob"][i])
+
+    def head_live(self, image: Image, func: Function, address: int) -> frozenset[str] | None:
+        """The registers live just before the instruction at ``address``, one of
+        ``func``'s first HEAD_LIVE, as derived when the store was made; None when it
+        is not one of them, or not every function ``func`` reaches has a current
+        record."""
+        i = self.index_of(func)
+        if i is None or not self._arrays["derived"][i] & _LIVE:
+            return None
+        at = func.address
+        offsets = self._offsets["n_insns"]
+        sizes = self._arrays["sizes"]
+        for k in range(min(HEAD_LIVE, offsets[i + 1] - offsets[i])):
+            if at == address:
+                return (self._derived_set(self._arrays[f"live{k}"][i])
+                        if self.settled(image, func) else None)
+            at += sizes[offsets[i] + k]
+        return None
+
+    def code_end(self, func: Function) -> int | None:
+        """Where ``func``'s code ends (RecordView.code_end: before its trailing filler
+        no path reaches), as derived from its record -- which the caller has checked
+        is current (a view of it was made); None when nothing was derived."""
+        i = self.index_of(func)
+        if i is None or not self._arrays["derived"][i] & _END:
+            return None
+        return func.address + self._arrays["code_end"][i]
+
+    def settled(self, image: Image, func: Function) -> bool:
+        """Whether ``func`` and every function it calls or jumps into, transitively
+        (the clobber analysis's edges), have current records: then what the store
+        derived over that reach is what analysing them now gives.  Strongly connected
+        components (Tarjan, without recursion), each answer kept: a batch's checks
+        cost one walk of what its functions reach."""
+        root = self.index_of(func)
+        if root is None:
+            return False
+        memo = self._settled
+        found = memo.get(root)
+        if found is not None:
+            return found
+        functions = image.functions
+        succ, at = self._arrays["succ"], self._offsets["n_succ"]
+        index: dict[int, int] = {}
+        low: dict[int, int] = {}
+        good: dict[int, bool] = {}
+        stack: list[int] = []
+        on_stack: set[int] = set()
+
+        def enter(i: int) -> None:
+            index[i] = low[i] = len(index)
+            good[i] = self._current_at(i, functions[i])
+            stack.append(i)
+            on_stack.add(i)
+
+        enter(root)
+        frames = [(root, at[root])]     # (function, its next edge in ``succ``)
+        while frames:
+            x, k = frames[-1]
+            if k < at[x + 1]:
+                frames[-1] = (x, k + 1)
+                y = succ[k]
+                if y in memo:
+                    good[x] = good[x] and memo[y]
+                elif y not in index:
+                    enter(y)
+                    frames.append((y, at[y]))
+                elif y in on_stack:
+                    low[x] = min(low[x], index[y])
+                continue
+            frames.pop()
+            if frames:
+                parent = frames[-1][0]
+                low[parent] = min(low[parent], low[x])
+            if low[x] != index[x]:
+                continue
+            members = []
+            while True:
+                m = stack.pop()
+                on_stack.discard(m)
+                members.append(m)
+                if m == x:
+                    break
+            ok = all(good[m] for m in members)
+            for m in members:
+                memo[m] = ok
+            if frames and not ok:
+                good[frames[-1][0]] = False     # it reaches a component that is not settled
+        return memo[root]
+
+    def _derived_set(self, mask: int) -> frozenset[str]:
+        names = self._derived_names.get(mask)
+        if names is None:
+            regs = self._derived_regs
+            names = self._derived_names[mask] = frozenset(r for k, r in enumerate(regs) if mask >> k & 1)
+        return names
+
     def _current(self, func: Function) -> int | None:
         """The index of ``func``'s record if it was analysed and (for an image read
         from a running kernel) its bytes are still the ones analysed."""
         i = self.index_of(func)
-        if i is None or self._arrays["status"][i] != _OK:
-            return None
+        return i if i is not None and self._current_at(i, func) else None
+
+    def _current_at(self, i: int, func: Function) -> bool:
+        """_current for record ``i``, ``func``'s."""
+        if self._arrays["status"][i] != _OK:
+            return False
         if self._image is not None:
             image = self._image()
             known = image.known_digest(func.address, func.size) if image is not None else None
             if known is not None:   # the reader knows it without the bytes
-                return i if known == self._arrays["digest"][i] else None
+                return known == self._arrays["digest"][i]
             try:
                 code = image.read(func.address, func.size) if image is not None else None
             except KsimError:
                 code = None
             if code is None or code_digest(code) != self._arrays["digest"][i]:
-                return None
-        return i
+                return False
+        return True
 
     def _names(self, chunk: int, mask: int) -> frozenset[str]:
         """The register names a chunk's bit mask stands for (a few hundred distinct
@@ -419,7 +547,8 @@ def _encode(arrays: dict[str, array], meta: dict[str, Any]) -> bytes:
     return b"".join(out)
 
 
-def _decode(body: memoryview) -> tuple[dict[str, array], dict[str, Any]]:
+def _decode(body: memoryview, *, derived: bool = True) -> tuple[dict[str, array], dict[str, Any]]:
+    """The arrays and meta of a body (a worker's part has nothing derived yet)."""
     (count,) = struct.unpack_from("<I", body)
     if count > 256:
         raise StoreError(f"{count} arrays")
@@ -437,14 +566,16 @@ def _decode(body: memoryview) -> tuple[dict[str, array], dict[str, Any]]:
             meta = json.loads(bytes(chunk))
         else:
             typecode = code.decode()
-            expected = _PER_FUNCTION.get(name) or _DATA.get(name)
+            expected = (_PER_FUNCTION.get(name) or _DATA.get(name) or _DERIVED.get(name)
+                        or _DERIVED_DATA.get(name))
             if expected != typecode:
                 raise StoreError(f"array {name!r} has type {typecode!r}")
             arr = array(typecode)
             arr.frombytes(chunk)
             arrays[name] = arr
         at += length + (-length % 8)
-    missing = (set(_PER_FUNCTION) | set(_DATA)) - set(arrays)
+    missing = (set(_PER_FUNCTION) | set(_DATA)
+               | (set(_DERIVED) | set(_DERIVED_DATA) if derived else set())) - set(arrays)
     if meta is None or missing:
         raise StoreError(f"the store lacks {sorted(missing) or ['meta']}")
     return arrays, meta
@@ -474,14 +605,155 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
             _WORK = None
     else:
         bodies = [_analyse(image, lo, hi) for lo, hi in parts]
-    decoded = [_decode(memoryview(b)) for b in bodies]
+    decoded = [_decode(memoryview(b), derived=False) for b in bodies]
     for k, (_arrays, part_meta) in enumerate(decoded):
         if part_meta.get("missed"):
             # the frozen copy lacked memory the analysis reads (a jump table): this
             # part again, here, where the image's own reader can answer
-            decoded[k] = _decode(memoryview(_analyse(source, *parts[k])))
+            decoded[k] = _decode(memoryview(_analyse(source, *parts[k])), derived=False)
     arrays, meta = _merge(decoded)
-    return Store(source, image_key(source), arrays, meta)
+    arrays.update({name: array(code, bytes(array(code).itemsize * len(functions)))
+                   for name, code in _DERIVED.items()})
+    arrays.update({name: array(code) for name, code in _DERIVED_DATA.items()})
+    _successors(image, arrays)
+    meta["derived_regs"] = sorted(support_for(image.arch).convention.all_regs)
+    store = Store(source, image_key(source), arrays, meta)
+    _derive(store, image, jobs)
+    return store
+
+
+def _successors(image: Image, a: dict[str, array]) -> None:
+    """Fill ``succ`` / ``n_succ``: the functions each function calls (at their entry)
+    or jumps into (anywhere), by index -- the edges ``Store.settled`` walks."""
+    functions = image.functions
+    index = {f.address: i for i, f in enumerate(functions)}
+    calls, jumps = a["n_calls_out"], a["n_jumps_out"]
+    at_call = at_jump = 0
+    for i in range(len(functions)):
+        out = []
+        for target in a["calls_out"][at_call:at_call + calls[i]]:
+            k = index.get(target)
+            if k is not None:
+                out.append(k)
+        for target in a["jumps_out"][at_jump:at_jump + jumps[i]]:
+            callee = image.function_at(target)
+            if callee is not None:
+                out.append(index[callee.address])
+        at_call += calls[i]
+        at_jump += jumps[i]
+        a["succ"].extend(out)
+        a["n_succ"][i] = len(out)
+
+
+def _derive(store: Store, image: Image, jobs: int) -> None:
+    """Fill ``store``'s derived arrays from its records (``image`` is the frozen copy
+    they were made from): every function's clobbers, one Tarjan over the whole
+    image (clobbers.function_clobbers with the records as summaries), then the
+    registers live before its first HEAD_LIVE instructions (its RecordView, as
+    SiteFacts sees it), in ``jobs`` processes."""
+    from ksim.analysis import clobbers
+
+    support = support_for(image.arch)
+    a = store._arrays
+    worst = clobbers.Summary(frozenset(), True, (), ())
+    calls, jumps = store._offsets["n_calls_out"], store._offsets["n_jumps_out"]
+    summaries = {}
+    for i, f in enumerate(image.functions):
+        summaries[f.address] = worst if a["status"][i] != _OK else clobbers.Summary(
+            store._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
+            tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
+    clobbers.prime(image, summaries)
+    bit = {r: 1 << k for k, r in enumerate(store._derived_regs)}
+
+    def mask(names: frozenset[str]) -> int | None:
+        out = 0
+        for name in names:
+            if name not in bit:
+                return None
+            out |= bit[name]
+        return out
+
+    for i, f in enumerate(image.functions):
+        if a["status"][i] == _OK:
+            m = mask(clobbers.function_clobbers(image, support, f))
+            if m is not None:
+                a["clob"][i], a["derived"][i] = m, _CLOB
+    parts = _parts(image, jobs * 6) if jobs > 1 and len(image.functions) > 64 else [(0, len(image.functions))]
+    global _WORK, _DERIVING
+    if jobs > 1 and len(parts) > 1 and _can_fork():
+        _WORK, _DERIVING = image, store
+        try:
+            with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
+                rows = pool.map(_head_live_forked, parts, chunksize=1)
+        finally:
+            _WORK = _DERIVING = None
+    else:
+        rows = [_head_live(store, image, lo, hi) for lo, hi in parts]
+    for (lo, _hi), found in zip(parts, rows, strict=True):
+        for i, (masks, end) in enumerate(found, start=lo):
+            if masks is not None:
+                for k, m in enumerate(masks):
+                    a[f"live{k}"][i] = m
+                a["derived"][i] |= _LIVE
+            if end is not None:
+                a["code_end"][i] = end
+                a["derived"][i] |= _END
+
+
+_DERIVING: Store | None = None  # the store forked workers derive facts of
+
+
+def _head_live_forked(part: tuple[int, int]) -> list[tuple[tuple[int, ...] | None, int | None]]:
+    assert _WORK is not None and _DERIVING is not None
+    return _head_live(_DERIVING, _WORK, *part)
+
+
+def _head_live(store: Store, image: Image, lo: int, hi: int
+               ) -> list[tuple[tuple[int, ...] | None, int | None]]:
+    """For functions ``lo`` to ``hi``: the masks of the registers live before their
+    first HEAD_LIVE instructions (None: a function without a view, or with a
+    register outside the derived set), and where their code ends, from their start
+    (RecordView.code_end; None without a view)."""
+    from ksim.analysis.clobbers import own_writes
+    from ksim.analysis.function import classify_target, standard_indirect
+    from ksim.analysis.record import view
+
+    support = support_for(image.arch)
+    a = store._arrays
+    bit = {r: 1 << k for k, r in enumerate(store._derived_regs)}
+    classified: dict[int, Any] = {}
+
+    def classify(target: int) -> Any:
+        found = classified.get(target)
+        if found is None:
+            found = classified[target] = classify_target(image, support, target)
+        return found
+
+    out: list[tuple[tuple[int, ...] | None, int | None]] = []
+    for i in range(lo, hi):
+        f = image.functions[i]
+        found = end = None
+        if a["status"][i] == _OK and a["derived"][i] & _CLOB:
+            seen = view(support, image.read(f.address, f.size), store._record(i, f), classify,
+                        lambda insn: standard_indirect(image, support, insn),
+                        support.convention.caller_saved - own_writes(image, support, f))
+            if seen is not None:
+                end = seen.code_end() - f.address
+                masks = []
+                for address in seen.addresses[:HEAD_LIVE]:
+                    m = 0
+                    for name in seen.live_before(address):
+                        if name not in bit:
+                            break
+                        m |= bit[name]
+                    else:
+                        masks.append(m)
+                        continue
+                    break
+                else:
+                    found = tuple(masks)
+        out.append((found, end))
+    return out
 
 
 def _can_fork() -> bool:

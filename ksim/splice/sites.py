@@ -183,9 +183,15 @@ class SiteFacts:
         after a pass over every function of a kernel analyses none of them again."""
         live = self._live.get(point.address)
         if live is None:
-            seen = self._view(self.function_of(point))
+            func = self.function_of(point)
+            seen = self._view(func)
             if seen is not None and seen.is_boundary(point.address):
-                live = seen.live_before(point.address)
+                # a function's first instructions (entry points): as the store derived
+                # them, while everything the function reaches is as it was then
+                kept = store_for(self.image, build_missing=False)
+                live = kept.head_live(self.image, func, point.address) if kept is not None else None
+                if live is None:
+                    live = seen.live_before(point.address)
             else:
                 live = self.analysis(point).live_at(point.address)
             self._live[point.address] = live
@@ -265,7 +271,9 @@ class SiteFacts:
         neighbour's padding slots need, without the rest of its FunctionCode."""
         seen = self._view(func)
         if seen is not None:
-            code_end = seen.code_end()
+            kept = store_for(self.image, build_missing=False)
+            derived = kept.code_end(func) if kept is not None else None
+            code_end = derived if derived is not None else seen.code_end()
         else:
             cfg = self.analysis(func).cfg
             code_end = func.end

@@ -1,0 +1,150 @@
+"""What an analysis store derives over each function's reach when it is made -- the
+registers the function or its callees may write, and the registers live before
+its first instructions -- is what analysing the function now gives: compared
+against the clobber analysis's own walk and the object path's liveness, on every
+function of the test kernels and every 10th of Debian's x86-64 vmlinux.  On an
+image read from a running kernel, a derived fact is used only while everything
+it depends on has the bytes it was made from: a callee whose code changed turns
+it off, and the answer is the changed code's."""
+
+from __future__ import annotations
+
+from array import array
+
+import pytest
+from analysis_kernel import kernels
+
+from ksim.analysis import analyze, clobbers
+from ksim.analysis import store as stores
+from ksim.analysis.abi import support_for
+from ksim.analysis.store import HEAD_LIVE, Store, analyze_image, use
+from ksim.arch import get_arch
+from ksim.errors import KsimError
+from ksim.image import Image, load_image
+from ksim.splice.sites import SiteFacts
+
+
+def _without_derived(image: Image, store: Store) -> Image:
+    """A second image of the same bytes whose store has the same records and nothing
+    derived: its answers are computed, not looked up."""
+    twin = Image(image.path, image.arch, image.module, image.sections, image.symbols,
+                 build_id=image.build_id)
+    arrays = dict(store._arrays)
+    arrays["derived"] = array("B", bytes(len(image.functions)))    # nothing derived
+    use(twin, Store(twin, store.key, arrays, store._meta))
+    return twin
+
+
+def _same(image: Image, store: Store, funcs) -> tuple[int, int]:
+    """(clobber answers compared, live sets compared)."""
+    support = support_for(image.arch)
+    twin = _without_derived(image, store)
+    facts = SiteFacts(twin, get_arch(image.arch))
+    n_clob = n_live = 0
+    for func in funcs:
+        end = store.code_end(func)
+        if end is not None:
+            assert end == facts._extent(func)[0], func.name
+        derived = store.clobbers(image, func)
+        if derived is None:
+            continue
+        assert derived == clobbers.function_clobbers(twin, support, func), func.name
+        n_clob += 1
+        try:
+            a = analyze(twin, func)
+        except KsimError:
+            continue
+        for insn in a.insns[:HEAD_LIVE]:
+            live = store.head_live(image, func, insn.address)
+            if live is not None:
+                assert live == a.live_at(insn.address), f"{func.name}: {insn}"
+                n_live += 1
+    return n_clob, n_live
+
+
+@pytest.mark.parametrize("path", kernels(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_derived_facts_are_the_analysis(path: str) -> None:
+    image = load_image(path)
+    store = analyze_image(image, save=False)
+    n_clob, n_live = _same(image, store, image.functions)
+    ok = sum(1 for s in store._arrays["status"] if s == 0)
+    assert n_clob == ok and n_live >= 0.7 * ok, (n_clob, n_live, ok)
+
+
+def test_derived_facts_on_the_debian_kernel(debian_kernel) -> None:
+    from ksim.image import load_kallsyms
+
+    vmlinux = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
+    store = stores.store_for(vmlinux, build_missing=False) or analyze_image(vmlinux)
+    use(vmlinux, store)
+    n_clob, n_live = _same(vmlinux, store, vmlinux.functions[::10])
+    assert n_clob > 4000 and n_live > 2 * n_clob, (n_clob, n_live)
+
+
+def test_a_changed_callee_turns_derived_facts_off() -> None:
+    """An image read through a reader (a running kernel's kind): once a callee's
+    bytes change, its callers' derived clobbers and live sets are not used, and
+    the answers are those of the new bytes; the callee's unchanged neighbours keep
+    theirs."""
+    path = kernels()[0]
+    base = load_image(path)
+    text = {s.address: bytearray(s.data) for s in base.sections if s.data}
+
+    def read(addr: int, size: int) -> bytes:
+        for start, data in text.items():
+            if start <= addr and addr + size <= start + len(data):
+                return bytes(data[addr - start:addr - start + size])
+        raise KsimError(f"nothing at {addr:#x}")
+
+    image = Image(base.path, base.arch, base.module, base.sections, base.symbols,
+                  reader=read, identity=b"test-derived")
+    store = analyze_image(image, save=False)
+    support = support_for(image.arch)
+    # a caller whose callee writes no caller-saved register beyond the arguments
+    # the caller could see clobbered; then make the callee write one more
+    pick = None
+    for func in image.functions:
+        i = store.index_of(func)
+        if i is None or not store._arrays["derived"][i] & 1:
+            continue
+        callees = [image.function_at(t) for t in store.summary(func)[2]]
+        for callee in callees:
+            if callee is None or store.summary(callee) is None:
+                continue
+            free = support.convention.caller_saved - clobbers.function_clobbers(image, support, callee)
+            if "r11" in free and callee.size >= 2 and store.summary(callee)[2] == ():
+                pick = func, callee
+                break
+        if pick:
+            break
+    assert pick is not None
+    caller, callee = pick
+    before = store.clobbers(image, caller)
+    assert before is not None and "r11" not in clobbers.function_clobbers(image, support, callee)
+    # `xor %r11d,%r11d` (45 31 db) over the callee's first three bytes: it now writes r11
+    at = callee.address
+    for start, data in text.items():
+        if start <= at < start + len(data):
+            data[at - start:at - start + 3] = b"\x45\x31\xdb"
+    fresh = Store(image, store.key, store._arrays, store._meta)   # no answer kept yet
+    use(image, fresh)
+    clobbers._CACHE.pop(image, None)
+    clobbers._SUMMARIES.pop(image, None)
+    assert not fresh.settled(image, caller)
+    # settled, for every function, is whether everything it reaches is current
+    for func in image.functions:
+        seen, work, current = set(), [func], True
+        while work:
+            f = work.pop()
+            if f.address in seen:
+                continue
+            seen.add(f.address)
+            if fresh._current(f) is None:
+                current = False
+                break
+            _own, _worst, calls_out, jumps_out = fresh.summary(f)
+            work += [c for t in calls_out if (c := image.function_at(t)) is not None and c.address == t]
+            work += [c for t in jumps_out if (c := image.function_at(t)) is not None]
+        assert fresh.settled(image, func) == current, func.name
+    assert fresh.clobbers(image, caller) is None and fresh.head_live(image, caller, caller.address) is None
+    assert "r11" in clobbers.function_clobbers(image, support, caller)
