@@ -27,17 +27,17 @@ FUNC = "__x64_sys_getppid"
 def requests(t: LiveTarget) -> Iterator[Counter[str]]:
     """The requests ``t`` sends while inside, by op (its own connection's log)."""
     seen: Counter[str] = Counter()
-    send = t.conn.request
+    send = t.conn.send
 
     def counted(op: str, *args, **kwargs):
         seen[op] += 1
         return send(op, *args, **kwargs)
 
-    t.conn.request = counted  # type: ignore[method-assign]
+    t.conn.send = counted  # type: ignore[method-assign]
     try:
         yield seen
     finally:
-        del t.conn.request
+        del t.conn.send
 
 
 def test_capabilities_are_declared(target: LiveTarget) -> None:
@@ -165,6 +165,30 @@ def test_freed_init_code_is_refused_before_it_is_read(testbed: dict) -> None:
         assert seen == Counter(hazard_table=1), seen
     finally:
         m.detach()
+
+
+def test_requests_sent_ahead_are_answered_in_order(target: LiveTarget) -> None:
+    """Requests sent without waiting (Connection.send) are answered one by one, in
+    order: collecting a later one keeps the earlier replies for their own collect,
+    a refused request's error comes at its own collect and nowhere else, and a
+    reply is given once."""
+    from ksim.errors import ProtocolError
+
+    conn = target.conn
+    info = conn.send("info")
+    bad = conn.send("read", address=0, size=8)
+    again = conn.send("lookup", name=FUNC)
+    assert int(conn.collect(again)["address"]) == target.lookup(FUNC)
+    assert conn.collect(info)["kernel"] == target.info["kernel"]
+    with pytest.raises(KsimError):
+        conn.collect(bad)
+    with pytest.raises(ProtocolError, match="waiting"):
+        conn.collect(bad)
+    # deferred digests are read when one of them is first asked for, or before the
+    # next request's reply
+    func = target.image.function(FUNC)
+    target.prefetch_digests([(func.address, func.size)])
+    assert target.known_digest(func.address, func.size) is not None
 
 
 def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None:

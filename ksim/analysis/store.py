@@ -60,7 +60,7 @@ import threading
 import weakref
 from array import array
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate
 from operator import attrgetter
 from pathlib import Path
 from typing import Any, overload
@@ -272,12 +272,14 @@ class Store:
     def reach(self, image: Image, funcs: Iterable[Function],
               known: Container[int] = frozenset()) -> list[Function]:
         """``funcs`` and every function they call or jump into, transitively, as the
-        records say, without reading anything (a function without a good record ends
-        the walk): what analysing ``funcs`` reads, their callees' clobbers included,
-        to be read ahead of it.  The walk does not enter the functions at ``known``
-        addresses (their reach was found before), nor gives them."""
+        records say (the clobber analysis's edges, ``succ``), without reading
+        anything (a function without a good record ends the walk): what analysing
+        ``funcs`` reads, their callees' clobbers included, to be read ahead of it.
+        The walk does not enter the functions at ``known`` addresses (their reach was
+        found before), nor gives them."""
         a = self._arrays
-        calls, jumps = self._offsets["n_calls_out"], self._offsets["n_jumps_out"]
+        succ, at = a["succ"], self._offsets["n_succ"]
+        functions = image.functions
         seen: dict[int, Function] = {}
         work = list(funcs)
         while work:
@@ -288,11 +290,7 @@ class Store:
             i = self.index_of(func)
             if i is None or a["status"][i] != _OK:
                 continue
-            for target in chain(a["calls_out"][calls[i]:calls[i + 1]],
-                                a["jumps_out"][jumps[i]:jumps[i + 1]]):
-                callee = image.function_at(target)
-                if callee is not None and callee.address == target and target not in seen:
-                    work.append(callee)
+            work += [functions[k] for k in succ[at[i]:at[i + 1]]]
         return list(seen.values())
 
     def summary(self, func: Function) -> tuple[frozenset[str], bool, tuple[int, ...], tuple[int, ...]] | None:

@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import threading
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
@@ -115,6 +116,10 @@ class Connection:
                  token: bytes | None = None, timeout: float = 30.0) -> None:
         self.host, self.port, self.timeout = host, port, timeout
         self._ids = itertools.count(1)
+        # requests sent whose replies are not read yet, oldest first (kerninstd answers
+        # a connection's requests one by one, in order), and replies read early
+        self._outstanding: deque[int] = deque()
+        self._early: dict[int, dict[str, Any]] = {}
         if token is None:  # before connecting: a token file that is no token sends nothing
             token = read_token(token_file)
         try:
@@ -173,14 +178,30 @@ class Connection:
         return b"".join(chunks)
 
     def request(self, op: str, reply_timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        return self.collect(self.send(op, **args), reply_timeout)
+
+    def send(self, op: str, **args: Any) -> int:
+        """Send a request without waiting for its reply (collect() gives it): the
+        daemon works on it while the client goes on.  Its id."""
         request_id = next(self._ids)
         self.send_raw(wire.encode({"v": wire.VERSION, "id": request_id, "op": op, **args}))
-        reply = self.recv_reply(reply_timeout)
-        if reply.get("id") is None:  # the daemon's word on the connection (evicted, timed out)
-            wire.raise_for(reply)
-        if reply.get("id") != request_id:
-            raise ProtocolError(f"reply id {reply.get('id')} to request {request_id}")
-        return wire.raise_for(reply)
+        self._outstanding.append(request_id)
+        return request_id
+
+    def collect(self, request_id: int, reply_timeout: float | None = None) -> dict[str, Any]:
+        """The reply to the request ``request_id`` sent; the replies to the requests
+        sent before it are read first and kept for their own collect()."""
+        while request_id not in self._early:
+            if not self._outstanding:
+                raise ProtocolError(f"no request {request_id} is waiting for its reply")
+            reply = self.recv_reply(reply_timeout)
+            if reply.get("id") is None:  # the daemon's word on the connection (evicted, timed out)
+                wire.raise_for(reply)
+            expected = self._outstanding.popleft()
+            if reply.get("id") != expected:
+                raise ProtocolError(f"reply id {reply.get('id')} to request {expected}")
+            self._early[expected] = reply
+        return wire.raise_for(self._early.pop(request_id))
 
 
 def request_keep(conn: Connection, keep: bool, name: str | None) -> str | None:
@@ -268,6 +289,19 @@ class KprobeCounter:
 PROGRESS_PERIOD = 0.2
 
 
+def _row_parts(rows: list[tuple[int, int]], most: int) -> Iterator[list[tuple[int, int]]]:
+    """(address, length) ``rows`` cut into as few requests' tables as the protocol
+    allows: MAX_RANGES rows and ``most`` bytes each."""
+    i = 0
+    while i < len(rows):
+        j, total = i, 0
+        while j < len(rows) and j - i < wire.MAX_RANGES and total + rows[j][1] <= most:
+            total += rows[j][1]
+            j += 1
+        yield rows[i:j]
+        i = j
+
+
 class LiveTarget:
     """ksim's Target protocol over a kerninstd connection."""
 
@@ -282,6 +316,9 @@ class LiveTarget:
         self._ahead: list[bytes] = []
         # ... and the digests of ranges a batch checks but need not read (prefetch_digests)
         self._digests: dict[tuple[int, int], int] = {}
+        # ... asked for, their replies not read yet: (request id, its rows), and the rows
+        self._digest_requests: list[tuple[int, list[tuple[int, int]]]] = []
+        self._digests_due: set[tuple[int, int]] = set()
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
@@ -444,34 +481,53 @@ class LiveTarget:
         would read it, without reading it (kerninstd's ``digests``): whether a
         function is still the bytes its analysis record was made from, for the
         functions a batch's callees reach, is some MB of text that need not cross the
-        wire.  Ranges read ahead already, or known, are not asked again."""
+        wire.  Ranges read ahead already, or known, are not asked again.
+
+        The requests are sent, and their replies read when one of their digests is
+        first asked for (known_digest) or another request's reply is: the daemon
+        digests while the client analyses the batch's own functions."""
         todo = sorted({(int(a), int(n)) for a, n in ranges
-                       if 0 < n <= wire.MAX_READ and (a, n) not in self._digests})
-        for part, reply in self._by_rows("digests", todo, wire.MAX_DIGESTED):
-            if reply is None:
-                return  # a kerninstd from before digests: the image reads the bytes
+                       if 0 < n <= wire.MAX_READ and (a, n) not in self._digests
+                       and (a, n) not in self._digests_due})
+        for part in _row_parts(todo, wire.MAX_DIGESTED):
+            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
+            self._digest_requests.append((self.conn.send("digests", ranges=table.hex(),
+                                                         kernel=True), part))
+            self._digests_due.update(part)
+
+    def _collect_digests(self) -> None:
+        """The replies to the digests requests sent (prefetch_digests), all of them."""
+        sent, self._digest_requests = self._digest_requests, []
+        self._digests_due = set()
+        error: KsimError | None = None
+        for request_id, part in sent:
+            try:
+                reply = self.conn.collect(request_id)
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    error = error or exc
+                continue    # a kerninstd from before digests: the image reads the bytes
+            except KsimError as exc:
+                error = error or exc
+                continue
             data = bytes.fromhex(reply["digests"])
             if len(data) != wire.DIGEST * len(part):
-                raise ProtocolError(f"digests: {len(data)} bytes for {len(part)} rows")
+                error = error or ProtocolError(f"digests: {len(data)} bytes for {len(part)} rows")
+                continue
             failed = set(reply.get("failed", ()))
             for k, r in enumerate(part):
                 if k not in failed:     # an unreadable range is read as asked, later
                     self._digests[r] = int.from_bytes(data[k * wire.DIGEST:(k + 1) * wire.DIGEST],
                                                       "little")
+        if error is not None:
+            raise error
 
     def _by_rows(self, op: str, rows: list[tuple[int, int]], most: int
                  ) -> Iterator[tuple[list[tuple[int, int]], dict[str, Any] | None]]:
-        """``op`` (read_ranges, digests) over the (address, length) ``rows`` in as few
-        requests as the protocol allows (MAX_RANGES rows, ``most`` bytes each): each
-        request's rows and reply; None for the reply of a kerninstd without the op
-        (then no more)."""
-        i = 0
-        while i < len(rows):
-            j, total = i, 0
-            while j < len(rows) and j - i < wire.MAX_RANGES and total + rows[j][1] <= most:
-                total += rows[j][1]
-                j += 1
-            part = rows[i:j]
+        """``op`` (read_ranges) over the (address, length) ``rows`` in as few requests
+        as the protocol allows (_row_parts): each request's rows and reply; None for
+        the reply of a kerninstd without the op (then no more)."""
+        for part in _row_parts(rows, most):
             table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
             try:
                 reply = self._request(op, ranges=table.hex(), kernel=True)
@@ -481,12 +537,13 @@ class LiveTarget:
                 yield part, None
                 return
             yield part, reply
-            i = j
 
     def known_digest(self, address: int, size: int) -> int | None:
         """The digest prefetch_digests learnt of exactly this range, as the image reads
         it; None when it was not asked, or this client has poked a byte of it since
         (the image reads that byte as it was before)."""
+        if self._digest_requests and (address, size) in self._digests_due:
+            self._collect_digests()
         found = self._digests.get((address, size))
         if found is not None and self._original and any(
                 a in self._original for a in range(address, address + size)):

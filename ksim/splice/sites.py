@@ -82,10 +82,12 @@ BLACKLIST_FUNCTIONS = (
 #: asks a running kernel about text ranges (address, length): the hazard names of each
 HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
 
-#: bytes of a function's start a batch asks the kernel about ahead (asking_ahead):
-#: where an entry point's window lies -- past a 5-byte ftrace location, a jump's
-#: bytes, and the whole instructions it displaces (up to 15 bytes each)
-HEAD = 48
+#: bytes of a function's start whose instructions a batch asks the kernel about ahead
+#: (asking_ahead): those an entry point's window starts in -- past an endbr64 and a
+#: 5-byte ftrace location (arm64: two instructions), the instructions a jump's bytes
+#: displace.  An instruction starting further in is asked about, with the rest of
+#: its function, when a point needs it
+HEAD = 24
 #: record views kept (_view): a point's liveness and its function's FunctionCode are
 #: kept apart, so a view is needed only while its function is first looked at
 VIEWS = 4096
@@ -418,6 +420,11 @@ class SiteFacts:
             # question found is no text: nothing of a gone function is read)
             here = [f for f in funcs if self.gone(f) is None]
             self.image.prefetch(self._read_ahead(here))
+            # the digests come last, and the kernel's tables (which the first hazards
+            # read) before them: the daemon digests while the functions are analysed
+            # (a target may answer a request after the client has gone on)
+            if here:
+                _ = self.image.tables
             self.image.prefetch_digests(self._checked_ahead(kept, here))
         if outer:
             yield
