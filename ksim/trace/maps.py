@@ -53,6 +53,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 from ksim.snippets import ast
@@ -539,6 +540,12 @@ class MapLayout:
 
 def key_words(kinds: Sequence[str]) -> int:
     """Words a key of these kinds is held in."""
+    return _key_words(tuple(kinds))
+
+
+@lru_cache(maxsize=4096)
+def _key_words(kinds: tuple[str, ...]) -> int:
+    # a program has a few key shapes, asked about at every probe's every access
     return sum(width(k) for k in kinds)
 
 
