@@ -37,6 +37,7 @@ import weakref
 from dataclasses import dataclass
 
 from ksim.analysis.abi import ArchSupport
+from ksim.analysis.scc import components
 from ksim.errors import TargetFault
 from ksim.image.image import Image
 from ksim.image.model import Function
@@ -147,57 +148,27 @@ def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str]
 
 
 def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, frozenset[str]]) -> None:
-    """Tarjan's strongly connected components over the functions ``root`` reaches,
-    memoising the clobbers of every one of them."""
+    """The strongly connected components of the functions ``root`` reaches (callees
+    first), memoising the clobbers of every one of them."""
     cc = support.convention
-    index: dict[int, int] = {}
-    low: dict[int, int] = {}
     base: dict[int, set[str]] = {}
-    succs: dict[int, list[Function]] = {}
-    stack: list[int] = []
-    on_stack: set[int] = set()
+    succs: dict[int, list[int]] = {}
+    functions = {root.address: root}
 
-    def enter(func: Function) -> None:
-        a = func.address
-        index[a] = low[a] = len(index)
-        base[a], succs[a] = _edges(image, support, func)
-        stack.append(a)
-        on_stack.add(a)
+    def successors(a: int) -> list[int]:
+        base[a], callees = _edges(image, support, functions[a])
+        for callee in callees:
+            functions.setdefault(callee.address, callee)
+        succs[a] = [c.address for c in callees]
+        return succs[a]
 
-    enter(root)
-    frames: list[tuple[int, int]] = [(root.address, 0)]  # (function, next successor)
-    while frames:
-        a, i = frames[-1]
-        if i < len(succs[a]):
-            frames[-1] = (a, i + 1)
-            b = succs[a][i].address
-            if b in memo:
-                continue
-            if b not in index:
-                enter(succs[a][i])
-                frames.append((b, 0))
-            elif b in on_stack:
-                low[a] = min(low[a], index[b])
-            continue
-        frames.pop()
-        if frames:
-            parent = frames[-1][0]
-            low[parent] = min(low[parent], low[a])
-        if low[a] != index[a]:
-            continue
-        members = []
-        while True:
-            m = stack.pop()
-            on_stack.discard(m)
-            members.append(m)
-            if m == a:
-                break
+    for members in components(root.address, successors, memo):
         written: set[str] = set()
         for m in members:
             written |= base[m]
             for callee in succs[m]:
-                if callee.address in memo:
-                    written |= memo[callee.address]
+                if callee in memo:
+                    written |= memo[callee]
         if len(members) > 1:
             written |= cc.caller_saved  # a cycle: the convention's worst
         result = frozenset(written - {cc.stack_reg})

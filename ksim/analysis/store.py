@@ -69,6 +69,7 @@ from ksim.analysis.abi import support_for
 from ksim.analysis.cfg import JumpTable
 from ksim.analysis.compact import Compact
 from ksim.analysis.points import FunctionPoints
+from ksim.analysis.scc import components
 from ksim.errors import KsimError
 from ksim.image.image import Image
 from ksim.image.model import Function
@@ -356,51 +357,11 @@ class Store:
             return found
         functions = image.functions
         succ, at = self._arrays["succ"], self._offsets["n_succ"]
-        index: dict[int, int] = {}
-        low: dict[int, int] = {}
-        good: dict[int, bool] = {}
-        stack: list[int] = []
-        on_stack: set[int] = set()
-
-        def enter(i: int) -> None:
-            index[i] = low[i] = len(index)
-            good[i] = self._current_at(i, functions[i])
-            stack.append(i)
-            on_stack.add(i)
-
-        enter(root)
-        frames = [(root, at[root])]     # (function, its next edge in ``succ``)
-        while frames:
-            x, k = frames[-1]
-            if k < at[x + 1]:
-                frames[-1] = (x, k + 1)
-                y = succ[k]
-                if y in memo:
-                    good[x] = good[x] and memo[y]
-                elif y not in index:
-                    enter(y)
-                    frames.append((y, at[y]))
-                elif y in on_stack:
-                    low[x] = min(low[x], index[y])
-                continue
-            frames.pop()
-            if frames:
-                parent = frames[-1][0]
-                low[parent] = min(low[parent], low[x])
-            if low[x] != index[x]:
-                continue
-            members = []
-            while True:
-                m = stack.pop()
-                on_stack.discard(m)
-                members.append(m)
-                if m == x:
-                    break
-            ok = all(good[m] for m in members)
+        for members in components(root, lambda i: succ[at[i]:at[i + 1]], memo):
+            ok = all(self._current_at(m, functions[m]) for m in members) and all(
+                memo.get(c, True) for m in members for c in succ[at[m]:at[m + 1]])
             for m in members:
                 memo[m] = ok
-            if frames and not ok:
-                good[frames[-1][0]] = False     # it reaches a component that is not settled
         return memo[root]
 
     def _derived_set(self, mask: int) -> frozenset[str]:
