@@ -176,6 +176,15 @@ class Instructions(Sequence[Insn]):
         n = len(sizes)
         return [(a, sizes[i] if i < n else 1) for i, a in enumerate(self.addresses)]
 
+    def size_at(self, address: int) -> int | None:
+        """The size of the instruction at ``address`` (None: no instruction starts
+        there), none decoded."""
+        i = bisect.bisect_left(self.addresses, address)
+        if i == len(self.addresses) or self.addresses[i] != address:
+            return None
+        sizes = self._comp.sizes
+        return sizes[i] if i < len(sizes) else 1
+
     def upto(self, end: int) -> Instructions:
         """The instructions that start before ``end`` (the same decoded objects)."""
         n = bisect.bisect_left(self.addresses, end)

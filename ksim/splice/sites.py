@@ -299,28 +299,42 @@ class SiteFacts:
         (_KernelHazards): a batch of entries asks about its functions' first bytes
         only, in one question (asking_ahead).  Instructions decoded on demand
         (ksim.analysis.record.Instructions) are not decoded for it."""
-        spans = insns.spans() if isinstance(insns, Instructions) else [(i.address, i.size) for i in insns]
-        static = self._static_hazards(spans)
-        if self._ask is None or not spans:
-            return static
-        return _KernelHazards(self, dict(spans), static)
+        if isinstance(insns, Instructions):
+            # a function seen through its record: sizes looked up, no list of them made
+            if not len(insns):
+                return {}
+            starts: Sequence[int] = insns.addresses
+            size_at: Callable[[int], int | None] = insns.size_at
+            spans: Callable[[], list[tuple[int, int]]] = insns.spans
+        else:
+            if not insns:
+                return {}
+            starts = [i.address for i in insns]
+            size_at = {i.address: i.size for i in insns}.get
 
-    def _static_hazards(self, spans: Sequence[tuple[int, int]]) -> dict[int, frozenset[str]]:
-        """The image's tables' and ksim's own reasons for each (address, size)
-        instruction, the instructions end to end (no question to the kernel): each
-        table entry, blacklisted start and static-call range found once for the span
-        and given to the instruction holding it, not looked for instruction by
+            def spans() -> list[tuple[int, int]]:
+                return [(i.address, i.size) for i in insns]
+        last = starts[-1]
+        static = self._static_hazards(starts, last + (size_at(last) or 1))
+        if self._ask is None:
+            return static
+        return _KernelHazards(self, size_at, spans, static)
+
+    def _static_hazards(self, starts: Sequence[int], hi: int) -> dict[int, frozenset[str]]:
+        """The image's tables' and ksim's own reasons for each instruction at
+        ``starts`` (in order, end to end up to ``hi``; no question to the kernel):
+        each table entry, blacklisted start and static-call range found once for the
+        span and given to the instruction holding it, not looked for instruction by
         instruction."""
         out: dict[int, frozenset[str]] = {}
-        if not spans:
+        if not starts:
             return out
-        lo, hi = spans[0][0], spans[-1][0] + spans[-1][1]
+        lo = starts[0]
         refs = self.image.tables.refs_at(lo, hi)
         black = self._blacklist_meets(lo, hi)
         calls = [(a, b) for a, b in self.static_call_text if a < hi and lo < b]
         if not refs and not black and not calls:
             return out   # most functions touch no table entry, blacklist or static call
-        starts = [a for a, _ in spans]
         found: dict[int, set[str]] = {}
         for address, kinds in refs:
             k = bisect.bisect_right(starts, address) - 1
@@ -643,12 +657,14 @@ class _KernelHazards(Mapping[int, frozenset[str]]):
     batch's question if it covered it (SiteFacts.asking_ahead), else for every
     instruction of the function not known yet, in one question."""
 
-    __slots__ = ("_facts", "_spans", "_static", "_kernel", "_complete")
+    __slots__ = ("_facts", "_size_at", "_spans", "_static", "_kernel", "_complete")
 
-    def __init__(self, facts: SiteFacts, spans: dict[int, int],
+    def __init__(self, facts: SiteFacts, size_at: Callable[[int], int | None],
+                 spans: Callable[[], list[tuple[int, int]]],
                  static: dict[int, frozenset[str]]) -> None:
-        # spans: each instruction's address -> its size
-        self._facts, self._spans, self._static = facts, spans, static
+        # size_at: an instruction's size by its address (None: none there); spans:
+        # every instruction's (address, size), made only when all are asked about
+        self._facts, self._size_at, self._spans, self._static = facts, size_at, spans, static
         self._kernel: dict[int, frozenset[str]] = {}
         self._complete = False
 
@@ -658,14 +674,14 @@ class _KernelHazards(Mapping[int, frozenset[str]]):
             return
         facts = self._facts
         if address is not None:
-            size = self._spans.get(address)
+            size = self._size_at(address)
             if size is None:
                 return  # not an instruction of this function: nothing to ask
             found = facts.asked_ahead([(address, size)])
             if found is not None:
                 self._kernel[address] = found[0]
                 return
-        ranges = [(a, n) for a, n in self._spans.items() if a not in self._kernel]
+        ranges = [(a, n) for a, n in self._spans() if a not in self._kernel]
         assert facts._ask is not None
         answers = facts.asked_ahead(ranges) or facts._ask(ranges)
         self._kernel.update(zip((a for a, _ in ranges), answers, strict=True))
