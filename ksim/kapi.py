@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ksim.analysis.points import Point, PointKind
+from ksim.analysis.store import flush as flush_store
 from ksim.analysis.store import for_batch
 from ksim.arch.base import Arch, CallOperand
 from ksim.core import Write
@@ -182,6 +183,8 @@ class Manager:
         finally:
             self._detached = True
             self.target.close()
+            # what this process learnt of the image's functions, for the next one
+            flush_store(self.target.image)
 
     def __enter__(self) -> Manager:
         return self

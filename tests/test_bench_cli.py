@@ -19,7 +19,12 @@ pytestmark = [pytest.mark.live, pytest.mark.slow]
 
 
 def _check_ksim_rows(rows: list[dict]) -> None:
-    ksim = {r["case"]: r for r in rows if r["tool"] == "ksim trace"}
+    for tool in ("ksim trace", "ksim trace, again"):
+        _check_ksim_tool(rows, tool)
+
+
+def _check_ksim_tool(rows: list[dict], tool: str) -> None:
+    ksim = {r["case"]: r for r in rows if r["tool"] == tool}
     assert list(ksim) == list(cli.QUICK_CASES)
     for r in ksim.values():
         assert r["status"] == "ok", r

@@ -1,15 +1,18 @@
-"""What an analysis store derives over each function's reach when it is made -- the
-registers the function or its callees may write, and the registers live before
-its first instructions -- is what analysing the function now gives: compared
-against the clobber analysis's own walk and the object path's liveness, on every
-function of the test kernels and every 10th of Debian's x86-64 vmlinux.  On an
-image read from a running kernel, a derived fact is used only while everything
-it depends on has the bytes it was made from: a callee whose code changed turns
-it off, and the answer is the changed code's."""
+"""What an analysis store keeps of each function beyond its record is what analysing
+the function now gives: the registers it or its callees may write (derived over the
+whole image when the store is made), and the registers live before its first
+instructions and where its code ends (learnt by a batch, saved for the next
+process).  Compared against the clobber analysis's own walk and the object path's
+liveness, after a save and a load, on every function of the test kernels and every
+10th of Debian's x86-64 vmlinux.  On an image read from a running kernel, what the
+store keeps is used only while everything it depends on has the bytes it was made
+from: a callee whose code changed turns it off, and the answer is the changed
+code's."""
 
 from __future__ import annotations
 
 from array import array
+from pathlib import Path
 
 import pytest
 from analysis_kernel import kernels
@@ -17,6 +20,7 @@ from analysis_kernel import kernels
 from ksim.analysis import analyze, clobbers
 from ksim.analysis import store as stores
 from ksim.analysis.abi import support_for
+from ksim.analysis.points import Point, PointKind
 from ksim.analysis.store import HEAD_LIVE, Store, analyze_image, use
 from ksim.arch import get_arch
 from ksim.errors import KsimError
@@ -26,13 +30,36 @@ from ksim.splice.sites import SiteFacts
 
 def _without_derived(image: Image, store: Store) -> Image:
     """A second image of the same bytes whose store has the same records and nothing
-    derived: its answers are computed, not looked up."""
+    derived or learnt: its answers are computed, not looked up."""
     twin = Image(image.path, image.arch, image.module, image.sections, image.symbols,
                  build_id=image.build_id)
-    arrays = dict(store._arrays)
-    arrays["derived"] = array("B", bytes(len(image.functions)))    # nothing derived
+    arrays = {name: array(a.typecode, a) for name, a in store._arrays.items()}
+    arrays["derived"] = array("B", bytes(len(image.functions)))    # nothing kept
     use(twin, Store(twin, store.key, arrays, store._meta))
     return twin
+
+
+def _learnt(image: Image, store: Store, funcs, where: Path) -> Store:
+    """``store`` after a batch over ``funcs`` (each entry's liveness and code end
+    asked for), saved to ``where`` and loaded again for ``image``."""
+    derived = store._arrays["derived"]
+    for i, flags in enumerate(derived):     # nothing learnt before (a store from disk may have)
+        derived[i] = flags & stores._CLOB
+    use(image, store)
+    facts = SiteFacts(image, get_arch(image.arch))
+    for func in funcs:
+        try:
+            facts.function_code(func)
+            facts.live_at(Point(func.address, PointKind.ENTRY, func.name))
+        except KsimError:
+            continue
+    assert store._learnt
+    store.path = where
+    stores.flush(image)
+    loaded = Store.load(where, image)
+    assert loaded is not None and not store._learnt
+    use(image, loaded)
+    return loaded
 
 
 def _same(image: Image, store: Store, funcs) -> tuple[int, int]:
@@ -63,27 +90,27 @@ def _same(image: Image, store: Store, funcs) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("path", kernels(), ids=lambda p: p.rsplit("/", 1)[-1])
-def test_derived_facts_are_the_analysis(path: str) -> None:
+def test_derived_facts_are_the_analysis(path: str, tmp_path: Path) -> None:
     image = load_image(path)
-    store = analyze_image(image, save=False)
+    store = _learnt(image, analyze_image(image, save=False), image.functions, tmp_path / "s.ksa")
     n_clob, n_live = _same(image, store, image.functions)
     ok = sum(1 for s in store._arrays["status"] if s == 0)
     assert n_clob == ok and n_live >= 0.7 * ok, (n_clob, n_live, ok)
 
 
-def test_derived_facts_on_the_debian_kernel(debian_kernel) -> None:
+def test_derived_facts_on_the_debian_kernel(debian_kernel, tmp_path: Path) -> None:
     from ksim.image import load_kallsyms
 
     vmlinux = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
     store = stores.store_for(vmlinux, build_missing=False) or analyze_image(vmlinux)
-    use(vmlinux, store)
+    store = _learnt(vmlinux, store, vmlinux.functions[::10], tmp_path / "s.ksa")
     n_clob, n_live = _same(vmlinux, store, vmlinux.functions[::10])
     assert n_clob > 4000 and n_live > 2 * n_clob, (n_clob, n_live)
 
 
 def test_a_changed_callee_turns_derived_facts_off() -> None:
     """An image read through a reader (a running kernel's kind): once a callee's
-    bytes change, its callers' derived clobbers and live sets are not used, and
+    bytes change, its callers' derived clobbers and learnt live sets are not used, and
     the answers are those of the new bytes; the callee's unchanged neighbours keep
     theirs."""
     path = kernels()[0]
@@ -121,6 +148,9 @@ def test_a_changed_callee_turns_derived_facts_off() -> None:
     caller, callee = pick
     before = store.clobbers(image, caller)
     assert before is not None and "r11" not in clobbers.function_clobbers(image, support, callee)
+    use(image, store)
+    SiteFacts(image, get_arch(image.arch)).live_at(Point(caller.address, PointKind.ENTRY, caller.name))
+    assert store.head_live(image, caller, caller.address) is not None     # learnt
     # `xor %r11d,%r11d` (45 31 db) over the callee's first three bytes: it now writes r11
     at = callee.address
     for start, data in text.items():

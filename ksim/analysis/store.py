@@ -102,10 +102,12 @@ _COUNTED_BY = {"sizes": "n_insns", "codes": "n_insns", "targets": "n_targets", "
                "jumps_out": "n_jumps_out"}
 _OK, _FAILED = 0, 1
 #: what the store derives over each function's reach once every record is made
-#: (:func:`_derive`): the registers it and its callees may write (``clob``), and the
-#: registers live before each of its first HEAD_LIVE instructions (``live0``...),
-#: as masks over ``meta["derived_regs"]``; ``derived`` says which of them a function
-#: has (_CLOB, _LIVE bits)
+#: (:func:`_derive`): the registers it and its callees may write (``clob``); and
+#: what a batch learns of a function and keeps here for the next process
+#: (``learn_head``, ``learn_code_end``, saved by :func:`flush`): the registers live
+#: before each of its first HEAD_LIVE instructions (``live0``...) and where its code
+#: ends; register sets as masks over ``meta["derived_regs"]``; ``derived`` says which
+#: of them a function has (_CLOB, _LIVE, _END bits)
 HEAD_LIVE = 3
 _DERIVED = {"derived": "B", "clob": "Q", **{f"live{k}": "Q" for k in range(HEAD_LIVE)},
             "code_end": "I", "n_succ": "I"}
@@ -225,6 +227,9 @@ class Store:
         self._derived_names: dict[int, frozenset[str]] = {}
         #: functions whose whole reach has current records (settled), or not
         self._settled: dict[int, bool] = {}
+        #: where the store is kept (None: nowhere), and whether it learnt since
+        self.path: Path | None = None
+        self._learnt = False
 
     # --- one function ----------------------------------------------------------------
     def index_of(self, func: Function) -> int | None:
@@ -317,9 +322,9 @@ class Store:
 
     def head_live(self, image: Image, func: Function, address: int) -> frozenset[str] | None:
         """The registers live just before the instruction at ``address``, one of
-        ``func``'s first HEAD_LIVE, as derived when the store was made; None when it
-        is not one of them, or not every function ``func`` reaches has a current
-        record."""
+        ``func``'s first HEAD_LIVE, as a batch learnt them (learn_head); None when it
+        is not one of them, none was learnt, or not every function ``func`` reaches
+        has a current record."""
         i = self.index_of(func)
         if i is None or not self._arrays["derived"][i] & _LIVE:
             return None
@@ -333,10 +338,48 @@ class Store:
             at += sizes[offsets[i] + k]
         return None
 
+    def learn_head(self, image: Image, func: Function, live: Sequence[frozenset[str]]) -> None:
+        """Keep the registers live before ``func``'s first instructions (``live``, as
+        the analysis found them while everything ``func`` reaches was current:
+        ``settled``) for head_live, here and, once flushed, in the next process."""
+        i = self.index_of(func)
+        a = self._arrays
+        if i is None or a["derived"][i] & _LIVE or not self.settled(image, func):
+            return
+        offsets = self._offsets["n_insns"]
+        n = min(HEAD_LIVE, offsets[i + 1] - offsets[i])    # its instructions, no filler
+        if len(live) < n:
+            return
+        masks = [self._derived_mask(names) for names in live[:n]]
+        if any(m is None for m in masks):
+            return
+        for k, m in enumerate(masks):
+            a[f"live{k}"][i] = m
+        a["derived"][i] |= _LIVE
+        self._learnt = True
+
+    def learn_code_end(self, func: Function, end: int) -> None:
+        """Keep where ``func``'s code ends (RecordView.code_end of its current record)."""
+        i = self.index_of(func)
+        if i is None or self._arrays["derived"][i] & _END or not func.address <= end <= func.end:
+            return
+        self._arrays["code_end"][i] = end - func.address
+        self._arrays["derived"][i] |= _END
+        self._learnt = True
+
+    def _derived_mask(self, names: frozenset[str]) -> int | None:
+        out = 0
+        for name in names:
+            try:
+                out |= 1 << self._derived_regs.index(name)
+            except ValueError:
+                return None
+        return out
+
     def code_end(self, func: Function) -> int | None:
         """Where ``func``'s code ends (RecordView.code_end: before its trailing filler
-        no path reaches), as derived from its record -- which the caller has checked
-        is current (a view of it was made); None when nothing was derived."""
+        no path reaches), as learnt from its record -- which the caller has checked
+        is current (a view of it was made); None when nothing was learnt."""
         i = self.index_of(func)
         if i is None or not self._arrays["derived"][i] & _END:
             return None
@@ -441,6 +484,8 @@ class Store:
 
     def save(self, path: Path) -> None:
         """Write the store to ``path`` atomically (a temporary file, then rename)."""
+        self.path = path
+        self._learnt = False
         body = self.body()
         header = _HEADER.pack(_MAGIC, ANALYSIS_VERSION, self.key, len(body), _digest(body))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -464,7 +509,9 @@ class Store:
         except OSError:
             return None
         try:
-            return cls.from_bytes(data, image)
+            store = cls.from_bytes(data, image)
+            store.path = path
+            return store
         except (StoreError, ValueError, KeyError, TypeError, IndexError, struct.error,
                 UnicodeDecodeError, OverflowError):
             return None
@@ -577,7 +624,7 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     _successors(image, arrays)
     meta["derived_regs"] = sorted(support_for(image.arch).convention.all_regs)
     store = Store(source, image_key(source), arrays, meta)
-    _derive(store, image, jobs)
+    _derive(store, image)
     return store
 
 
@@ -604,12 +651,10 @@ def _successors(image: Image, a: dict[str, array]) -> None:
         a["n_succ"][i] = len(out)
 
 
-def _derive(store: Store, image: Image, jobs: int) -> None:
-    """Fill ``store``'s derived arrays from its records (``image`` is the frozen copy
-    they were made from): every function's clobbers, one Tarjan over the whole
-    image (clobbers.function_clobbers with the records as summaries), then the
-    registers live before its first HEAD_LIVE instructions (its RecordView, as
-    SiteFacts sees it), in ``jobs`` processes."""
+def _derive(store: Store, image: Image) -> None:
+    """Fill ``store``'s clobbers from its records (``image`` is the frozen copy they
+    were made from): one Tarjan over the whole image (clobbers.function_clobbers
+    with the records as summaries)."""
     from ksim.analysis import clobbers
 
     support = support_for(image.arch)
@@ -622,97 +667,11 @@ def _derive(store: Store, image: Image, jobs: int) -> None:
             store._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
             tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
     clobbers.prime(image, summaries)
-    bit = {r: 1 << k for k, r in enumerate(store._derived_regs)}
-
-    def mask(names: frozenset[str]) -> int | None:
-        out = 0
-        for name in names:
-            if name not in bit:
-                return None
-            out |= bit[name]
-        return out
-
     for i, f in enumerate(image.functions):
         if a["status"][i] == _OK:
-            m = mask(clobbers.function_clobbers(image, support, f))
+            m = store._derived_mask(clobbers.function_clobbers(image, support, f))
             if m is not None:
                 a["clob"][i], a["derived"][i] = m, _CLOB
-    parts = _parts(image, jobs * 6) if jobs > 1 and len(image.functions) > 64 else [(0, len(image.functions))]
-    global _WORK, _DERIVING
-    if jobs > 1 and len(parts) > 1 and _can_fork():
-        _WORK, _DERIVING = image, store
-        try:
-            with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
-                rows = pool.map(_head_live_forked, parts, chunksize=1)
-        finally:
-            _WORK = _DERIVING = None
-    else:
-        rows = [_head_live(store, image, lo, hi) for lo, hi in parts]
-    for (lo, _hi), found in zip(parts, rows, strict=True):
-        for i, (masks, end) in enumerate(found, start=lo):
-            if masks is not None:
-                for k, m in enumerate(masks):
-                    a[f"live{k}"][i] = m
-                a["derived"][i] |= _LIVE
-            if end is not None:
-                a["code_end"][i] = end
-                a["derived"][i] |= _END
-
-
-_DERIVING: Store | None = None  # the store forked workers derive facts of
-
-
-def _head_live_forked(part: tuple[int, int]) -> list[tuple[tuple[int, ...] | None, int | None]]:
-    assert _WORK is not None and _DERIVING is not None
-    return _head_live(_DERIVING, _WORK, *part)
-
-
-def _head_live(store: Store, image: Image, lo: int, hi: int
-               ) -> list[tuple[tuple[int, ...] | None, int | None]]:
-    """For functions ``lo`` to ``hi``: the masks of the registers live before their
-    first HEAD_LIVE instructions (None: a function without a view, or with a
-    register outside the derived set), and where their code ends, from their start
-    (RecordView.code_end; None without a view)."""
-    from ksim.analysis.clobbers import own_writes
-    from ksim.analysis.function import classify_target, standard_indirect
-    from ksim.analysis.record import view
-
-    support = support_for(image.arch)
-    a = store._arrays
-    bit = {r: 1 << k for k, r in enumerate(store._derived_regs)}
-    classified: dict[int, Any] = {}
-
-    def classify(target: int) -> Any:
-        found = classified.get(target)
-        if found is None:
-            found = classified[target] = classify_target(image, support, target)
-        return found
-
-    out: list[tuple[tuple[int, ...] | None, int | None]] = []
-    for i in range(lo, hi):
-        f = image.functions[i]
-        found = end = None
-        if a["status"][i] == _OK and a["derived"][i] & _CLOB:
-            seen = view(support, image.read(f.address, f.size), store._record(i, f), classify,
-                        lambda insn: standard_indirect(image, support, insn),
-                        support.convention.caller_saved - own_writes(image, support, f))
-            if seen is not None:
-                end = seen.code_end() - f.address
-                masks = []
-                for address in seen.addresses[:HEAD_LIVE]:
-                    m = 0
-                    for name in seen.live_before(address):
-                        if name not in bit:
-                            break
-                        m |= bit[name]
-                    else:
-                        masks.append(m)
-                        continue
-                    break
-                else:
-                    found = tuple(masks)
-        out.append((found, end))
-    return out
 
 
 def _can_fork() -> bool:
@@ -923,3 +882,15 @@ def analyze_image(image: Image, *, jobs: int | None = None, save: bool = True) -
 def use(image: Image, store: Store | None) -> None:
     """Pin the store ``image`` uses (None: none at all), whatever is on disk."""
     _STORES[image] = store
+
+
+def flush(image: Image) -> None:
+    """Save what ``image``'s store learnt (``learn_head``, ``learn_code_end``) where it
+    is kept, for the next process; nothing when it learnt nothing or is kept nowhere
+    (a read-only cache keeps it for this process only)."""
+    kept = _STORES.get(image)
+    if isinstance(kept, Store) and kept._learnt and kept.path is not None and enabled():
+        try:
+            kept.save(kept.path)
+        except OSError:
+            pass

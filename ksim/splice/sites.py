@@ -30,7 +30,7 @@ from ksim.analysis.function import FunctionAnalysis, analyze, classify_target, s
 from ksim.analysis.liveness import Target
 from ksim.analysis.points import Point, PointKind, is_padding
 from ksim.analysis.record import TAIL_KEPT, Instructions, RecordView, view
-from ksim.analysis.store import Store, store_for
+from ksim.analysis.store import HEAD_LIVE, Store, store_for
 from ksim.arch.base import Arch, Flow, Insn
 from ksim.errors import KsimError, OutsideText
 from ksim.image.image import merge_ranges
@@ -194,6 +194,9 @@ class SiteFacts:
                 live = kept.head_live(self.image, func, point.address) if kept is not None else None
                 if live is None:
                     live = seen.live_before(point.address)
+                    if kept is not None and point.address in seen.addresses[:HEAD_LIVE]:
+                        kept.learn_head(self.image, func, [seen.live_before(a) for a in
+                                                           seen.addresses[:HEAD_LIVE]])
             else:
                 live = self.analysis(point).live_at(point.address)
             self._live[point.address] = live
@@ -274,8 +277,11 @@ class SiteFacts:
         seen = self._view(func)
         if seen is not None:
             kept = store_for(self.image, build_missing=False)
-            derived = kept.code_end(func) if kept is not None else None
-            code_end = derived if derived is not None else seen.code_end()
+            code_end = kept.code_end(func) if kept is not None else None
+            if code_end is None:
+                code_end = seen.code_end()
+                if kept is not None:
+                    kept.learn_code_end(func, code_end)
         else:
             cfg = self.analysis(func).cfg
             code_end = func.end
