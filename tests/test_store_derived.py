@@ -1,8 +1,7 @@
-"""What an analysis store keeps of each function beyond its record is what analysing
-the function now gives: the registers it or its callees may write (derived over the
-whole image when the store is made), and the registers live before its first
-instructions and where its code ends (learnt by a batch, saved for the next
-process).  Compared against the clobber analysis's own walk and the object path's
+"""What an analysis store keeps of each function beyond its record -- learnt by a
+batch and saved for the next process -- is what analysing the function now gives:
+the registers it or its callees may write, the registers live before its first
+instructions and where its code ends.  Compared against the clobber analysis's own walk and the object path's
 liveness, after a save and a load, on every function of the test kernels and every
 10th of Debian's x86-64 vmlinux.  On an image read from a running kernel, what the
 store keeps is used only while everything it depends on has the bytes it was made
@@ -43,11 +42,14 @@ def _learnt(image: Image, store: Store, funcs, where: Path) -> Store:
     """``store`` after a batch over ``funcs`` (each entry's liveness and code end
     asked for), saved to ``where`` and loaded again for ``image``."""
     derived = store._arrays["derived"]
-    for i, flags in enumerate(derived):     # nothing learnt before (a store from disk may have)
-        derived[i] = flags & stores._CLOB
+    for i in range(len(derived)):     # nothing learnt before (a store from disk may have)
+        derived[i] = 0
     use(image, store)
+    clobbers._CACHE.pop(image, None)
+    support = support_for(image.arch)
     facts = SiteFacts(image, get_arch(image.arch))
     for func in funcs:
+        clobbers.function_clobbers(image, support, func)
         try:
             facts.function_code(func)
             facts.live_at(Point(func.address, PointKind.ENTRY, func.name))
@@ -127,6 +129,9 @@ def test_a_changed_callee_turns_derived_facts_off() -> None:
                   reader=read, identity=b"test-derived")
     store = analyze_image(image, save=False)
     support = support_for(image.arch)
+    use(image, store)
+    for func in image.functions:    # what a batch over every function learns
+        clobbers.function_clobbers(image, support, func)
     # a caller whose callee writes no caller-saved register beyond the arguments
     # the caller could see clobbered; then make the callee write one more
     pick = None

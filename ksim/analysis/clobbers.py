@@ -26,9 +26,9 @@ Only the caller-saved part of a function's clobbers is ever used (a callee-saved
 register comes back intact either way), so every function of a cycle gets the
 same answer, the union over the cycle.  The per-function inputs come from a
 :class:`Summary`, which an image's analysis store keeps for every function: no
-callee is decoded to answer.  The store also keeps every function's answer,
-derived when it was made: it is used while every function the answer depends on
-still has the bytes it was made from (``Store.settled``).
+callee is decoded to answer.  The store also keeps every answer found while every
+function it depends on had the bytes its record was made from, for the next
+process, and gives it back while that still holds (``Store.settled``).
 """
 
 from __future__ import annotations
@@ -109,18 +109,12 @@ def function_clobbers(image: Image, support: ArchSupport, func: Function) -> fro
 
         kept = store.store_for(image, build_missing=False)
         found = kept.clobbers(image, func) if kept is not None else None
-        if found is not None:   # derived when the store was made, its reach unchanged since
+        if found is not None:   # learnt by an earlier batch, its reach unchanged since
             memo[func.address] = found
             return found
         _solve(image, support, func, memo)
         found = memo[func.address]
     return found
-
-
-def prime(image: Image, summaries: dict[int, Summary]) -> None:
-    """Take ``summaries`` (function address -> Summary) as ``image``'s: a store being
-    made derives every function's clobbers from its records, not from the image."""
-    _SUMMARIES.setdefault(image, {}).update(summaries)
 
 
 def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str], list[Function]]:
@@ -150,10 +144,13 @@ def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str]
 def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, frozenset[str]]) -> None:
     """The strongly connected components of the functions ``root`` reaches (callees
     first), memoising the clobbers of every one of them."""
+    from ksim.analysis import store
+
     cc = support.convention
     base: dict[int, set[str]] = {}
     succs: dict[int, list[int]] = {}
     functions = {root.address: root}
+    kept = store.store_for(image, build_missing=False)
 
     def successors(a: int) -> list[int]:
         base[a], callees = _edges(image, support, functions[a])
@@ -174,3 +171,5 @@ def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, f
         result = frozenset(written - {cc.stack_reg})
         for m in members:
             memo[m] = result
+            if kept is not None:    # kept for the next process where nothing it reaches changed
+                kept.learn_clobbers(image, functions[m], result)

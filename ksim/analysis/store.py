@@ -101,13 +101,13 @@ _COUNTED_BY = {"sizes": "n_insns", "codes": "n_insns", "targets": "n_targets", "
                "bpoints": "n_bpoints", "calls": "n_calls", "calls_out": "n_calls_out",
                "jumps_out": "n_jumps_out"}
 _OK, _FAILED = 0, 1
-#: what the store derives over each function's reach once every record is made
-#: (:func:`_derive`): the registers it and its callees may write (``clob``); and
-#: what a batch learns of a function and keeps here for the next process
-#: (``learn_head``, ``learn_code_end``, saved by :func:`flush`): the registers live
-#: before each of its first HEAD_LIVE instructions (``live0``...) and where its code
-#: ends; register sets as masks over ``meta["derived_regs"]``; ``derived`` says which
-#: of them a function has (_CLOB, _LIVE, _END bits)
+#: what a batch learns of a function beyond its record and keeps here for the next
+#: process (``learn_clobbers``, ``learn_head``, ``learn_code_end``; saved by
+#: :func:`flush`): the registers it and its callees may write (``clob``), the
+#: registers live before each of its first HEAD_LIVE instructions (``live0``...) and
+#: where its code ends; register sets as masks over ``meta["derived_regs"]``;
+#: ``derived`` says which of them a function has (_CLOB, _LIVE, _END bits).  Made
+#: with the store: the index of every function each one calls or jumps into (``succ``)
 HEAD_LIVE = 3
 _DERIVED = {"derived": "B", "clob": "Q", **{f"live{k}": "Q" for k in range(HEAD_LIVE)},
             "code_end": "I", "n_succ": "I"}
@@ -313,8 +313,9 @@ class Store:
     # --- what the store derived over a function's reach ----------------------------------
     def clobbers(self, image: Image, func: Function) -> frozenset[str] | None:
         """The registers ``func`` or anything it reaches may write
-        (clobbers.function_clobbers), as derived when the store was made; None unless
-        every function it reaches has a current record (``settled``)."""
+        (clobbers.function_clobbers), as a batch learnt them (learn_clobbers); None
+        when none was learnt, or not every function it reaches has a current record
+        (``settled``)."""
         i = self.index_of(func)
         if i is None or not self._arrays["derived"][i] & _CLOB or not self.settled(image, func):
             return None
@@ -337,6 +338,20 @@ class Store:
                         if self.settled(image, func) else None)
             at += sizes[offsets[i] + k]
         return None
+
+    def learn_clobbers(self, image: Image, func: Function, written: frozenset[str]) -> None:
+        """Keep what ``func`` or anything it reaches may write (``written``, as the
+        clobber analysis found it while everything ``func`` reaches was current:
+        ``settled``) for clobbers(), here and, once flushed, in the next process."""
+        i = self.index_of(func)
+        a = self._arrays
+        if i is None or a["derived"][i] & _CLOB or not self.settled(image, func):
+            return
+        m = self._derived_mask(written)
+        if m is not None:
+            a["clob"][i] = m
+            a["derived"][i] |= _CLOB
+            self._learnt = True
 
     def learn_head(self, image: Image, func: Function, live: Sequence[frozenset[str]]) -> None:
         """Keep the registers live before ``func``'s first instructions (``live``, as
@@ -623,9 +638,7 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     arrays.update({name: array(code) for name, code in _DERIVED_DATA.items()})
     _successors(image, arrays)
     meta["derived_regs"] = sorted(support_for(image.arch).convention.all_regs)
-    store = Store(source, image_key(source), arrays, meta)
-    _derive(store, image)
-    return store
+    return Store(source, image_key(source), arrays, meta)
 
 
 def _successors(image: Image, a: dict[str, array]) -> None:
@@ -649,29 +662,6 @@ def _successors(image: Image, a: dict[str, array]) -> None:
         at_jump += jumps[i]
         a["succ"].extend(out)
         a["n_succ"][i] = len(out)
-
-
-def _derive(store: Store, image: Image) -> None:
-    """Fill ``store``'s clobbers from its records (``image`` is the frozen copy they
-    were made from): one Tarjan over the whole image (clobbers.function_clobbers
-    with the records as summaries)."""
-    from ksim.analysis import clobbers
-
-    support = support_for(image.arch)
-    a = store._arrays
-    worst = clobbers.Summary(frozenset(), True, (), ())
-    calls, jumps = store._offsets["n_calls_out"], store._offsets["n_jumps_out"]
-    summaries = {}
-    for i, f in enumerate(image.functions):
-        summaries[f.address] = worst if a["status"][i] != _OK else clobbers.Summary(
-            store._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
-            tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
-    clobbers.prime(image, summaries)
-    for i, f in enumerate(image.functions):
-        if a["status"][i] == _OK:
-            m = store._derived_mask(clobbers.function_clobbers(image, support, f))
-            if m is not None:
-                a["clob"][i], a["derived"][i] = m, _CLOB
 
 
 def _can_fork() -> bool:
