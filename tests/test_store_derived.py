@@ -57,7 +57,7 @@ def _learnt(image: Image, store: Store, funcs, where: Path) -> Store:
             continue
     assert store._learnt
     store.path = where
-    stores.flush(image)
+    stores.flush(image, least=1)
     loaded = Store.load(where, image)
     assert loaded is not None and not store._learnt
     use(image, loaded)
@@ -183,3 +183,19 @@ def test_a_changed_callee_turns_derived_facts_off() -> None:
         assert fresh.settled(image, func) == current, func.name
     assert fresh.clobbers(image, caller) is None and fresh.head_live(image, caller, caller.address) is None
     assert "r11" in clobbers.function_clobbers(image, support, caller)
+
+
+def test_a_few_facts_learnt_do_not_rewrite_the_store(tmp_path: Path) -> None:
+    """Saving the store again costs a command more than working a few functions' facts
+    out again costs the next one: under FLUSH_LEARNT facts, flush leaves the file."""
+    image = load_image(kernels()[0])
+    store = analyze_image(image, save=False)
+    use(image, store)
+    store.path = tmp_path / "s.ksa"
+    func = next(f for f in image.functions if store.index_of(f) is not None)
+    SiteFacts(image, get_arch(image.arch)).live_at(Point(func.address, PointKind.ENTRY, func.name))
+    assert 0 < store._learnt < stores.FLUSH_LEARNT
+    stores.flush(image)
+    assert not store.path.exists()
+    stores.flush(image, least=1)
+    assert Store.load(store.path, image) is not None and store._learnt == 0

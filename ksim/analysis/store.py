@@ -227,9 +227,9 @@ class Store:
         self._derived_names: dict[int, frozenset[str]] = {}
         #: functions whose whole reach has current records (settled), or not
         self._settled: dict[int, bool] = {}
-        #: where the store is kept (None: nowhere), and whether it learnt since
+        #: where the store is kept (None: nowhere), and the facts it learnt since
         self.path: Path | None = None
-        self._learnt = False
+        self._learnt = 0
 
     # --- one function ----------------------------------------------------------------
     def index_of(self, func: Function) -> int | None:
@@ -351,7 +351,7 @@ class Store:
         if m is not None:
             a["clob"][i] = m
             a["derived"][i] |= _CLOB
-            self._learnt = True
+            self._learnt += 1
 
     def learn_head(self, image: Image, func: Function, live: Sequence[frozenset[str]]) -> None:
         """Keep the registers live before ``func``'s first instructions (``live``, as
@@ -371,7 +371,7 @@ class Store:
         for k, m in enumerate(masks):
             a[f"live{k}"][i] = m
         a["derived"][i] |= _LIVE
-        self._learnt = True
+        self._learnt += 1
 
     def learn_code_end(self, func: Function, end: int) -> None:
         """Keep where ``func``'s code ends (RecordView.code_end of its current record)."""
@@ -380,7 +380,7 @@ class Store:
             return
         self._arrays["code_end"][i] = end - func.address
         self._arrays["derived"][i] |= _END
-        self._learnt = True
+        self._learnt += 1
 
     def _derived_mask(self, names: frozenset[str]) -> int | None:
         out = 0
@@ -500,7 +500,7 @@ class Store:
     def save(self, path: Path) -> None:
         """Write the store to ``path`` atomically (a temporary file, then rename)."""
         self.path = path
-        self._learnt = False
+        self._learnt = 0
         body = self.body()
         header = _HEADER.pack(_MAGIC, ANALYSIS_VERSION, self.key, len(body), _digest(body))
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -874,12 +874,20 @@ def use(image: Image, store: Store | None) -> None:
     _STORES[image] = store
 
 
-def flush(image: Image) -> None:
-    """Save what ``image``'s store learnt (``learn_head``, ``learn_code_end``) where it
-    is kept, for the next process; nothing when it learnt nothing or is kept nowhere
-    (a read-only cache keeps it for this process only)."""
+#: facts a process must have learnt for its store to be saved again: rewriting the
+#: store (some 36 MB for a kernel) costs a command 0.2 s, working out a few hundred
+#: functions' facts again in the next one less
+FLUSH_LEARNT = 256
+
+
+def flush(image: Image, *, least: int = FLUSH_LEARNT) -> None:
+    """Save what ``image``'s store learnt (``learn_clobbers``, ``learn_head``,
+    ``learn_code_end``) where it is kept, for the next process, once it is ``least``
+    facts or more; nothing when it is kept nowhere (a read-only cache keeps it for
+    this process only)."""
     kept = _STORES.get(image)
-    if isinstance(kept, Store) and kept._learnt and kept.path is not None and enabled():
+    if isinstance(kept, Store) and kept._learnt >= max(1, least) and kept.path is not None \
+            and enabled():
         try:
             kept.save(kept.path)
         except OSError:
