@@ -34,6 +34,7 @@ process, and gives it back while that still holds (``Store.settled``).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ksim.analysis.abi import ArchSupport
@@ -122,23 +123,33 @@ def _edges(image: Image, support: ArchSupport, func: Function) -> tuple[set[str]
     worst = support.convention.caller_saved
     s = summary(image, support, func)
     base = set(s.own_writes)
-    if s.worst:
+    succs, unknown = callees(image, s.calls_out, s.jumps_out)
+    if s.worst or unknown:
         base |= worst
-    succs = []
-    for target in s.calls_out:
+    return base, succs
+
+
+def callees(image: Image, calls_out: Sequence[int], jumps_out: Sequence[int]
+            ) -> tuple[list[Function], bool]:
+    """The functions a function's direct calls and jumps out (``calls_out``,
+    ``jumps_out``) go to -- the clobber analysis's edges, which the analysis store
+    keeps by index too -- and whether one goes to something that is not a function
+    (a call: its entry; a jump: any part of one, as a .cold part is entered)."""
+    out = []
+    unknown = False
+    for target in calls_out:
         callee = image.function_at(target)
         if callee is None or callee.address != target:
-            base |= worst
+            unknown = True
         else:
-            succs.append(callee)
-    for target in s.jumps_out:
-        # a jump into another function's middle (a .cold part) runs part of it
+            out.append(callee)
+    for target in jumps_out:
         callee = image.function_at(target)
         if callee is None:
-            base |= worst
+            unknown = True
         else:
-            succs.append(callee)
-    return base, succs
+            out.append(callee)
+    return out, unknown
 
 
 def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, frozenset[str]]) -> None:

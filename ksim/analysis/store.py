@@ -310,7 +310,7 @@ class Store:
         return (self._names(a["chunk"][i], a["own"][i]), bool(a["worst"][i]),
                 tuple(a["calls_out"][calls[i]:calls[i + 1]]), tuple(a["jumps_out"][jumps[i]:jumps[i + 1]]))
 
-    # --- what the store derived over a function's reach ----------------------------------
+    # --- what batches learnt of a function and its reach -----------------------------------
     def clobbers(self, image: Image, func: Function) -> frozenset[str] | None:
         """The registers ``func`` or anything it reaches may write
         (clobbers.function_clobbers), as a batch learnt them (learn_clobbers); None
@@ -402,8 +402,8 @@ class Store:
 
     def settled(self, image: Image, func: Function) -> bool:
         """Whether ``func`` and every function it calls or jumps into, transitively
-        (the clobber analysis's edges), have current records: then what the store
-        derived over that reach is what analysing them now gives.  Strongly connected
+        (the clobber analysis's edges), have current records: then what was learnt
+        over that reach is what analysing them now gives.  Strongly connected
         components (Tarjan, without recursion), each answer kept: a batch's checks
         cost one walk of what its functions reach."""
         root = self.index_of(func)
@@ -642,26 +642,21 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
 
 
 def _successors(image: Image, a: dict[str, array]) -> None:
-    """Fill ``succ`` / ``n_succ``: the functions each function calls (at their entry)
-    or jumps into (anywhere), by index -- the edges ``Store.settled`` walks."""
+    """Fill ``succ`` / ``n_succ``: the functions each function calls or jumps into
+    (clobbers.callees), by index -- the edges ``Store.settled`` walks."""
+    from ksim.analysis.clobbers import callees
+
     functions = image.functions
     index = {f.address: i for i, f in enumerate(functions)}
     calls, jumps = a["n_calls_out"], a["n_jumps_out"]
     at_call = at_jump = 0
     for i in range(len(functions)):
-        out = []
-        for target in a["calls_out"][at_call:at_call + calls[i]]:
-            k = index.get(target)
-            if k is not None:
-                out.append(k)
-        for target in a["jumps_out"][at_jump:at_jump + jumps[i]]:
-            callee = image.function_at(target)
-            if callee is not None:
-                out.append(index[callee.address])
+        found, _unknown = callees(image, a["calls_out"][at_call:at_call + calls[i]],
+                                  a["jumps_out"][at_jump:at_jump + jumps[i]])
         at_call += calls[i]
         at_jump += jumps[i]
-        a["succ"].extend(out)
-        a["n_succ"][i] = len(out)
+        a["succ"].extend(index[f.address] for f in found)
+        a["n_succ"][i] = len(found)
 
 
 def _can_fork() -> bool:
