@@ -289,6 +289,12 @@ class KprobeCounter:
 PROGRESS_PERIOD = 0.2
 
 
+def _table(rows: Sequence[tuple[int, int]]) -> str:
+    """(address, length) rows packed as the module takes them (two little-endian
+    u64 each), in hex for the wire."""
+    return struct.pack(f"<{2 * len(rows)}Q", *(x for r in rows for x in r)).hex()
+
+
 def _row_parts(rows: list[tuple[int, int]], most: int) -> Iterator[list[tuple[int, int]]]:
     """(address, length) ``rows`` cut into as few requests' tables as the protocol
     allows: MAX_RANGES rows and ``most`` bytes each."""
@@ -490,8 +496,7 @@ class LiveTarget:
                        if 0 < n <= wire.MAX_READ and (a, n) not in self._digests
                        and (a, n) not in self._digests_due})
         for part in _row_parts(todo, wire.MAX_DIGESTED):
-            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
-            self._digest_requests.append((self.conn.send("digests", ranges=table.hex(),
+            self._digest_requests.append((self.conn.send("digests", ranges=_table(part),
                                                          kernel=True), part))
             self._digests_due.update(part)
 
@@ -528,9 +533,8 @@ class LiveTarget:
         as the protocol allows (_row_parts): each request's rows and reply; None for
         the reply of a kerninstd without the op (then no more)."""
         for part in _row_parts(rows, most):
-            table = struct.pack(f"<{2 * len(part)}Q", *(x for r in part for x in r))
             try:
-                reply = self._request(op, ranges=table.hex(), kernel=True)
+                reply = self._request(op, ranges=_table(part), kernel=True)
             except ProtocolError as exc:
                 if "unknown op" not in str(exc):
                     raise
@@ -778,9 +782,7 @@ class LiveTarget:
         for start in range(0, len(ask), wire.MAX_RANGES):
             chunk = ask[start:start + wire.MAX_RANGES]
             # packed rows, as the module takes them: the daemon passes them through
-            table = struct.pack(f"<{len(chunk) * 2}Q",
-                                *(x for a, n in chunk for x in (a, n)))
-            reply = self._request("hazard_table", table=table.hex(),
+            reply = self._request("hazard_table", table=_table(chunk),
                                   reply_timeout=self._batch_timeout(len(chunk) // 16))
             flags = array.array("I", bytes.fromhex(reply["flags"]))
             if sys.byteorder != "little":

@@ -188,15 +188,17 @@ class SiteFacts:
             func = self.function_of(point)
             seen = self._view(func)
             if seen is not None and seen.is_boundary(point.address):
-                # a function's first instructions (entry points): as the store derived
+                # a function's first instructions (entry points): as a batch learnt
                 # them, while everything the function reaches is as it was then
                 kept = store_for(self.image, build_missing=False)
                 live = kept.head_live(self.image, func, point.address) if kept is not None else None
-                if live is None:
+                head = seen.addresses[:HEAD_LIVE]
+                if live is None and kept is not None and point.address in head:
+                    found = [seen.live_before(a) for a in head]
+                    kept.learn_head(self.image, func, found)
+                    live = found[head.index(point.address)]
+                elif live is None:
                     live = seen.live_before(point.address)
-                    if kept is not None and point.address in seen.addresses[:HEAD_LIVE]:
-                        kept.learn_head(self.image, func, [seen.live_before(a) for a in
-                                                           seen.addresses[:HEAD_LIVE]])
             else:
                 live = self.analysis(point).live_at(point.address)
             self._live[point.address] = live
