@@ -10,7 +10,6 @@ summaries from it: attaching to a function analyses that function only.
 from __future__ import annotations
 
 import bisect
-import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -155,9 +154,7 @@ def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
     return Target(TargetKind.FUNCTION, clobbers=function_clobbers(image, support, func))
 
 
-_CACHE: weakref.WeakKeyDictionary[Image, OrderedDict[int, FunctionAnalysis]] = \
-    weakref.WeakKeyDictionary()
-#: analyses kept per image, the most recently used: a pass over every function of a
+#: analyses kept per image (in its memos), the most recently used: a pass over every function of a
 #: kernel (50,000) must not keep every instruction of it, but a batch of ten thousand
 #: should find each of its functions' analysis again when it is planned (some 200 KB
 #: each)
@@ -182,7 +179,7 @@ def _from_store(image: Image, support: ArchSupport, func: Function) -> CFG | Non
 def analyze(image: Image, function: Function | str) -> FunctionAnalysis:
     """The analysis of ``function`` (a name or a Function of ``image``), cached."""
     func = image.function(function) if isinstance(function, str) else function
-    per_image = _CACHE.setdefault(image, OrderedDict())
+    per_image: OrderedDict[int, FunctionAnalysis] = image.memos.setdefault("analyses", OrderedDict())
     key = func.address
     cached = per_image.get(key)
     if cached is not None and cached.function == func:

@@ -22,6 +22,7 @@ padding that is not the architecture's stop filler -- has no view
 from __future__ import annotations
 
 import bisect
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate, compress
 from typing import Any, overload
@@ -90,15 +91,19 @@ class _Masks:
         return found
 
 
-#: by the table's identity (a store keeps one table per chunk; the table is held, so
-#: its id is not reused)
-_EFFECT_MASKS: dict[int, _Masks] = {}
+#: a shared table's masks, kept while the table lives (a store's chunk: every function
+#: of the chunk uses its table); the masks hold the table weakly, so keeping them keeps
+#: no store alive
+_EFFECT_MASKS: weakref.WeakKeyDictionary[Any, _Masks] = weakref.WeakKeyDictionary()
 
 
 def _effect_masks(effects: Sequence[tuple[frozenset[str], frozenset[str]]]) -> _Masks:
-    kept = _EFFECT_MASKS.get(id(effects))
-    if kept is None or kept._effects is not effects:
-        kept = _EFFECT_MASKS[id(effects)] = _Masks(effects)
+    try:
+        kept = _EFFECT_MASKS.get(effects)
+    except TypeError:  # a table that cannot be weakly held (a tuple): one function's own
+        return _Masks(effects)
+    if kept is None:
+        kept = _EFFECT_MASKS[effects] = _Masks(weakref.proxy(effects))
     return kept
 
 

@@ -164,7 +164,7 @@ class _Effects(Sequence[tuple[frozenset[str], frozenset[str]]]):
     """A chunk's table of (reads, writes), each entry's names made when first asked
     for (a chunk has thousands; a function uses a few dozen)."""
 
-    __slots__ = ("_store", "_chunk", "_raw", "_made")
+    __slots__ = ("_store", "_chunk", "_raw", "_made", "__weakref__")
 
     def __init__(self, store: Store, chunk: int) -> None:
         self._store, self._chunk = store, chunk

@@ -120,6 +120,7 @@ from ksim.errors import EmulationError, KsimError, NoSafeTactic
 from ksim.image.image import Image
 from ksim.image.model import Function
 from ksim.image.tables import TextRef
+from ksim.machine.boards import TCG_BUFFER
 from ksim.snippets import ast
 from ksim.splice import planner
 from ksim.splice.patch import Patch
@@ -789,6 +790,9 @@ class _Machine:
         self.cpu = cpu = ctx.h.cpu
         self.rules = ctx.h.rules
         self.uc = unicorn.Uc(cpu.uc_arch, cpu.uc_mode)
+        # a case runs one function's paths: its translations fit a small buffer, and a
+        # machine's resident size stays that small (unicorn's default is 1 GiB)
+        self.uc.ctl_set_tcg_buffer_size(TCG_BUFFER)  # type: ignore[attr-defined]
         if self.rules.cpu_model is not None:
             self.uc.ctl_set_cpu_model(self.rules.cpu_model)  # type: ignore[attr-defined]
         self.uc.ctl_set_tlb_mode(unicorn.UC_TLB_VIRTUAL)  # type: ignore[attr-defined]

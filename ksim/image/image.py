@@ -13,7 +13,7 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ksim.errors import ImageError, KsimError, UnknownSymbol
 from ksim.image.model import Function, Section, Symbol
@@ -76,6 +76,10 @@ class Image:
         self.text_regions: tuple[tuple[int, int], ...] = merge_ranges(
             (s.address, s.end) for s in self.sections if s.executable and s.size
         )
+        #: what analyses keep of this image, by the analysis: it lives and dies with
+        #: the image (a module-level map keyed by the image would keep it alive
+        #: through its own values, which refer to it)
+        self.memos: dict[str, Any] = {}
 
     def __repr__(self) -> str:
         return (f"<Image {self.module} {self.path!r}: {len(self.sections)} sections, "

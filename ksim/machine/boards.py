@@ -48,6 +48,10 @@ def reg_table(module: Any, prefix: str) -> dict[str, int]:
             if name.startswith(prefix) and isinstance(value, int)}
 
 
+#: the bytes of translated code a machine keeps (see Board.create)
+TCG_BUFFER = 32 << 20
+
+
 class Board:
     """The architecture-specific half of a UnicornMachine (module doc)."""
 
@@ -72,7 +76,13 @@ class Board:
         return self.cpu.fault_vectors
 
     def create(self) -> unicorn.Uc:
-        return unicorn.Uc(self.cpu.uc_arch, self.cpu.uc_mode)
+        uc = unicorn.Uc(self.cpu.uc_arch, self.cpu.uc_mode)
+        # QEMU's translated code fills a buffer front to back and starts again at the
+        # front only when it is full: at unicorn's default (1 GiB) every re-translation
+        # after a splice touches new pages, and a long-lived machine grows by megabytes
+        # a splice.  The toy kernels' code fits many times in TCG_BUFFER.
+        uc.ctl_set_tcg_buffer_size(TCG_BUFFER)  # type: ignore[attr-defined]
+        return uc
 
     def disassembler(self) -> capstone.Cs:
         return capstone.Cs(self.cpu.cs_arch, self.cpu.cs_mode)

@@ -118,6 +118,10 @@ class SiteFacts:
         self._targets: dict[int, Target] = {}
         #: the functions whose reach a batch has had checked (_checked_ahead)
         self._reached: set[int] = set()
+        # memos of this SiteFacts alone (an lru_cache on the methods would be the
+        # class's, and would keep every SiteFacts and its image alive after detach)
+        self._function_code = lru_cache(maxsize=1 << 16)(self._code_of)
+        self._extent = lru_cache(maxsize=1 << 16)(self._extent_of)
 
     def function_of(self, what: Function | Point | str) -> Function:
         if isinstance(what, Function):
@@ -240,8 +244,7 @@ class SiteFacts:
     def function_code(self, what: Function | Point | str) -> FunctionCode:
         return self._function_code(self.function_of(what))
 
-    @lru_cache(maxsize=1 << 16)  # noqa: B019 - one SiteFacts per attached image (see live_at)
-    def _function_code(self, func: Function) -> FunctionCode:
+    def _code_of(self, func: Function) -> FunctionCode:
         """The function's code for the planner.  Trailing alignment filler that no
         path reaches (int3/nop blocks, which kallsyms-derived extents include) is
         not code: it becomes the ``tail`` a window may spill over, together with
@@ -271,8 +274,7 @@ class SiteFacts:
             hazards=self.hazards(insns),
         )
 
-    @lru_cache(maxsize=1 << 16)  # noqa: B019 - one SiteFacts per attached image (see live_at)
-    def _extent(self, func: Function) -> tuple[int, bytes]:
+    def _extent_of(self, func: Function) -> tuple[int, bytes]:
         """Where the function's code ends, and the filler after it (its trailing
         unreachable int3/nop blocks and the filler up to the next function): what a
         neighbour's padding slots need, without the rest of its FunctionCode."""
