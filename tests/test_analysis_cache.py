@@ -305,3 +305,33 @@ def test_a_running_kernels_record_is_used_only_while_its_bytes_are_the_same(cach
     assert built.get(other) is not None or other == func
     fa = analyze(live, func)
     assert fa.insns == tuple(SUPPORT.decode(bytes(memory[at:at + func.size]), func.address))
+
+
+# --- the directory's size ----------------------------------------------------------------------
+def test_saving_prunes_the_least_recently_used_stores(cache: Path, monkeypatch) -> None:
+    import os
+
+    old = []
+    for k in range(4):  # four stores of another kernel, 1 MiB each, used an hour apart
+        path = cache / f"{k:040x}.ksa"
+        path.write_bytes(bytes(1 << 20))
+        os.utime(path, (1_000_000 + 3600 * k, 1_000_000 + 3600 * k))
+        old.append(path)
+    (cache / "notes.txt").write_text("not a store")
+    monkeypatch.setenv("KSIM_ANALYSIS_CACHE_MB", "2")
+    image = load_image(fixture_kernel())
+    store.analyze_image(image, jobs=1)          # saved: the newest, always kept
+    mine = store.path_for(image)
+    # what fits in 2 MiB with the new store: the most recently used of the others
+    assert sorted(p.name for p in cache.iterdir()) == sorted([mine.name, old[3].name, "notes.txt"])
+    # loading a store makes it the most recently used: of it and the other, which
+    # do not both fit in 1 MiB, it is the one kept (it was the older before)
+    os.utime(mine, (1_000_000, 1_000_000))
+    assert store.Store.load(mine, load_image(fixture_kernel())) is not None
+    monkeypatch.setenv("KSIM_ANALYSIS_CACHE_MB", "1")
+    assert store.prune(cache) == [old[3]]
+    assert mine.exists()
+    # a budget smaller than the store just saved keeps that store and removes the rest
+    monkeypatch.setenv("KSIM_ANALYSIS_CACHE_MB", "0")
+    store.analyze_image(load_image(fixture_kernel()), jobs=1)
+    assert sorted(p.name for p in cache.iterdir()) == sorted([mine.name, "notes.txt"])

@@ -13,7 +13,8 @@ analyses those N functions and no callee.
 
 **Where and under which key.**  ``$KSIM_CACHE/analysis/<key>.ksa`` (``~/.cache/ksim``
 when KSIM_CACHE is unset; ``$KSIM_ANALYSIS_CACHE`` names another directory;
-``KSIM_ANALYSIS_STORE=off`` turns stores off).  The key hashes :data:`ANALYSIS_VERSION`, the decoder
+``KSIM_ANALYSIS_STORE=off`` turns stores off).  A directory keeps the stores last
+saved or loaded up to ``$KSIM_ANALYSIS_CACHE_MB`` (:func:`prune`).  The key hashes :data:`ANALYSIS_VERSION`, the decoder
 (architecture and capstone's version), the image's identity (its GNU build id, else
 a hash of every section; see ``Image.content_id``), its module name and its whole
 function table (address and size of every function: a vmlinux loaded with its ELF
@@ -157,6 +158,41 @@ def _function_table(functions: tuple[Function, ...]) -> array:
 
 def path_for(image: Image, directory: Path | None = None) -> Path:
     return (directory or cache_dir()) / f"{image_key(image).hex()[:40]}{_SUFFIX}"
+
+
+#: the megabytes of stores a cache directory keeps (``$KSIM_ANALYSIS_CACHE_MB``): a
+#: running kernel's identity changes with every module it loads, and each identity
+#: has a store of some 40 MB
+CACHE_MB = 1024
+
+
+def prune(directory: Path, *, keep: Path | None = None) -> list[Path]:
+    """Remove the stores of ``directory`` least recently saved or loaded (their files'
+    modification times) until the rest fit in ``$KSIM_ANALYSIS_CACHE_MB`` (default
+    :data:`CACHE_MB`); ``keep`` (the store just saved) is never removed, nor is
+    anything but a store.  The removed paths, oldest first."""
+    try:
+        budget = int(os.environ.get("KSIM_ANALYSIS_CACHE_MB", CACHE_MB)) << 20
+    except ValueError:
+        budget = CACHE_MB << 20
+    found = []
+    for path in directory.glob(f"*{_SUFFIX}"):
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # removed meanwhile (another process pruning)
+        found.append((st.st_mtime, st.st_size, path))
+    found.sort(reverse=True)  # the most recently used first
+    used, removed = 0, []
+    for _when, size, path in found:
+        used += size
+        if used > budget and path != keep:
+            try:
+                path.unlink()
+                removed.append(path)
+            except OSError:
+                pass
+    return removed[::-1]
 
 
 # --- the store --------------------------------------------------------------------------
@@ -514,6 +550,7 @@ class Store:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        prune(path.parent, keep=path)
 
     @classmethod
     def load(cls, path: Path, image: Image) -> Store | None:
@@ -526,10 +563,14 @@ class Store:
         try:
             store = cls.from_bytes(data, image)
             store.path = path
-            return store
         except (StoreError, ValueError, KeyError, TypeError, IndexError, struct.error,
                 UnicodeDecodeError, OverflowError):
             return None
+        try:
+            os.utime(path)  # used now: the last a prune removes (see prune)
+        except OSError:
+            pass  # another user's cache, read-only here
+        return store
 
     @classmethod
     def from_bytes(cls, data: bytes, image: Image) -> Store:
