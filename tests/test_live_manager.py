@@ -48,6 +48,27 @@ def test_manager_counts_entries_like_the_kprobe(testbed: dict, splice: str) -> N
         m.detach()
 
 
+def test_a_detached_manager_keeps_nothing_alive(testbed: dict) -> None:
+    """The live image (the kernel's text read, its analyses and store) goes with its
+    Manager: a process that attaches again and again does not grow by a kernel."""
+    import gc
+    import weakref
+
+    refs = []
+    for _ in range(2):
+        with Manager.attach(testbed["address"], token_file=testbed["token_file"]) as m:
+            counter = m.malloc(8)
+            for name in (FUNC, "vfs_read"):
+                h = m.insert_snippet(m.entry_point(name), counter.atomic_assign(counter + 1))
+                m.remove_snippet(h)
+            m.free(counter)
+            refs += [weakref.ref(m.target.image), weakref.ref(m.facts), weakref.ref(m.target)]
+        del m, counter
+    gc.collect()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
+
+
 def test_ksim_count_command_agrees_with_the_kprobe(testbed: dict) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "ksim.cli", "count", FUNC, "--target", testbed["address"],

@@ -178,3 +178,35 @@ def test_check_insert_raises_the_verdict_can_insert_gives_as_text(toy_manager):
     assert m.can_insert(m.point_at(second)) == str(info.value)
     m.remove_snippet(h)
     assert state(m) == before
+
+
+@pytest.mark.parametrize("image", ["toy", "toy-arm64"])
+def test_a_detached_manager_keeps_nothing_alive(image):
+    """What a Manager analysed (the image, its analyses and store, the site facts)
+    goes with it: a process that attaches again and again does not grow."""
+    import gc
+    import weakref
+
+    from conftest import needs_image
+
+    from ksim.kapi import Manager
+
+    needs_image(image)
+    refs = []
+    for _ in range(2):
+        with Manager.attach(f"unicorn:{image}") as m:
+            fn = m.find_function(m.target.image.functions[len(m.target.image.functions) // 2].name)
+            c, snippet = counter_snippet(m)
+            for name in ("kmalloc", fn.name):
+                try:
+                    h = m.insert_snippet(m.entry_point(name), snippet)
+                except KsimError:
+                    continue
+                m.run(seed=SEED, iterations=20)
+                m.remove_snippet(h)
+            m.free(c)
+            refs += [weakref.ref(m.target.image), weakref.ref(m.facts), weakref.ref(m.target)]
+        del m, fn, c, snippet
+    gc.collect()
+    gc.collect()
+    assert [r() for r in refs] == [None] * len(refs)
