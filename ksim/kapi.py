@@ -122,6 +122,7 @@ class Manager:
         # their image's tables, which SiteFacts reads itself
         self.facts = SiteFacts(target.image, self.arch,
                                ask=target.text_hazards if caps.hazards else None,
+                               ask_later=target.ask_hazards if caps.hazards else None,
                                trap_setup=caps.trap_setup)
         arch = self.arch
         #: patch code and heap variables are placed by the Manager inside areas the

@@ -286,3 +286,33 @@ def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> 
                 t.conn.request("read_ranges", ranges=bad, kernel=False)
     finally:
         m.detach()
+
+
+def test_a_batch_asks_in_chunks_answered_while_it_analyses(testbed: dict, monkeypatch) -> None:
+    """A batch's questions about its functions (hazards, text) go in chunks of
+    AHEAD_CHUNK functions, all sent before any answer is read; each is read when
+    first needed, and the verdicts are those of one question about all."""
+    from ksim.splice import sites
+
+    verdicts = []
+    for chunk in (10**9, 64):
+        monkeypatch.setattr(sites, "AHEAD_CHUNK", chunk)
+        m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+        try:
+            t = m.target
+            funcs = [f for f in t.image.functions if f.name.startswith("tcp_")]
+            m.spliceable_entries(funcs[:5])      # the store and the kernel's tables in
+            funcs = funcs[5:]
+            with requests(t) as seen, m.facts.asking_ahead(funcs):
+                sent = dict(seen)
+                assert t._text_due, "the text is read when first needed"
+                ok, refused = m.spliceable_entries(funcs)
+            chunks = -(-len(funcs) // chunk)
+            assert sent["hazard_table"] == chunks, sent
+            assert 1 <= sent["read_ranges"] and set(sent) <= {"hazard_table", "read_ranges",
+                                                              "digests"}, sent
+            assert not m.facts._due        # every answer read by the block's end
+            verdicts.append(([p for _, p in ok], refused))
+        finally:
+            m.detach()
+    assert verdicts[0] == verdicts[1] and len(verdicts[0][0]) > 200

@@ -400,8 +400,9 @@ class RecordView:
 
     def misaligned(self) -> bool:
         """Whether a direct jump leads inside the function but to no instruction's start."""
-        start, end, index, flows = self.start, self.end, self._index, self._flows
-        return any(start <= t < end and t not in index for i, t in self._target_of.items()
+        # looked up among the instructions' starts: the blocks (_index) are not made
+        start, end, flows, is_boundary = self.start, self.end, self._flows, self.is_boundary
+        return any(start <= t < end and not is_boundary(t) for i, t in self._target_of.items()
                    if flows[i] == _JMP or flows[i] == _JCC)
 
     # --- liveness (ksim.analysis.liveness's rules, on masks) --------------------------------

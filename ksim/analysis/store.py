@@ -139,7 +139,15 @@ def _decoder_identity(arch: str) -> str:
 
 
 def image_key(image: Image) -> bytes:
-    """The 32-byte key of ``image``'s analysis (see the module docstring)."""
+    """The 32-byte key of ``image``'s analysis (see the module docstring); worked out
+    once per image (finding its store and checking it both need it)."""
+    found = image.memos.get("store_key")
+    if found is None:
+        found = image.memos["store_key"] = _image_key(image)
+    return bytes(found)
+
+
+def _image_key(image: Image) -> bytes:
     digest = hashlib.blake2b(digest_size=32)
     digest.update(f"ksim-analysis/{ANALYSIS_VERSION}/{_decoder_identity(image.arch)}/{image.module}\0"
                   .encode())
@@ -149,11 +157,7 @@ def image_key(image: Image) -> bytes:
 
 
 def _function_table(functions: tuple[Function, ...]) -> array:
-    table = array("Q")
-    for f in functions:
-        table.append(f.address)
-        table.append(f.size)
-    return table
+    return array("Q", [x for f in functions for x in (f.address, f.size)])
 
 
 def path_for(image: Image, directory: Path | None = None) -> Path:

@@ -194,6 +194,23 @@ class Image:
         the reader knows it without reading them; None otherwise (read them)."""
         return self._digests[1](addr, size) if self._digests is not None else None
 
+    def freed(self, address: int) -> bool:
+        """Whether a running kernel has freed the memory at ``address``: its init
+        code and data, ``[__init_begin, __init_end)``, which it frees after boot and
+        unmaps (free_initmem), though kallsyms still names the functions there.  A
+        file's image frees nothing."""
+        span = self._init_span
+        return span is not None and span[0] <= address < span[1]
+
+    @cached_property
+    def _init_span(self) -> tuple[int, int] | None:
+        if self._reader is None:
+            return None
+        begin, end = self.find_symbol("__init_begin"), self.find_symbol("__init_end")
+        if begin is None or end is None or end.address <= begin.address:
+            return None
+        return begin.address, end.address
+
     @property
     def reads_memory(self) -> bool:
         """Whether the bytes come from a running kernel (a reader) rather than a file."""

@@ -325,6 +325,13 @@ class LiveTarget:
         # ... asked for, their replies not read yet: (request id, its rows), and the rows
         self._digest_requests: list[tuple[int, list[tuple[int, int]]]] = []
         self._digests_due: set[tuple[int, int]] = set()
+        # ... and the text reads sent, their replies not read yet: (request id, its
+        # rows), in the order sent; and every row of them, by address, as (start,
+        # end, the request's place in _text_due + _text_done)
+        self._text_due: list[tuple[int, list[tuple[int, int]]]] = []
+        self._text_done = 0
+        self._due_rows: list[tuple[int, int, int]] = []
+        self._due_starts: list[int] = []
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
@@ -417,6 +424,8 @@ class LiveTarget:
         lo, hi = self.text
         if size <= 0:
             return self.read(address, size)
+        if self._text_due:
+            self._await_text(address, size)
         i = bisect.bisect_right(self._ahead_at, address) - 1
         if i >= 0 and address + size <= self._ahead_at[i] + len(self._ahead[i]):
             at = address - self._ahead_at[i]
@@ -446,7 +455,8 @@ class LiveTarget:
         they fit: a batch's functions and what analysing them reads are a few MB
         scattered over the kernel, which chunk by chunk would be tens of MB.  Ranges
         less than PREFETCH_GAP bytes apart are read as one.  Kept like the image's
-        other reads."""
+        other reads.  The requests are sent, and each reply read when the image
+        first reads a byte it holds."""
         spans: list[list[int]] = []
         for a, n in sorted((int(a), int(n)) for a, n in ranges if n > 0):
             if spans and a <= spans[-1][1] + PREFETCH_GAP:
@@ -459,19 +469,55 @@ class LiveTarget:
             i = bisect.bisect_right(have, a) - 1
             if i >= 0 and end <= have[i] + len(self._ahead[i]):
                 continue    # read ahead already
+            k = bisect.bisect_right(self._due_starts, a) - 1
+            if k >= 0 and end <= self._due_rows[k][1]:
+                continue    # asked for already, the reply not read yet
             while end - a > wire.MAX_READ:
                 todo.append((a, wire.MAX_READ))
                 a += wire.MAX_READ
             todo.append((a, end - a))
+        # sent now, and read when the image first reads a byte of them (_await_text):
+        # the daemon reads while the client goes on
+        rows = self._due_rows
+        for part in _row_parts(todo, wire.MAX_READ):
+            request_id = self.conn.send("read_ranges", ranges=_table(part), kernel=True)
+            seq = self._text_done + len(self._text_due)
+            self._text_due.append((request_id, part))
+            rows += [(a, a + n, seq) for a, n in part]
+        if todo:
+            rows.sort()
+            self._due_starts = [a for a, _, _ in rows]
+
+    def _await_text(self, address: int, size: int) -> None:
+        """The replies to the text reads sent (prefetch_text) up to the one that
+        holds a byte of ``size`` bytes at ``address`` (the row that starts last at
+        or before its end: rows of different reads seldom overlap)."""
+        k = bisect.bisect_right(self._due_starts, address + size - 1) - 1
+        if k < 0 or self._due_rows[k][1] <= address:
+            return
+        last = self._due_rows[k][2] - self._text_done
+        sent, self._text_due = self._text_due[:last + 1], self._text_due[last + 1:]
+        self._text_done += last + 1
+        self._due_rows = [r for r in self._due_rows if r[2] >= self._text_done]
+        self._due_starts = [a for a, _, _ in self._due_rows]
         got: list[tuple[int, bytes]] = []
-        for part, reply in self._by_rows("read_ranges", todo, wire.MAX_READ):
-            if reply is None:
-                return  # a kerninstd from before read_ranges: the image reads as it would
+        error: KsimError | None = None
+        for request_id, part in sent:
+            try:
+                reply = self.conn.collect(request_id)
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    error = error or exc
+                continue    # a kerninstd from before read_ranges: the image reads as asked
+            except KsimError as exc:
+                error = error or exc
+                continue
             data = bytes.fromhex(reply["data"])
             failed = set(reply.get("failed", ()))
             total = sum(n for _, n in part)
             if len(data) != total:
-                raise ProtocolError(f"read_ranges: {len(data)} bytes for {total}")
+                error = error or ProtocolError(f"read_ranges: {len(data)} bytes for {total}")
+                continue
             at = 0
             for k, (a, n) in enumerate(part):
                 if k not in failed:     # an unreadable range is read as asked, later
@@ -481,6 +527,8 @@ class LiveTarget:
             merged = sorted([*zip(self._ahead_at, self._ahead, strict=True), *got])
             self._ahead_at = [a for a, _ in merged]
             self._ahead = [d for _, d in merged]
+        if error is not None:
+            raise error
 
     def prefetch_digests(self, ranges: Sequence[tuple[int, int]]) -> None:
         """Learn the 64-bit BLAKE2b of each text range (address, size) as the image
@@ -526,21 +574,6 @@ class LiveTarget:
                                                       "little")
         if error is not None:
             raise error
-
-    def _by_rows(self, op: str, rows: list[tuple[int, int]], most: int
-                 ) -> Iterator[tuple[list[tuple[int, int]], dict[str, Any] | None]]:
-        """``op`` (read_ranges) over the (address, length) ``rows`` in as few requests
-        as the protocol allows (_row_parts): each request's rows and reply; None for
-        the reply of a kerninstd without the op (then no more)."""
-        for part in _row_parts(rows, most):
-            try:
-                reply = self._request(op, ranges=_table(part), kernel=True)
-            except ProtocolError as exc:
-                if "unknown op" not in str(exc):
-                    raise
-                yield part, None
-                return
-            yield part, reply
 
     def known_digest(self, address: int, size: int) -> int | None:
         """The digest prefetch_digests learnt of exactly this range, as the image reads
@@ -775,26 +808,39 @@ class LiveTarget:
         "not_text", "unknown"); an empty set when the range may be written.
         A length is 1..16 bytes.  Up to MAX_RANGES ranges go in one request: a
         batch's planning asks about all its functions at once (SiteFacts.asking_ahead)."""
+        return self.ask_hazards(ranges)()
+
+    def ask_hazards(self, ranges: Sequence[tuple[int, int]]
+                    ) -> Callable[[], list[frozenset[str]]]:
+        """text_hazards' question sent now; the answers when the returned function is
+        called (the daemon answers while the client goes on)."""
         wanted = [(int(a), int(n)) for a, n in ranges]
         ask = list(dict.fromkeys(wanted))
-        memo: dict[tuple[int, int], frozenset[str]] = {}
-        names: dict[int, frozenset[str]] = {0: frozenset()}
-        for start in range(0, len(ask), wire.MAX_RANGES):
-            chunk = ask[start:start + wire.MAX_RANGES]
-            # packed rows, as the module takes them: the daemon passes them through
-            reply = self._request("hazard_table", table=_table(chunk),
-                                  reply_timeout=self._batch_timeout(len(chunk) // 16))
-            flags = array.array("I", bytes.fromhex(reply["flags"]))
-            if sys.byteorder != "little":
-                flags.byteswap()
-            if len(flags) != len(chunk):
-                raise ProtocolError(f"hazard_table: {len(flags)} answers to {len(chunk)} ranges")
-            for r, f in zip(chunk, flags, strict=True):
-                found = names.get(f)
-                if found is None:
-                    found = names[f] = frozenset(abi.hazard_names(f))
-                memo[r] = found
-        return [memo[r] for r in wanted]
+        sent = [(self.conn.send("hazard_table", table=_table(ask[k:k + wire.MAX_RANGES])),
+                 ask[k:k + wire.MAX_RANGES]) for k in range(0, len(ask), wire.MAX_RANGES)]
+        answered: list[list[frozenset[str]]] = []
+
+        def answers() -> list[frozenset[str]]:
+            if answered:
+                return answered[0]
+            memo: dict[tuple[int, int], frozenset[str]] = {}
+            names: dict[int, frozenset[str]] = {0: frozenset()}
+            for request_id, chunk in sent:
+                reply = self.conn.collect(request_id,
+                                          reply_timeout=self._batch_timeout(len(chunk) // 16))
+                flags = array.array("I", bytes.fromhex(reply["flags"]))
+                if sys.byteorder != "little":
+                    flags.byteswap()
+                if len(flags) != len(chunk):
+                    raise ProtocolError(f"hazard_table: {len(flags)} answers to {len(chunk)} ranges")
+                for r, f in zip(chunk, flags, strict=True):
+                    found = names.get(f)
+                    if found is None:
+                        found = names[f] = frozenset(abi.hazard_names(f))
+                    memo[r] = found
+            answered.append([memo[r] for r in wanted])
+            return answered[0]
+        return answers
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
         """A patch area of ``size`` bytes, within a jump's reach of ``near``."""

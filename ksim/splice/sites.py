@@ -17,7 +17,7 @@ and the command line all plan through here, so they all give the same verdict.
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Container, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import cached_property, lru_cache
@@ -81,6 +81,9 @@ BLACKLIST_FUNCTIONS = (
 
 #: asks a running kernel about text ranges (address, length): the hazard names of each
 HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
+#: the same question sent now, its answers given when the returned function is called
+#: (Target.ask_hazards: the kernel answers while the client goes on)
+LaterHazardQuery = Callable[[Sequence[tuple[int, int]]], Callable[[], list[frozenset[str]]]]
 
 #: bytes of a function's start whose instructions a batch asks the kernel about ahead
 #: (asking_ahead): those an entry point's window starts in -- past an endbr64 and a
@@ -88,6 +91,9 @@ HazardQuery = Callable[[Sequence[tuple[int, int]]], list[frozenset[str]]]
 #: displace.  An instruction starting further in is asked about, with the rest of
 #: its function, when a point needs it
 HEAD = 24
+#: functions a batch's questions go in together (asking_ahead): the client analyses one
+#: chunk's functions while the kernel answers for the next ones
+AHEAD_CHUNK = 512
 #: record views kept (_view): a point's liveness and its function's FunctionCode are
 #: kept apart, so a view is needed only while its function is first looked at
 VIEWS = 4096
@@ -98,15 +104,25 @@ class SiteFacts:
     point is given: kernels have several static functions of the same name."""
 
     def __init__(self, image, arch: Arch, *, ask: HazardQuery | None = None,
+                 ask_later: LaterHazardQuery | None = None,
                  trap_setup: str | None = None) -> None:
-        # image: ksim.image.Image; ask: the target's own answer (a live kernel), if any;
+        # image: ksim.image.Image; ask: the target's own answer (a live kernel), if any,
+        # and ask_later the same question answered later (else ask's, at once);
         # trap_setup: the function that installs the kernel's trap dispatch, when a
         # trap cannot be routed until it has run (Capabilities.trap_setup)
         self.image = image
         self.arch = arch
         self._ask = ask
+        self._ask_later = ask_later if ask_later is not None or ask is None else _at_once(ask)
         self._trap_setup = trap_setup
         self._ahead: dict[tuple[int, int], frozenset[str]] | None = None  # see asking_ahead
+        #: questions of asking_ahead not answered yet, in the order they were sent:
+        #: (sequence number, ranges, their answers when called); and each range's
+        #: question by its sequence number
+        self._due: deque[tuple[int, list[tuple[int, int]], Callable[[], list[frozenset[str]]]]] \
+            = deque()
+        self._due_at: dict[tuple[int, int], int] = {}
+        self._sent = 0
         #: the functions the answers in _ahead are about (and whose text is read ahead)
         self._looked: set[int] = set()
         self._starts = [f.address for f in image.functions]
@@ -367,6 +383,7 @@ class SiteFacts:
         """The refusal of a function the batch's question found is no text at all (its
         first byte "not_text": init code the kernel freed, or no module's), as the
         planner would give it for its entry; None when it was not asked or is text."""
+        self._await((func.address, 1))
         found = (self._ahead or {}).get((func.address, 1))
         if found is None or "not_text" not in found:
             return None
@@ -379,10 +396,12 @@ class SiteFacts:
             return None
         out = []
         for r in ranges:
+            self._await(r)
             found = ahead.get(r)
             if found is None:  # asked byte by byte (a function the store had no record of)
                 found = frozenset()
                 for k in range(r[1]):
+                    self._await((r[0] + k, 1))
                     byte = ahead.get((r[0] + k, 1))
                     if byte is None:
                         return None
@@ -390,12 +409,36 @@ class SiteFacts:
             out.append(found)
         return out
 
+    def _await(self, r: tuple[int, int]) -> None:
+        """The answers of asking_ahead's questions up to the one about ``r``, if it
+        was asked and is not answered yet (the kernel answers them in order)."""
+        seq = self._due_at.get(r)
+        if seq is None:
+            return
+        while self._due and self._due[0][0] <= seq:
+            _, ranges, answers = self._due.popleft()
+            for q in ranges:
+                self._due_at.pop(q, None)
+            assert self._ahead is not None
+            self._ahead.update(zip(ranges, answers(), strict=True))
+
+    def _drop_due(self) -> None:
+        """Questions not awaited (a block left early): their answers are read and
+        dropped, so that none is left to a later request."""
+        due, self._due, self._due_at = self._due, deque(), {}
+        for _, _, answers in due:
+            try:
+                answers()
+            except KsimError:
+                pass  # the block is left already; what failed is not needed
+
     @contextmanager
     def asking_ahead(self, funcs: Sequence[Function]) -> Iterator[None]:
         """Within the block, the target's hazards (a live kernel's answer) of the
         first HEAD bytes of every function of ``funcs`` -- where an entry point's
-        window lies -- come from one question asked first: a batch over N functions
-        asks once, not N times, and about a few instructions of each, not all (an
+        window lies -- come from questions asked first: a batch over N functions
+        asks once per AHEAD_CHUNK functions, not N times, all sent at once and each
+        answered when first needed, and about a few instructions of each, not all (an
         instruction further in is asked about, with the rest of its function, when
         a point there needs it).  Instructions are known ahead from the image's
         analysis store; functions it has no record of are asked about when
@@ -412,43 +455,35 @@ class SiteFacts:
         funcs = [f for f in funcs if f.address not in self._looked]   # asked about already
         # without a store (a batch too small to build one), every head byte by byte
         kept = store_for(self.image, build_missing=False)
-        # each function's first byte too: one that is not text any more (init code the
-        # kernel freed) is refused before anything of it is read or analysed
-        ranges: list[tuple[int, int]] = [(func.address, 1) for func in funcs]
-        for func in funcs:
-            # the store's instruction sizes, not checked against the running kernel's
-            # bytes (that would read every function before the question; a function
-            # that changed is asked about again when analysed, at its real ranges)
-            sizes = kept.sizes(func) if kept is not None else None
-            if sizes is None:
-                # no record of its instructions: each byte of its head, and an
-                # instruction's answer is its bytes' (a byte's hazards are those of
-                # any range holding it, so the union is never less than the range's own)
-                ranges += [(func.address + k, 1) for k in range(min(HEAD, func.size))]
-                continue
-            at = func.address
-            for size in sizes:
-                if at >= func.address + HEAD:
-                    break
-                ranges.append((at, size))
-                at += size
-        assert self._ask is not None
+        assert self._ask_later is not None
         known = self._ahead if self._ahead is not None else {}
-        ranges = [r for r in dict.fromkeys(ranges) if r not in known]
         self._ahead = known
-        if ranges:
-            known.update(zip(ranges, self._ask(ranges), strict=True))
         self._looked.update(f.address for f in funcs)
-        if kept is not None and funcs and self.image.reads_memory:
-            # their text, and what analysing them reads, in a few requests (not what the
-            # question found is no text: nothing of a gone function is read)
-            here = [f for f in funcs if self.gone(f) is None]
-            self.image.prefetch(self._read_ahead(here))
-            # the digests come last, and the kernel's tables (which the first hazards
-            # read) before them: the daemon digests while the functions are analysed
-            # (a target may answer a request after the client has gone on)
-            if here:
-                _ = self.image.tables
+        reading = kept is not None and bool(funcs) and self.image.reads_memory
+        # what is read ahead leaves out the text a running kernel freed (its init
+        # code): nothing of a function gone is read, and the question refuses it
+        here = [f for f in funcs if not self.image.freed(f.address)] if reading else []
+        # in chunks, each chunk's question and text sent at once and answered when
+        # first needed: the kernel answers for the next chunks while the client
+        # analyses the first
+        for k in range(0, len(funcs), AHEAD_CHUNK):
+            chunk = funcs[k:k + AHEAD_CHUNK]
+            ranges = [r for r in dict.fromkeys(
+                r for func in chunk for r in self._head_ranges(func, kept))
+                if r not in known and r not in self._due_at]
+            if ranges:
+                self._sent += 1
+                self._due.append((self._sent, ranges, self._ask_later(ranges)))
+                self._due_at.update(dict.fromkeys(ranges, self._sent))
+            if reading:
+                mine = {f.address for f in chunk}
+                self.image.prefetch(self._read_ahead([f for f in here if f.address in mine]))
+                if k == 0 and here:
+                    # the kernel's tables (which the first hazards read) after the first
+                    # chunk: waited for, and its answers with them
+                    _ = self.image.tables
+        if reading and kept is not None:
+            # the digests come last: the daemon digests while the functions are analysed
             self.image.prefetch_digests(self._checked_ahead(kept, here))
         if outer:
             yield
@@ -456,8 +491,31 @@ class SiteFacts:
         try:
             yield
         finally:
+            self._drop_due()
             self._ahead = None
             self._looked = set()
+
+    def _head_ranges(self, func: Function, kept: Store | None) -> list[tuple[int, int]]:
+        """What asking_ahead asks about ``func``: its first byte (one that is not text
+        any more, init code the kernel freed, is refused before anything of it is
+        analysed) and the instructions of its first HEAD bytes, by the store's sizes
+        (not checked against the running kernel's bytes: that would read every
+        function before the question; a function that changed is asked about again
+        when analysed, at its real ranges)."""
+        out = [(func.address, 1)]
+        sizes = kept.sizes(func) if kept is not None else None
+        if sizes is None:
+            # no record of its instructions: each byte of its head, and an
+            # instruction's answer is its bytes' (a byte's hazards are those of
+            # any range holding it, so the union is never less than the range's own)
+            return out + [(func.address + k, 1) for k in range(1, min(HEAD, func.size))]
+        at = func.address
+        for size in sizes:
+            if at >= func.address + HEAD:
+                break
+            out.append((at, size))
+            at += size
+        return out
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -574,6 +632,9 @@ class SiteFacts:
             return slots
         ahead = self._ahead or {}
         bytes_ = [[(a, 1) for a in range(start, start + size)] for start, _ in slots]
+        for rs in bytes_:
+            for r in rs:
+                self._await(r)
         if all(r in ahead for rs in bytes_ for r in rs):
             clear = [not any(ahead[r] for r in rs) for rs in bytes_]
         else:
@@ -659,6 +720,14 @@ def _is_filler(arch: Arch, data: bytes, address: int) -> bool:
             return False
         covered += insn.size
     return covered == len(data)
+
+
+def _at_once(ask: HazardQuery) -> LaterHazardQuery:
+    """``ask`` as a LaterHazardQuery: answered when asked, given when called."""
+    def later(ranges: Sequence[tuple[int, int]]) -> Callable[[], list[frozenset[str]]]:
+        answers = ask(ranges)
+        return lambda: answers
+    return later
 
 
 class _KernelHazards(Mapping[int, frozenset[str]]):

@@ -130,6 +130,13 @@ class Target(Protocol):
         answer)."""
         ...
 
+    def ask_hazards(self, ranges: Sequence[tuple[int, int]]
+                    ) -> Callable[[], list[frozenset[str]]]:
+        """text_hazards' question, its answers given when the returned function is
+        called: a target that answers over a wire sends it now and answers while the
+        caller goes on; others answer at once."""
+        ...
+
     def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
                       ) -> Callable[[], None]:
         """Call ``fn(machine, site)`` at the trap at ``site`` (``capabilities.python_hooks``;

@@ -321,6 +321,11 @@ class QemuTarget:
         """No kernel to ask: the image's tables answer (capabilities.hazards)."""
         return [frozenset() for _ in ranges]
 
+    def ask_hazards(self, ranges: Sequence[tuple[int, int]]
+                    ) -> Callable[[], list[frozenset[str]]]:
+        answers = self.text_hazards(ranges)
+        return lambda: answers
+
     def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
                       ) -> Callable[[], None]:
         raise HandlerUnsupported(f"{self.name} cannot call Python at a trap: "

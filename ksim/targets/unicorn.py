@@ -108,6 +108,11 @@ class UnicornTarget:
         """No running kernel to ask: the image's tables answer (capabilities.hazards)."""
         return [frozenset() for _ in ranges]
 
+    def ask_hazards(self, ranges: Sequence[tuple[int, int]]
+                    ) -> Callable[[], list[frozenset[str]]]:
+        answers = self.text_hazards(ranges)
+        return lambda: answers
+
     def keep(self, keep: bool = True, name: str | None = None) -> str | None:
         raise TargetError(f"{self.name}: splices end with the emulator (capabilities.keep)")
 
