@@ -288,6 +288,27 @@ def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> 
         m.detach()
 
 
+def test_requests_sent_ahead_never_wait_on_each_other(target: LiveTarget) -> None:
+    """Large requests sent without reading their replies, whose replies fill every
+    buffer between daemon and client: the daemon stops reading requests while a
+    reply waits to be read, and the client is still sending; the client reads the
+    replies as they come (kept for their collect), so neither waits for the other."""
+    import struct
+
+    start, end = target.text
+    rows, width = 16384, 64                         # 256 KB a request, 1 MB a reply
+    tables = []
+    for k in range(80):
+        at = start + (k * rows * width) % (end - start - rows * width)
+        tables.append((at, struct.pack(f"<{2 * rows}Q", *(x for i in range(rows)
+                                                         for x in (at + i * width, width))).hex()))
+    ids = [target.conn.send("read_ranges", ranges=table, kernel=True) for _, table in tables]
+    got = [bytes.fromhex(target.conn.collect(i)["data"]) for i in ids]
+    assert [len(g) for g in got] == [rows * width] * len(ids)
+    at = tables[1][0]
+    assert got[1][:4096] == target.read(at, 4096, kernel=True)
+
+
 def test_a_batch_asks_in_chunks_answered_while_it_analyses(testbed: dict, monkeypatch) -> None:
     """A batch's questions about its functions (hazards, text) go in chunks of
     AHEAD_CHUNK functions, all sent before any answer is read; each is read when

@@ -22,6 +22,7 @@ import copy
 import hashlib
 import itertools
 import os
+import select
 import socket
 import struct
 import sys
@@ -149,7 +150,22 @@ class Connection:
 
     def send_raw(self, data: bytes) -> None:
         try:
-            self.sock.sendall(data)
+            if not self._outstanding:
+                self.sock.sendall(data)
+                return
+            # requests are waiting for replies: the daemon may be blocked writing one
+            # this client has not read, and so not reading this request; replies are
+            # read (kept for their collect) whenever they come while this one is sent
+            view = memoryview(data)
+            while view:
+                readable, writable, _ = select.select([self.sock], [self.sock], [],
+                                                      self.timeout)
+                if not readable and not writable:
+                    raise TargetTimeout(f"kerninstd at {self.host}:{self.port} takes no request")
+                if readable and self._outstanding:
+                    self._read_early()
+                if writable:
+                    view = view[self.sock.send(view):]
         except OSError as exc:  # reset, broken pipe: the daemon or the guest went away
             raise TargetDied(f"kerninstd at {self.host}:{self.port}: {exc.strerror or exc}") from None
 
@@ -194,14 +210,18 @@ class Connection:
         while request_id not in self._early:
             if not self._outstanding:
                 raise ProtocolError(f"no request {request_id} is waiting for its reply")
-            reply = self.recv_reply(reply_timeout)
-            if reply.get("id") is None:  # the daemon's word on the connection (evicted, timed out)
-                wire.raise_for(reply)
-            expected = self._outstanding.popleft()
-            if reply.get("id") != expected:
-                raise ProtocolError(f"reply id {reply.get('id')} to request {expected}")
-            self._early[expected] = reply
+            self._read_early(reply_timeout)
         return wire.raise_for(self._early.pop(request_id))
+
+    def _read_early(self, reply_timeout: float | None = None) -> None:
+        """Read the reply to the oldest request waiting, and keep it for its collect."""
+        reply = self.recv_reply(reply_timeout)
+        if reply.get("id") is None:  # the daemon's word on the connection (evicted, timed out)
+            wire.raise_for(reply)
+        expected = self._outstanding.popleft()
+        if reply.get("id") != expected:
+            raise ProtocolError(f"reply id {reply.get('id')} to request {expected}")
+        self._early[expected] = reply
 
 
 def request_keep(conn: Connection, keep: bool, name: str | None) -> str | None:
