@@ -150,8 +150,8 @@ class Connection:
 
     def send_raw(self, data: bytes) -> None:
         try:
-            if not self._outstanding:
-                self.sock.sendall(data)
+            if not self._outstanding or self.sock.fileno() < 0:
+                self.sock.sendall(data)     # (a closed socket: OSError, as any send)
                 return
             # requests are waiting for replies: the daemon may be blocked writing one
             # this client has not read, and so not reading this request; replies are
