@@ -521,17 +521,8 @@ class LiveTarget:
         self._due_rows = [r for r in self._due_rows if r[2] >= self._text_done]
         self._due_starts = [a for a, _, _ in self._due_rows]
         got: list[tuple[int, bytes]] = []
-        error: KsimError | None = None
-        for request_id, part in sent:
-            try:
-                reply = self.conn.collect(request_id)
-            except ProtocolError as exc:
-                if "unknown op" not in str(exc):
-                    error = error or exc
-                continue    # a kerninstd from before read_ranges: the image reads as asked
-            except KsimError as exc:
-                error = error or exc
-                continue
+        replies, error = self._replies(sent)
+        for part, reply in replies:
             data = bytes.fromhex(reply["data"])
             failed = set(reply.get("failed", ()))
             total = sum(n for _, n in part)
@@ -572,17 +563,8 @@ class LiveTarget:
         """The replies to the digests requests sent (prefetch_digests), all of them."""
         sent, self._digest_requests = self._digest_requests, []
         self._digests_due = set()
-        error: KsimError | None = None
-        for request_id, part in sent:
-            try:
-                reply = self.conn.collect(request_id)
-            except ProtocolError as exc:
-                if "unknown op" not in str(exc):
-                    error = error or exc
-                continue    # a kerninstd from before digests: the image reads the bytes
-            except KsimError as exc:
-                error = error or exc
-                continue
+        replies, error = self._replies(sent)
+        for part, reply in replies:
             data = bytes.fromhex(reply["digests"])
             if len(data) != wire.DIGEST * len(part):
                 error = error or ProtocolError(f"digests: {len(data)} bytes for {len(part)} rows")
@@ -594,6 +576,23 @@ class LiveTarget:
                                                       "little")
         if error is not None:
             raise error
+
+    def _replies(self, sent: list[tuple[int, list[tuple[int, int]]]]
+                 ) -> tuple[list[tuple[list[tuple[int, int]], dict[str, Any]]], KsimError | None]:
+        """The replies to the requests ``sent`` ahead (request id, its rows) that came
+        back, each with its rows, and the first error of those that did not.  A
+        kerninstd without the op is no error: the image reads those rows as asked."""
+        out: list[tuple[list[tuple[int, int]], dict[str, Any]]] = []
+        error: KsimError | None = None
+        for request_id, part in sent:
+            try:
+                out.append((part, self.conn.collect(request_id)))
+            except ProtocolError as exc:
+                if "unknown op" not in str(exc):
+                    error = error or exc
+            except KsimError as exc:
+                error = error or exc
+        return out, error
 
     def known_digest(self, address: int, size: int) -> int | None:
         """The digest prefetch_digests learnt of exactly this range, as the image reads
