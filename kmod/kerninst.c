@@ -88,6 +88,8 @@
 #include <linux/capability.h>
 #include <linux/security.h>
 #include <linux/cpu.h>
+#include <linux/bitops.h>
+#include <crypto/blake2s.h>
 #include <asm/current.h>
 #include <asm/smp.h>
 #include <asm/ptrace.h>
@@ -3180,6 +3182,103 @@ static long ki_ioc_read(struct kerninst_mem __user *uarg)
 	return ret;
 }
 
+/*
+ * READ_ROWS and DIGEST_ROWS: each row read a KERNINST_MAX_IO piece at a time
+ * (copy_from_kernel_nofault: no oops on an unmapped address), then copied out
+ * or hashed.  A row that cannot be read is reported in the failed bitmap, with
+ * zeros in its place; only a bad user buffer fails the request.
+ */
+static long ki_ioc_rows(unsigned int cmd, struct kerninst_rows __user *uarg)
+{
+	bool digest = cmd == KERNINST_IOC_DIGEST_ROWS;
+	struct kerninst_rows req;
+	u64 *rows = NULL, *failed = NULL;
+	u8 *buf = NULL;
+	u64 total = 0, at = 0;
+	size_t words;
+	u32 i;
+	long ret;
+
+	if (copy_from_user(&req, uarg, sizeof(req)))
+		return -EFAULT;
+	if (!req.count || req.count > KERNINST_MAX_ROWS || req.reserved)
+		return -EINVAL;
+	ret = ki_read_locked();
+	if (ret)
+		return ret;
+	words = BITS_TO_U64(req.count);
+	rows = kvmalloc_array(req.count, 2 * sizeof(u64), GFP_KERNEL);
+	failed = kvcalloc(words, sizeof(u64), GFP_KERNEL);
+	buf = kmalloc(KERNINST_MAX_IO, GFP_KERNEL);
+	if (!rows || !failed || !buf) {
+		ret = -ENOMEM;
+		goto out;
+	}
+	if (copy_from_user(rows, u64_to_user_ptr(req.rows), req.count * 2 * sizeof(u64))) {
+		ret = -EFAULT;
+		goto out;
+	}
+	for (i = 0; i < req.count; i++) {
+		u64 len = rows[2 * i + 1];
+
+		if (!len || len > KERNINST_MAX_ROWS_BYTES || rows[2 * i] + len < rows[2 * i]) {
+			ret = -EINVAL;
+			goto out;
+		}
+		total += len;
+	}
+	if (total > KERNINST_MAX_ROWS_BYTES ||
+	    req.out_size != (digest ? (u64)req.count * KERNINST_DIGEST_SIZE : total)) {
+		ret = -EINVAL;
+		goto out;
+	}
+	for (i = 0; i < req.count; i++) {
+		u64 address = rows[2 * i], len = rows[2 * i + 1], done = 0;
+		u8 __user *dst = (u8 __user *)u64_to_user_ptr(req.out) + at;
+		u8 sum[KERNINST_DIGEST_SIZE] = { 0 };
+		struct blake2s_state state;
+		bool bad = !ki_canonical(address) || !ki_canonical(address + len - 1);
+
+		if (digest)
+			blake2s_init(&state, KERNINST_DIGEST_SIZE);
+		while (!bad && done < len) {
+			size_t n = min_t(u64, len - done, KERNINST_MAX_IO);
+
+			if (copy_from_kernel_nofault(buf, (void *)(unsigned long)(address + done), n)) {
+				bad = true;
+			} else if (digest) {
+				blake2s_update(&state, buf, n);
+			} else if (copy_to_user(dst + done, buf, n)) {
+				ret = -EFAULT;
+				goto out;
+			}
+			done += n;
+		}
+		if (bad) {
+			failed[i / 64] |= 1ULL << (i % 64);
+			if (!digest && clear_user(dst, len)) {
+				ret = -EFAULT;
+				goto out;
+			}
+		} else if (digest) {
+			blake2s_final(&state, sum);
+		}
+		if (digest && copy_to_user(dst, sum, sizeof(sum))) {
+			ret = -EFAULT;
+			goto out;
+		}
+		at += digest ? KERNINST_DIGEST_SIZE : len;
+		cond_resched();
+	}
+	if (copy_to_user(u64_to_user_ptr(req.failed), failed, words * sizeof(u64)))
+		ret = -EFAULT;
+out:
+	kfree(buf);
+	kvfree(failed);
+	kvfree(rows);
+	return ret;
+}
+
 static long ki_ioc_write(struct kerninst_mem __user *uarg)
 {
 	struct kerninst_mem req;
@@ -3512,6 +3611,9 @@ static long ki_ioctl(struct file *file, unsigned int cmd, unsigned long arg)
 		return ki_ioc_area_add(uarg);
 	case KERNINST_IOC_AREA_DROP:
 		return ki_ioc_area_drop(uarg);
+	case KERNINST_IOC_READ_ROWS:
+	case KERNINST_IOC_DIGEST_ROWS:
+		return ki_ioc_rows(cmd, uarg);
 	}
 	return -ENOTTY;
 }

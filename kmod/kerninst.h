@@ -57,7 +57,7 @@ typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 4
+#define KERNINST_ABI_VERSION 5
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
@@ -72,6 +72,9 @@ typedef uint64_t __u64;
 #define KERNINST_NAME_LEN 128        /* symbol or kept-owner name, NUL included */
 #define KERNINST_MAX_RANGES 1024     /* ranges per HAZARDS request */
 #define KERNINST_MAX_AREA_BYTES (256 << 20) /* patch area and heap, all areas: default of parameter max_area_bytes */
+#define KERNINST_MAX_ROWS 262144     /* rows per READ_ROWS or DIGEST_ROWS request */
+#define KERNINST_MAX_ROWS_BYTES (32 << 20) /* bytes such a request reads, its rows together */
+#define KERNINST_DIGEST_SIZE 8       /* bytes of a DIGEST_ROWS row's digest */
 
 /*
  * Hazards: why the kernel relies on text staying as it is.  The checks are
@@ -197,6 +200,26 @@ struct kerninst_hazards {
 	__u32 reserved;
 };
 
+/*
+ * Many reads in one request: count rows at rows, each two u64 (address, length),
+ * length >= 1 and KERNINST_MAX_ROWS_BYTES in all.  READ_ROWS puts the rows' bytes
+ * end to end at out; DIGEST_ROWS puts each row's KERNINST_DIGEST_SIZE-byte BLAKE2s
+ * at out instead (lib/crypto/blake2s.c with an 8-byte output, no key: what
+ * Python's hashlib.blake2s(data, digest_size=8) gives), so that a client checks
+ * text against what it knows without the bytes leaving the kernel.  out_size is
+ * what that takes (the rows' lengths together, or 8 bytes a row).  A row that
+ * cannot be read (unmapped, or a user address) is zeros, its digest too, and its
+ * bit is set in failed: a bitmap of count bits, bit i in u64 word i / 64.
+ */
+struct kerninst_rows {
+	__u64 rows;      /* user pointer to count (u64 address, u64 length) pairs */
+	__u64 out;       /* user pointer to out_size bytes */
+	__u64 out_size;
+	__u64 failed;    /* user pointer to (count + 63) / 64 u64 words (out) */
+	__u32 count;     /* 1..KERNINST_MAX_ROWS */
+	__u32 reserved;
+};
+
 /* Owners (see the top of this file). */
 #define KERNINST_OWNER_KEPT   (1u << 0) /* outlives its session; re-adopted by name */
 #define KERNINST_OWNER_ORPHAN (1u << 1) /* a drop could not undo all its text: kept, never reused */
@@ -302,6 +325,9 @@ struct kerninst_state {
 /* Add an area to the patch area or the data heap; give an added, empty one back. */
 #define KERNINST_IOC_AREA_ADD   _IOWR(KERNINST_IOC_MAGIC, 0x11, struct kerninst_area)
 #define KERNINST_IOC_AREA_DROP  _IOW(KERNINST_IOC_MAGIC, 0x12, struct kerninst_area)
+/* Read many ranges of kernel memory at once, as their bytes or as a digest of each. */
+#define KERNINST_IOC_READ_ROWS  _IOW(KERNINST_IOC_MAGIC, 0x13, struct kerninst_rows)
+#define KERNINST_IOC_DIGEST_ROWS _IOW(KERNINST_IOC_MAGIC, 0x14, struct kerninst_rows)
 
 /*
  * Errors (negative errno from ioctl), each one cause:
@@ -328,7 +354,8 @@ struct kerninst_state {
  *   EPERM   the text has a hazard (KERNINST_HAZARD_*: blacklisted code, an ftrace,
  *           jump-label or static-call site, a kprobe, an exception-table or
  *           bug-table instruction, or a check that could not be made)
- *   EINVAL  malformed request (sizes, overlapping writes, two changes of one
+ *   EINVAL  malformed request (sizes, a row count or out_size that does not
+ *           match its rows, overlapping writes, two changes of one
  *           route in a batch, no int3 destination: an int3 written into text
  *           needs a route at its site; arm64: a text write or trap site that is
  *           not whole 4-byte aligned instructions, a trap not written alone)

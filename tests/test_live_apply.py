@@ -238,6 +238,35 @@ def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None
         m.detach()
 
 
+def test_the_module_reads_and_digests_rows_of_any_length(target: LiveTarget) -> None:
+    """read_ranges and digests are one module call each (READ_ROWS, DIGEST_ROWS),
+    whatever the rows: a row longer than one of the module's reads (MAX_IO) is read
+    and hashed piece by piece, as a read of it alone gives it; a row at an address
+    no kernel memory is at (user space, not canonical) is named and zeros; a
+    row of no bytes is refused."""
+    from ksim.analysis.store import code_digest
+    from ksim.errors import ProtocolError
+    from ksim.live import abi
+    from ksim.live.client import _table
+
+    start, _end = target.text
+    big = abi.LIMITS["MAX_IO"] * 3 + 123
+    rows = [(start, big), (0x1000, 16), (0x8000_0000_0000_0000, 8), (start + big, 7)]
+    table = _table(rows)
+    reply = target.conn.request("read_ranges", ranges=table, kernel=False)
+    data = bytes.fromhex(reply["data"])
+    assert reply["failed"] == [1, 2] and len(data) == big + 16 + 8 + 7
+    assert data[:big] == target.read(start, big) and data[big:big + 24] == bytes(24)
+    assert data[-7:] == target.read(start + big, 7)
+    reply = target.conn.request("digests", ranges=table, kernel=False)
+    sums = bytes.fromhex(reply["digests"])
+    assert reply["failed"] == [1, 2] and sums[8:24] == bytes(16)
+    assert int.from_bytes(sums[:8], "little") == code_digest(data[:big])
+    assert int.from_bytes(sums[24:], "little") == code_digest(data[-7:])
+    with pytest.raises(ProtocolError, match="digests"):
+        target.conn.request("digests", ranges=_table([(start, 0)]), kernel=False)
+
+
 def test_text_read_ahead_is_the_text_read_one_range_at_a_time(testbed: dict) -> None:
     """read_ranges (the text a batch reads, fetched ahead): each range's bytes are
     the ones a read of it alone gives, end to end; a range that cannot be read (no

@@ -28,10 +28,11 @@ from typing import Any
 import capstone
 import pytest
 
+from ksim.analysis.store import code_digest
 from ksim.core import Write
 from ksim.errors import KsimError, OutOfMemory, TextOwned
 from ksim.live import abi
-from ksim.live.client import KprobeCounter, LiveTarget
+from ksim.live.client import KprobeCounter, LiveTarget, _table
 from ksim.live.testing import (  # noqa: F401
     connect,
     dmesg_problems,
@@ -205,6 +206,19 @@ def test_a_second_client_is_refused_at_the_first_ones_point(clients, how: str) -
     # bytes as they were too (it knows its pokes)
     assert b.read(s.site, len(cur), kernel=True) == s.orig[:len(cur)]
     assert b.image.read(s.site, 16) == s.orig
+    # ... and so do b's reads and digests of many rows at once (the module reads
+    # them, kerninstd puts a's bytes back in the rows they overlap)
+    rows = [(s.site - 64, 256), (spare, 5), (s.site + 1, 3)]
+    table = _table(rows)
+    for kernel in (True, False):
+        data = bytes.fromhex(b.conn.request("read_ranges", ranges=table, kernel=kernel)["data"])
+        sums = bytes.fromhex(b.conn.request("digests", ranges=table, kernel=kernel)["digests"])
+        at = 0
+        for k, (address, n) in enumerate(rows):
+            assert data[at:at + n] == b.read(address, n, kernel=kernel), (kernel, k)
+            assert int.from_bytes(sums[8 * k:8 * k + 8], "little") == code_digest(data[at:at + n])
+            at += n
+        assert (data[64:64 + len(cur)] == s.orig[:len(cur)]) is kernel
     # a's splice is untouched and counts every call, as the kernel's kprobe does
     counted, oracle = counted_like_the_kprobe(a, s.counter)
     assert N <= counted <= N + 5 and abs(counted - oracle) <= 3

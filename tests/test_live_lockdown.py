@@ -23,6 +23,7 @@ from ksim.core import Write
 from ksim.errors import LockedDown
 from ksim.kapi import Manager
 from ksim.live import testbed as tb
+from ksim.live.client import _table
 from ksim.live.testing import dmesg_problems, getppid_loop, plain_insn
 from ksim.splice.patch import Change
 
@@ -106,6 +107,9 @@ def test_a_locked_down_kernel_is_changed_by_nobody(locked_testbed: dict[str, Any
         t.exec_checked(f"echo confidentiality > {LOCKDOWN}")
         with pytest.raises(LockedDown):
             m.copy_from_kernel(fn.address, 16)
+        for op in ("read_ranges", "digests"):     # the module's many-row reads too
+            with pytest.raises(LockedDown):
+                t.conn.request(op, ranges=_table([(fn.address, 16)]), kernel=False)
     finally:
         m.detach()
 

@@ -58,6 +58,9 @@ class Summary:
     jumps_out: tuple[int, ...]
 
 
+#: a function whose code is gone or unreadable: nothing known of it, so the worst
+FREED = Summary(frozenset(), True, (), ())
+
 _SUMMARIES: weakref.WeakKeyDictionary[Image, dict[int, Summary]] = weakref.WeakKeyDictionary()
 _CACHE: weakref.WeakKeyDictionary[Image, dict[int, frozenset[str]]] = weakref.WeakKeyDictionary()
 
@@ -70,6 +73,11 @@ def summary(image: Image, support: ArchSupport, func: Function) -> Summary:
     if found is None:
         from ksim.analysis import compact, store
 
+        if image.freed(func.address):
+            # init text a running kernel has freed (a __ref caller still names it):
+            # whatever its bytes are now, it may write all the convention allows
+            found = memo[func.address] = FREED
+            return found
         kept = store.store_for(image)
         stored = kept.summary(func) if kept is not None else None
         if stored is not None:
@@ -77,10 +85,8 @@ def summary(image: Image, support: ArchSupport, func: Function) -> Summary:
         else:
             try:
                 comp = compact.compute(image, support, func)
-            except TargetFault:
-                # its code cannot be read (init text a running kernel has freed, that
-                # a __ref caller still names): it may write all the convention allows
-                found = Summary(frozenset(), True, (), ())
+            except TargetFault:     # its code cannot be read: as freed text
+                found = FREED
             else:
                 found = Summary(comp.own_writes, comp.worst, comp.calls_out, comp.jumps_out)
         memo[func.address] = found

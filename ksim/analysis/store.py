@@ -77,7 +77,7 @@ from ksim.image.model import Function
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 3
+ANALYSIS_VERSION = 4
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQ32s")  # magic, version, key, body length, body digest
@@ -443,7 +443,9 @@ class Store:
     def settled(self, image: Image, func: Function) -> bool:
         """Whether ``func`` and every function it calls or jumps into, transitively
         (the clobber analysis's edges), have current records: then what was learnt
-        over that reach is what analysing them now gives.  Strongly connected
+        over that reach is what analysing them now gives.  Init text the kernel
+        freed counts as settled, with no edges: the analysis takes it as the
+        convention's worst whatever its bytes (clobbers.summary).  Strongly connected
         components (Tarjan, without recursion), each answer kept: a batch's checks
         cost one walk of what its functions reach."""
         root = self.index_of(func)
@@ -455,9 +457,15 @@ class Store:
             return found
         functions = image.functions
         succ, at = self._arrays["succ"], self._offsets["n_succ"]
-        for members in components(root, lambda i: succ[at[i]:at[i + 1]], memo):
-            ok = all(self._current_at(m, functions[m]) for m in members) and all(
-                memo.get(c, True) for m in members for c in succ[at[m]:at[m + 1]])
+        freed = image.freed
+
+        def edges(i: int) -> Sequence[int]:
+            # freed init text is the convention's worst whatever its bytes (and calls)
+            return () if freed(functions[i].address) else succ[at[i]:at[i + 1]]
+
+        for members in components(root, edges, memo):
+            ok = all(freed(functions[m].address) or self._current_at(m, functions[m])
+                     for m in members) and all(memo.get(c, True) for m in members for c in edges(m))
             for m in members:
                 memo[m] = ok
         return memo[root]
@@ -593,8 +601,10 @@ class Store:
 
 
 def code_digest(code: bytes) -> int:
-    """What a record keeps of the bytes it was made from (64 bits of BLAKE2b)."""
-    return int.from_bytes(hashlib.blake2b(code, digest_size=8).digest(), "little")
+    """What a record keeps of the bytes it was made from: 64 bits of BLAKE2s, as a
+    live kernel's module digests text without it leaving the kernel (kmod's
+    DIGEST_ROWS, lib/crypto/blake2s)."""
+    return int.from_bytes(hashlib.blake2s(code, digest_size=8).digest(), "little")
 
 
 def _digest(body: bytes | memoryview) -> bytes:

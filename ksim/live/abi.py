@@ -12,7 +12,7 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 DEVICE = "/dev/kerninst"
 #: the architecture (a ``ksim.arch`` name) of a live kernel whose daemon names none:
 #: kmod/kerninst.c is built for x86-64 and arm64, and the module's info names no
@@ -34,6 +34,9 @@ LIMITS: dict[str, int] = {
     "NAME_LEN": 128,
     "MAX_RANGES": 1024,
     "MAX_AREA_BYTES": 256 << 20,  # all areas: default of the module parameter max_area_bytes
+    "MAX_ROWS": 262144,             # rows per READ_ROWS or DIGEST_ROWS request
+    "MAX_ROWS_BYTES": 32 << 20,     # bytes such a request reads, its rows together
+    "DIGEST_SIZE": 8,               # bytes of a DIGEST_ROWS row's digest (BLAKE2s)
 }
 
 # Hazard name -> its KERNINST_HAZARD_* bit: why the kernel relies on text staying
@@ -96,6 +99,10 @@ STRUCTS: dict[str, tuple[tuple[str, str], ...]] = {
     "kerninst_trap": (("site", "Q"), ("patch", "Q"), ("owner", "Q")),
     "kerninst_range": (("address", "Q"), ("len", "I"), ("hazards", "I")),
     "kerninst_hazards": (("ranges", "Q"), ("count", "I"), ("reserved", "I")),
+    "kerninst_rows": (
+        ("rows", "Q"), ("out", "Q"), ("out_size", "Q"), ("failed", "Q"), ("count", "I"),
+        ("reserved", "I"),
+    ),
     "kerninst_owner": (
         ("id", "Q"), ("flags", "I"), ("reserved", "I"), ("name", f"{LIMITS['NAME_LEN']}s"),
     ),
@@ -139,6 +146,8 @@ COMMANDS: dict[str, tuple[str, int, str | None]] = {
     "STATE": ("rw", 0x10, "kerninst_state"),
     "AREA_ADD": ("rw", 0x11, "kerninst_area"),
     "AREA_DROP": ("w", 0x12, "kerninst_area"),
+    "READ_ROWS": ("w", 0x13, "kerninst_rows"),
+    "DIGEST_ROWS": ("w", 0x14, "kerninst_rows"),
 }
 
 # (command or "*", errno) -> ksim error code (ksim.errors); the first match wins.

@@ -41,7 +41,7 @@ import secrets
 import stat
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -505,20 +505,25 @@ class Daemon:
     READ_ONLY = frozenset({"hello", "auth", "info", "kallsyms", "lookup", "read", "hazards",
                            "hazard_table", "kept", "btf", "read_file", "cgroup_path"})
 
+    def _splices_view(self) -> tuple[Any, ...]:
+        """The module's live text writes by address (a read looks at the few that can
+        overlap it), kept until the module's state may change; none when its state
+        cannot be read."""
+        if self._text_view is None:
+            try:
+                state = self.device.state()
+            except KsimError:
+                return ()
+            self._text_view = tuple(sorted(state.splices, key=lambda x: x.address))
+            self._text_view_at = [x.address for x in self._text_view]
+        return self._text_view
+
     def _as_kernel(self, session: Session, address: int, data: bytes) -> bytes:
         """``data`` read at ``address`` as the kernel's own text: where another owner's
         splice still holds what it wrote, the bytes it replaced (so that a client
         analyses the kernel, not another client's jumps; the module refuses the
         client any change there all the same)."""
-        view = self._text_view
-        if view is None:
-            try:
-                state = self.device.state()
-            except KsimError:
-                return data
-            # by address: a read looks at the few splices that can overlap it
-            view = self._text_view = tuple(sorted(state.splices, key=lambda x: x.address))
-            self._text_view_at = [x.address for x in view]
+        view = self._splices_view()
         end = address + len(data)
         out: bytearray | None = None
         first = bisect.bisect_left(self._text_view_at, address - wire.MAX_RANGE)
@@ -697,21 +702,23 @@ class Daemon:
         """op_read of many ranges in one request: ``ranges`` packed as hazard_table's
         rows (address, length); the bytes of each, end to end, and the rows that could
         not be read (zeros in their place)."""
-        pieces, failed = self._read_rows(session, "read_ranges", ranges, wire.MAX_READ, kernel)
-        return {"data": b"".join(pieces).hex(), "failed": failed}
+        data, failed = self._read_rows(session, "read_ranges", ranges, wire.MAX_READ, kernel)
+        return {"data": data.hex(), "failed": failed}
 
     def op_digests(self, session: Session, ranges: bytes, kernel: bool = False) -> dict[str, Any]:
-        """op_read_ranges as a 64-bit BLAKE2b of each row (what an analysis record
-        keeps of the bytes it was made from): a client checks that text it has records
-        of is unchanged without reading it."""
-        pieces, failed = self._read_rows(session, "digests", ranges, wire.MAX_DIGESTED, kernel)
-        return {"digests": b"".join(hashlib.blake2b(p, digest_size=wire.DIGEST).digest()
-                                    for p in pieces).hex(), "failed": failed}
+        """op_read_ranges as a 64-bit BLAKE2s of each row (what an analysis record
+        keeps of the bytes it was made from), worked out by the module: a client checks
+        that text it has records of is unchanged without reading it."""
+        sums, failed = self._read_rows(session, "digests", ranges, wire.MAX_DIGESTED, kernel,
+                                       digest=True)
+        return {"digests": sums.hex(), "failed": failed}
 
     def _read_rows(self, session: Session, op: str, ranges: bytes, most: int,
-                   kernel: bool) -> tuple[list[bytes], list[int]]:
-        """The bytes of each packed (address, length) row, ``most`` in all, and the
-        rows that could not be read (zeros in their place)."""
+                   kernel: bool, digest: bool = False) -> tuple[bytes, list[int]]:
+        """The bytes of the packed (address, length) rows end to end, ``most`` in all
+        (``digest``: each row's wire.digest instead), and the rows that could not be
+        read (zeros in their place).  One module call reads (and digests) them all;
+        only rows another owner's splice overlaps are looked at one by one."""
         if len(ranges) % wire.RANGE_ROW:
             raise ProtocolError(f"{op}: argument 'ranges' is {len(ranges)} bytes, "
                                 f"not a whole number of {wire.RANGE_ROW}-byte rows")
@@ -719,51 +726,46 @@ class Daemon:
         if sys.byteorder != "little":
             packed.byteswap()
         starts, lengths = packed[0::2], packed[1::2]
-        ends = list(map(operator.add, starts, lengths))
         # checked for the whole table at once (an emulated guest's Python pays tens of
         # microseconds a row); the row at fault is looked for only when one is
         if lengths and (min(lengths) < 1 or max(lengths) > wire.MAX_READ
-                        or max(ends) > wire.U64_MAX + 1):
+                        or max(map(operator.add, starts, lengths)) > wire.U64_MAX + 1):
             for i, (address, length) in enumerate(zip(starts, lengths, strict=True)):
                 if not 1 <= length <= wire.MAX_READ or address + length > wire.U64_MAX + 1:
                     raise ProtocolError(f"{op}: argument 'ranges[{i}]': {address:#x}+{length} "
                                         f"is not 1..{wire.MAX_READ} bytes inside the address space")
-        if sum(lengths) > most:
+        total = sum(lengths)
+        if total > most:
             raise ProtocolError(f"{op}: the ranges hold more than {most} bytes in all")
-        # rows close together are read as one window of at most MAX_IO bytes: one module
-        # call (and one capability check, which tools tracing cap_capable see) for many
-        order = sorted(range(len(starts)), key=starts.__getitem__)
-        limit = abi.LIMITS["MAX_IO"]
-        pieces: list[bytes] = [b""] * len(starts)
-        failed = []
-        k = 0
-        while k < len(order):
-            lo, hi = starts[order[k]], ends[order[k]]
-            j = k + 1
-            while j < len(order) and max(hi, ends[order[j]]) - lo <= limit:
-                hi = max(hi, ends[order[j]])
-                j += 1
-            try:
-                window: bytes | None = self.device.read(lo, hi - lo)
-            except TargetFault:     # a hole in the window: each row alone
-                window = None
-            if window is not None:
-                if kernel:          # byte by byte: the window's as kernel text is each row's
-                    window = self._as_kernel(session, lo, window)
-                for i in order[k:j]:
-                    pieces[i] = window[starts[i] - lo:ends[i] - lo]
-                k = j
+        if not starts:
+            return b"", []
+        data, failed = self.device.read_rows(ranges, len(starts), total, digest=digest)
+        if kernel:
+            data = self._rows_as_kernel(session, starts, lengths, data, set(failed), digest)
+        return data, failed
+
+    def _rows_as_kernel(self, session: Session, starts: Sequence[int], lengths: Sequence[int],
+                        data: bytes, failed: set[int], digest: bool) -> bytes:
+        """_read_rows' ``data`` as the kernel's own text (_as_kernel) where another
+        owner's splice overlaps a row: that row's bytes, or its digest, made again."""
+        view = self._splices_view()
+        foreign = [x.address for x in view if x.owner != session.owner]
+        if not foreign:
+            return data
+        out = bytearray(data)
+        at = 0
+        for i, (address, length) in enumerate(zip(starts, lengths, strict=True)):
+            here, at = at, at + (wire.DIGEST if digest else length)
+            if i in failed or (bisect.bisect_left(foreign, address + length)
+                               == bisect.bisect_left(foreign, address - wire.MAX_RANGE)):
                 continue
-            for i in order[k:j]:
-                address, length = starts[i], lengths[i]
-                try:
-                    data = self.device.read(address, length)
-                except TargetFault:     # not mapped: zeros, and the row named
-                    failed.append(i)
-                    data = bytes(length)
-                pieces[i] = self._as_kernel(session, address, data) if kernel else data
-            k = j
-        return pieces, sorted(failed)
+            if digest:
+                # as the module digests (DIGEST_ROWS): BLAKE2s, an 8-byte output
+                out[here:at] = hashlib.blake2s(self._as_kernel(session, address, self.device.read(
+                    address, length)), digest_size=wire.DIGEST).digest()
+            else:
+                out[here:at] = self._as_kernel(session, address, bytes(out[here:at]))
+        return bytes(out)
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:

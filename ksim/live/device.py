@@ -332,6 +332,29 @@ class Device:
             out += chunk.raw
         return bytes(out)
 
+    def read_rows(self, table: bytes, count: int, size: int, digest: bool = False
+                  ) -> tuple[bytes, list[int]]:
+        """READ_ROWS (DIGEST_ROWS with ``digest``): ``table`` is ``count`` packed
+        (u64 address, u64 length) rows, ``size`` bytes together, within the module's
+        MAX_ROWS and MAX_ROWS_BYTES.  Their bytes end to end (or an 8-byte BLAKE2s of
+        each, abi.LIMITS["DIGEST_SIZE"]), and the indexes of the rows that could not
+        be read (zeros in their place): one module call, whatever the rows."""
+        s = abi.structure("kerninst_rows")
+        rows = _buffer(table)
+        out = _buffer(count * abi.LIMITS["DIGEST_SIZE"] if digest else size)
+        failed = _buffer(8 * ((count + 63) // 64))
+        self._ioctl("DIGEST_ROWS" if digest else "READ_ROWS",
+                    s.pack(rows=ctypes.addressof(rows), out=ctypes.addressof(out),
+                           out_size=len(out), failed=ctypes.addressof(failed), count=count),
+                    what=f"{count} rows")
+        bits = int.from_bytes(failed.raw, "little")
+        missing = []
+        while bits:             # the set bits only: a row that failed is rare
+            low = bits & -bits
+            missing.append(low.bit_length() - 1)
+            bits ^= low
+        return out.raw, missing
+
     def hazards(self, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """KERNINST_HAZARD_* flags of each (address, length) range, asked of the module."""
         hs = abi.structure("kerninst_hazards")

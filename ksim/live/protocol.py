@@ -38,8 +38,8 @@ MAX_FRAME = 80 << 20
 # unauthenticated peer can make the daemon buffer only this much per frame.
 MAX_AUTH_FRAME = 1 << 10
 MAX_READ = 1 << 20           # bytes per read op
-MAX_DIGESTED = 32 << 20      # bytes a digests op reads (and hashes) in all
-DIGEST = 8                   # bytes of a digests row's digest
+MAX_DIGESTED = LIMITS["MAX_ROWS_BYTES"]   # bytes a digests op reads (and hashes) in all
+DIGEST = LIMITS["DIGEST_SIZE"]           # bytes of a digests row's digest (BLAKE2s)
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
@@ -135,7 +135,7 @@ OPS: dict[str, Op] = {op.name: op for op in (
            "the rows that could not be read (zeros in their place)"),
     Op("digests", {"ranges": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW), "kernel": BOOL},
        doc="what read_ranges would give, as a digest per row: rows as read_ranges', "
-           "MAX_DIGESTED bytes in all -> each row's 64-bit BLAKE2b (8 bytes, little-endian "
+           "MAX_DIGESTED bytes in all -> each row's 64-bit BLAKE2s (8 bytes, little-endian "
            "as the analysis store keeps them), end to end, and the rows that could not "
            "be read (zeros in their place): whether text is still the bytes a record "
            "was made from, without its bytes crossing the wire"),
