@@ -76,6 +76,28 @@ def test_store_equals_fresh_analysis(small: Image, tmp_path: Path) -> None:
     _check_store(small, loaded, list(small.functions))
 
 
+def test_a_store_keeps_its_images_kernel_tables(small: Image, tmp_path: Path) -> None:
+    """The store keeps the image's address-keyed tables (bug, extable, jump-label,
+    static-call sites, the kprobe blacklist): an image the store is loaded for has
+    them without reading them again, equal to what reading them gives; a store whose
+    tables are not sorted, unique addresses is refused."""
+    from ksim.image.tables import kernel_tables
+
+    built = store.build(small, jobs=1)
+    path = tmp_path / "t.ksa"
+    built.save(path)
+    twin = _fresh(small)
+    assert "tables" not in twin.__dict__
+    assert store.Store.load(path, twin) is not None
+    assert "tables" in twin.__dict__            # given by the store, not read
+    assert twin.tables == kernel_tables(small) and twin.tables.counts() == small.tables.counts()
+    arrays, meta = store._decode(memoryview(built.body()))
+    if len(arrays["table_addrs"]) > 1:
+        arrays["table_addrs"].reverse()
+        with pytest.raises(store.StoreError, match="kernel tables"):
+            store.Store(_fresh(small), built.key, arrays, meta)
+
+
 def test_parallel_build_equals_serial(small: Image) -> None:
     serial, parallel = store.build(small, jobs=1), store.build(small, jobs=2)
     assert serial.totals() == parallel.totals()

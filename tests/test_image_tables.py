@@ -351,3 +351,20 @@ def test_module_tables(kernel: debian.DebianKernel, name: str) -> None:
     # the sites are spread over the module's text sections
     sections = Counter(image.section_at(a).name for kind in TextRef for a in tables.addresses(kind))
     assert ".text" in sections
+
+
+def test_packed_tables_come_back_the_same(vmlinux: Image) -> None:
+    """What an analysis store keeps of a kernel's tables (KernelTables.packed) gives
+    the same tables back (KernelTables.merged): Debian's vmlinux, every kind; what is
+    not sorted, unique addresses with masks of kinds is refused."""
+    tables = vmlinux.tables
+    addrs, masks, blacklist = tables.packed()
+    assert len(addrs) > 10000 and blacklist
+    again = KernelTables.merged(addrs, masks, blacklist)
+    assert again == tables and hash(again) == hash(tables) and again.counts() == tables.counts()
+    for kind in TextRef:
+        assert again.addresses(kind) == tables.addresses(kind)
+    assert again.refs_at(addrs[100], addrs[200]) == tables.refs_at(addrs[100], addrs[200])
+    for bad in ((addrs[::-1], masks[::-1]), (addrs, [0] * len(masks)), (addrs[:-1], masks)):
+        with pytest.raises(ValueError):
+            KernelTables.merged(*bad, blacklist)

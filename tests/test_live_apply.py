@@ -234,6 +234,8 @@ def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None
         with requests(m.target) as seen:
             ok, _refused = m.spliceable_entries(funcs)
         assert ok and seen["digests"] >= 1 and seen["read"] <= 2, seen
+        # the kernel's tables came with the store (kept when it was made), unread
+        assert "tables" in m.target.image.__dict__ and seen["read_ranges"] == 1, seen
     finally:
         m.detach()
 

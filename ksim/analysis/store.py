@@ -74,6 +74,7 @@ from ksim.analysis.scc import components
 from ksim.errors import KsimError
 from ksim.image.image import Image
 from ksim.image.model import Function
+from ksim.image.tables import KernelTables
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
@@ -116,6 +117,10 @@ _CLOB, _LIVE, _END = 1, 2, 4
 #: ... and, counted by ``n_succ``, the index of every function each one calls or
 #: jumps into (the clobber analysis's edges), found once instead of by address
 _DERIVED_DATA = {"succ": "I"}
+#: the image's address-keyed tables (KernelTables.packed: every address with its
+#: bit mask of kinds; the kprobe blacklist's extents, start and end in turn), made
+#: with the store: a running kernel's are a request and a parse every process
+_TABLES = {"table_addrs": "Q", "table_kinds": "B", "table_blacklist": "Q"}
 
 
 class StoreError(KsimError):
@@ -263,6 +268,14 @@ class Store:
         self._masks: dict[tuple[int, int], frozenset[str]] = {}
         self._regs: dict[int, list[str]] = {}
         self._tables: dict[str, list] = meta["tables"]
+        if "table_addrs" in arrays:     # the image's own tables, as read when the store was made
+            extents = arrays["table_blacklist"]
+            try:
+                tables = KernelTables.merged(arrays["table_addrs"], arrays["table_kinds"],
+                                             zip(extents[0::2], extents[1::2], strict=True))
+            except ValueError as exc:
+                raise StoreError(f"the store's kernel tables: {exc}") from None
+            image.known_tables(tables)
         self._derived_regs: list[str] = meta.get("derived_regs", [])
         self._derived_names: dict[int, frozenset[str]] = {}
         #: functions whose whole reach has current records (settled), or not
@@ -643,7 +656,7 @@ def _decode(body: memoryview, *, derived: bool = True) -> tuple[dict[str, array]
         else:
             typecode = code.decode()
             expected = (_PER_FUNCTION.get(name) or _DATA.get(name) or _DERIVED.get(name)
-                        or _DERIVED_DATA.get(name))
+                        or _DERIVED_DATA.get(name) or _TABLES.get(name))
             if expected != typecode:
                 raise StoreError(f"array {name!r} has type {typecode!r}")
             arr = array(typecode)
@@ -693,6 +706,9 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     arrays.update({name: array(code) for name, code in _DERIVED_DATA.items()})
     _successors(image, arrays)
     meta["derived_regs"] = sorted(support_for(image.arch).convention.all_regs)
+    addrs, kinds, blacklist = source.tables.packed()
+    arrays.update(table_addrs=array("Q", addrs), table_kinds=array("B", kinds),
+                  table_blacklist=array("Q", [x for extent in blacklist for x in extent]))
     return Store(source, image_key(source), arrays, meta)
 
 

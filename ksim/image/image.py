@@ -285,10 +285,17 @@ class Image:
     @cached_property
     def tables(self) -> KernelTables:
         """The kernel's address-keyed tables (bug, exception, ftrace, jump-label,
-        static-call sites and the kprobe blacklist), read on first use."""
+        static-call sites and the kprobe blacklist), read on first use (unless
+        known_tables gave them)."""
         from ksim.image.tables import kernel_tables
 
         return kernel_tables(self)
+
+    def known_tables(self, tables: KernelTables) -> None:
+        """The image's tables as read before, from this same image (its analysis
+        store keeps them, by the image's identity): ``tables`` then answers
+        without reading them, unless it has read them already."""
+        self.__dict__.setdefault("tables", tables)
 
 
 def merge_ranges(regions: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -51,9 +51,11 @@ from __future__ import annotations
 
 import bisect
 import enum
+import operator
 import struct
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import compress
 from types import MappingProxyType
 from typing import TYPE_CHECKING, ClassVar
 
@@ -112,6 +114,29 @@ class KernelTables:
         order = sorted(merged)
         object.__setattr__(self, "_addrs", order)
         object.__setattr__(self, "_masks", [merged[a] for a in order])
+
+    @classmethod
+    def merged(cls, addrs: Sequence[int], masks: Sequence[int],
+               kprobe_blacklist: Iterable[tuple[int, int]]) -> KernelTables:
+        """The tables whose every address (sorted, unique) has the kinds of its bit
+        mask (what :meth:`packed` gives), without sorting them again: an analysis
+        store keeps a running kernel's tables so, and they come back in milliseconds."""
+        addrs, masks = list(addrs), list(masks)
+        if len(addrs) != len(masks) or any(map(operator.ge, addrs, addrs[1:])) or \
+                any(not 0 < m < 1 << len(_KINDS) for m in masks):
+            raise ValueError("not sorted, unique addresses each with a mask of kinds")
+        out = object.__new__(cls)
+        sites = {kind: tuple(compress(addrs, map(_BIT[kind].__and__, masks))) for kind in _KINDS}
+        object.__setattr__(out, "sites", MappingProxyType(sites))
+        object.__setattr__(out, "kprobe_blacklist", tuple(sorted(set(kprobe_blacklist))))
+        object.__setattr__(out, "_addrs", addrs)
+        object.__setattr__(out, "_masks", masks)
+        return out
+
+    def packed(self) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Every address, sorted, with its bit mask of kinds, and the blacklist:
+        :meth:`merged` of them is these tables."""
+        return list(self._addrs), list(self._masks), list(self.kprobe_blacklist)
 
     def __hash__(self) -> int:
         return hash((tuple(self.sites.items()), self.kprobe_blacklist))
