@@ -590,7 +590,8 @@ class Manager:
             block = self._alloc_code(max(sum(bounds), 16), kept[0].point.address)
             try:
                 patches, no = planner.plan_batch(self.arch, reqs, bounds, block,
-                                                 _Busy(self._owners, None))
+                                                 _Busy(self._owners, None),
+                                                 prepare=self.facts.prepare_padding)
                 if no and refused is None:  # all or nothing
                     raise no[min(no)]
                 for i, why in no.items():

@@ -131,6 +131,32 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
         m.detach()
 
 
+def test_a_batchs_springboards_ask_about_their_padding_at_once(testbed: dict) -> None:
+    """A wildcard inserted as the command line does (entries found unplanned, then
+    one batch): the points that take a springboard look at the padding around them
+    with one read of the functions there and one question on its hazards, whatever
+    their number, and no text is read again (pieces read ahead that overlap are one)."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        funcs = [f for f in m.target.image.functions if f.name.startswith("re")]
+        with m.one_look():
+            ok, _refused = m.spliceable_entries(funcs, plan=False)
+            points = [p for _, p in ok]
+            counters = dict(zip((p.address for p in points), m.malloc_array(len(points)),
+                                strict=True))
+            refused: dict[int, str] = {}
+            with requests(m.target) as seen:
+                hs = m.insert_many(points, lambda p: counters[p.address].atomic_assign(
+                    counters[p.address] + 1), refused=refused)
+        tactics = Counter(m.patch_of(h).tactic for h in hs)
+        assert tactics["springboard"] >= 3, tactics
+        assert seen["hazard_table"] <= 1 and seen["read_ranges"] <= 1, seen
+        assert seen["read"] <= 1, seen      # the patch area's old bytes, once
+        m.remove_many(hs)
+    finally:
+        m.detach()
+
+
 def test_ftraces_own_trampolines_are_never_spliced(testbed: dict) -> None:
     """The kernel rewrites the calls inside ftrace_caller and ftrace_regs_caller
     whenever a tracer or an ftrace-based kprobe comes or goes: a wildcard over every

@@ -535,9 +535,22 @@ class LiveTarget:
                     got.append((a, data[at:at + n]))
                 at += n
         if got:
-            merged = sorted([*zip(self._ahead_at, self._ahead, strict=True), *got])
-            self._ahead_at = [a for a, _ in merged]
-            self._ahead = [d for _, d in merged]
+            # kept disjoint: rows of different reads overlap (a batch's functions, then
+            # the neighbours its springboards look at), and a read is looked up in the
+            # one piece starting last at or before it
+            at_: list[int] = []
+            parts: list[list[bytes]] = []
+            end = 0
+            for a, d in sorted([*zip(self._ahead_at, self._ahead, strict=True), *got]):
+                if at_ and a <= end:
+                    if a + len(d) > end:
+                        parts[-1].append(d[end - a:])
+                        end = a + len(d)
+                    continue
+                at_.append(a)
+                parts.append([d])
+                end = a + len(d)
+            self._ahead_at, self._ahead = at_, [b"".join(p) for p in parts]
         if error is not None:
             raise error
 

@@ -217,7 +217,8 @@ def plan_with(arch: Arch, req: SpliceRequest, tactics: Sequence[str],
 
 
 def plan_batch(arch: Arch, reqs: Sequence[SpliceRequest], bounds: Sequence[int], block: int,
-               busy: Container[int]) -> tuple[list[Patch | None], dict[int, NoSafeTactic]]:
+               busy: Container[int], prepare: Callable[[Sequence[int]], None] | None = None
+               ) -> tuple[list[Patch | None], dict[int, NoSafeTactic]]:
     """Plan many points at once: each request's patch code at ``block`` plus the
     bounds of the requests before it, every window ``busy`` for the others.
 
@@ -226,8 +227,10 @@ def plan_batch(arch: Arch, reqs: Sequence[SpliceRequest], bounds: Sequence[int],
     maximum matching (each point's slots are the ones it reaches), so that a slot
     the first of two points would take is left to the second when it is the only
     one that point reaches.  What gets no slot takes the policy's later tactics
-    (the trap), or is refused.  Returns each request's patch (None when refused)
-    and the refusals, by index."""
+    (the trap), or is refused.  ``prepare``, when given, is told the points left
+    for springboards before their padding is looked at (a live target asks about
+    all of it at once).  Returns each request's patch (None when refused) and the
+    refusals, by index."""
     claimed = _Claimed(busy)
     at = list(accumulate(bounds[:-1], initial=block)) if reqs else []
     patches: list[Patch | None] = [None] * len(reqs)
@@ -254,6 +257,8 @@ def plan_batch(arch: Arch, reqs: Sequence[SpliceRequest], bounds: Sequence[int],
                 refused[i] = exc
             else:
                 waiting[i] = (tactics[k + 1:], report)
+    if prepare is not None and waiting:
+        prepare([reqs[i].point for i in waiting])
     slots = {i: springboard_slots(arch, placed(i)) for i in waiting}
     match = _match({i: [lo for lo, _ in s] for i, s in slots.items() if not isinstance(s, str)})
     for i, (later, report) in waiting.items():

@@ -601,13 +601,41 @@ class SiteFacts:
     def padding_slots(self, near: int, busy: Container[int]) -> tuple[tuple[int, bytes], ...]:
         """Free jmp-sized slots in the filler after the functions around ``near``
         (within short-jump reach), with their original bytes."""
-        size, reach = self.arch.jmp_size, 128 + self.arch.short_jmp_size
+        around = self._around(near)
+        self.image.prefetch(self._read_ahead(around))  # a running kernel's: one request
+        return self._unhazardous(self._padding_near(near, around, busy), self.arch.jmp_size)
+
+    def prepare_padding(self, points: Sequence[int]) -> None:
+        """Ask at once what padding_slots asks for each of ``points``: the text of the
+        functions around them, in one read, and the hazards of every slot they may
+        use, in one question whose answers stay for the asking_ahead block (outside
+        one, nothing is asked ahead).  A batch's points left for springboards are
+        planned with no further round trip."""
+        if self._ask is None or self._ahead is None or not points:
+            return
+        arounds = [self._around(p) for p in points]
+        self.image.prefetch(self._read_ahead(list({f.address: f for fs in arounds for f in fs}
+                                                  .values())))
+        ranges = [r for r in dict.fromkeys(
+            (a, 1) for p, fs in zip(points, arounds, strict=True)
+            for start, _ in self._padding_near(p, fs, frozenset())
+            for a in range(start, start + self.arch.jmp_size)) if r not in self._ahead]
+        if ranges:
+            self._ahead.update(zip(ranges, self._ask(ranges), strict=True))
+
+    def _around(self, near: int) -> list[Function]:
+        """The functions whose filler (at most the function's own, then 64 bytes) a
+        short jump at ``near`` may reach."""
+        reach = 128 + self.arch.short_jmp_size
         lo = bisect.bisect_left(self._starts, near - 4 * reach)
         hi = bisect.bisect_right(self._starts, near + reach)
+        return [f for f in self.image.functions[max(lo - 1, 0):hi] if f.end + 64 >= near - reach]
+
+    def _padding_near(self, near: int, around: Sequence[Function], busy: Container[int]
+                      ) -> tuple[tuple[int, bytes], ...]:
+        """padding_slots before the target's hazards are asked."""
+        size, reach = self.arch.jmp_size, 128 + self.arch.short_jmp_size
         out = []
-        # its filler (at most the function's own, then 64 bytes) is in reach
-        around = [f for f in self.image.functions[max(lo - 1, 0):hi] if f.end + 64 >= near - reach]
-        self.image.prefetch(self._read_ahead(around))  # a running kernel's: one request
         for func in around:
             try:
                 end, tail = self._extent(func)
@@ -622,7 +650,7 @@ class SiteFacts:
                         or self.blacklisted(start):
                     continue
                 out.append((start, tail[start - end:start - end + size]))
-        return self._unhazardous(tuple(out), size)
+        return tuple(out)
 
     def _unhazardous(self, slots: tuple[tuple[int, bytes], ...], size: int
                      ) -> tuple[tuple[int, bytes], ...]:
