@@ -32,7 +32,8 @@ kernel's text once (:meth:`Image.frozen`); it is not built behind the user's bac
 for many functions (:func:`for_batch`).
 
 **Format** (all little-endian): a header (magic, :data:`ANALYSIS_VERSION`, key, body
-length, BLAKE2b-256 of the body), then the body: a directory of named arrays
+length, the body's CRC-32: a check against a damaged file, five times cheaper than a
+cryptographic digest on every load; the key itself is BLAKE2b), then the body: a directory of named arrays
 (name, ``array`` type code, length) followed by their bytes, 8-byte aligned.  Arrays
 per function (``addr``, ``size``, ``status``, counts, ``own`` ...) and the data they
 count (``sizes``, ``codes``, ``targets``, points ...) concatenated in function order;
@@ -59,6 +60,7 @@ import sys
 import tempfile
 import threading
 import weakref
+import zlib
 from array import array
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
 from itertools import accumulate
@@ -81,7 +83,7 @@ from ksim.image.tables import KernelTables
 ANALYSIS_VERSION = 4
 
 _MAGIC = b"KSIMANA\x00"
-_HEADER = struct.Struct("<8sI4x32sQ32s")  # magic, version, key, body length, body digest
+_HEADER = struct.Struct("<8sI4x32sQI4x")  # magic, version, key, body length, body's CRC-32
 _ENTRY = struct.Struct("<16scxxxxxxxQ")    # name, array type code, length in bytes
 _SUFFIX = ".ksa"
 
@@ -236,6 +238,19 @@ class _Effects(Sequence[tuple[frozenset[str], frozenset[str]]]):
         return found
 
 
+class _Offsets(dict[str, list[int]]):
+    """Where each function's items start in the arrays a count array counts (its
+    running sums), made when first asked for: a command uses a few of them."""
+
+    def __init__(self, arrays: dict[str, array]) -> None:
+        super().__init__()
+        self._arrays = arrays
+
+    def __missing__(self, counter: str) -> list[int]:
+        found = self[counter] = list(accumulate(self._arrays[counter], initial=0))
+        return found
+
+
 class Store:
     """Every function's compact analysis of one image (read-only)."""
 
@@ -253,13 +268,11 @@ class Store:
         # a running kernel's bytes can change (static keys, ftrace, static calls, other
         # tools' patches): every record is checked against the bytes read now
         self._image = weakref.ref(image) if image.reads_memory else None
-        self._offsets: dict[str, list[int]] = {}
+        self._offsets = _Offsets(arrays)
         for name, counter in (*_COUNTED_BY.items(), ("succ", "n_succ")):
-            if counter not in self._offsets:
-                self._offsets[counter] = list(accumulate(arrays[counter], initial=0))
-            if self._offsets[counter][-1] != len(arrays[name]):
-                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not "
-                                 f"{self._offsets[counter][-1]}")
+            counted = sum(arrays[counter])      # the offsets themselves when first used
+            if counted != len(arrays[name]):
+                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not {counted}")
         for name in (*_PER_FUNCTION, *_DERIVED):
             if len(arrays[name]) != len(functions):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
@@ -620,8 +633,8 @@ def code_digest(code: bytes) -> int:
     return int.from_bytes(hashlib.blake2s(code, digest_size=8).digest(), "little")
 
 
-def _digest(body: bytes | memoryview) -> bytes:
-    return hashlib.blake2b(body, digest_size=32).digest()
+def _digest(body: bytes | memoryview) -> int:
+    return zlib.crc32(body)
 
 
 def _encode(arrays: dict[str, array], meta: dict[str, Any]) -> bytes:
