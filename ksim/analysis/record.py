@@ -43,6 +43,8 @@ from ksim.arch.base import Flow, Insn
 _SEQ, _JMP, _JCC, _JMPI, _CALL, _CALLI, _RET, _STOP = (FLOWS.index(f) for f in (
     Flow.SEQ, Flow.JMP, Flow.JCC, Flow.JMP_INDIRECT, Flow.CALL, Flow.CALL_INDIRECT, Flow.RET, Flow.STOP))
 _DECODE_AHEAD = 8  # instructions decoded at a time (a point's window is a few)
+#: bytes.translate's table: 1 for a direct jump's flow (jmp, jcc), 0 for any other
+_IS_JUMP = bytes(int(k in (_JMP, _JCC)) for k in range(256))
 
 # --- register sets as bit masks ------------------------------------------------------
 _BIT: dict[str, int] = {}
@@ -262,6 +264,7 @@ class RecordView:
         self._codes = codes
         # the instructions that have a target, and their targets
         with_target = list(compress(range(n), map(TARGET_BIT.__and__, codes)))
+        self._with_target = with_target
         self._target_of = dict(zip(with_target, comp.targets, strict=True))
         self.insns = Instructions(support, code, comp, addresses, with_target)
         self._effect_masks = _effect_masks(comp.effects)
@@ -400,10 +403,12 @@ class RecordView:
 
     def misaligned(self) -> bool:
         """Whether a direct jump leads inside the function but to no instruction's start."""
-        # looked up among the instructions' starts: the blocks (_index) are not made
-        start, end, flows, is_boundary = self.start, self.end, self._flows, self.is_boundary
-        return any(start <= t < end and not is_boundary(t) for i, t in self._target_of.items()
-                   if flows[i] == _JMP or flows[i] == _JCC)
+        # the jumps' targets that are no instruction's start, as sets (the blocks,
+        # _index, are not made): those outside the function are its jumps out
+        jumps = bytes(map(self._flows.__getitem__, self._with_target)).translate(_IS_JUMP)
+        off = set(compress(self._comp.targets, jumps)).difference(self.addresses)
+        start, end = self.start, self.end
+        return any(start <= t < end for t in off)
 
     # --- liveness (ksim.analysis.liveness's rules, on masks) --------------------------------
     def live_before(self, address: int) -> frozenset[str]:
