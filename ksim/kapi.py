@@ -203,7 +203,11 @@ class Manager:
         return [f for f in self.target.image.functions if f.module == name]
 
     def entry_point(self, func: Function | str) -> Point:
-        return self.facts.entry(self._func(func))
+        func = self._func(func)
+        # one function's text and hazards asked for at once (inside a batch's block,
+        # already asked: nothing more), not its text's chunks read one by one
+        with self.facts.asking_ahead([func]):
+            return self.facts.entry(func)
 
     def exit_points(self, func: Function | str) -> list[Point]:
         return self.facts.points(self._func(func), PointKind.EXIT)

@@ -202,11 +202,11 @@ def syscall_namer(image: Any, read: Callable[[int, int], bytes]) -> Callable[[in
     table for the target's architecture names it; "Unknown syscall" for an index past
     the table or holding ``sys_ni_syscall``.  The table is read on first use
     (kallsyms gives no sizes: it runs to the next symbol, at most MAX_SYSCALLS)."""
-    from .tracepoints import MAX_SYSCALLS
-
     names: list[str] | None = None
 
     def table() -> list[str]:
+        from .tracepoints import MAX_SYSCALLS
+
         sym = image.find_symbol("sys_call_table")
         if sym is None:
             return []
