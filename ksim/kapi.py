@@ -203,11 +203,7 @@ class Manager:
         return [f for f in self.target.image.functions if f.module == name]
 
     def entry_point(self, func: Function | str) -> Point:
-        func = self._func(func)
-        # one function's text and hazards asked for at once (inside a batch's block,
-        # already asked: nothing more), not its text's chunks read one by one
-        with self.facts.asking_ahead([func]):
-            return self.facts.entry(func)
+        return self.facts.entry(self._func(func))
 
     def exit_points(self, func: Function | str) -> list[Point]:
         return self.facts.points(self._func(func), PointKind.EXIT)
@@ -407,6 +403,16 @@ class Manager:
         found (spliceable_entries) and then inserted (insert_many) ask one question,
         not two.  The answers are dropped at the end of the block."""
         with self.facts.holding():
+            yield
+
+    @contextmanager
+    def looking_ahead(self, funcs: Iterable[Function | str]) -> Iterator[None]:
+        """Within the block, what finding and planning points in ``funcs`` asks the
+        target (a live kernel's hazards of their first bytes, their text and filler,
+        the digests of what they reach) is asked at once, ahead, instead of as each
+        point needs it (a text's 256 KB chunks read one by one).  Inside one_look the
+        answers stay until it ends."""
+        with self.facts.asking_ahead([self._func(f) for f in funcs]):
             yield
 
     def spliceable_entries(self, funcs: Iterable[Function], splice: str = "auto", *,

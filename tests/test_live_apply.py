@@ -131,6 +131,29 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
         m.detach()
 
 
+def test_a_named_functions_entry_is_asked_about_at_once(testbed: dict) -> None:
+    """A command naming one function finds its entry point looking ahead (as a
+    wildcard's batch does): its head's hazards, its text and the digests of what it
+    reaches in one request each, and no chunk of text read; the same point as
+    without looking ahead."""
+    from ksim.analysis.store import store_for
+
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        store_for(m.target.image, build_missing=True)
+        with requests(m.target) as seen, m.looking_ahead(["vfs_read"]):
+            point = m.entry_point("vfs_read")
+        assert seen["read"] == 0 and seen["hazard_table"] == 1 and seen["read_ranges"] == 1, seen
+        assert seen["digests"] <= 1, seen
+    finally:
+        m.detach()
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        assert m.entry_point("vfs_read") == point
+    finally:
+        m.detach()
+
+
 def test_a_batchs_springboards_ask_about_their_padding_at_once(testbed: dict) -> None:
     """A wildcard inserted as the command line does (entries found unplanned, then
     one batch): the points that take a springboard look at the padding around them

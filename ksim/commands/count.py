@@ -285,7 +285,8 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
                               f"({fn.size:#x} bytes)")
         point = m.point_at(fn.address + spec.offset)
         return [(point, point.address)], {}
-    return [(m.entry_point(fn), fn.address)], {}
+    with m.looking_ahead([fn]):     # its text and hazards in one go, not chunk by chunk
+        return [(m.entry_point(fn), fn.address)], {}
 
 
 def none_spliced(what: str, skipped: dict[str, str]) -> KsimError:

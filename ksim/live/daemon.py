@@ -716,7 +716,7 @@ class Daemon:
     def _read_rows(self, session: Session, op: str, ranges: bytes, most: int,
                    kernel: bool, digest: bool = False) -> tuple[bytes, list[int]]:
         """The bytes of the packed (address, length) rows end to end, ``most`` in all
-        (``digest``: each row's wire.digest instead), and the rows that could not be
+        (``digest``: each row's 8-byte BLAKE2s instead), and the rows that could not be
         read (zeros in their place).  One module call reads (and digests) them all;
         only rows another owner's splice overlaps are looked at one by one."""
         if len(ranges) % wire.RANGE_ROW:
