@@ -1,5 +1,8 @@
 """bpftrace's own tools, unchanged (examples/tools/bpftrace-v0.17.0 and
-examples/tools/bpftrace-master), under ``ksim trace`` on the live testbed.
+examples/tools/bpftrace-master), and its tutorial's one-liners (each directory's
+tutorial/: lessons 2-12 of docs/tutorial_one_liners.md at that version, the text a
+lesson gives ``bpftrace -e``, or its path.bt, as a file), under ``ksim trace`` on
+the live testbed: 108 programs.
 
 ``test_every_corpus_program_attaches``: every program of both directories, in one
 connection to the testbed, is built into a TraceSession, attached, detached and
@@ -146,6 +149,9 @@ def test_corpus_is_vendored_unchanged() -> None:
     ours = sorted((TOOLS / V017).glob("*.bt"))
     assert len(ours) == 38 and len(list((TOOLS / V017 / "old").glob("*.bt"))) == 3
     assert len(list((TOOLS / MASTER).rglob("*.bt"))) >= 40
+    for d in (V017, MASTER):     # the tutorial's lessons 2-12
+        assert len(list((TOOLS / d / "tutorial").glob("*.bt"))) == 11
+    assert len(corpus()) == 108
     debian = [p for p in ours if Path("/usr/sbin", p.name).exists()]
     for p in debian:
         assert p.read_bytes() == Path("/usr/sbin", p.name).read_bytes(), p.name
