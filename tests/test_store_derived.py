@@ -24,6 +24,7 @@ from ksim.analysis.store import HEAD_LIVE, Store, analyze_image, use
 from ksim.arch import get_arch
 from ksim.errors import KsimError
 from ksim.image import Image, load_image
+from ksim.image.model import Function
 from ksim.splice.sites import SiteFacts
 
 
@@ -167,20 +168,36 @@ def test_a_changed_callee_turns_derived_facts_off() -> None:
     clobbers._SUMMARIES.pop(image, None)
     assert not fresh.settled(image, caller)
     # settled, for every function, is whether everything it reaches is current
-    for func in image.functions:
-        seen, work, current = set(), [func], True
+    def current_reach(func: Function) -> bool:
+        seen, work = set(), [func]
         while work:
             f = work.pop()
             if f.address in seen:
                 continue
             seen.add(f.address)
             if fresh._current(f) is None:
-                current = False
-                break
+                return False
             _own, _worst, calls_out, jumps_out = fresh.summary(f)
             work += [c for t in calls_out if (c := image.function_at(t)) is not None and c.address == t]
             work += [c for t in jumps_out if (c := image.function_at(t)) is not None]
-        assert fresh.settled(image, func) == current, func.name
+        return True
+
+    oracle = {func.address: current_reach(func) for func in image.functions}
+    for func in image.functions:
+        assert fresh.settled(image, func) == oracle[func.address], func.name
+    # ... also when a batch's reach walk came first (Store.reach): a closure whose every
+    # record is current is settled at once; one holding the changed callee is not, and
+    # each function is then asked about by its own walk
+    for funcs in ([f for f in image.functions if oracle[f.address]], list(image.functions)):
+        again = Store(image, store.key, store._arrays, store._meta)
+        use(image, again)
+        again.reach(image, funcs)
+        assert again.settled(image, funcs[0]) == oracle[funcs[0].address]
+        # the first: every function of the closure answered by the one look
+        assert (len(again._settled) >= len(funcs)) == all(oracle[f.address] for f in funcs)
+        for func in reversed(image.functions):
+            assert again.settled(image, func) == oracle[func.address], func.name
+    use(image, fresh)
     assert fresh.clobbers(image, caller) is None and fresh.head_live(image, caller, caller.address) is None
     assert "r11" in clobbers.function_clobbers(image, support, caller)
 

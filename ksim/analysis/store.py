@@ -293,6 +293,12 @@ class Store:
         self._derived_names: dict[int, frozenset[str]] = {}
         #: functions whose whole reach has current records (settled), or not
         self._settled: dict[int, bool] = {}
+        #: the functions a reach walk gave since (their closure under the edges, with
+        #: the walks before), checked at once when settled is next asked; and whether
+        #: no function was found unsettled so far (then a closure whose every record
+        #: is current is settled as a whole, without a walk per function)
+        self._pending: list[int] = []
+        self._all_settled = True
         #: where the store is kept (None: nowhere), and the facts it learnt since
         self.path: Path | None = None
         self._learnt = 0
@@ -353,6 +359,7 @@ class Store:
         succ, at = a["succ"], self._offsets["n_succ"]
         functions = image.functions
         seen: dict[int, Function] = {}
+        pending = self._pending
         work = list(funcs)
         while work:
             func = work.pop()
@@ -360,7 +367,10 @@ class Store:
                 continue
             seen[func.address] = func
             i = self.index_of(func)
-            if i is None or a["status"][i] != _OK:
+            if i is None:
+                continue
+            pending.append(i)
+            if a["status"][i] != _OK:
                 continue
             work += [functions[k] for k in succ[at[i]:at[i + 1]]]
         return list(seen.values())
@@ -478,12 +488,22 @@ class Store:
         if root is None:
             return False
         memo = self._settled
+        functions = image.functions
+        freed = image.freed
+        if self._pending:
+            # what reach walks gave, closed under the edges: when every record there
+            # is current (or freed text) and nothing was unsettled before, all of
+            # it is settled, with one look at each instead of a walk per function
+            pending, self._pending = self._pending, []
+            if self._all_settled and all(freed(functions[i].address)
+                                         or self._current_at(i, functions[i]) for i in pending):
+                memo.update(dict.fromkeys(pending, True))
+            else:
+                self._all_settled = False
         found = memo.get(root)
         if found is not None:
             return found
-        functions = image.functions
         succ, at = self._arrays["succ"], self._offsets["n_succ"]
-        freed = image.freed
 
         def edges(i: int) -> Sequence[int]:
             # freed init text is the convention's worst whatever its bytes (and calls)
@@ -494,6 +514,8 @@ class Store:
                      for m in members) and all(memo.get(c, True) for m in members for c in edges(m))
             for m in members:
                 memo[m] = ok
+            if not ok:
+                self._all_settled = False
         return memo[root]
 
     def _derived_set(self, mask: int) -> frozenset[str]:
