@@ -159,12 +159,18 @@ def _image_key(image: Image) -> bytes:
     digest.update(f"ksim-analysis/{ANALYSIS_VERSION}/{_decoder_identity(image.arch)}/{image.module}\0"
                   .encode())
     digest.update(image.content_id)
-    digest.update(_function_table(image.functions).tobytes())
+    digest.update(_function_table(image).tobytes())
     return digest.digest()
 
 
-def _function_table(functions: tuple[Function, ...]) -> array:
-    return array("Q", [x for f in functions for x in (f.address, f.size)])
+def _function_table(image: Image) -> array:
+    """Every function's (address, size), in turn: made once per image (its key and
+    a store's check of its function table both need it)."""
+    found = image.memos.get("function_table")
+    if found is None:
+        found = image.memos["function_table"] = array(
+            "Q", [x for f in image.functions for x in (f.address, f.size)])
+    return found
 
 
 def path_for(image: Image, directory: Path | None = None) -> Path:
@@ -260,9 +266,8 @@ class Store:
         self._meta = meta
         functions = image.functions
         addr, size = arrays["addr"], arrays["size"]
-        if len(addr) != len(functions) or addr.tobytes() + size.tobytes() != (
-                array("Q", (f.address for f in functions)).tobytes()
-                + array("Q", (f.size for f in functions)).tobytes()):
+        table = _function_table(image)     # (address, size) pairs, as the key hashed them
+        if len(addr) != len(functions) or addr != table[0::2] or size != table[1::2]:
             raise StoreError("the store's function table is not the image's")
         self._addr = addr
         # a running kernel's bytes can change (static keys, ftrace, static calls, other
