@@ -411,3 +411,22 @@ def test_a_program_fifo_without_a_writer_does_not_hang(tmp_path, capsys):
     finally:
         os.close(r)
     assert "from a pipe" in capsys.readouterr().out
+
+
+def test_a_command_leaves_the_collector_as_it_found_it() -> None:
+    """kept_for_the_command: the collector is held through the attach and what
+    exists then is frozen; when the command ends nothing stays frozen and the
+    collector runs again, also when the attach failed."""
+    import gc
+
+    from ksim.cli import kept_for_the_command
+
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with kept_for_the_command() as keep:
+        with keep():
+            assert not gc.isenabled()
+        assert gc.isenabled() and gc.get_freeze_count() > 0
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError), kept_for_the_command() as keep, keep():
+        raise RuntimeError("the attach failed")
+    assert gc.isenabled() and gc.get_freeze_count() == 0

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, cast
 
-from ksim.cli import add_json_flag, count_arg, emit_json, help_text
+from ksim.cli import add_json_flag, count_arg, emit_json, help_text, kept_for_the_command
 from ksim.core import HeldInterrupt
 from ksim.errors import KsimError, PointSyntaxError, UnknownOracle
 from ksim.targets.base import run_option_names
@@ -108,9 +108,9 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
             raise UnknownOracle(f"the {oracle} oracle counts every process: with --pid "
                                 "choose --oracle none (or auto)")
         oracle = "none"
-    with Manager.attach(spec) as m:
+    with Manager.attach(spec) as m, kept_for_the_command() as keep:
         wildcard = parse_point(function).wildcard
-        with m.one_look():  # the kernel asked about the points' text once
+        with keep(), m.one_look():  # the kernel asked about the points' text once
             points, skipped = resolve_points(m, function, splice, plan=not wildcard)
             variables = m.malloc_array(len(points))
             counters = {p.address: v for (p, _), v in zip(points, variables, strict=True)}

@@ -36,7 +36,7 @@ import sys
 import time
 from typing import Any
 
-from ksim.cli import add_json_flag, help_text
+from ksim.cli import add_json_flag, help_text, kept_for_the_command
 from ksim.commands.count import _run_options, add_pid_arg, add_target_args, target_spec
 from ksim.core import HeldInterrupt
 from ksim.targets.base import run_option_names
@@ -169,7 +169,7 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
 
     start = time.perf_counter()
     program = parse(source, filename, tuple(params))
-    with Manager.attach(spec) as m:
+    with Manager.attach(spec) as m, kept_for_the_command() as keep:
         live = "while_cmd" in run_option_names(m.target)
         if while_cmd is not None and not live:
             # refused before anything is spliced, not by the run once it is
@@ -177,7 +177,8 @@ def trace(source: str, spec: str, *, filename: str = "stdin", splice: str = "aut
                                    "runs its own seeded workload (--seed, --iterations)")
         session = TraceSession(m, program, splice=splice, pid=pid, max_map_keys=max_map_keys)
         session.out = out
-        session.attach()
+        with keep():
+            session.attach()
         interrupted = False
         try:
             if on_attach is not None:
