@@ -274,10 +274,12 @@ class Store:
         # tools' patches): every record is checked against the bytes read now
         self._image = weakref.ref(image) if image.reads_memory else None
         self._offsets = _Offsets(arrays)
+        # each count array summed once (the offsets themselves when first used)
+        counted = {c: sum(arrays[c]) for c in {*_COUNTED_BY.values(), "n_succ"}}
         for name, counter in (*_COUNTED_BY.items(), ("succ", "n_succ")):
-            counted = sum(arrays[counter])      # the offsets themselves when first used
-            if counted != len(arrays[name]):
-                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not {counted}")
+            if counted[counter] != len(arrays[name]):
+                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, "
+                                 f"not {counted[counter]}")
         for name in (*_PER_FUNCTION, *_DERIVED):
             if len(arrays[name]) != len(functions):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
