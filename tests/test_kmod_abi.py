@@ -128,3 +128,14 @@ def test_jump_dest_reads_jumps_as_the_module_does() -> None:
     assert abi.jump_dest("aarch64", site, b_back) == site - 4
     assert abi.jump_dest("aarch64", site, bl) is None
     assert abi.jump_dest("aarch64", site, b"\x00\x00") is None
+
+
+def test_a_wire_table_fits_one_module_call() -> None:
+    """kerninstd hands a read_ranges or digests table to the module whole
+    (READ_ROWS, DIGEST_ROWS): what the protocol lets a request hold, rows and bytes,
+    is what one module call takes, and a digest is the size the module writes."""
+    from ksim.live import protocol as wire
+
+    assert wire.MAX_RANGES <= abi.LIMITS["MAX_ROWS"]
+    assert wire.MAX_READ <= wire.MAX_DIGESTED <= abi.LIMITS["MAX_ROWS_BYTES"]
+    assert wire.DIGEST == abi.LIMITS["DIGEST_SIZE"]
