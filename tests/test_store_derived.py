@@ -111,6 +111,31 @@ def test_derived_facts_on_the_debian_kernel(debian_kernel, tmp_path: Path) -> No
     assert n_clob > 4000 and n_live > 2 * n_clob, (n_clob, n_live)
 
 
+@pytest.mark.parametrize("path", kernels(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_a_new_store_has_every_clobber_answer(path: str) -> None:
+    """A store is made with the clobbers of every function whose reach has good
+    records (store._settle_clobbers, one pass over the whole image): nothing is left
+    for a batch to learn, and each is the clobber analysis's own walk."""
+    image = load_image(path)
+    store = analyze_image(image, save=False)
+    assert not store._learnt
+    n_clob, _ = _same(image, store, image.functions)
+    ok = sum(1 for s in store._arrays["status"] if s == 0)
+    assert n_clob == ok, (n_clob, ok)
+
+
+def test_a_new_store_has_the_debian_kernels_clobbers(debian_kernel) -> None:
+    """The same on Debian's vmlinux, every 10th function (cycles, tail calls into
+    .cold parts, retpolines and calls to what is no function)."""
+    from ksim.image import load_kallsyms
+
+    vmlinux = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
+    store = stores.store_for(vmlinux, build_missing=False) or analyze_image(vmlinux)
+    n_clob, _ = _same(vmlinux, store, vmlinux.functions[::10])
+    ok = sum(1 for s in store._arrays["status"][::10] if s == 0)
+    assert n_clob > 0.95 * ok, (n_clob, ok)
+
+
 def test_a_changed_callee_turns_derived_facts_off() -> None:
     """An image read through a reader (a running kernel's kind): once a callee's
     bytes change, its callers' derived clobbers and learnt live sets are not used, and
