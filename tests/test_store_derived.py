@@ -33,7 +33,7 @@ def _without_derived(image: Image, store: Store) -> Image:
     derived or learnt: its answers are computed, not looked up."""
     twin = Image(image.path, image.arch, image.module, image.sections, image.symbols,
                  build_id=image.build_id)
-    arrays = {name: array(a.typecode, a) for name, a in store._arrays.items()}
+    arrays = {name: array(stores._typecode(a), a) for name, a in store._arrays.items()}
     arrays["derived"] = array("B", bytes(len(image.functions)))    # nothing kept
     use(twin, Store(twin, store.key, arrays, store._meta))
     return twin
