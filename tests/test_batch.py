@@ -137,3 +137,37 @@ def test_removing_part_of_a_batch_keeps_the_rest_and_the_shared_block(m):
         assert m.read(counters[p.address]) == oracles[p.address].count
     m.remove_many(handles[10:])
     assert m.target._code.allocated() == {}
+
+
+def test_a_patch_areas_bytes_are_read_as_far_as_its_patches_reach(m):
+    """The Manager keeps a patch area's bytes as it last wrote them, so that a patch's
+    write carries its old bytes: read from the target the first time, only as far as
+    what is placed reaches, then further for the next batch; always the target's."""
+    from ksim.splice.areas import SHADOW_READ
+
+    points = spliceable_entries(m, "jmp")
+    counter = m.malloc()
+    reads: list[tuple[int, int]] = []
+    real = m.target.read
+    m._code._read = lambda a, n: (reads.append((a, n)), real(a, n))[1]
+    bump = counter.atomic_assign(counter + 1)
+    first = m.insert_many(points[:4], lambda p: bump, splice="jmp")
+    (area,) = m._code._areas.values()
+    covered = len(area.shadow)
+    assert area.cursor - area.start <= covered == SHADOW_READ < area.size
+    assert bytes(area.shadow) == real(area.start, covered)
+    # one by one: no read while the patches stay inside what was read
+    handles = list(first)
+    while True:
+        handles.append(m.insert_snippet(points[len(handles)], bump, splice="jmp"))
+        if area.cursor - area.start > covered:
+            break
+        assert len(reads) == 1
+    # past it: one more read, of SHADOW_READ bytes or more from where the first ended
+    handles += m.insert_many(points[len(handles):len(handles) + 4], lambda p: bump, splice="jmp")
+    assert len(area.shadow) >= area.cursor - area.start > covered and len(reads) == 2
+    assert bytes(area.shadow) == real(area.start, len(area.shadow))
+    assert reads[1][0] == area.start + covered
+    m.remove_many(handles)
+    m.run(iterations=10)
+    assert m.read(counter) == 0

@@ -22,19 +22,24 @@ code may write any of them), so the Manager keeps such an area (``keep``) and gi
 it back (``give_back_idle``) once its last splice is out.
 
 For the patch area the Manager keeps the area's bytes as it last wrote them (read
-once when the area is taken), so that a patch's write carries its ``old`` bytes
-without reading the target first.
+when a patch is first written there, as far as what is placed reaches; further
+when more is), so that a patch's write carries its ``old`` bytes without reading
+the target each time.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.core import Write
 from ksim.errors import BadArgument, UnknownHandle
+
+#: the least of a patch area's bytes read at a time (what some hundred patches of a
+#: probe take: inserting them one by one reads once)
+SHADOW_READ = 16 << 10
 
 #: take(size, near) -> address of a new area; give(address) returns it
 Take = Callable[[int, Any], int]
@@ -52,8 +57,9 @@ class Area:
     cursor: int
     #: things placed in it and not released
     users: int = 0
-    #: its bytes as last written (patch areas only; None until first asked)
-    shadow: bytearray | None = None
+    #: its bytes from its start as this client last left them, as far as they were
+    #: read (patch areas only; empty until first asked)
+    shadow: bytearray = field(default_factory=bytearray)
 
     @property
     def end(self) -> int:
@@ -181,22 +187,30 @@ class Areas:
 
     # --- the bytes of patch areas ---------------------------------------------------
     def old(self, address: int, size: int) -> bytes:
-        """The bytes at address..+size as this client last left them (one read of the
-        area the first time)."""
+        """The bytes at address..+size as this client last left them: read the first
+        time, as far as what is placed in the area reaches (the batch about to be
+        written) and SHADOW_READ bytes at least, not the whole area (a 64 KB area was
+        10 ms of a live command)."""
         area = self._areas[self._owner_area(address)]
-        if area.shadow is None:
-            assert self._read is not None, f"{self.name} keeps no bytes"
-            area.shadow = bytearray(self._read(area.start, area.size))
         offset = address - area.start
-        return bytes(area.shadow[offset:offset + size])
+        shadow = area.shadow
+        if offset + size > len(shadow):
+            assert self._read is not None, f"{self.name} keeps no bytes"
+            upto = min(area.size, max(offset + size, area.cursor - area.start,
+                                      len(shadow) + SHADOW_READ))
+            shadow += self._read(area.start + len(shadow), upto - len(shadow))
+        return bytes(shadow[offset:offset + size])
 
     def wrote(self, writes: Iterable[Write]) -> None:
-        """Writes a target made into these areas (kept in the areas' bytes)."""
+        """Writes a target made into these areas (kept in the bytes read of them; a
+        byte not read yet is read as the target now has it, when first asked)."""
         for w in writes:
             area = self._areas.get(self._owner_area(w.address, strict=False))
-            if area is not None and area.shadow is not None:
+            if area is not None:
                 offset = w.address - area.start
-                area.shadow[offset:offset + len(w.new)] = w.new
+                n = min(len(w.new), len(area.shadow) - offset)
+                if n > 0:
+                    area.shadow[offset:offset + n] = w.new[:n]
 
     def _owner_area(self, address: int, *, strict: bool = True) -> int:
         for start, area in self._areas.items():
