@@ -405,6 +405,26 @@ def test_the_patch_area_and_heap_grow_by_areas_and_shrink_back(testbed) -> None:
         t.close()
 
 
+def test_patch_code_freed_is_free_again_once_no_session_is_left(testbed) -> None:
+    """A freed patch block waits for QUIESCE before it is handed out again (a task
+    may still run in it); kerninstd waits that out as soon as no session is left,
+    not in the next client's first allocation.  (The testbed serves one client at
+    a time.)"""
+    t = connect(testbed)
+    try:
+        before = sum(a["free"] for a in code_areas(t))
+        block = t.alloc_code(4096)
+        t.free_code(block)
+        assert sum(a["free"] for a in code_areas(t)) <= before - 4096  # held back
+    finally:
+        t.close()
+    t = connect(testbed)
+    try:
+        assert sum(a["free"] for a in code_areas(t)) == before
+    finally:
+        t.close()
+
+
 def test_a_springboard_in_a_function_text_poke_runs_goes_in_and_out(testbed) -> None:
     """invalidate_user_asid starts with a 2-byte jmp and has padding after its ret: the
     jmp policy splices it with a short jmp to a springboard in that padding, two writes
