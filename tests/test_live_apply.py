@@ -423,3 +423,34 @@ def test_a_batch_asks_in_chunks_answered_while_it_analyses(testbed: dict, monkey
         finally:
             m.detach()
     assert verdicts[0] == verdicts[1] and len(verdicts[0][0]) > 200
+
+
+def test_without_a_store_a_functions_reach_is_read_a_level_at_a_time(testbed: dict,
+                                                                       monkeypatch) -> None:
+    """Without an analysis store, one function's clobbers are worked out from the
+    bytes of everything it reaches: they are read ahead a call-graph level per
+    request, just those functions, not the kernel's text chunk by chunk (some 12 MB
+    for tcp_v4_rcv's 3,000).  The answers are those of the functions' bytes read one
+    by one."""
+    from ksim.analysis import clobbers
+    from ksim.analysis.abi import support_for
+    from ksim.image import Image
+
+    monkeypatch.setenv("KSIM_ANALYSIS_STORE", "off")
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    try:
+        t = m.target
+        image = t.image
+        support = support_for(image.arch)
+        func = m.find_function("tcp_v4_rcv")
+        with requests(t) as seen:
+            found = clobbers.function_clobbers(image, support, func)
+        reached = len(clobbers._SUMMARIES[image])
+        assert reached > 500 and seen["read_ranges"] >= 5, (reached, seen)
+        assert seen["read"] <= 2, seen     # no chunk reads
+        # the same function over a reader that reads each function as asked
+        plain = Image(image.path, image.arch, image.module, image.sections, image.symbols,
+                      reader=lambda a, n: t.read(a, n, kernel=True), identity=None)
+        assert clobbers.function_clobbers(plain, support, func) == found
+    finally:
+        m.detach()

@@ -119,6 +119,8 @@ def function_clobbers(image: Image, support: ArchSupport, func: Function) -> fro
         if found is not None:   # learnt by an earlier batch, its reach unchanged since
             memo[func.address] = found
             return found
+        if kept is None:
+            _read_ahead(image, support, func, memo)
         _solve(image, support, func, memo)
         found = memo[func.address]
     return found
@@ -156,6 +158,32 @@ def callees(image: Image, calls_out: Sequence[int], jumps_out: Sequence[int]
         else:
             out.append(callee)
     return out, unknown
+
+
+def _read_ahead(image: Image, support: ArchSupport, root: Function,
+                memo: dict[int, frozenset[str]]) -> None:
+    """Without an analysis store, the summaries of everything ``root`` reaches are
+    made from its functions' bytes: read them ahead a level of the call graph at a
+    time, each level one request for just those functions (Image.prefetch), not the
+    text around them chunk by chunk -- on a running kernel some 3,000 functions one
+    call reaches were 12 MB and 1.5 s of reads.  Nothing on an image that reads no
+    memory.  A function whose clobbers are known is not entered."""
+    if not image.reads_memory:
+        return
+    summaries = _SUMMARIES.setdefault(image, {})
+    seen = {root.address}
+    level = [root]
+    while level:
+        image.prefetch([(f.address, f.size) for f in level
+                        if f.address not in summaries and f.size and not image.freed(f.address)])
+        after = []
+        for func in level:
+            s = summary(image, support, func)
+            for callee in callees(image, s.calls_out, s.jumps_out)[0]:
+                if callee.address not in seen and callee.address not in memo:
+                    seen.add(callee.address)
+                    after.append(callee)
+        level = after
 
 
 def _solve(image: Image, support: ArchSupport, root: Function, memo: dict[int, frozenset[str]]) -> None:
