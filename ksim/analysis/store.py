@@ -511,12 +511,7 @@ class Store:
         found = memo.get(root)
         if found is not None:
             return found
-        succ, at = self._arrays["succ"], self._offsets["n_succ"]
-
-        def edges(i: int) -> Sequence[int]:
-            # freed init text is the convention's worst whatever its bytes (and calls)
-            return () if freed(functions[i].address) else succ[at[i]:at[i + 1]]
-
+        edges = self._edges(image)
         for members in components(root, edges, memo):
             ok = all(freed(functions[m].address) or self._current_at(m, functions[m])
                      for m in members) and all(memo.get(c, True) for m in members for c in edges(m))
@@ -525,6 +520,83 @@ class Store:
             if not ok:
                 self._all_settled = False
         return memo[root]
+
+    def _edges(self, image: Image) -> Callable[[int], Sequence[int]]:
+        """The functions each function (by index) calls or jumps into, by index: what
+        ``settled`` and the clobbers a store is made with walk.  Init text the kernel
+        freed has none: it is the convention's worst whatever its bytes (and calls)."""
+        succ, at = self._arrays["succ"], self._offsets["n_succ"]
+        functions, freed = image.functions, image.freed
+        return lambda i: () if freed(functions[i].address) else succ[at[i]:at[i + 1]]
+
+    def _settle_clobbers(self, image: Image, unknown: Sequence[bool]) -> None:
+        """Fill ``clob`` for every function the store can answer for: what the clobber
+        analysis (clobbers.function_clobbers) gives, for the whole image at once, on
+        bit masks over the edges (``_edges``) -- every record was just made from the
+        bytes read now, so each function whose reach has good records is settled.  A
+        batch's first command then has its callees' clobbers without a walk of their
+        summaries (some 0.2 ms a function).  The same rules: a function writes what
+        its own instructions write, the convention's worst when it makes an indirect
+        call or calls what is no function (``unknown``: each function's) or is init
+        text the kernel freed, and what every function it reaches writes; a cycle of
+        two or more, the convention's worst; never the stack pointer.  A function that
+        reaches one without a good record, or writes a register the derived masks
+        cannot name, is left to be learnt."""
+        cc = support_for(image.arch).convention
+        worst_mask = self._derived_mask(cc.caller_saved)
+        if worst_mask is None:
+            return
+        keep = ~(self._derived_mask(frozenset({cc.stack_reg})) or 0)
+        a = self._arrays
+        status, own, worst, chunk = a["status"], a["own"], a["worst"], a["chunk"]
+        freed = [image.freed(f.address) for f in image.functions]
+        edges = self._edges(image)
+        bad = -1                # no answer: a record missing below, or a register unnamed
+        converted: dict[tuple[int, int], int | None] = {}   # (chunk, its mask): derived
+
+        def base(i: int) -> int:
+            if freed[i]:
+                return worst_mask
+            if status[i] != _OK:
+                return bad
+            key = (chunk[i], own[i])
+            if key not in converted:
+                converted[key] = self._derived_mask(self._names(*key))
+            m = converted[key]
+            if m is None:
+                return bad
+            return m | worst_mask if worst[i] or unknown[i] else m
+
+        solved: dict[int, int] = {}
+        for root in range(len(freed)):
+            if root in solved:
+                continue
+            for members in components(root, edges, solved):
+                inside = set(members)
+                written = worst_mask if len(members) > 1 else 0
+                for m in members:
+                    b = base(m)
+                    if b == bad:
+                        written = bad
+                        break
+                    written |= b
+                    for c in edges(m):
+                        if c not in inside:
+                            w = solved[c]
+                            if w == bad:
+                                written = bad
+                                break
+                            written |= w
+                    if written == bad:
+                        break
+                result = written & keep if written != bad else bad
+                for m in members:
+                    solved[m] = result
+        clob, derived = a["clob"], a["derived"]
+        for i, w in solved.items():
+            if w != bad:
+                clob[i] = w
+                derived[i] |= _CLOB
 
     def _derived_set(self, mask: int) -> frozenset[str]:
         names = self._derived_names.get(mask)
@@ -774,11 +846,12 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     arrays.update({name: array(code) for name, code in _DERIVED_DATA.items()})
     unknown = _successors(image, arrays)
     meta["derived_regs"] = sorted(support_for(image.arch).convention.all_regs)
-    _settle_clobbers(source, arrays, meta, unknown)
     addrs, kinds, blacklist = source.tables.packed()
     arrays.update(table_addrs=array("Q", addrs), table_kinds=array("B", kinds),
                   table_blacklist=array("Q", [x for extent in blacklist for x in extent]))
-    return Store(source, image_key(source), arrays, meta)
+    store = Store(source, image_key(source), arrays, meta)
+    store._settle_clobbers(source, unknown)
+    return store
 
 
 def _successors(image: Image, a: dict[str, array]) -> list[bool]:
@@ -801,92 +874,6 @@ def _successors(image: Image, a: dict[str, array]) -> list[bool]:
         a["n_succ"][i] = len(found)
         unknowns.append(unknown)
     return unknowns
-
-
-def _settle_clobbers(image: Image, a: dict[str, array], meta: dict[str, Any],
-                     unknown: Sequence[bool]) -> None:
-    """Fill ``clob`` for every function the store can answer for: what the clobber
-    analysis (clobbers.function_clobbers) gives, for the whole image at once, on bit
-    masks over the edges ``succ`` -- every record was just made from the bytes read
-    now, so each function whose reach has good records is settled.  A batch's first
-    command then has its callees' clobbers without a walk of their summaries (some
-    0.2 ms a function).  The same rules: a function writes what its own instructions
-    write, the convention's worst when it makes an indirect call or calls what is no
-    function (or is init text the kernel freed, with no edges), and what every
-    function it reaches writes; a cycle of two or more, the convention's worst; never
-    the stack pointer.  A function that reaches one without a good record, or writes
-    a register the derived masks cannot name, is left to be learnt."""
-    cc = support_for(image.arch).convention
-    regs = meta["derived_regs"]
-    bit = {r: 1 << k for k, r in enumerate(regs)}
-    if not cc.caller_saved <= bit.keys():
-        return
-    worst_mask = sum(bit[r] for r in cc.caller_saved)
-    keep = ~bit.get(cc.stack_reg, 0)
-    chunk_bits = [[bit.get(r) for r in c["regs"]] for c in meta["chunks"]]
-    functions = image.functions
-    n = len(functions)
-    succ, at = a["succ"], list(accumulate(a["n_succ"], initial=0))
-    status, own, worst, chunk = a["status"], a["own"], a["worst"], a["chunk"]
-    freed = [image.freed(f.address) for f in functions]
-    bad = -1                # no answer: a record missing below, or a register unnamed
-    converted: dict[tuple[int, int], int] = {}  # (chunk, its mask): the derived mask
-
-    def derived_mask(c: int, mask: int) -> int:
-        out = 0
-        for k, b in enumerate(chunk_bits[c]):
-            if mask >> k & 1:
-                if b is None:
-                    return bad
-                out |= b
-        return out
-
-    def base(i: int) -> int:
-        if freed[i]:
-            return worst_mask
-        if status[i] != _OK:
-            return bad
-        key = (chunk[i], own[i])
-        m = converted.get(key)
-        if m is None:
-            m = converted[key] = derived_mask(*key)
-        if m == bad:
-            return bad
-        return m | worst_mask if worst[i] or unknown[i] else m
-
-    def edges(i: int) -> Sequence[int]:
-        return () if freed[i] else succ[at[i]:at[i + 1]]
-
-    solved: dict[int, int] = {}
-    for root in range(n):
-        if root in solved:
-            continue
-        for members in components(root, edges, solved):
-            inside = set(members)
-            written = worst_mask if len(members) > 1 else 0
-            for m in members:
-                b = base(m)
-                if b == bad:
-                    written = bad
-                    break
-                written |= b
-                for c in edges(m):
-                    if c not in inside:
-                        w = solved[c]
-                        if w == bad:
-                            written = bad
-                            break
-                        written |= w
-                if written == bad:
-                    break
-            result = written & keep if written != bad else bad
-            for m in members:
-                solved[m] = result
-    clob, derived = a["clob"], a["derived"]
-    for i, w in solved.items():
-        if w != bad:
-            clob[i] = w
-            derived[i] |= _CLOB
 
 
 def _can_fork() -> bool:
