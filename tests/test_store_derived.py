@@ -114,7 +114,7 @@ def test_derived_facts_on_the_debian_kernel(debian_kernel, tmp_path: Path) -> No
 @pytest.mark.parametrize("path", kernels(), ids=lambda p: p.rsplit("/", 1)[-1])
 def test_a_new_store_has_every_clobber_answer(path: str) -> None:
     """A store is made with the clobbers of every function whose reach has good
-    records (store._settle_clobbers, one pass over the whole image): nothing is left
+    records (Store._settle_clobbers, one pass over the whole image): nothing is left
     for a batch to learn, and each is the clobber analysis's own walk."""
     image = load_image(path)
     store = analyze_image(image, save=False)
