@@ -70,8 +70,6 @@ class Image:
         self.functions, self._func_by_name = _functions(self.symbols, self._bindings)
         self._func_starts = [f.address for f in self.functions]
         self._sym_starts = [s.address for s in self.symbols]
-        self._names_at: dict[int, list[str]] | None = None
-        self._aliases: dict[int, list[str]] | None = None
         self._sec_starts = [s.address for s in self.sections]
         self.text_regions: tuple[tuple[int, int], ...] = merge_ranges(
             (s.address, s.end) for s in self.sections if s.executable and s.size
@@ -108,13 +106,14 @@ class Image:
         return sym
 
     def names_at(self, addr: int) -> list[str]:
-        """Every symbol name whose address is exactly ``addr``."""
-        if self._names_at is None:
-            table: dict[int, list[str]] = {}
-            for sym in self.symbols:
-                table.setdefault(sym.address, []).append(sym.name)
-            self._names_at = table
-        return list(self._names_at.get(addr, ()))
+        """Every symbol name whose address is exactly ``addr`` (in symbol order)."""
+        return [sym.name for sym in self._symbols_at(addr)]
+
+    def _symbols_at(self, addr: int) -> tuple[Symbol, ...]:
+        """The symbols at exactly ``addr``: found in the sorted symbols, not by a table
+        of every address (a command asks about a few of a kernel's 100,000 symbols)."""
+        i = bisect.bisect_left(self._sym_starts, addr)
+        return self.symbols[i:bisect.bisect_right(self._sym_starts, addr, i)]
 
     def symbol_containing(self, addr: int) -> Symbol | None:
         """The sized symbol (object or function) whose extent contains ``addr``."""
@@ -130,13 +129,9 @@ class Image:
 
     def aliases(self, func: Function) -> list[str]:
         """Every name under which ``func`` is known (its own first)."""
-        if self._aliases is None:
-            table: dict[int, list[str]] = {}
-            for name, f in self._func_by_name.items():
-                if name != f.name:
-                    table.setdefault(f.address, []).append(name)
-            self._aliases = table
-        others = sorted(n for n in self._aliases.get(func.address, ()) if self._func_by_name[n] == func)
+        # an alias is a function symbol at its address (_functions)
+        others = sorted({sym.name for sym in self._symbols_at(func.address)
+                         if sym.name != func.name and self._func_by_name.get(sym.name) == func})
         return [func.name, *others]
 
     # --- addresses -------------------------------------------------------------
