@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import pytest
 
 from ksim.core import Write
-from ksim.errors import KsimError, UnknownHandle, UnsafeSite
+from ksim.errors import KsimError, TargetFault, UnknownHandle, UnsafeSite
 from ksim.kapi import Manager
 from ksim.live.client import LiveTarget
 from ksim.live.testing import dmesg_problems, plain_site, routes_of, target, testbed  # noqa: F401
@@ -240,6 +240,31 @@ def test_requests_sent_ahead_are_answered_in_order(target: LiveTarget) -> None:
     assert target.known_digest(func.address, func.size) is not None
 
 
+
+def test_a_data_write_waits_for_no_reply_and_its_error_comes_before_the_next_change(
+        target: LiveTarget) -> None:
+    """A write into one of this client's data areas is sent without waiting for its
+    reply: the bytes are there for the next request (the daemon answers in order),
+    and a refused write raises its own error at the next request, before a change
+    goes in; a write anywhere else is answered at once."""
+    t = target
+    block = t.alloc_data(64)
+    with requests(t) as seen:
+        t.write(block + 8, b"\x11" * 16)
+        assert t._posted, "the write waits for its reply"
+        assert t.read(block, 32) == bytes(8) + b"\x11" * 16 + bytes(8)
+    assert seen == Counter({"write": 1, "read": 1}) and not t._posted
+    # a block freed behind the client's back: its write is refused, and says so at
+    # the next request (the change is not sent)
+    t.conn.request("free_data", address=block)
+    t.write(block, b"\x22" * 8)
+    with requests(t) as seen, pytest.raises(TargetFault, match="write: .* not inside a data-heap"):
+        t.apply(Change(text=(Write(0, b"\x90", b"\x90"),)))
+    assert seen == Counter() and not t._posted
+    # outside this client's data areas: refused at once
+    with requests(t) as seen, pytest.raises(TargetFault):
+        t.write(t.text[0], b"\x33")
+    assert seen == Counter({"write": 1}) and not t._posted
 def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None:
     """digests (whether text is still what a record was made from, without reading
     it): each row's digest is the analysis store's code_digest of the bytes a read

@@ -354,6 +354,10 @@ class LiveTarget:
         self._due_starts: list[int] = []
         self._blocks: dict[int, int] = {}    # this client's patch areas: address -> size
         self._block_starts: list[int] = []   # the same addresses, sorted
+        self._data_blocks: dict[int, int] = {}  # ... and its data areas
+        self._data_starts: list[int] = []
+        # writes into those data areas sent, their replies not read yet (see write)
+        self._posted: list[int] = []
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
         self._token_file, self._timeout = token_file, timeout
         reply = self.conn.request("info")
@@ -707,7 +711,15 @@ class LiveTarget:
         return syms[i][1], address - syms[i][0]
 
     def _request(self, op: str, **args: Any) -> dict[str, Any]:
+        self._settle_writes()
         return self.conn.request(op, **args)
+
+    def _settle_writes(self) -> None:
+        """Read the replies to the data writes sent (see write); the first that failed
+        is raised, with its own error."""
+        posted, self._posted = self._posted, []
+        for request_id in posted:
+            self.conn.collect(request_id)
 
     def original(self, address: int, size: int) -> bytes:
         """Text as it was before this client's pokes changed it."""
@@ -742,9 +754,26 @@ class LiveTarget:
         return out
 
     def write(self, address: int, data: bytes) -> None:
+        """Write kernel data.  A write inside one of this client's data areas is sent
+        and its reply read with the next request's, or before the next change is
+        applied or command run: the daemon answers a connection's requests in order,
+        so this client reads the bytes written, and nothing else sees them before a
+        splice goes in or a command runs (a map's first bytes wait for no reply
+        while the batch is planned).  A failed write raises there, with its own error."""
+        posted = self._in_data_area(address, len(data))
         for off in range(0, len(data), wire.MAX_WRITE):
             chunk = data[off:off + wire.MAX_WRITE]
-            self._request("write", address=address + off, data=chunk.hex())
+            if posted:
+                self._posted.append(self.conn.send("write", address=address + off, data=chunk.hex()))
+            else:
+                self._request("write", address=address + off, data=chunk.hex())
+
+    def _in_data_area(self, address: int, size: int) -> bool:
+        i = bisect.bisect_right(self._data_starts, address) - 1
+        if i < 0:
+            return False
+        start = self._data_starts[i]
+        return address + size <= start + self._data_blocks[start]
 
     def _block_of(self, address: int) -> int | None:
         """The patch block of this client holding ``address``, if any."""
@@ -768,6 +797,7 @@ class LiveTarget:
         is sent."""
         if not change:
             return
+        self._settle_writes()   # what the change's code will read is written first
         step = wire.MAX_POKE_BYTES
         code: list[list[Any]] = [
                 [w.address + off, w.old[off:off + step].hex(), w.new[off:off + step].hex()]
@@ -894,10 +924,15 @@ class LiveTarget:
             self._block_starts.remove(address)
 
     def alloc_data(self, size: int, align: int = 8) -> int:
-        return int(self._request("alloc_data", size=size, align=align)["address"])
+        address = int(self._request("alloc_data", size=size, align=align)["address"])
+        bisect.insort(self._data_starts, address)
+        self._data_blocks[address] = size
+        return address
 
     def free_data(self, address: int) -> None:
         self._request("free_data", address=address)
+        if self._data_blocks.pop(address, None) is not None:
+            self._data_starts.remove(address)
 
     def add_trap_hook(self, site: int, fn: Callable[[Any, int], int | None]
                       ) -> Callable[[], None]:
@@ -1002,6 +1037,7 @@ class LiveTarget:
     def _exec_with_progress(self, cmd: str, timeout: float,
                             progress: Callable[[], None]) -> dict[str, Any]:
         outcome: dict[str, Any] = {}
+        self._settle_writes()   # the command, on a connection of its own, sees them
 
         def work() -> None:
             try:
@@ -1063,6 +1099,7 @@ class LiveTarget:
 
     def close(self) -> None:
         try:
+            self._posted = []   # their blocks go with the connection
             self.conn.request("bye")
         except (KsimError, OSError):
             pass  # the daemon is gone already: it cleans up on disconnect
