@@ -89,7 +89,7 @@
 #include <linux/security.h>
 #include <linux/cpu.h>
 #include <linux/bitops.h>
-#include <crypto/blake2s.h>
+#include <linux/xxhash.h>
 #include <asm/current.h>
 #include <asm/smp.h>
 #include <asm/ptrace.h>
@@ -3185,7 +3185,8 @@ static long ki_ioc_read(struct kerninst_mem __user *uarg)
 /*
  * READ_ROWS and DIGEST_ROWS: each row read a KERNINST_MAX_IO piece at a time
  * (copy_from_kernel_nofault: no oops on an unmapped address), then copied out
- * or hashed.  A row that cannot be read is reported in the failed bitmap, with
+ * or hashed (XXH64: a tenth of BLAKE2s's time, which an emulated guest spent
+ * 30 ms on for the 800 KB of text a command's callees reach).  A row that cannot be read is reported in the failed bitmap, with
  * zeros in its place; only a bad user buffer fails the request.
  */
 static long ki_ioc_rows(unsigned int cmd, struct kerninst_rows __user *uarg)
@@ -3236,18 +3237,18 @@ static long ki_ioc_rows(unsigned int cmd, struct kerninst_rows __user *uarg)
 		u64 address = rows[2 * i], len = rows[2 * i + 1], done = 0;
 		u8 __user *dst = (u8 __user *)u64_to_user_ptr(req.out) + at;
 		u8 sum[KERNINST_DIGEST_SIZE] = { 0 };
-		struct blake2s_state state;
+		struct xxh64_state state;
 		bool bad = !ki_canonical(address) || !ki_canonical(address + len - 1);
 
 		if (digest)
-			blake2s_init(&state, KERNINST_DIGEST_SIZE);
+			xxh64_reset(&state, 0);
 		while (!bad && done < len) {
 			size_t n = min_t(u64, len - done, KERNINST_MAX_IO);
 
 			if (copy_from_kernel_nofault(buf, (void *)(unsigned long)(address + done), n)) {
 				bad = true;
 			} else if (digest) {
-				blake2s_update(&state, buf, n);
+				xxh64_update(&state, buf, n);
 			} else if (copy_to_user(dst + done, buf, n)) {
 				ret = -EFAULT;
 				goto out;
@@ -3261,7 +3262,7 @@ static long ki_ioc_rows(unsigned int cmd, struct kerninst_rows __user *uarg)
 				goto out;
 			}
 		} else if (digest) {
-			blake2s_final(&state, sum);
+			put_unaligned_le64(xxh64_digest(&state), sum);
 		}
 		if (digest && copy_to_user(dst, sum, sizeof(sum))) {
 			ret = -EFAULT;

@@ -57,7 +57,7 @@ typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 5
+#define KERNINST_ABI_VERSION 6
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
@@ -203,9 +203,9 @@ struct kerninst_hazards {
 /*
  * Many reads in one request: count rows at rows, each two u64 (address, length),
  * length >= 1 and KERNINST_MAX_ROWS_BYTES in all.  READ_ROWS puts the rows' bytes
- * end to end at out; DIGEST_ROWS puts each row's KERNINST_DIGEST_SIZE-byte BLAKE2s
- * at out instead (lib/crypto/blake2s.c with an 8-byte output, no key: what
- * Python's hashlib.blake2s(data, digest_size=8) gives), so that a client checks
+ * end to end at out; DIGEST_ROWS puts each row's KERNINST_DIGEST_SIZE-byte XXH64
+ * at out instead (lib/xxhash.c, seed 0, little-endian: what xxhash.xxh64_intdigest
+ * gives, as 8 little-endian bytes), so that a client checks
  * text against what it knows without the bytes leaving the kernel.  out_size is
  * what that takes (the rows' lengths together, or 8 bytes a row).  A row that
  * cannot be read (unmapped, or a user address) is zeros, its digest too, and its

@@ -69,6 +69,8 @@ from operator import attrgetter
 from pathlib import Path
 from typing import Any, overload
 
+import xxhash
+
 from ksim.analysis.abi import support_for
 from ksim.analysis.cfg import JumpTable
 from ksim.analysis.compact import Compact
@@ -81,7 +83,7 @@ from ksim.image.tables import KernelTables
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 5
+ANALYSIS_VERSION = 6
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQI4x")  # magic, version, key, body length, body's CRC-32
@@ -746,10 +748,12 @@ def _typecode(arr: array | memoryview) -> str:
 
 
 def code_digest(code: bytes) -> int:
-    """What a record keeps of the bytes it was made from: 64 bits of BLAKE2s, as a
+    """What a record keeps of the bytes it was made from: their XXH64 (seed 0), as a
     live kernel's module digests text without it leaving the kernel (kmod's
-    DIGEST_ROWS, lib/crypto/blake2s)."""
-    return int.from_bytes(hashlib.blake2s(code, digest_size=8).digest(), "little")
+    DIGEST_ROWS, lib/xxhash.c).  Not a cryptographic hash: it tells the bytes a record
+    was made from from the bytes there now, which only who can write kernel text
+    could make collide."""
+    return xxhash.xxh64_intdigest(code)
 
 
 def _digest(body: bytes | memoryview) -> int:

@@ -12,7 +12,7 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 DEVICE = "/dev/kerninst"
 #: the architecture (a ``ksim.arch`` name) of a live kernel whose daemon names none:
 #: kmod/kerninst.c is built for x86-64 and arm64, and the module's info names no
@@ -36,7 +36,7 @@ LIMITS: dict[str, int] = {
     "MAX_AREA_BYTES": 256 << 20,  # all areas: default of the module parameter max_area_bytes
     "MAX_ROWS": 262144,             # rows per READ_ROWS or DIGEST_ROWS request
     "MAX_ROWS_BYTES": 32 << 20,     # bytes such a request reads, its rows together
-    "DIGEST_SIZE": 8,               # bytes of a DIGEST_ROWS row's digest (BLAKE2s)
+    "DIGEST_SIZE": 8,               # bytes of a DIGEST_ROWS row's digest (XXH64)
 }
 
 # Hazard name -> its KERNINST_HAZARD_* bit: why the kernel relies on text staying

@@ -559,7 +559,7 @@ class LiveTarget:
             raise error
 
     def prefetch_digests(self, ranges: Sequence[tuple[int, int]]) -> None:
-        """Learn the 64-bit BLAKE2s of each text range (address, size) as the image
+        """Learn the 64-bit XXH64 of each text range (address, size) as the image
         would read it, without reading it (kerninstd's ``digests``): whether a
         function is still the bytes its analysis record was made from, for the
         functions a batch's callees reach, is some MB of text that need not cross the

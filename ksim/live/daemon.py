@@ -707,9 +707,11 @@ class Daemon:
         return {"data": data.hex(), "failed": failed}
 
     def op_digests(self, session: Session, ranges: bytes, kernel: bool = False) -> dict[str, Any]:
-        """op_read_ranges as a 64-bit BLAKE2s of each row (what an analysis record
+        """op_read_ranges as a 64-bit XXH64 of each row (what an analysis record
         keeps of the bytes it was made from), worked out by the module: a client checks
-        that text it has records of is unchanged without reading it."""
+        that text it has records of is unchanged without reading it.  With ``kernel``,
+        a row another owner's splice overlaps is given as failed: the client reads
+        it (read_ranges with kernel gives its bytes as they were)."""
         sums, failed = self._read_rows(session, "digests", ranges, wire.MAX_DIGESTED, kernel,
                                        digest=True)
         return {"digests": sums.hex(), "failed": failed}
@@ -717,7 +719,7 @@ class Daemon:
     def _read_rows(self, session: Session, op: str, ranges: bytes, most: int,
                    kernel: bool, digest: bool = False) -> tuple[bytes, list[int]]:
         """The bytes of the packed (address, length) rows end to end, ``most`` in all
-        (``digest``: each row's 8-byte BLAKE2s instead), and the rows that could not be
+        (``digest``: each row's 8-byte XXH64 instead), and the rows that could not be
         read (zeros in their place).  One module call reads (and digests) them all;
         only rows another owner's splice overlaps are looked at one by one."""
         if len(ranges) % wire.RANGE_ROW:
@@ -742,31 +744,33 @@ class Daemon:
             return b"", []
         data, failed = self.device.read_rows(ranges, len(starts), total, digest=digest)
         if kernel:
-            data = self._rows_as_kernel(session, starts, lengths, data, set(failed), digest)
+            data, failed = self._rows_as_kernel(session, starts, lengths, data, failed, digest)
         return data, failed
 
     def _rows_as_kernel(self, session: Session, starts: Sequence[int], lengths: Sequence[int],
-                        data: bytes, failed: set[int], digest: bool) -> bytes:
+                        data: bytes, failed: list[int], digest: bool) -> tuple[bytes, list[int]]:
         """_read_rows' ``data`` as the kernel's own text (_as_kernel) where another
-        owner's splice overlaps a row: that row's bytes, or its digest, made again."""
+        owner's splice overlaps a row: that row's bytes made again; or, for a digest,
+        the row given as failed (zeros), the client reading its bytes itself (the
+        digest is the module's alone: this daemon works out none)."""
         view = self._splices_view()
         foreign = [x.address for x in view if x.owner != session.owner]
         if not foreign:
-            return data
+            return data, failed
         out = bytearray(data)
+        unread = set(failed)
         at = 0
         for i, (address, length) in enumerate(zip(starts, lengths, strict=True)):
             here, at = at, at + (wire.DIGEST if digest else length)
-            if i in failed or (bisect.bisect_left(foreign, address + length)
+            if i in unread or (bisect.bisect_left(foreign, address + length)
                                == bisect.bisect_left(foreign, address - wire.MAX_RANGE)):
                 continue
             if digest:
-                # as the module digests (DIGEST_ROWS): BLAKE2s, an 8-byte output
-                out[here:at] = hashlib.blake2s(self._as_kernel(session, address, self.device.read(
-                    address, length)), digest_size=wire.DIGEST).digest()
+                out[here:at] = bytes(wire.DIGEST)
+                unread.add(i)
             else:
                 out[here:at] = self._as_kernel(session, address, bytes(out[here:at]))
-        return bytes(out)
+        return bytes(out), sorted(unread)
 
     def op_write(self, session: Session, address: int, data: bytes) -> dict[str, Any]:
         if session.owner is None:

@@ -336,7 +336,7 @@ class Device:
                   ) -> tuple[bytes, list[int]]:
         """READ_ROWS (DIGEST_ROWS with ``digest``): ``table`` is ``count`` packed
         (u64 address, u64 length) rows, ``size`` bytes together, within the module's
-        MAX_ROWS and MAX_ROWS_BYTES.  Their bytes end to end (or an 8-byte BLAKE2s of
+        MAX_ROWS and MAX_ROWS_BYTES.  Their bytes end to end (or an 8-byte XXH64 of
         each, abi.LIMITS["DIGEST_SIZE"]), and the indexes of the rows that could not
         be read (zeros in their place): one module call, whatever the rows."""
         s = abi.structure("kerninst_rows")

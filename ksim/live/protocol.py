@@ -39,7 +39,7 @@ MAX_FRAME = 80 << 20
 MAX_AUTH_FRAME = 1 << 10
 MAX_READ = 1 << 20           # bytes per read op
 MAX_DIGESTED = LIMITS["MAX_ROWS_BYTES"]   # bytes a digests op reads (and hashes) in all
-DIGEST = LIMITS["DIGEST_SIZE"]           # bytes of a digests row's digest (BLAKE2s)
+DIGEST = LIMITS["DIGEST_SIZE"]           # bytes of a digests row's digest (XXH64)
 MAX_WRITE = 1 << 20          # bytes per write op
 KALLSYMS_PAGE = 2 << 20      # characters of /proc/kallsyms per page
 MAX_EXEC_OUTPUT = 512 << 10  # characters of exec output kept (each of stdout, stderr): fits a frame even JSON-escaped
@@ -135,9 +135,10 @@ OPS: dict[str, Op] = {op.name: op for op in (
            "the rows that could not be read (zeros in their place)"),
     Op("digests", {"ranges": hexbytes(RANGE_ROW, MAX_RANGES * RANGE_ROW), "kernel": BOOL},
        doc="what read_ranges would give, as a digest per row: rows as read_ranges', "
-           "MAX_DIGESTED bytes in all -> each row's 64-bit BLAKE2s (8 bytes, little-endian "
+           "MAX_DIGESTED bytes in all -> each row's 64-bit XXH64 (8 bytes, little-endian "
            "as the analysis store keeps them), end to end, and the rows that could not "
-           "be read (zeros in their place): whether text is still the bytes a record "
+           "be read (zeros in their place; with kernel, also those another owner's "
+           "splice overlaps: their bytes as they were come from read_ranges): whether text is still the bytes a record "
            "was made from, without its bytes crossing the wire"),
     Op("write", {"address": U64, "data": hexbytes(1, MAX_WRITE)}, doc="data heap only"),
     Op("alloc_code", {"size": SIZE}, doc="patch-area block (reachable by rel32 from text)"),
