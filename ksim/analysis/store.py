@@ -36,9 +36,11 @@ length, the body's CRC-32: a check against a damaged file, five times cheaper th
 cryptographic digest on every load; the key itself is BLAKE2b), then the body: a directory of named arrays
 (name, ``array`` type code, length) followed by their bytes, 8-byte aligned.  Arrays
 per function (``addr``, ``size``, ``status``, counts, ``own`` ...) and the data they
-count (``sizes``, ``codes``, ``targets``, points ...) concatenated in function order;
-``meta`` is JSON: per chunk of functions, the register names and the effects table
-its codes index; the jump tables; the errors of functions that could not be read.
+count (``sizes``, ``codes``, ``targets``, points ...) concatenated in function order,
+with where each function's items start (``start_*``); the effects tables of every
+chunk of functions (their codes index them), chunk after chunk; ``meta`` is JSON:
+per chunk, the register names and how many effects it has; the jump tables; the
+errors of functions that could not be read.
 
 **Corruption.**  A file that is missing, short, from another version, for another
 key or function table, or whose digest does not match its body, is ignored (and
@@ -83,7 +85,7 @@ from ksim.image.tables import KernelTables
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 6
+ANALYSIS_VERSION = 7
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQI4x")  # magic, version, key, body length, body's CRC-32
@@ -104,6 +106,10 @@ _PER_FUNCTION = {
 # what the per-function counts count, concatenated in function order
 _DATA = {"sizes": "B", "codes": "I", "targets": "Q", "exits": "Q", "bpoints": "Q",
          "calls": "Q", "calls_out": "Q", "jumps_out": "Q"}
+#: every chunk's table of instruction effects, (reads, writes) masks in turn, chunk
+#: after chunk (meta's chunks say how many pairs each has: an array, not JSON, which
+#: was 5 ms of every load)
+_EFFECTS = {"effects": "Q"}
 _COUNTED_BY = {"sizes": "n_insns", "codes": "n_insns", "targets": "n_targets", "exits": "n_exits",
                "bpoints": "n_bpoints", "calls": "n_calls", "calls_out": "n_calls_out",
                "jumps_out": "n_jumps_out"}
@@ -126,6 +132,10 @@ _DERIVED_DATA = {"succ": "I"}
 #: bit mask of kinds; the kprobe blacklist's extents, start and end in turn), made
 #: with the store: a running kernel's are a request and a parse every process
 _TABLES = {"table_addrs": "Q", "table_kinds": "B", "table_blacklist": "Q"}
+#: where each function's items start in what a count array counts (the counts'
+#: running sums, one more than there are functions), kept in the file: summing a
+#: kernel's 50,000 counts nine times was 9 ms of every process that loads it
+_STARTS = {f"start_{counter[2:]}": "I" for counter in (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")}
 
 
 class StoreError(KsimError):
@@ -162,17 +172,20 @@ def _image_key(image: Image) -> bytes:
     digest.update(f"ksim-analysis/{ANALYSIS_VERSION}/{_decoder_identity(image.arch)}/{image.module}\0"
                   .encode())
     digest.update(image.content_id)
-    digest.update(_function_table(image).tobytes())
+    addresses, sizes = _function_table(image)
+    digest.update(addresses)
+    digest.update(sizes)
     return digest.digest()
 
 
-def _function_table(image: Image) -> array:
-    """Every function's (address, size), in turn: made once per image (its key and
-    a store's check of its function table both need it)."""
+def _function_table(image: Image) -> tuple[array, array]:
+    """Every function's address, and every function's size: made once per image (its
+    key and a store's check of its function table both need them)."""
     found = image.memos.get("function_table")
     if found is None:
-        found = image.memos["function_table"] = array(
-            "Q", [x for f in image.functions for x in (f.address, f.size)])
+        functions = image.functions
+        found = image.memos["function_table"] = (array("Q", [f.address for f in functions]),
+                                                 array("Q", [f.size for f in functions]))
     return found
 
 
@@ -224,11 +237,13 @@ class _Effects(Sequence[tuple[frozenset[str], frozenset[str]]]):
 
     def __init__(self, store: Store, chunk: int) -> None:
         self._store, self._chunk = store, chunk
-        self._raw = store._chunks[chunk]["effects"]
-        self._made: list[tuple[frozenset[str], frozenset[str]] | None] = [None] * len(self._raw)
+        start = store._effect_starts[chunk]
+        # (reads, writes) masks in turn
+        self._raw = store._arrays["effects"][2 * start:2 * store._effect_starts[chunk + 1]]
+        self._made: list[tuple[frozenset[str], frozenset[str]] | None] = [None] * (len(self._raw) // 2)
 
     def __len__(self) -> int:
-        return len(self._raw)
+        return len(self._made)
 
     @overload
     def __getitem__(self, i: int) -> tuple[frozenset[str], frozenset[str]]: ...
@@ -241,23 +256,29 @@ class _Effects(Sequence[tuple[frozenset[str], frozenset[str]]]):
             return [self[k] for k in range(*i.indices(len(self)))]
         found = self._made[i]
         if found is None:
-            r, w = self._raw[i]
-            found = self._made[i] = (self._store._names(self._chunk, r),
-                                     self._store._names(self._chunk, w))
+            found = self._made[i] = (self._store._names(self._chunk, self._raw[2 * i]),
+                                     self._store._names(self._chunk, self._raw[2 * i + 1]))
         return found
 
 
-class _Offsets(dict[str, list[int]]):
+class _Offsets(dict[str, Sequence[int]]):
     """Where each function's items start in the arrays a count array counts (its
-    running sums), made when first asked for: a command uses a few of them."""
+    running sums): as the file keeps them (_STARTS), else summed when first asked for."""
 
-    def __init__(self, arrays: dict[str, array]) -> None:
+    def __init__(self, arrays: dict[str, Any]) -> None:
         super().__init__()
         self._arrays = arrays
 
-    def __missing__(self, counter: str) -> list[int]:
-        found = self[counter] = list(accumulate(self._arrays[counter], initial=0))
+    def __missing__(self, counter: str) -> Sequence[int]:
+        kept = self._arrays.get(_start_name(counter))
+        found = self[counter] = (kept if kept is not None
+                                 else list(accumulate(self._arrays[counter], initial=0)))
         return found
+
+
+def _start_name(counter: str) -> str:
+    """The name of the array keeping where the items ``counter`` counts start."""
+    return f"start_{counter[2:]}"
 
 
 class Store:
@@ -269,24 +290,26 @@ class Store:
         self._meta = meta
         functions = image.functions
         addr, size = arrays["addr"], arrays["size"]
-        table = _function_table(image)     # (address, size) pairs, as the key hashed them
-        if len(addr) != len(functions) or addr != table[0::2] or size != table[1::2]:
+        addresses, sizes = _function_table(image)     # as the key hashed them
+        if len(addr) != len(functions) or addr != addresses or size != sizes:
             raise StoreError("the store's function table is not the image's")
         self._addr = addr
         # a running kernel's bytes can change (static keys, ftrace, static calls, other
         # tools' patches): every record is checked against the bytes read now
         self._image = weakref.ref(image) if image.reads_memory else None
         self._offsets = _Offsets(arrays)
-        # each count array summed once (the offsets themselves when first used)
-        counted = {c: sum(arrays[c]) for c in {*_COUNTED_BY.values(), "n_succ"}}
-        for name, counter in (*_COUNTED_BY.items(), ("succ", "n_succ")):
-            if counted[counter] != len(arrays[name]):
-                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, "
-                                 f"not {counted[counter]}")
         for name in (*_PER_FUNCTION, *_DERIVED):
             if len(arrays[name]) != len(functions):
                 raise StoreError(f"array {name!r} holds {len(arrays[name])} items for {len(functions)} functions")
+        for name, counter in (*_COUNTED_BY.items(), ("succ", "n_succ")):
+            starts = self._offsets[counter]
+            if len(starts) != len(functions) + 1 or starts[0] or starts[-1] != len(arrays[name]):
+                raise StoreError(f"array {name!r} holds {len(arrays[name])} items, not what "
+                                 f"{counter!r} counts")
         self._chunks = meta["chunks"]
+        self._effect_starts = list(accumulate((c["n_effects"] for c in self._chunks), initial=0))
+        if self._effect_starts[-1] * 2 != len(arrays["effects"]):
+            raise StoreError("the chunks' effects are not the effects array")
         self._effects: dict[int, _Effects] = {}
         self._masks: dict[tuple[int, int], frozenset[str]] = {}
         self._regs: dict[int, list[str]] = {}
@@ -673,7 +696,9 @@ class Store:
 
     # --- bytes ------------------------------------------------------------------------------
     def body(self) -> bytes:
-        return _encode(self._arrays, self._meta)
+        starts = {_start_name(counter): array("I", self._offsets[counter])
+                  for counter in (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")}
+        return _encode({**self._arrays, **starts}, self._meta)
 
     def save(self, path: Path) -> None:
         """Write the store to ``path`` atomically (a temporary file, then rename)."""
@@ -795,7 +820,8 @@ def _decode(body: memoryview, *, derived: bool = True, views: bool = False
         else:
             typecode = code.decode()
             expected = (_PER_FUNCTION.get(name) or _DATA.get(name) or _DERIVED.get(name)
-                        or _DERIVED_DATA.get(name) or _TABLES.get(name))
+                        or _DERIVED_DATA.get(name) or _TABLES.get(name) or _STARTS.get(name)
+                        or _EFFECTS.get(name))
             if expected != typecode:
                 raise StoreError(f"array {name!r} has type {typecode!r}")
             if views and name not in _DERIVED:
@@ -808,7 +834,7 @@ def _decode(body: memoryview, *, derived: bool = True, views: bool = False
                 arrays[name] = arr
         at += length + (-length % 8)
     missing = (set(_PER_FUNCTION) | set(_DATA)
-               | (set(_DERIVED) | set(_DERIVED_DATA) if derived else set())) - set(arrays)
+               | (set(_DERIVED) | set(_DERIVED_DATA) | set(_EFFECTS) if derived else set())) - set(arrays)
     if meta is None or missing:
         raise StoreError(f"the store lacks {sorted(missing) or ['meta']}")
     return arrays, meta
@@ -1008,7 +1034,9 @@ def _groups(functions: tuple[Function, ...], lo: int, hi: int) -> list[tuple[int
 
 
 def _merge(parts: list[tuple[dict[str, array], dict[str, Any]]]) -> tuple[dict[str, array], dict[str, Any]]:
-    arrays = {name: array(code) for name, code in {**_PER_FUNCTION, **_DATA}.items()}
+    """The parts' arrays and meta as one store's: each part is a chunk, its effects
+    (a part's list of masks) in the effects array."""
+    arrays = {name: array(code) for name, code in {**_PER_FUNCTION, **_DATA, **_EFFECTS}.items()}
     meta: dict[str, Any] = {"chunks": [], "tables": {}, "errors": {}}
     for k, (part, part_meta) in enumerate(parts):
         for name, arr in part.items():
@@ -1016,7 +1044,11 @@ def _merge(parts: list[tuple[dict[str, array], dict[str, Any]]]) -> tuple[dict[s
                 arrays[name].extend([k] * len(arr))
             else:
                 arrays[name].extend(arr)
-        meta["chunks"] += part_meta["chunks"]
+        for chunk in part_meta["chunks"]:
+            effects = chunk["effects"]
+            arrays["effects"].extend(x for pair in effects for x in pair)
+            meta["chunks"].append({"first": chunk["first"], "regs": chunk["regs"],
+                                   "n_effects": len(effects)})
         meta["tables"].update(part_meta["tables"])
         meta["errors"].update(part_meta["errors"])
     return arrays, meta
