@@ -57,7 +57,6 @@ import bisect
 import hashlib
 import json
 import mmap
-import multiprocessing
 import os
 import struct
 import sys
@@ -868,6 +867,8 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
         global _WORK
         _WORK = image
         try:
+            import multiprocessing  # a build's (loading a store needs none of it)
+
             with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
                 bodies = pool.map(_analyse_forked, parts, chunksize=1)
         finally:
@@ -918,6 +919,8 @@ def _successors(image: Image, a: dict[str, array]) -> list[bool]:
 
 def _can_fork() -> bool:
     # forking a process with other threads may copy a lock another thread holds
+    import multiprocessing
+
     return "fork" in multiprocessing.get_all_start_methods() and threading.active_count() == 1
 
 

@@ -31,9 +31,7 @@ import os
 import stat
 import struct
 from pathlib import Path
-from typing import BinaryIO
-
-from elftools.elf.elffile import ELFFile
+from typing import TYPE_CHECKING, BinaryIO
 
 from ksim.arch import get_arch
 from ksim.arch.base import ModuleLoader
@@ -41,6 +39,9 @@ from ksim.errors import ImageError, KsimError, MalformedImage, UnsupportedImage
 from ksim.image.image import Image
 from ksim.image.model import Section, Symbol
 from ksim.image.reloc import apply_relocation
+
+if TYPE_CHECKING:
+    from elftools.elf.elffile import ELFFile
 
 # ELF constants (System V gABI); tables, not logic.
 _ELFCLASS = {1: "ELF32", 2: "ELF64"}
@@ -101,6 +102,10 @@ def _load(stream: BinaryIO, file_size: int, path: str) -> Image:
     _check_header(header, file_size, path)
     _check_sections(stream, header, file_size, path)
     try:
+        # pyelftools (with its DWARF readers) only when an ELF file is loaded: a live
+        # kernel's image is read from kallsyms, and the import was 25 ms of every command
+        from elftools.elf.elffile import ELFFile
+
         return _build(ELFFile(stream), path)
     except KsimError:
         raise
