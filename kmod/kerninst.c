@@ -55,6 +55,7 @@
  *   ki_arch_poke_text_batch()        write a checked batch of text writes
  *   ki_poke_code()                   write patch code (not yet reachable)
  *   ki_arch_fill_code()              what unused patch code holds
+ *   ki_arch_refill_code()            freed patch code made unused again
  *   ki_arch_cpus_lock/unlock()       taken before the hazard and text locks
  *   ki_sync(), ki_canonical(), ki_arch_info()
  */
@@ -1829,10 +1830,32 @@ static int ki_arch_write_dest(struct ki_write *w)
 	return w->dest ? 0 : -EINVAL;
 }
 
-/* Unused patch code holds int3. */
+/* Unused patch code holds int3 (KERNINST_CODE_FILL_X86_64). */
 static void ki_arch_fill_code(void *base, unsigned long size)
 {
-	memset(base, KI_INT3, size);
+	memset(base, KERNINST_CODE_FILL_X86_64, size);
+}
+
+/*
+ * Patch code no task can run any more (freed, then quiesced) holding int3 again:
+ * a page at a time, and only a page that holds something else.  Caller holds
+ * text_mutex and ki_lock.
+ */
+static void ki_arch_refill_code(unsigned long addr, unsigned long size)
+{
+	static u8 fill[PAGE_SIZE];
+
+	if (fill[0] != KERNINST_CODE_FILL_X86_64)
+		memset(fill, KERNINST_CODE_FILL_X86_64, sizeof(fill));
+	while (size) {
+		u32 chunk = min_t(unsigned long, size, PAGE_SIZE - offset_in_page(addr));
+
+		if (memchr_inv((void *)addr, KERNINST_CODE_FILL_X86_64, chunk))
+			ki_text_poke((void *)addr, fill, chunk);
+		addr += chunk;
+		size -= chunk;
+		cond_resched();
+	}
 }
 
 static void ki_arch_info(struct kerninst_info *info)
@@ -1973,14 +1996,36 @@ static int ki_arch_check_jumps(struct ki_batch *b, struct ki_write *w)
 	return 0;
 }
 
-/* Unused patch code holds BRK #FAULT_BRK_IMM, as the BPF JIT fills its holes. */
+/*
+ * Unused patch code holds BRK #FAULT_BRK_IMM, as the BPF JIT fills its holes
+ * (KERNINST_CODE_FILL_ARM64).
+ */
 static void ki_arch_fill_code(void *base, unsigned long size)
 {
 	u32 *p = base;
 	unsigned long i;
 
+	BUILD_BUG_ON(AARCH64_BREAK_FAULT != KERNINST_CODE_FILL_ARM64);
 	for (i = 0; i < size / sizeof(*p); i++)
-		p[i] = cpu_to_le32(AARCH64_BREAK_FAULT);
+		p[i] = cpu_to_le32(KERNINST_CODE_FILL_ARM64);
+}
+
+/*
+ * Patch code no task can run any more (freed, then quiesced) holding the fill
+ * again: only the instructions that hold something else are written.  Caller
+ * holds text_mutex and ki_lock.
+ */
+static void ki_arch_refill_code(unsigned long addr, unsigned long size)
+{
+	unsigned long at, end = addr + size;
+	u32 n = 0;
+
+	for (at = addr; at + AARCH64_INSN_SIZE <= end; at += AARCH64_INSN_SIZE) {
+		if (get_unaligned_le32((const void *)at) == KERNINST_CODE_FILL_ARM64)
+			continue;
+		WARN_ON_ONCE(ki_patch_text_nosync((void *)at, KERNINST_CODE_FILL_ARM64));
+		ki_resched(n++);
+	}
 }
 
 static void ki_arch_info(struct kerninst_info *info)
@@ -2944,6 +2989,13 @@ static long ki_ioc_claim(struct kerninst_block __user *uarg)
 	/* A freed block is handed out again only once no task can still run in (or write) it. */
 	if (freed)
 		ki_quiesce_locked();
+	/* ... and a code block holding only the fill (kerninst.h: CLAIM), whatever freed
+	 * patch code left there: a client knows its bytes without reading them. */
+	if (req.region == KERNINST_REGION_CODE) {
+		mutex_lock(ki_text_mutex);
+		ki_arch_refill_code(req.address, req.size);
+		mutex_unlock(ki_text_mutex);
+	}
 	b->owner = o;
 	b->addr = req.address;
 	b->size = req.size;

@@ -57,7 +57,7 @@ typedef uint32_t __u32;
 typedef uint64_t __u64;
 #endif
 
-#define KERNINST_ABI_VERSION 6
+#define KERNINST_ABI_VERSION 7
 #define KERNINST_DEVICE "kerninst"
 #define KERNINST_IOC_MAGIC 'K'
 
@@ -106,6 +106,16 @@ typedef uint64_t __u64;
  * 0x900-0x9ff, CFI 0x8000-0x83ff).
  */
 #define KERNINST_ARM64_BRK_IMM 0x2b5
+
+/*
+ * What every byte of unused patch code holds: x86-64's int3; on arm64 the
+ * instruction BRK #0x100 (AARCH64_BREAK_FAULT, as the BPF JIT fills its holes),
+ * little-endian.  A code block CLAIM hands out holds nothing else, whatever patch
+ * code of a freed block was there before: a client knows a new block's bytes
+ * without reading them.
+ */
+#define KERNINST_CODE_FILL_X86_64 0xcc
+#define KERNINST_CODE_FILL_ARM64 0xd4202000
 
 struct kerninst_version {
 	__u32 version;   /* KERNINST_ABI_VERSION of the loaded module */

@@ -130,6 +130,7 @@ class Manager:
         #: (a detached Manager's areas take nothing more: _live)
         self._code = Areas("patch area", lambda n, near: self._live().alloc_code(n, near),
                            target.free_code, chunk=caps.code_chunk, align=16, read=target.read,
+                           fill=caps.code_fill,
                            reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
                                                          and arch.jmp_reaches(hi, near)))
         # an empty data area stays held while a splice of this Manager is live: a live

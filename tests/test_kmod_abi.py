@@ -28,6 +28,8 @@ def c_values(tmp_path: Path) -> dict[str, int]:
     for name in abi.HAZARDS:
         lines.append(f'printf("HAZARD_{name} %u\\n", KERNINST_HAZARD_{name.upper()});')
     lines.append('printf("ARM64_BRK_IMM %d\\n", KERNINST_ARM64_BRK_IMM);')
+    lines.append('printf("CODE_FILL_X86_64 %u\\n", KERNINST_CODE_FILL_X86_64);')
+    lines.append('printf("CODE_FILL_ARM64 %u\\n", KERNINST_CODE_FILL_ARM64);')
     lines.append('printf("VERSION %d\\n", KERNINST_ABI_VERSION); return 0; }')
     src, exe = tmp_path / "abi.c", tmp_path / "abi"
     src.write_text("\n".join(lines))
@@ -55,6 +57,8 @@ def test_table_matches_the_header(tmp_path: Path) -> None:
         assert c[f"HAZARD_{name}"] == bit, name
     assert c["ARM64_BRK_IMM"] == abi.ARM64_BRK_IMM
     assert abi.TRAP_IMMEDIATES == {"aarch64": c["ARM64_BRK_IMM"]}
+    assert abi.CODE_FILL == {"x86_64": c["CODE_FILL_X86_64"].to_bytes(1, "little"),
+                             "aarch64": c["CODE_FILL_ARM64"].to_bytes(4, "little")}
 
 
 def test_every_ioctl_in_the_header_is_in_the_table() -> None:

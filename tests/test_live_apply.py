@@ -117,11 +117,11 @@ def test_dry_runs_and_a_batch_cost_no_request_per_point(testbed: dict) -> None:
         with requests(m.target) as seen:
             hs = m.insert_many([p for _, p in ok], lambda p: counters[p.address].atomic_assign(
                 counters[p.address] + 1))
-        # one change; an area for the batch's patch code and one read of its bytes; the
-        # kernel's word on the batch's text and on the padding its springboards may
-        # use, each asked at once
+        # one change; an area for the batch's patch code (its bytes the module's fill:
+        # not read); the kernel's word on the batch's text and on the padding its
+        # springboards may use, each asked at once
         assert seen["hazard_table"] <= 4, seen
-        assert seen - Counter(hazard_table=4) == Counter(poke=1, alloc_code=1, read=1), seen
+        assert seen - Counter(hazard_table=4) == Counter(poke=1, alloc_code=1), seen
         with requests(m.target) as seen:
             m.remove_many(hs)
         assert seen == Counter(poke=1, free_code=1), seen  # the area goes back with them
@@ -239,6 +239,59 @@ def test_requests_sent_ahead_are_answered_in_order(target: LiveTarget) -> None:
     target.prefetch_digests([(func.address, func.size)])
     assert target.known_digest(func.address, func.size) is not None
 
+
+
+def test_a_new_patch_area_holds_the_fill_and_is_not_read(testbed: dict) -> None:
+    """The module hands out a code block holding only its fill (kerninst.h: CLAIM),
+    whatever freed patch code was there: a Manager writes its patches over bytes it
+    knows without reading them, and they are the kernel's."""
+    from ksim.live import abi
+
+    funcs = ["__x64_sys_getppid", "__x64_sys_getpgrp", "__x64_sys_getuid", "__x64_sys_geteuid",
+             "__x64_sys_getgid", "__x64_sys_getegid", "__x64_sys_gettid", "__x64_sys_getpid"]
+    fill = abi.CODE_FILL["x86_64"]
+
+    def attach() -> Manager:
+        m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+        assert m.target.capabilities.code_fill == fill
+        return m
+
+    a = attach()
+    points = [p for _, p in a.spliceable_entries(funcs, "jmp")[0]]
+    assert len(points) >= 4
+    counter = a.malloc(8)
+    a.insert_many(points, lambda p: counter.atomic_assign(counter + 1), splice="jmp")
+    (first,) = a._code._areas.values()
+    used = (first.start, first.cursor - first.start)
+    assert a.target.read(*used) != fill * used[1]
+    a.detach()      # its block freed, its patch code still there
+    b = attach()
+    try:
+        reads: list[tuple[int, int]] = []
+        real = b.target.read
+        b._code._read = lambda at, n: (reads.append((at, n)), real(at, n))[1]
+        counter = b.malloc(8)
+        handles = b.insert_many(points[:1], lambda p: counter.atomic_assign(counter + 1),
+                                splice="jmp")
+        (area,) = b._code._areas.values()
+        assert reads == [] and len(area.shadow) < area.size
+        assert bytes(area.shadow) == real(area.start, len(area.shadow))
+        assert real(area.start + len(area.shadow), 256) == fill * 256
+        # the block a's code was in, handed out again (blocks are taken until it is):
+        # the fill, a's code gone
+        taken = []
+        while not any(at <= used[0] < at + 65536 for at in taken):
+            assert len(taken) < 64, "a's block is not handed out again"
+            taken.append(b.target.alloc_code(65536))
+        assert real(*used) == fill * used[1]
+        for at in taken:
+            b.target.free_code(at)
+        b.run(while_cmd="for i in 1 2 3; do cat /proc/self/stat >/dev/null; done")
+        assert b.read(counter) > 0
+        b.remove_many(handles)
+        assert dmesg_problems(b.target) == []
+    finally:
+        b.detach()
 
 
 def test_a_data_write_waits_for_no_reply_and_its_error_comes_before_the_next_change(

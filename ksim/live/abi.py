@@ -12,7 +12,7 @@ import errno
 import struct
 from dataclasses import dataclass
 
-ABI_VERSION = 6
+ABI_VERSION = 7
 DEVICE = "/dev/kerninst"
 #: the architecture (a ``ksim.arch`` name) of a live kernel whose daemon names none:
 #: kmod/kerninst.c is built for x86-64 and arm64, and the module's info names no
@@ -63,6 +63,11 @@ ARM64_BRK_IMM = 0x2B5
 #: (a ``ksim.arch`` name) where that trap has one: a client writes the Arch's
 #: ``trap_with(immediate)`` where a route waits (x86-64's int3 has none)
 TRAP_IMMEDIATES: dict[str, int] = {"aarch64": ARM64_BRK_IMM}
+#: KERNINST_CODE_FILL_*: what every byte of unused patch code holds, and so every
+#: code block the module's CLAIM hands out, by the architecture (a ``ksim.arch``
+#: name), as bytes: a client knows a new block's bytes without reading them
+CODE_FILL: dict[str, bytes] = {"x86_64": bytes([0xCC]),
+                               "aarch64": (0xD4202000).to_bytes(4, "little")}
 #: ``uname -m`` of a kernel the module runs on -> that architecture's ``ksim.arch`` name
 MACHINES: dict[str, str] = {"x86_64": "x86_64", "aarch64": "aarch64"}
 

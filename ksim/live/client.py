@@ -367,7 +367,8 @@ class LiveTarget:
             traps=True, hazards=True, exec=bool(i.get("allow_exec")), keep=True,
             oracles=(KprobeCounter.name,), nr_cpus=max(1, int(i.get("nr_cpus", 1) or 1)),
             max_items=wire.MAX_WRITES, max_bytes=wire.MAX_POKE_TOTAL,
-            release=str(i.get("kernel") or ""))
+            release=str(i.get("kernel") or ""),
+            code_fill=bytes.fromhex(str(i.get("code_fill") or "")))
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))

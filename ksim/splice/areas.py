@@ -60,6 +60,9 @@ class Area:
     #: its bytes from its start as this client last left them, as far as they were
     #: read (patch areas only; empty until first asked)
     shadow: bytearray = field(default_factory=bytearray)
+    #: what every byte of it held when it was taken, repeated from its start (b"":
+    #: not known; its bytes are read)
+    fill: bytes = b""
 
     @property
     def end(self) -> int:
@@ -76,9 +79,11 @@ class Areas:
     def __init__(self, name: str, take: Take, give: Give, *, chunk: int, align: int,
                  reaches: Reaches | None = None,
                  read: Callable[[int, int], bytes] | None = None,
-                 keep: Keep | None = None) -> None:
+                 keep: Keep | None = None, fill: bytes = b"") -> None:
         self.name = name
         self._take, self._give, self._read = take, give, read
+        #: what a new area holds (the target's capabilities.code_fill)
+        self._fill = fill
         self._keep = keep
         self.chunk, self.align, self._reaches = chunk, align, reaches
         self._areas: dict[int, Area] = {}
@@ -142,7 +147,7 @@ class Areas:
     def _new(self, size: int, near: int | None) -> Area:
         size = max(self.chunk, -(-size // self.align) * self.align)
         start = self._take(size, near)
-        area = self._areas[start] = Area(start, size, start)
+        area = self._areas[start] = Area(start, size, start, fill=self._fill)
         return area
 
     def _drop(self, area: Area) -> None:
@@ -187,27 +192,36 @@ class Areas:
 
     # --- the bytes of patch areas ---------------------------------------------------
     def old(self, address: int, size: int) -> bytes:
-        """The bytes at address..+size as this client last left them: read the first
-        time, as far as what is placed in the area reaches (the batch about to be
-        written) and SHADOW_READ bytes at least, not the whole area (a 64 KB area was
-        10 ms of a live command)."""
+        """The bytes at address..+size as this client last left them: what the area
+        held when taken where the target says (its fill), else read the first time,
+        as far as what is placed in the area reaches (the batch about to be written)
+        and SHADOW_READ bytes at least, not the whole area (a 64 KB area was 10 ms of
+        a live command)."""
         area = self._areas[self._owner_area(address)]
         offset = address - area.start
         shadow = area.shadow
         if offset + size > len(shadow):
-            assert self._read is not None, f"{self.name} keeps no bytes"
-            upto = min(area.size, max(offset + size, area.cursor - area.start,
-                                      len(shadow) + SHADOW_READ))
-            shadow += self._read(area.start + len(shadow), upto - len(shadow))
+            if area.fill:
+                upto = min(area.size, max(offset + size, area.cursor - area.start))
+                shadow += _repeated(area.fill, len(shadow), upto)
+            else:
+                assert self._read is not None, f"{self.name} keeps no bytes"
+                upto = min(area.size, max(offset + size, area.cursor - area.start,
+                                          len(shadow) + SHADOW_READ))
+                shadow += self._read(area.start + len(shadow), upto - len(shadow))
         return bytes(shadow[offset:offset + size])
 
     def wrote(self, writes: Iterable[Write]) -> None:
         """Writes a target made into these areas (kept in the bytes read of them; a
-        byte not read yet is read as the target now has it, when first asked)."""
+        byte not read yet is read as the target now has it, when first asked; in an
+        area whose fill is known, every byte up to the write is kept)."""
         for w in writes:
             area = self._areas.get(self._owner_area(w.address, strict=False))
             if area is not None:
                 offset = w.address - area.start
+                if area.fill and offset + len(w.new) > len(area.shadow):
+                    end = min(area.size, offset + len(w.new))
+                    area.shadow += _repeated(area.fill, len(area.shadow), end)
                 n = min(len(w.new), len(area.shadow) - offset)
                 if n > 0:
                     area.shadow[offset:offset + n] = w.new[:n]
@@ -219,3 +233,9 @@ class Areas:
         if strict:
             raise UnknownHandle(f"{self.name}: {address:#x} is in none of this client's areas")
         return -1
+
+
+def _repeated(fill: bytes, start: int, end: int) -> bytes:
+    """Bytes ``start``..``end`` of ``fill`` repeated from offset 0."""
+    k = start % len(fill)
+    return (fill[k:] + fill * (-(-(end - start) // len(fill)) + 1))[:end - start]

@@ -65,6 +65,10 @@ class Capabilities:
     #: no request (a larger request gets an area of its own)
     code_chunk: int = 64 << 10
     data_chunk: int = 4 << 10
+    #: what every byte of a new patch area holds, repeated from its start (a live
+    #: kernel's module fills freed patch code again before it hands it out): the
+    #: Manager knows those bytes without reading them.  b"": read when first needed
+    code_fill: bytes = b""
     #: the kernel's release (``uname -r``) where it is a distribution's kernel: its
     #: headers package is found by it (``#include`` in trace programs); "" unknown
     release: str = ""
