@@ -152,6 +152,19 @@ def cache_dir() -> Path:
 
 
 def _decoder_identity(arch: str) -> str:
+    """The decoder the records were made with, by its installed distribution's version
+    (the metadata beside the package, found without importing it: a command finds its
+    store before it decodes anything, and capstone's import, 15 ms, then runs while
+    the kernel answers the command's first questions); its own ``__version__`` where
+    no one distribution is found."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("capstone")
+    if spec is not None and spec.origin is not None:
+        site = Path(spec.origin).parent.parent
+        found = [*site.glob("capstone-*.dist-info"), *site.glob("capstone-*.egg-info")]
+        if len(found) == 1:
+            return f"{arch}/capstone-{found[0].name[len('capstone-'):].rsplit('.', 1)[0]}"
     import capstone
 
     return f"{arch}/capstone-{capstone.__version__}"
