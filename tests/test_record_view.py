@@ -1,7 +1,8 @@
 """A function seen through its compact record (ksim.analysis.record) says exactly
 what its instructions and CFG as objects say: the instructions, where the code
 ends, the branch targets, the unknown indirect flows, the hazards, the entry point
-and the registers live before every instruction.  Compared through SiteFacts
+and the registers live before every instruction (found forward from it, and by
+the whole function's solve).  Compared through SiteFacts
 (which uses the view when the store has a current record) against SiteFacts
 without views, on every function of the test kernels, every 20th of Debian's
 x86-64 vmlinux and every 20th of its arm64 Image."""
@@ -12,7 +13,8 @@ import pytest
 from analysis_kernel import kernels
 
 from ksim.analysis import analyze
-from ksim.analysis.store import analyze_image, store_for, use
+from ksim.analysis.record import _names
+from ksim.analysis.store import HEAD_LIVE, analyze_image, store_for, use
 from ksim.arch import get_arch
 from ksim.arch.base import Flow
 from ksim.errors import KsimError
@@ -54,9 +56,18 @@ def _same(image: Image, funcs) -> tuple[int, int]:
         assert [f.index_of(i.address) for i in s.insns] == list(range(len(s.insns)))
         assert fast.entry(func) == slow.entry(func), func.name
         assert fast._extent(func) == slow._extent(func), func.name
-        for insn in a.insns[:kept]:
-            assert seen.live_before(insn.address) == a.live_at(insn.address), \
-                f"{func.name}: {insn}"
+        # a batch's question (the first instructions: the last found forward, those
+        # before it by their own effects)
+        assert seen.live_head(HEAD_LIVE) == [a.live_at(i.address) for i in a.insns[:HEAD_LIVE]], \
+            func.name
+        # the first questions are answered by a search forward from the instruction,
+        # the rest by the whole function's solve: the solve at every instruction, the
+        # search at the first eight and every fifth
+        for k, insn in enumerate(a.insns[:kept]):
+            live = a.live_at(insn.address)
+            assert seen.live_before(insn.address) == live, f"{func.name}: {insn}"
+            if k < 8 or k % 5 == 0:
+                assert _names(seen._live_ahead(k)) == live, f"{func.name}: {insn} (ahead)"
         compared += 1
     return compared, declined
 

@@ -45,6 +45,8 @@ _SEQ, _JMP, _JCC, _JMPI, _CALL, _CALLI, _RET, _STOP = (FLOWS.index(f) for f in (
 _DECODE_AHEAD = 8  # instructions decoded at a time (a point's window is a few)
 #: bytes.translate's table: 1 for a direct jump's flow (jmp, jcc), 0 for any other
 _IS_JUMP = bytes(int(k in (_JMP, _JCC)) for k in range(256))
+#: what never goes on to the next instruction
+_NO_FALLTHROUGH = frozenset({_JMP, _JMPI, _RET, _STOP})
 
 # --- register sets as bit masks ------------------------------------------------------
 _BIT: dict[str, int] = {}
@@ -273,6 +275,7 @@ class RecordView:
         keep = _mask(preserved)
         self._at_return, self._at_tail_call = at_return | keep, at_tail_call | keep
         self._live_in: list[int] | None = None
+        self._asked = 0
 
     #: what _blocks makes, when first asked for: a batch's entry points need the
     #: blocks of a function only when the store derived nothing for it
@@ -367,6 +370,9 @@ class RecordView:
     def code_end(self) -> int:
         """Where the function's code ends: before its trailing blocks of filler no path
         reaches (SiteFacts._extent's rule on the CFG)."""
+        quick = self._code_end_quick()
+        if quick is not None:
+            return quick
         code_end = self.end
         firsts, nb = self.firsts, len(self.firsts)
         for b in range(nb - 1, -1, -1):
@@ -380,6 +386,24 @@ class RecordView:
         if code_end == self.start:
             code_end = self.end
         return code_end
+
+    def _code_end_quick(self) -> int | None:
+        """code_end without the blocks, where the answer is plain: no filler at the end
+        (the end), or a run of filler after an instruction that does not fall through,
+        which no jump leads into (where the run starts).  None: ask the blocks."""
+        count, flows = self.count, self._flows
+        t = count
+        while t > 0 and self._filler(t - 1):
+            t -= 1
+        if t == count:
+            return self.end
+        if t == 0 or flows[t - 1] not in _NO_FALLTHROUGH:
+            return None
+        start = self.addresses[t]
+        if any(start <= target < self.end for i, target in self._target_of.items()
+               if flows[i] == _JMP or flows[i] == _JCC):
+            return None
+        return start
 
     def branch_targets(self) -> frozenset[int]:
         """The entry, every direct jump's target, and every block start an edge other
@@ -411,8 +435,20 @@ class RecordView:
         return any(start <= t < end for t in off)
 
     # --- liveness (ksim.analysis.liveness's rules, on masks) --------------------------------
+    #: the questions answered by a search forward from the instruction asked about
+    #: (_live_ahead) before the whole function's liveness is solved: a batch asks about
+    #: a function's first instructions, and a search from there ends within a few
+    #: blocks, where the solve walks every one
+    AHEAD_QUESTIONS = 4
+
     def live_before(self, address: int) -> frozenset[str]:
         """Registers live just before the instruction at ``address``."""
+        if self._live_in is None and self._asked < RecordView.AHEAD_QUESTIONS:
+            self._asked += 1
+            i = bisect.bisect_left(self.addresses, address)
+            if i == self.count or self.addresses[i] != address:
+                raise KeyError(address)
+            return _names(self._live_ahead(i))
         i = self._index[address]
         live_in = self._solve()
         b = bisect.bisect_right(self.firsts, i) - 1
@@ -425,6 +461,85 @@ class RecordView:
             every, kill, gen = self._affine(k, k == hi - 1)
             live = (gen if every else (live & ~kill) | gen) | self._sp
         return _names(live)
+
+    def live_head(self, count: int) -> list[frozenset[str]]:
+        """The registers live before each of the function's first ``count``
+        instructions: found forward from the last of them (_live_ahead), and each one
+        before it that only falls through (a plain instruction) by its own effects,
+        as _solve's rule (before the whole function is solved: then by it)."""
+        count = min(count, self.count)
+        if self._live_in is not None:
+            return [self.live_before(a) for a in self.addresses[:count]]
+        masks = [0] * count
+        flows, sp = self._flows, self._sp
+        for j in range(count - 1, -1, -1):
+            if j + 1 < count and flows[j] == _SEQ:
+                reads, writes = self._effects(j)
+                masks[j] = (masks[j + 1] & ~writes) | reads | sp
+            else:
+                masks[j] = self._live_ahead(j)
+        return [_names(m) for m in masks]
+
+    def _live_ahead(self, start: int) -> int:
+        """The mask live before instruction ``start``, by the rules _solve applies,
+        found forward: a register is live if some path from ``start`` reads it (or
+        leaves the function with it live) before it is written.  Each register's
+        answer is independent of the others', so a path is followed only for the
+        registers neither known live nor written on it yet, and an instruction only
+        for those it was not followed for already: the search ends once every
+        register is settled, mostly after the prologue and the first call."""
+        addresses, count, flows, target_of = self.addresses, self.count, self._flows, self._target_of
+        masks, sp = self._effect_masks, self._sp
+        comp_n = len(self._comp.sizes)
+        codes, tail_code = self._codes, self._comp.tail_code
+        live = sp
+        followed: dict[int, int] = {}
+        work = [(start, self._all & ~sp)]
+        while work:
+            i, open_ = work.pop()
+            while True:
+                open_ &= ~live & ~followed.get(i, 0)
+                if not open_:
+                    break
+                followed[i] = followed.get(i, 0) | open_
+                flow = flows[i]
+                if flow == _SEQ:
+                    reads, writes = masks[(codes[i] if i < comp_n else tail_code) >> EFFECT_SHIFT]
+                    live |= reads & open_
+                    open_ &= ~writes
+                    if i + 1 < count:
+                        i += 1
+                        continue
+                    live |= self._all & open_   # off the function's end
+                    break
+                every, kill, gen = self._affine(i, True)
+                live |= gen & open_
+                if every:
+                    break
+                open_ &= ~kill
+                nxt = i + 1 if i + 1 < count else None
+                if flow == _CALL or flow == _CALLI:
+                    if nxt is None:
+                        live |= self._all & open_
+                        break
+                    i = nxt
+                    continue
+                if flow == _JMP or flow == _JCC:
+                    target = target_of.get(i)
+                    k = bisect.bisect_left(addresses, target) if target is not None else count
+                    inside = target is not None and k < count and addresses[k] == target
+                    if target is not None and not inside:
+                        live |= self._leaving(target) & open_
+                    if flow == _JCC and nxt is not None and not (inside and k == nxt):
+                        if inside:
+                            work.append((k, open_))
+                        i = nxt
+                        continue
+                    if inside:
+                        i = k
+                        continue
+                break   # a return, a stop, an indirect jump: nothing after it
+        return live
 
     def _classify(self, target: int) -> Target:
         found = self._classified.get(target)

@@ -214,7 +214,7 @@ class SiteFacts:
                 live = kept.head_live(self.image, func, point.address) if kept is not None else None
                 head = seen.addresses[:HEAD_LIVE]
                 if live is None and kept is not None and point.address in head:
-                    found = [seen.live_before(a) for a in head]
+                    found = seen.live_head(len(head))
                     kept.learn_head(self.image, func, found)
                     live = found[head.index(point.address)]
                 elif live is None:
