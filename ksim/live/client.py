@@ -716,11 +716,17 @@ class LiveTarget:
         return self.conn.request(op, **args)
 
     def _settle_writes(self) -> None:
-        """Read the replies to the data writes sent (see write); the first that failed
-        is raised, with its own error."""
+        """Read the replies to the data writes sent (see write), all of them; the first
+        that failed is raised, with its own error."""
         posted, self._posted = self._posted, []
+        error: KsimError | None = None
         for request_id in posted:
-            self.conn.collect(request_id)
+            try:
+                self.conn.collect(request_id)
+            except KsimError as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     def original(self, address: int, size: int) -> bytes:
         """Text as it was before this client's pokes changed it."""
