@@ -57,8 +57,8 @@ def test_table_matches_the_header(tmp_path: Path) -> None:
         assert c[f"HAZARD_{name}"] == bit, name
     assert c["ARM64_BRK_IMM"] == abi.ARM64_BRK_IMM
     assert abi.TRAP_IMMEDIATES == {"aarch64": c["ARM64_BRK_IMM"]}
-    assert abi.CODE_FILL == {"x86_64": c["CODE_FILL_X86_64"].to_bytes(1, "little"),
-                             "aarch64": c["CODE_FILL_ARM64"].to_bytes(4, "little")}
+    assert abi.CODE_FILL == {"x86_64": (c["CODE_FILL_X86_64"], 1),
+                             "aarch64": (c["CODE_FILL_ARM64"], 4)}
 
 
 def test_every_ioctl_in_the_header_is_in_the_table() -> None:

@@ -249,7 +249,8 @@ def test_a_new_patch_area_holds_the_fill_and_is_not_read(testbed: dict) -> None:
 
     funcs = ["__x64_sys_getppid", "__x64_sys_getpgrp", "__x64_sys_getuid", "__x64_sys_geteuid",
              "__x64_sys_getgid", "__x64_sys_getegid", "__x64_sys_gettid", "__x64_sys_getpid"]
-    fill = abi.CODE_FILL["x86_64"]
+    fill = abi.code_fill("x86_64")
+    assert fill
 
     def attach() -> Manager:
         m = Manager.attach(testbed["address"], token_file=testbed["token_file"])

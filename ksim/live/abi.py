@@ -65,9 +65,8 @@ ARM64_BRK_IMM = 0x2B5
 TRAP_IMMEDIATES: dict[str, int] = {"aarch64": ARM64_BRK_IMM}
 #: KERNINST_CODE_FILL_*: what every byte of unused patch code holds, and so every
 #: code block the module's CLAIM hands out, by the architecture (a ``ksim.arch``
-#: name), as bytes: a client knows a new block's bytes without reading them
-CODE_FILL: dict[str, bytes] = {"x86_64": bytes([0xCC]),
-                               "aarch64": (0xD4202000).to_bytes(4, "little")}
+#: name): the header's number and its width in bytes, little-endian (code_fill)
+CODE_FILL: dict[str, tuple[int, int]] = {"x86_64": (0xCC, 1), "aarch64": (0xD4202000, 4)}
 #: ``uname -m`` of a kernel the module runs on -> that architecture's ``ksim.arch`` name
 MACHINES: dict[str, str] = {"x86_64": "x86_64", "aarch64": "aarch64"}
 
@@ -254,6 +253,14 @@ def jump_dest(arch: str, address: int, cur: bytes) -> int | None:
     else:
         return None
     return (address + offset) & (1 << 64) - 1
+
+
+def code_fill(arch: str) -> bytes | None:
+    """What every byte of a new patch block of the module holds on ``arch``, repeated
+    (CODE_FILL): a client knows a new block's bytes without reading them.  None where
+    the module is not built for ``arch``."""
+    found = CODE_FILL.get(arch)
+    return None if found is None else found[0].to_bytes(found[1], "little")
 
 
 def owner_flag_names(flags: int) -> list[str]:

@@ -672,7 +672,7 @@ class Daemon:
         return {**self.info, "kernel": os.uname().release, "arch": arch,
                 "trap_immediate": abi.TRAP_IMMEDIATES.get(arch),
                 # every byte of a code block alloc_code hands out (the module's CLAIM)
-                "code_fill": abi.CODE_FILL[arch].hex() if arch in abi.CODE_FILL else None,
+                "code_fill": (abi.code_fill(arch) or b"").hex() or None,
                 "allow_exec": self.allow_exec,
                 "code_free": self.code.bytes_free, "data_free": self.data.bytes_free,
                 "areas": self.code.describe() + self.data.describe(),
