@@ -60,9 +60,8 @@ def _same(image: Image, funcs) -> tuple[int, int]:
         # before it by their own effects)
         assert seen.live_head(HEAD_LIVE) == [a.live_at(i.address) for i in a.insns[:HEAD_LIVE]], \
             func.name
-        # the first questions are answered by a search forward from the instruction,
-        # the rest by the whole function's solve: the solve at every instruction, the
-        # search at the first eight and every fifth
+        # the whole function's solve at every instruction; the search forward from an
+        # instruction (_live_ahead) at the first eight and every fifth
         for k, insn in enumerate(a.insns[:kept]):
             live = a.live_at(insn.address)
             assert seen.live_before(insn.address) == live, f"{func.name}: {insn}"

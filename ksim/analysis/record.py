@@ -275,7 +275,6 @@ class RecordView:
         keep = _mask(preserved)
         self._at_return, self._at_tail_call = at_return | keep, at_tail_call | keep
         self._live_in: list[int] | None = None
-        self._asked = 0
 
     #: what _blocks makes, when first asked for: a batch's entry points need the
     #: blocks of a function only when the store derived nothing for it
@@ -435,20 +434,8 @@ class RecordView:
         return any(start <= t < end for t in off)
 
     # --- liveness (ksim.analysis.liveness's rules, on masks) --------------------------------
-    #: the questions answered by a search forward from the instruction asked about
-    #: (_live_ahead) before the whole function's liveness is solved: a batch asks about
-    #: a function's first instructions, and a search from there ends within a few
-    #: blocks, where the solve walks every one
-    AHEAD_QUESTIONS = 4
-
     def live_before(self, address: int) -> frozenset[str]:
         """Registers live just before the instruction at ``address``."""
-        if self._live_in is None and self._asked < RecordView.AHEAD_QUESTIONS:
-            self._asked += 1
-            i = bisect.bisect_left(self.addresses, address)
-            if i == self.count or self.addresses[i] != address:
-                raise KeyError(address)
-            return _names(self._live_ahead(i))
         i = self._index[address]
         live_in = self._solve()
         b = bisect.bisect_right(self.firsts, i) - 1
@@ -464,9 +451,11 @@ class RecordView:
 
     def live_head(self, count: int) -> list[frozenset[str]]:
         """The registers live before each of the function's first ``count``
-        instructions: found forward from the last of them (_live_ahead), and each one
-        before it that only falls through (a plain instruction) by its own effects,
-        as _solve's rule (before the whole function is solved: then by it)."""
+        instructions (what a batch asks of its entries): found forward from the last
+        of them (_live_ahead: a search from there ends within a few blocks, where the
+        solve walks every one), and each one before it that only falls through (a
+        plain instruction) by its own effects, as _solve's rule (once the whole
+        function is solved: by it)."""
         count = min(count, self.count)
         if self._live_in is not None:
             return [self.live_before(a) for a in self.addresses[:count]]
@@ -489,9 +478,7 @@ class RecordView:
         for those it was not followed for already: the search ends once every
         register is settled, mostly after the prologue and the first call."""
         addresses, count, flows, target_of = self.addresses, self.count, self._flows, self._target_of
-        masks, sp = self._effect_masks, self._sp
-        comp_n = len(self._comp.sizes)
-        codes, tail_code = self._codes, self._comp.tail_code
+        effects, sp = self._effects, self._sp
         live = sp
         followed: dict[int, int] = {}
         work = [(start, self._all & ~sp)]
@@ -504,7 +491,7 @@ class RecordView:
                 followed[i] = followed.get(i, 0) | open_
                 flow = flows[i]
                 if flow == _SEQ:
-                    reads, writes = masks[(codes[i] if i < comp_n else tail_code) >> EFFECT_SHIFT]
+                    reads, writes = effects(i)
                     live |= reads & open_
                     open_ &= ~writes
                     if i + 1 < count:
