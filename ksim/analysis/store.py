@@ -131,10 +131,19 @@ _DERIVED_DATA = {"succ": "I"}
 #: bit mask of kinds; the kprobe blacklist's extents, start and end in turn), made
 #: with the store: a running kernel's are a request and a parse every process
 _TABLES = {"table_addrs": "Q", "table_kinds": "B", "table_blacklist": "Q"}
+#: the count arrays (each counts a data array's items per function, ``succ`` too)
+_COUNTERS = (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")
+
+
+def _start_name(counter: str) -> str:
+    """The name of the array keeping where the items ``counter`` counts start."""
+    return f"start_{counter[2:]}"
+
+
 #: where each function's items start in what a count array counts (the counts'
 #: running sums, one more than there are functions), kept in the file: summing a
 #: kernel's 50,000 counts nine times was 9 ms of every process that loads it
-_STARTS = {f"start_{counter[2:]}": "I" for counter in (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")}
+_STARTS = {_start_name(counter): "I" for counter in _COUNTERS}
 
 
 class StoreError(KsimError):
@@ -286,11 +295,6 @@ class _Offsets(dict[str, Sequence[int]]):
         found = self[counter] = (kept if kept is not None
                                  else list(accumulate(self._arrays[counter], initial=0)))
         return found
-
-
-def _start_name(counter: str) -> str:
-    """The name of the array keeping where the items ``counter`` counts start."""
-    return f"start_{counter[2:]}"
 
 
 class Store:
@@ -718,8 +722,7 @@ class Store:
 
     # --- bytes ------------------------------------------------------------------------------
     def body(self) -> bytes:
-        starts = {_start_name(counter): array("I", self._offsets[counter])
-                  for counter in (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")}
+        starts = {_start_name(counter): array("I", self._offsets[counter]) for counter in _COUNTERS}
         return _encode({**self._arrays, **starts}, self._meta)
 
     def save(self, path: Path) -> None:
