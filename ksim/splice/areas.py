@@ -21,10 +21,11 @@ to free a client's heap block while any splice of that client is live (its patch
 code may write any of them), so the Manager keeps such an area (``keep``) and gives
 it back (``give_back_idle``) once its last splice is out.
 
-For the patch area the Manager keeps the area's bytes as it last wrote them (read
-when a patch is first written there, as far as what is placed reaches; further
-when more is), so that a patch's write carries its ``old`` bytes without reading
-the target each time.
+For the patch area the Manager keeps the area's bytes as it last wrote them, so
+that a patch's write carries its ``old`` bytes without reading the target each
+time: the target's fill where it says what a new area holds, else read when a
+patch is first written there, as far as what is placed reaches (further when more
+is).
 """
 
 from __future__ import annotations
@@ -60,9 +61,6 @@ class Area:
     #: its bytes from its start as this client last left them, as far as they were
     #: read (patch areas only; empty until first asked)
     shadow: bytearray = field(default_factory=bytearray)
-    #: what every byte of it held when it was taken, repeated from its start (b"":
-    #: not known; its bytes are read)
-    fill: bytes = b""
 
     @property
     def end(self) -> int:
@@ -82,7 +80,8 @@ class Areas:
                  keep: Keep | None = None, fill: bytes = b"") -> None:
         self.name = name
         self._take, self._give, self._read = take, give, read
-        #: what a new area holds (the target's capabilities.code_fill)
+        #: what every byte of a new area holds, repeated from its start (the target's
+        #: capabilities.code_fill; b"": not known, its bytes are read)
         self._fill = fill
         self._keep = keep
         self.chunk, self.align, self._reaches = chunk, align, reaches
@@ -147,7 +146,7 @@ class Areas:
     def _new(self, size: int, near: int | None) -> Area:
         size = max(self.chunk, -(-size // self.align) * self.align)
         start = self._take(size, near)
-        area = self._areas[start] = Area(start, size, start, fill=self._fill)
+        area = self._areas[start] = Area(start, size, start)
         return area
 
     def _drop(self, area: Area) -> None:
@@ -201,9 +200,8 @@ class Areas:
         offset = address - area.start
         shadow = area.shadow
         if offset + size > len(shadow):
-            if area.fill:
-                upto = min(area.size, max(offset + size, area.cursor - area.start))
-                shadow += _repeated(area.fill, len(shadow), upto)
+            if self._fill:
+                self._filled(area, max(offset + size, area.cursor - area.start))
             else:
                 assert self._read is not None, f"{self.name} keeps no bytes"
                 upto = min(area.size, max(offset + size, area.cursor - area.start,
@@ -219,12 +217,19 @@ class Areas:
             area = self._areas.get(self._owner_area(w.address, strict=False))
             if area is not None:
                 offset = w.address - area.start
-                if area.fill and offset + len(w.new) > len(area.shadow):
-                    end = min(area.size, offset + len(w.new))
-                    area.shadow += _repeated(area.fill, len(area.shadow), end)
+                if self._fill:
+                    self._filled(area, offset + len(w.new))
                 n = min(len(w.new), len(area.shadow) - offset)
                 if n > 0:
                     area.shadow[offset:offset + n] = w.new[:n]
+
+    def _filled(self, area: Area, end: int) -> None:
+        """The area's kept bytes taken up to offset ``end`` (at most its size) with the
+        fill a new area holds, where they do not reach yet."""
+        start, end = len(area.shadow), min(area.size, end)
+        if end > start:
+            fill, k = self._fill, start % len(self._fill)   # the fill repeats from offset 0
+            area.shadow += (fill * ((end - start) // len(fill) + 2))[k:k + end - start]
 
     def _owner_area(self, address: int, *, strict: bool = True) -> int:
         for start, area in self._areas.items():
@@ -234,8 +239,3 @@ class Areas:
             raise UnknownHandle(f"{self.name}: {address:#x} is in none of this client's areas")
         return -1
 
-
-def _repeated(fill: bytes, start: int, end: int) -> bytes:
-    """Bytes ``start``..``end`` of ``fill`` repeated from offset 0."""
-    k = start % len(fill)
-    return (fill[k:] + fill * (-(-(end - start) // len(fill)) + 1))[:end - start]
