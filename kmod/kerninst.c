@@ -1846,7 +1846,7 @@ static void ki_arch_refill_code(unsigned long addr, unsigned long size)
 	static u8 fill[PAGE_SIZE];
 
 	if (fill[0] != KERNINST_CODE_FILL_X86_64)
-		memset(fill, KERNINST_CODE_FILL_X86_64, sizeof(fill));
+		ki_arch_fill_code(fill, sizeof(fill));
 	while (size) {
 		u32 chunk = min_t(unsigned long, size, PAGE_SIZE - offset_in_page(addr));
 
@@ -3238,8 +3238,9 @@ static long ki_ioc_read(struct kerninst_mem __user *uarg)
  * READ_ROWS and DIGEST_ROWS: each row read a KERNINST_MAX_IO piece at a time
  * (copy_from_kernel_nofault: no oops on an unmapped address), then copied out
  * or hashed (XXH64: a tenth of BLAKE2s's time, which an emulated guest spent
- * 30 ms on for the 800 KB of text a command's callees reach).  A row that cannot be read is reported in the failed bitmap, with
- * zeros in its place; only a bad user buffer fails the request.
+ * 30 ms on for the 800 KB of text a command's callees reach).  A row that
+ * cannot be read is reported in the failed bitmap, with zeros in its place;
+ * only a bad user buffer fails the request.
  */
 static long ki_ioc_rows(unsigned int cmd, struct kerninst_rows __user *uarg)
 {
