@@ -136,6 +136,52 @@ def test_a_new_store_has_the_debian_kernels_clobbers(debian_kernel) -> None:
     assert n_clob > 0.95 * ok, (n_clob, ok)
 
 
+def _nothing_to_learn(image: Image, store: Store, funcs) -> int:
+    """A batch's questions over ``funcs`` (each entry's live registers, where its
+    code ends) learn nothing: the store was made with the answers.  How many
+    functions had them all."""
+    use(image, store)
+    facts = SiteFacts(image, get_arch(image.arch))
+    answered = 0
+    for func in funcs:
+        i = store.index_of(func)
+        try:
+            facts._extent(func)
+            facts.live_at(facts.entry(func))
+        except KsimError:
+            continue
+        assert not store._learnt, func.name
+        answered += i is not None and store._arrays["derived"][i] == 7
+    return answered
+
+
+@pytest.mark.parametrize("path", kernels(), ids=lambda p: p.rsplit("/", 1)[-1])
+def test_a_new_store_has_every_entry_answer(path: str) -> None:
+    """A store is made with the live registers before every function's first
+    instructions and where its code ends (Store._heads, in the build's workers):
+    what a batch's first command would learn, its next one finds, and each is the
+    object path's answer (``_same``)."""
+    image = load_image(path)
+    store = analyze_image(image, save=False)
+    answered = _nothing_to_learn(image, store, image.functions)
+    _n_clob, n_live = _same(image, store, image.functions)
+    ok = sum(1 for s in store._arrays["status"] if s == 0)
+    assert answered >= 0.7 * ok and n_live >= 0.7 * ok, (answered, n_live, ok)
+
+
+def test_a_new_store_has_the_debian_kernels_entries(debian_kernel) -> None:
+    """The same on Debian's vmlinux, every 10th function."""
+    from ksim.image import load_kallsyms
+
+    vmlinux = load_kallsyms(debian_kernel.kallsyms, debian_kernel.vmlinux)
+    store = analyze_image(vmlinux, save=False)
+    funcs = vmlinux.functions[::10]
+    answered = _nothing_to_learn(vmlinux, store, funcs)
+    _n_clob, n_live = _same(vmlinux, store, funcs)
+    ok = sum(1 for s in store._arrays["status"][::10] if s == 0)
+    assert answered > 0.9 * ok and n_live > 2 * answered, (answered, n_live, ok)
+
+
 def test_a_changed_callee_turns_derived_facts_off() -> None:
     """An image read through a reader (a running kernel's kind): once a callee's
     bytes change, its callers' derived clobbers and learnt live sets are not used, and
@@ -235,6 +281,9 @@ def test_a_few_facts_learnt_do_not_rewrite_the_store(tmp_path: Path) -> None:
     use(image, store)
     store.path = tmp_path / "s.ksa"
     func = next(f for f in image.functions if store.index_of(f) is not None)
+    # its entry's live registers not made with the store (a function whose reach
+    # changed since): the command learns them
+    store._arrays["derived"][store.index_of(func)] &= ~stores._LIVE
     SiteFacts(image, get_arch(image.arch)).live_at(Point(func.address, PointKind.ENTRY, func.name))
     assert 0 < store._learnt < stores.FLUSH_LEARNT
     stores.flush(image)

@@ -136,19 +136,26 @@ def standard_indirect(image: Image, support: ArchSupport, insn: Insn) -> bool:
 
 def classify_target(image: Image, support: ArchSupport, target: int) -> Target:
     """What a direct call or jump to ``target`` reaches, for the calling convention.
-    What its names say is worked out once per image and target (many functions call
-    the same few); a function's clobbers are asked each time (they follow its bytes)."""
-    named = image.memos.setdefault("call_targets", {})
-    found = named.get(target)
-    if found is None:
-        found = named[target] = _named_target(image, support, target)
+    What its names say is worked out once per image and target (named_target); a
+    function's clobbers are asked each time (they follow its bytes)."""
+    found = named_target(image, support, target)
     if isinstance(found, Target):
         return found
     return Target(TargetKind.FUNCTION, clobbers=function_clobbers(image, support, found))
 
 
+def named_target(image: Image, support: ArchSupport, target: int) -> Target | Function:
+    """classify_target's answer where the names decide it; else the function called
+    (worked out once per image and target: many functions call the same few)."""
+    named = image.memos.setdefault("call_targets", {})
+    found = named.get(target)
+    if found is None:
+        found = named[target] = _named_target(image, support, target)
+    return found
+
+
 def _named_target(image: Image, support: ArchSupport, target: int) -> Target | Function:
-    """classify_target's answer where the names decide it; else the function called."""
+    """named_target, worked out."""
     cc = support.convention
     func = image.function_at(target)
     names = image.names_at(target)

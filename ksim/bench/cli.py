@@ -20,10 +20,11 @@ analyses, attaching, the ``--while`` command, printing the maps, detaching);
 (``{"type": "stats", ...}``) says, measured inside it; ``n`` is its ``probes``.
 The map it printed is checked: every key a function the pattern matches, counted
 at least once, at most one key per probe, no update lost and no error record.  The
-command runs twice (``ksim trace``, then ``ksim trace, again``): the first learns
-what the kernel's analysis store did not know yet of its functions (their entries'
-live registers, where their code ends) and keeps it there; the second is what a
-user gets from then on.
+command runs twice (``ksim trace``, then ``ksim trace, again``): the first is the
+first command on the kernel's analysis store made just before (it holds every
+function's entry live registers and where its code ends, as they were then: a
+command learns and keeps only what changed since); the second is what a user gets
+from then on.
 
 **bpftrace** runs the same program in the guest through the driver every
 benchmark shares (:mod:`ksim.bench.bpftrace`: ``READY_PROBE`` listed last, the
@@ -76,9 +77,9 @@ from ksim.bench.common import Context, Section, Skip, Table, pyplot, save
 
 NAME = "cli"
 TITLE = "The commands users type, end to end: ksim trace against bpftrace"
-#: "ksim trace, again": the same command once more, right after: the first keeps
-#: what it learnt of its functions in the kernel's analysis store (ksim.analysis.store:
-#: their entries' live registers, where their code ends) and the second finds it
+#: "ksim trace, again": the same command once more, right after the first (which
+#: found its functions' entries in the analysis store as it was made: the second
+#: differs by what the first learnt and kept there, nothing on an unchanged kernel)
 TOOLS = ("ksim trace", "ksim trace, again", "bpftrace")
 LIMIT_S = 600.0
 #: what ksim's --while runs in the guest (the program's probes are in meanwhile)
@@ -497,8 +498,9 @@ def _notes(live: dict[str, Any]) -> list[str]:
                  "detach = its stats record (resolving the pattern, analysis, maps, "
                  "compiling, one batch / removing the batch); n = its probes; its map checked "
                  "(one key per probe that fired, nothing lost); 'again': the same command "
-                 "once more, right after (the first keeps what it learnt of its functions, "
-                 "their entries' live registers and code ends, in the analysis store)")
+                 "once more, right after (the first runs on the analysis store as it was made, "
+                 "with every entry's live registers and code end; a command learns and keeps "
+                 "only what changed since)")
     notes.append(f"bpftrace ({live.get('bpftrace') or 'not run'}): the same program in the "
                  "guest with the shared driver; end-to-end = start-up + attach + workload + "
                  "detach (bpftrace's start to its exit); attach = 'Attaching N probes...' to "
