@@ -23,6 +23,8 @@ import re
 import sys
 import time
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter
 from typing import Any, cast
 
 from ksim.cli import add_json_flag, count_arg, emit_json, help_text, kept_for_the_command
@@ -262,13 +264,16 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
     image = m.target.image
     if spec.wildcard:
         match = re.compile(fnmatch.translate(what)).match    # fnmatchcase, compiled once
-        names = sorted({f.name: f for f in image.functions if match(f.name)
-                        }.items(), key=lambda kv: kv[1].address)
-        if not names:
+        functions = image.functions     # in address order
+        matched = list(compress(functions, map(match, map(attrgetter("name"), functions))))
+        if not matched:
             raise UnknownSymbol(what, [])
+        # one point for a name several functions have (static functions of different
+        # files): the last one's
+        named = {f.name: f for f in matched}
         funcs, seen = [], set()
-        for _, f in names:
-            if f.address not in seen:  # an alias of a function already matched: no new point
+        for f in matched:
+            if named[f.name] is f and f.address not in seen:   # an alias matched: no new point
                 seen.add(f.address)
                 funcs.append(f)
         found, skipped = m.spliceable_entries(funcs, splice, plan=plan)
