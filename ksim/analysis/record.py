@@ -43,6 +43,9 @@ from ksim.arch.base import Flow, Insn
 _SEQ, _JMP, _JCC, _JMPI, _CALL, _CALLI, _RET, _STOP = (FLOWS.index(f) for f in (
     Flow.SEQ, Flow.JMP, Flow.JCC, Flow.JMP_INDIRECT, Flow.CALL, Flow.CALL_INDIRECT, Flow.RET, Flow.STOP))
 _DECODE_AHEAD = 8  # instructions decoded at a time (a point's window is a few)
+#: ... and from a function's start: an entry point's window (after an ftrace
+#: location) ends within the first five instructions of nearly every function
+_DECODE_HEAD = 5
 #: bytes.translate's table: 1 for a direct jump's flow (jmp, jcc), 0 for any other
 _IS_JUMP = bytes(int(k in (_JMP, _JCC)) for k in range(256))
 #: what never goes on to the next instruction
@@ -210,7 +213,7 @@ class Instructions(Sequence[Insn]):
         if i >= n:  # padding after the decoded instructions: the same one-byte filler
             self._decoded[i] = self._padding(self.addresses[i])
             return
-        hi = min(n, i + _DECODE_AHEAD)
+        hi = min(n, i + (_DECODE_HEAD if i == 0 else _DECODE_AHEAD))
         start = self.addresses[i]
         at = start - comp.start
         length = sum(comp.sizes[i:hi])
