@@ -424,16 +424,19 @@ class Store:
                 seen[func.address] = func
             else:
                 work.append(i)
+        # breadth first, a level at a time: the edges of a level gathered by set
+        # updates, not pushed and popped one by one
         walked: set[int] = set()
-        order: list[int] = []
-        while work:
-            i = work.pop()
-            if i in walked or addr[i] in known:
-                continue
-            walked.add(i)
-            order.append(i)
-            if status[i] == _OK:
-                work += succ[at[i]:at[i + 1]]
+        level = {i for i in work if addr[i] not in known}
+        while level:
+            walked |= level
+            after: set[int] = set()
+            for i in level:
+                if status[i] == _OK:
+                    after.update(succ[at[i]:at[i + 1]])
+            after -= walked
+            level = {i for i in after if addr[i] not in known} if known else after
+        order = sorted(walked)
         self._pending += order
         for i in order:
             seen.setdefault(functions[i].address, functions[i])
@@ -566,8 +569,7 @@ class Store:
             # is current (or freed text) and nothing was unsettled before, all of
             # it is settled, with one look at each instead of a walk per function
             pending, self._pending = self._pending, []
-            if self._all_settled and all(freed(functions[i].address)
-                                         or self._current_at(i, functions[i]) for i in pending):
+            if self._all_settled and self._all_current(pending, freed):
                 memo.update(dict.fromkeys(pending, True))
             else:
                 self._all_settled = False
@@ -763,6 +765,31 @@ class Store:
             except KsimError:
                 code = None
             if code is None or code_digest(code) != self._arrays["digest"][i]:
+                return False
+        return True
+
+    def _all_current(self, indices: Iterable[int], freed: Callable[[int], bool]) -> bool:
+        """Whether every record at ``indices`` is current (_current_at), or its function
+        is text the kernel ``freed``: one pass, the digests the reader knows compared
+        as they come (a batch's reach is some thousands of functions)."""
+        a = self._arrays
+        status, digest, size, addr = a["status"], a["digest"], a["size"], self._addr
+        image = self._image() if self._image is not None else None
+        known = image.known_digest if image is not None else None
+        for i in indices:
+            address = addr[i]
+            if freed(address):
+                continue
+            if status[i] != _OK:
+                return False
+            if known is None:
+                continue
+            found = known(address, size[i])
+            if found is None:
+                assert image is not None
+                if not self._current_at(i, image.functions[i]):
+                    return False
+            elif found != digest[i]:
                 return False
         return True
 
