@@ -56,6 +56,14 @@ def test_cli_quick_follows_the_schema(testbed, tmp_path):
             assert r["n"] >= 1 and r["end_to_end_s"] >= r["attach_s"] + r["detach_s"]
     summary = {s["case"]: s for s in entry["results"]["summary"]}
     assert set(summary) == set(cli.QUICK_CASES)
+    # what each probe adds to the one-function command's attach, by the same tool
+    row = {(r["case"], r["tool"]): r for r in rows}
+    for tool, key in (("ksim trace", "ksim_beyond_single_ms_per_probe"),
+                      ("ksim trace, again", "ksim_again_beyond_single_ms_per_probe")):
+        many, one = row[("~100", tool)], row[("single", tool)]
+        assert summary["~100"][key] == pytest.approx(
+            1e3 * (many["attach_s"] - one["attach_s"]) / (many["n"] - one["n"]))
+        assert summary["single"][key] is None
 
 
 def test_cli_without_bpftrace_keeps_the_ksim_rows(testbed, tmp_path, monkeypatch):

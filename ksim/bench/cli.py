@@ -397,6 +397,17 @@ def summarize(live: dict[str, Any]) -> list[dict[str, Any]]:
     per probe against batch's insert_many at the nearest N."""
     out = []
     batch = (live.get("batch") or {}).get("rows", [])
+
+    def beyond_single(row: dict[str, Any]) -> float | None:
+        # what each probe costs beyond a one-function command's attach (its fixed
+        # part: the decoder's import, the store, the kernel's first answers), by the
+        # same tool in the same run
+        single: dict[str, Any] = next((r for r in live["rows"] if r["case"] == "single"
+                                       and r["tool"] == row.get("tool")), {})
+        if row.get("status") != "ok" or single.get("status") != "ok" or row["n"] < 2:
+            return None
+        return 1e3 * (row["attach_s"] - single["attach_s"]) / (row["n"] - single["n"])
+
     for case, p in live["patterns"].items():
         k: dict[str, Any] = next((r for r in live["rows"]
                                   if r["case"] == case and r["tool"] == "ksim trace"), {})
@@ -418,6 +429,8 @@ def summarize(live: dict[str, Any]) -> list[dict[str, Any]]:
                                 if ok and b.get("n") and k.get("n") else None),
             "ksim_attach_ms_per_probe": k.get("attach_ms_per_probe"),
             "ksim_again_attach_ms_per_probe": again.get("attach_ms_per_probe"),
+            "ksim_beyond_single_ms_per_probe": beyond_single(k),
+            "ksim_again_beyond_single_ms_per_probe": beyond_single(again),
             "bpftrace_attach_ms_per_probe": b.get("attach_ms_per_probe"),
             "batch_insert_many_ms_per_probe": ref and ref["attach_ms_per_probe"],
             "batch_n": ref and ref["n"],
@@ -478,12 +491,21 @@ def _summary_table(live: dict[str, Any]) -> Table:
                      _r(s["ratio_end_to_end"], 1), _r(s["ratio_per_probe"], 1),
                      _r(s["ksim_attach_ms_per_probe"], 3),
                      _r(s.get("ksim_again_attach_ms_per_probe"), 3),
+                     _pair(s.get("ksim_beyond_single_ms_per_probe"),
+                           s.get("ksim_again_beyond_single_ms_per_probe")),
                      _r(s["bpftrace_attach_ms_per_probe"], 3), batch])
     return Table("End to end, ksim trace against bpftrace; ksim's attach per probe against "
                  "insert_many in ksim bench batch",
                  ["case", "pattern", "ksim n", "bpftrace n", "ksim s", "bpftrace s",
                   "bpftrace / ksim", "per probe", "ksim ms/probe attach",
-                  "again", "bpftrace ms/probe attach", "batch insert_many ms/probe (ksim-jmp)"], rows)
+                  "again", "ksim ms/probe beyond one function (first / again)",
+                  "bpftrace ms/probe attach", "batch insert_many ms/probe (ksim-jmp)"], rows)
+
+
+def _pair(first: float | None, again: float | None) -> str:
+    if first is None and again is None:
+        return "-"
+    return " / ".join("-" if x is None else f"{x:.3f}" for x in (first, again))
 
 
 def _notes(live: dict[str, Any]) -> list[str]:
@@ -532,6 +554,9 @@ def _notes(live: dict[str, Any]) -> list[str]:
         notes.append(f"ksim's attach per probe from the command line against insert_many "
                      f"(ksim-jmp, analysed beforehand) in ksim bench batch ({batch['file']} of "
                      f"{batch['started']}): " + "; ".join(pairs))
+        notes.append("beyond one function: (a case's attach - the single case's attach, by the "
+                     "same tool) / (its probes - 1): what each probe adds to the command's fixed "
+                     "part (the decoder's import, the analysis store, the kernel's first answers)")
     else:
         notes.append("ksim bench batch has no live insert_many figures in "
                      "benchmarks/results/results.json: no comparison")
