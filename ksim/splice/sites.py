@@ -248,9 +248,12 @@ class SiteFacts:
         if comp is not None:
             support = support_for(self.image.arch)
             image = self.image
+            # what its own instructions write: its current record's (clobbers.summary
+            # would check the record current once more), freed text's the summary's
+            own = own_writes(image, support, func) if image.freed(func.address) else comp.own_writes
             found = view(support, image.read(func.address, func.size), comp, self._classify,
                          lambda insn: standard_indirect(image, support, insn),
-                         support.convention.caller_saved - own_writes(image, support, func))
+                         support.convention.caller_saved - own)
         self._views[func.address] = found
         if len(self._views) > VIEWS:
             self._views.popitem(last=False)
