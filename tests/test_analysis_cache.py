@@ -107,6 +107,26 @@ def test_parallel_build_equals_serial(small: Image) -> None:
     for func in small.functions:
         a, b = serial.get(func), parallel.get(func)
         assert (a is None) == (b is None) and (a is None or a.same_analysis(b)), func.name
+    # what the workers found of the entries (Store._heads), and the name index
+    for name in ("derived", "clob", "code_end", "name_order",
+                 *(f"live{k}" for k in range(store.HEAD_LIVE))):
+        assert serial._arrays[name] == parallel._arrays[name], name
+
+
+def test_a_stores_name_index_finds_what_matching_every_name_finds(small: Image,
+                                                                    tmp_path: Path) -> None:
+    """Store.named: the functions whose names start with a prefix, in address order,
+    found by bisection in the index saved with the store -- the same functions as a
+    look at every name, for every prefix of one to three characters the image's names
+    start with, the empty prefix and prefixes no name has."""
+    built = store.build(small, jobs=1)
+    built.save(tmp_path / "n.ksa")
+    loaded = store.Store.load(tmp_path / "n.ksa", small)
+    assert loaded is not None
+    prefixes = {f.name[:k] for f in small.functions for k in (1, 2, 3)}
+    for prefix in sorted(prefixes | {"", "~", "\x7f", "zzzz_none"}):
+        assert loaded.named(small, prefix) == [f for f in small.functions
+                                               if f.name.startswith(prefix)], prefix
 
 
 def test_whole_image_points_agree_with_analyze(small: Image) -> None:

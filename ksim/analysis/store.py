@@ -84,7 +84,7 @@ from ksim.image.tables import KernelTables
 
 #: bump whenever the analysis (what compact.compute or the decoder derive) or this
 #: file format changes: older files are then ignored
-ANALYSIS_VERSION = 8
+ANALYSIS_VERSION = 9
 
 _MAGIC = b"KSIMANA\x00"
 _HEADER = struct.Struct("<8sI4x32sQQ")  # magic, version, key, body length, body's XXH3-64
@@ -134,6 +134,10 @@ _DERIVED_DATA = {"succ": "I"}
 #: bit mask of kinds; the kprobe blacklist's extents, start and end in turn), made
 #: with the store: a running kernel's are a request and a parse every process
 _TABLES = {"table_addrs": "Q", "table_kinds": "B", "table_blacklist": "Q"}
+#: the functions' indices in the order of their names, made with the store: a glob's
+#: literal prefix (``tcp_*``) is found by bisection (``named``), not by matching every
+#: name of a kernel (50,000 in 6 ms)
+_NAMES = {"name_order": "I"}
 #: the count arrays (each counts a data array's items per function, ``succ`` too)
 _COUNTERS = (*dict.fromkeys(_COUNTED_BY.values()), "n_succ")
 
@@ -400,6 +404,20 @@ class Store:
             own_writes=self._names(chunk, a["own"][i]), worst=bool(a["worst"][i]),
             calls_out=tuple(part("calls_out")), jumps_out=tuple(part("jumps_out")),
         )
+
+    def named(self, image: Image, prefix: str) -> list[Function] | None:
+        """The functions of ``image`` whose names start with ``prefix``, in address
+        order, found by bisection in the store's name index; None when the store has
+        none (one made before it had)."""
+        order = self._arrays.get("name_order")
+        if order is None:
+            return None
+        functions = image.functions
+        lo = bisect.bisect_left(order, prefix, key=lambda j: functions[j].name)
+        hi = lo
+        while hi < len(order) and functions[order[hi]].name.startswith(prefix):
+            hi += 1
+        return [functions[j] for j in sorted(order[lo:hi])]
 
     def reach(self, image: Image, funcs: Iterable[Function],
               known: Container[int] = frozenset()) -> list[Function]:
@@ -960,7 +978,7 @@ def _decode(body: memoryview, *, derived: bool = True, views: bool = False
             typecode = code.decode()
             expected = (_PER_FUNCTION.get(name) or _DATA.get(name) or _DERIVED.get(name)
                         or _DERIVED_DATA.get(name) or _TABLES.get(name) or _STARTS.get(name)
-                        or _EFFECTS.get(name))
+                        or _EFFECTS.get(name) or _NAMES.get(name))
             if expected != typecode:
                 raise StoreError(f"array {name!r} has type {typecode!r}")
             if views and name not in _DERIVED:
@@ -1023,6 +1041,8 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     addrs, kinds, blacklist = source.tables.packed()
     arrays.update(table_addrs=array("Q", addrs), table_kinds=array("B", kinds),
                   table_blacklist=array("Q", [x for extent in blacklist for x in extent]))
+    names = [f.name for f in functions]
+    arrays["name_order"] = array("I", sorted(range(len(functions)), key=names.__getitem__))
     store = Store(source, image_key(source), arrays, meta)
     store._settle_clobbers(source, unknown)
     # the entries' live registers and code ends, as a batch would learn them, in as

@@ -175,6 +175,8 @@ def count(function: str, spec: str, *, splice: str = "auto", seed: int | None = 
 #:   WILDCARD:= a NAME with at least one of * ? [ (fnmatch), no "+OFFSET"
 _NUMBER = re.compile(r"(?:0|[1-9][0-9]*|0[xX][0-9a-fA-F]+)\Z")
 _NAME = re.compile(r"[!-~]+\Z")
+#: what ends a glob's literal prefix (fnmatch's special characters)
+_GLOB_SPECIAL = re.compile(r"[*?\[]")
 _WILDCARD = frozenset("*?[")
 #: a kernel symbol name's most characters (KSYM_NAME_LEN, include/linux/kallsyms.h)
 MAX_NAME = 512
@@ -258,22 +260,28 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
     a wildcard's entries are not planned here: the caller inserts them with
     ``insert_many(..., refused=...)``, which plans each once and leaves out (and
     says why) those that cannot be spliced."""
+    from ksim.analysis.store import store_for
     from ksim.errors import OutsideText, UnknownSymbol
 
     spec = parse_point(what)
     image = m.target.image
     if spec.wildcard:
         match = re.compile(fnmatch.translate(what)).match    # fnmatchcase, compiled once
-        functions = image.functions     # in address order
+        # in address order: those whose names start with the glob's literal prefix,
+        # when the kernel's analysis store can say (its name index), else every one
+        prefix = _GLOB_SPECIAL.split(what, maxsplit=1)[0]
+        kept = store_for(image, build_missing=False) if prefix else None
+        indexed = kept.named(image, prefix) if kept is not None else None
+        functions = image.functions if indexed is None else indexed
         matched = list(compress(functions, map(match, map(attrgetter("name"), functions))))
         if not matched:
             raise UnknownSymbol(what, [])
         # one point for a name several functions have (static functions of different
         # files): the last one's
-        named = {f.name: f for f in matched}
+        last = {f.name: f for f in matched}
         funcs, seen = [], set()
         for f in matched:
-            if named[f.name] is f and f.address not in seen:   # an alias matched: no new point
+            if last[f.name] is f and f.address not in seen:   # an alias matched: no new point
                 seen.add(f.address)
                 funcs.append(f)
         found, skipped = m.spliceable_entries(funcs, splice, plan=plan)
