@@ -131,6 +131,7 @@ class Manager:
         self._code = Areas("patch area", lambda n, near: self._live().alloc_code(n, near),
                            target.free_code, chunk=caps.code_chunk, align=16, read=target.read,
                            fill=caps.code_fill,
+                           take_ahead=lambda n, near: self._live().alloc_code_ahead(n, near),
                            reaches=lambda near, lo, hi: (arch.jmp_reaches(near, lo)
                                                          and arch.jmp_reaches(hi, near)))
         # an empty data area stays held while a splice of this Manager is live: a live
@@ -584,38 +585,57 @@ class Manager:
         image = self.target.image
         funcs = [f for f in (image.function_at(p.address) for p in points) if f is not None]
         with self.facts.asking_ahead(funcs):
-            reqs, kept = [], []
-            for h in handles:
-                try:
-                    reqs.append(self._request(h.point, [h], splice, _Busy(self._owners, None)))
-                    kept.append(h)
-                except KsimError as exc:
-                    if refused is None:
-                        raise
-                    refused[h.point.address] = str(exc)
-            if not reqs:
-                return []
-            # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
-            bounds = [0 if r.direct else -(-planner.patch_size_bound(self.arch, r) // 16) * 16
-                      for r in reqs]
-            block = self._alloc_code(max(sum(bounds), 16), kept[0].point.address)
             try:
-                patches, no = planner.plan_batch(self.arch, reqs, bounds, block,
-                                                 _Busy(self._owners, None),
-                                                 prepare=self.facts.prepare_padding)
-                if no and refused is None:  # all or nothing
-                    raise no[min(no)]
-                for i, why in no.items():
-                    cast(dict[int, str], refused)[reqs[i].point] = str(why)
-                placed = [(p, h) for p, h in zip(patches, kept, strict=True) if p is not None]
-                if not placed:
-                    self._release_code(block)
-                    return []
-                self._commit_many(block, [p for p, _ in placed], [h for _, h in placed])
-            except BaseException:
+                return self._insert_batch(handles, splice, refused)
+            finally:
+                self._code.settle()
+
+    def _insert_batch(self, handles: list[Handle], splice: str,
+                      refused: dict[int, str] | None) -> list[Handle]:
+        """insert_many's batch: planned, placed in one block, committed."""
+        reqs: list[planner.SpliceRequest] = []
+        kept: list[Handle] = []
+        bounds: list[int] = []
+        expected = False
+        for h in handles:
+            try:
+                req = self._request(h.point, [h], splice, _Busy(self._owners, None))
+            except KsimError as exc:
+                if refused is None:
+                    raise
+                refused[h.point.address] = str(exc)
+                continue
+            reqs.append(req)
+            kept.append(h)
+            # each patch's room, rounded to 16 bytes as the allocator rounds a patch's own
+            bound = 0 if req.direct else -(-planner.patch_size_bound(self.arch, req) // 16) * 16
+            if bound and not expected:
+                # the batch's patch area, asked for now and answered while the rest
+                # are compiled and sized (a round trip the batch waited for): as much
+                # as this first patch for every point, and a quarter more
+                self._code.expect(bound * len(handles) * 5 // 4, h.point.address)
+                expected = True
+            bounds.append(bound)
+        if not reqs:
+            return []
+        block = self._alloc_code(max(sum(bounds), 16), kept[0].point.address)
+        try:
+            patches, no = planner.plan_batch(self.arch, reqs, bounds, block,
+                                             _Busy(self._owners, None),
+                                             prepare=self.facts.prepare_padding)
+            if no and refused is None:  # all or nothing
+                raise no[min(no)]
+            for i, why in no.items():
+                cast(dict[int, str], refused)[reqs[i].point] = str(why)
+            placed = [(p, h) for p, h in zip(patches, kept, strict=True) if p is not None]
+            if not placed:
                 self._release_code(block)
-                raise
-            return [h for _, h in placed]
+                return []
+            self._commit_many(block, [p for p, _ in placed], [h for _, h in placed])
+        except BaseException:
+            self._release_code(block)
+            raise
+        return [h for _, h in placed]
 
     def remove_many(self, handles: Sequence[Handle]) -> None:
         """Take ``handles`` out in one step: the points left with nothing are

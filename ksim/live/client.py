@@ -913,13 +913,24 @@ class LiveTarget:
 
     def alloc_code(self, size: int, near: int | None = None) -> int:
         """A patch area of ``size`` bytes, within a jump's reach of ``near``."""
-        address = int(self._request("alloc_code", size=size)["address"])
-        bisect.insort(self._block_starts, address)
-        self._blocks[address] = size
-        if near is not None and not self._reaches(address, size, near):
-            self.free_code(address)
-            raise OutOfRange(f"patch area {address:#x} is beyond rel32 reach of {near:#x}")
-        return address
+        return self.alloc_code_ahead(size, near)()
+
+    def alloc_code_ahead(self, size: int, near: int | None = None) -> Callable[[], int]:
+        """alloc_code sent now, its reply read when the result is called (the daemon
+        answers in order: what the client sends meanwhile is answered after it)."""
+        self._settle_writes()
+        request_id = self.conn.send("alloc_code", size=size)
+
+        def answer() -> int:
+            address = int(self.conn.collect(request_id)["address"])
+            bisect.insort(self._block_starts, address)
+            self._blocks[address] = size
+            if near is not None and not self._reaches(address, size, near):
+                self.free_code(address)
+                raise OutOfRange(f"patch area {address:#x} is beyond rel32 reach of {near:#x}")
+            return address
+
+        return answer
 
     @staticmethod
     def _reaches(address: int, size: int, near: int) -> bool:

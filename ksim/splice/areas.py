@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ksim.core import Write
-from ksim.errors import BadArgument, UnknownHandle
+from ksim.errors import BadArgument, KsimError, UnknownHandle
 
 #: the least of a patch area's bytes read at a time (what some hundred patches of a
 #: probe take: inserting them one by one reads once)
@@ -44,6 +44,8 @@ SHADOW_READ = 16 << 10
 
 #: take(size, near) -> address of a new area; give(address) returns it
 Take = Callable[[int, Any], int]
+#: take_ahead(size, near) -> what answers take's question, asked now
+TakeAhead = Callable[[int, Any], Callable[[], int]]
 Give = Callable[[int], None]
 #: reaches(near, start, end): code at start..end may be jumped to from near and back
 Reaches = Callable[[int, int, int], bool]
@@ -77,9 +79,15 @@ class Areas:
     def __init__(self, name: str, take: Take, give: Give, *, chunk: int, align: int,
                  reaches: Reaches | None = None,
                  read: Callable[[int, int], bytes] | None = None,
-                 keep: Keep | None = None, fill: bytes = b"") -> None:
+                 keep: Keep | None = None, fill: bytes = b"",
+                 take_ahead: TakeAhead | None = None) -> None:
         self.name = name
         self._take, self._give, self._read = take, give, read
+        self._take_ahead = take_ahead
+        #: an area asked for ahead (expect) and not answered yet: its size, its answer;
+        #: and the start of the one answered, until settle
+        self._ahead: tuple[int, Callable[[], int]] | None = None
+        self._answered: int | None = None
         #: what every byte of a new area holds, repeated from its start (the target's
         #: capabilities.code_fill; b"": not known, its bytes are read)
         self._fill = fill
@@ -101,6 +109,43 @@ class Areas:
         area.users += 1
         self._owner[address] = area.start
         return address
+
+    def expect(self, size: int, near: int | None = None) -> None:
+        """Room for some ``size`` bytes (reachable from ``near``) will be placed soon:
+        when no area held has it, a new area is asked of the target now (take_ahead)
+        and answered when a placement first needs it, so that the answer's wait
+        overlaps the caller's work.  ``settle`` gives it back if nothing was placed in
+        it; a placement larger than expected takes an area of its own, as without."""
+        if self._ahead is not None or self._take_ahead is None or size <= 0:
+            return
+        if any(self._fits(area, size, near, self.align) is not None for area in self._areas.values()):
+            return
+        size = max(self.chunk, -(-(size + self.align) // self.align) * self.align)
+        self._ahead = (size, self._take_ahead(size, near))
+
+    def settle(self) -> None:
+        """The area asked for ahead (expect) answered, and given back if nothing was
+        placed in it (a placement did not need it, or was never made)."""
+        self._collect_ahead()
+        start, self._answered = self._answered, None
+        if start is not None and start in self._areas and not self._areas[start].users \
+                and not self._holding:
+            self._idle(self._areas[start])
+
+    def _collect_ahead(self) -> int | None:
+        """Read the answer to the area asked for ahead; its start (None: none was
+        asked, or the target refused it: a placement then asks for what it needs)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        size, answer = ahead
+        try:
+            start = answer()
+        except KsimError:
+            return None
+        self._areas[start] = Area(start, size, start)
+        self._answered = start
+        return start
 
     def peek(self, size: int, near: int | None = None, align: int | None = None) -> int:
         """Where ``place`` would put ``size`` bytes now, placing nothing (a dry run).
@@ -128,10 +173,13 @@ class Areas:
             raise BadArgument(f"{self.name}: a placement needs a positive size, not {size!r}")
         if isinstance(align, bool) or not isinstance(align, int) or align <= 0 or align & (align - 1):
             raise BadArgument(f"{self.name}: an alignment is a power of two, not {align!r}")
-        for area in self._areas.values():
-            address = area.fit(size, align)
-            if address is not None and self._reach(near, address, address + size):
-                return area, address
+        while True:
+            for area in self._areas.values():
+                address = self._fits(area, size, near, align)
+                if address is not None:
+                    return area, address
+            if self._collect_ahead() is None:
+                break
         area = self._new(size + align, near)
         address = area.fit(size, align)
         if address is None or not self._reach(near, address, address + size):
@@ -139,6 +187,11 @@ class Areas:
             raise AssertionError(f"{self.name}: a new area of {area.size} bytes at "
                                  f"{area.start:#x} does not hold {size} bytes near {near}")
         return area, address
+
+    def _fits(self, area: Area, size: int, near: int | None, align: int) -> int | None:
+        """Where ``size`` bytes would go in ``area``, reachable from ``near`` (None: not there)."""
+        address = area.fit(size, align)
+        return address if address is not None and self._reach(near, address, address + size) else None
 
     def _reach(self, near: int | None, start: int, end: int) -> bool:
         return near is None or self._reaches is None or self._reaches(near, start, end)
@@ -185,6 +238,7 @@ class Areas:
 
     def release_all(self) -> None:
         """Give every area back (detach)."""
+        self._collect_ahead()
         for area in list(self._areas.values()):
             self._drop(area)
         self._owner.clear()

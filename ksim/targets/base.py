@@ -116,6 +116,14 @@ class Target(Protocol):
         ``near``; the Manager places patches inside it."""
         ...
 
+    def alloc_code_ahead(self, size: int, near: int) -> Callable[[], int]:
+        """alloc_code asked now and answered when what it returns is called: a live
+        kernel sends the request at once and reads its reply then, while the client
+        works on (a batch asks for its patch area before it has compiled its patches).
+        The area is the caller's once answered (free_code gives it back); a refusal is
+        raised by the call."""
+        ...
+
     def free_code(self, address: int) -> None: ...
 
     def alloc_data(self, size: int, align: int = 8) -> int:

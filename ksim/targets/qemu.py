@@ -340,6 +340,11 @@ class QemuTarget:
         # allocates the same way: the same requests get the same addresses
         return self._code.alloc(size, 16)
 
+    def alloc_code_ahead(self, size: int, near: int) -> Callable[[], int]:
+        """The area at once (nothing to wait for in-process), handed over when asked."""
+        address = self.alloc_code(size, near)
+        return lambda: address
+
     def free_code(self, address: int) -> None:
         """Free a patch block, its bytes back to the image's filler there, as the
         unicorn target does: removal leaves the patch area as the image has it."""

@@ -119,6 +119,11 @@ class UnicornTarget:
     def alloc_code(self, size: int, near: int) -> int:
         return self._code.alloc(size, 16)
 
+    def alloc_code_ahead(self, size: int, near: int) -> Callable[[], int]:
+        """The area at once (nothing to wait for in-process), handed over when asked."""
+        address = self.alloc_code(size, near)
+        return lambda: address
+
     def free_code(self, address: int) -> None:
         """Free a patch block, its bytes back to the image's filler there (x86-64:
         int3; the arm64 toy's BRK #0), so that removal leaves the text as it was."""
