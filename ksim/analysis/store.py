@@ -212,7 +212,7 @@ def _function_table(image: Image) -> tuple[array, array]:
     found = image.memos.get("function_table")
     if found is None:
         functions = image.functions
-        found = image.memos["function_table"] = (array("Q", [f.address for f in functions]),
+        found = image.memos["function_table"] = (array("Q", image.function_starts),
                                                  array("Q", [f.size for f in functions]))
     return found
 

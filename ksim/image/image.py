@@ -135,6 +135,11 @@ class Image:
         return [func.name, *others]
 
     # --- addresses -------------------------------------------------------------
+    @property
+    def function_starts(self) -> Sequence[int]:
+        """Every function's address, in the functions' order (not to be changed)."""
+        return self._func_starts
+
     def function_at(self, addr: int) -> Function | None:
         """The function whose bytes contain ``addr``, or None."""
         i = bisect.bisect_right(self._func_starts, addr) - 1
