@@ -503,8 +503,9 @@ class Daemon:
 
     #: ops that change nothing in the module (text reads see other owners' splices
     #: through the state read before them)
-    READ_ONLY = frozenset({"hello", "auth", "info", "kallsyms", "lookup", "read", "hazards",
-                           "hazard_table", "kept", "btf", "read_file", "cgroup_path"})
+    READ_ONLY = frozenset({"hello", "auth", "info", "kallsyms", "lookup", "read", "read_ranges",
+                           "digests", "hazards", "hazard_table", "kept", "btf", "read_file",
+                           "cgroup_path"})
 
     def _splices_view(self) -> tuple[Any, ...]:
         """The module's live text writes by address (a read looks at the few that can
