@@ -32,7 +32,7 @@ kernel's text once (:meth:`Image.frozen`); it is not built behind the user's bac
 for many functions (:func:`for_batch`).
 
 **Format** (all little-endian): a header (magic, :data:`ANALYSIS_VERSION`, key, body
-length, the body's XXH3-64: a check against a damaged file, 1 ms for a kernel's 34 MB
+length, the body's XXH3-64: a check against a damaged file, 1 ms for a kernel's 39 MB
 on every load where a CRC-32 took 5 and a cryptographic digest 25; the key itself
 is BLAKE2b), then the body: a directory of named arrays
 (name, ``array`` type code, length) followed by their bytes, 8-byte aligned.  Arrays
