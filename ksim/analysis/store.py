@@ -1014,18 +1014,8 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     jobs = max(1, jobs if jobs is not None else os.cpu_count() or 1)
     parts = _parts(image, jobs * 6) if jobs > 1 and len(functions) > 64 else [(0, len(functions))]
     forking = jobs > 1 and len(parts) > 1 and _can_fork()
-    if forking:
-        global _WORK
-        _WORK = image
-        import multiprocessing  # a build's (loading a store needs none of it)
-
-        try:
-            with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
-                bodies = pool.map(_analyse_forked, parts, chunksize=1)
-        finally:
-            _WORK = None
-    else:
-        bodies = [_analyse(image, lo, hi) for lo, hi in parts]
+    bodies = _over_parts(image, _analyse_forked, lambda lo, hi: _analyse(image, lo, hi), parts,
+                         jobs if forking else 1)
     decoded = [_decode(memoryview(b), derived=False) for b in bodies]
     for k, (_arrays, part_meta) in enumerate(decoded):
         if part_meta.get("missed"):
@@ -1047,18 +1037,29 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     store._settle_clobbers(source, unknown)
     # the entries' live registers and code ends, as a batch would learn them, in as
     # many processes as the analysis (2.9 s for Debian's 50,000 functions in one)
-    if forking:
-        _WORK = (store, image)
-        try:
-            with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
-                heads = pool.map(_heads_forked, parts, chunksize=1)
-        finally:
-            _WORK = None
-    else:
-        heads = [store._heads(image, lo, hi) for lo, hi in parts]
-    for part in heads:
+    for part in _over_parts((store, image), _heads_forked,
+                            lambda lo, hi: store._heads(image, lo, hi), parts,
+                            jobs if forking else 1):
         store._settle_heads(part)
     return store
+
+
+def _over_parts(work: Any, forked: Callable[[tuple[int, int]], Any],
+                here: Callable[[int, int], Any], parts: list[tuple[int, int]],
+                jobs: int) -> list[Any]:
+    """``here`` over each of ``parts`` (runs of functions, by index); with more than one
+    job, ``forked`` in that many forked workers instead, which find ``work`` in _WORK."""
+    if jobs < 2:
+        return [here(lo, hi) for lo, hi in parts]
+    global _WORK
+    _WORK = work
+    import multiprocessing  # a build's (loading a store needs none of it)
+
+    try:
+        with multiprocessing.get_context("fork").Pool(min(jobs, len(parts))) as pool:
+            return pool.map(forked, parts, chunksize=1)
+    finally:
+        _WORK = None
 
 
 def _successors(image: Image, a: dict[str, array]) -> list[bool]:
