@@ -241,6 +241,37 @@ def test_requests_sent_ahead_are_answered_in_order(target: LiveTarget) -> None:
 
 
 
+def test_the_image_reads_text_as_it_was_before_this_clients_pokes(testbed: dict) -> None:
+    """After a batch's pokes, the image (what the client analyses) reads every text
+    byte as it was before them, in reads that hold a poked byte, start or end inside
+    the poked bytes or hold none; a digest of a range holding a poked byte is not
+    trusted (read instead); the target's own read gives the bytes as they are.  Once
+    the batch is out, both agree again."""
+    m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
+    t = m.target
+    try:
+        funcs = [m.find_function(n) for n in (FUNC, "__x64_sys_getpgrp", "__x64_sys_getpid")]
+        points = [m.entry_point(f) for f in funcs]
+        before = {f.address: t.read(f.address, f.size) for f in funcs}
+        counter = m.malloc(8)
+        handles = m.insert_many(points, counter.atomic_assign(counter + 1), splice="jmp")
+        for f, p in zip(funcs, points, strict=True):
+            now = t.read(f.address, f.size)
+            at = p.address - f.address
+            assert now != before[f.address] and now[at] != before[f.address][at]
+            assert t.image.read(f.address, f.size) == before[f.address]
+            for lo, hi in ((at + 2, f.size), (0, at + 3), (at + 1, at + 4), (0, at)):
+                assert t.image.read(f.address + lo, hi - lo) == before[f.address][lo:hi]
+            t.prefetch_digests([(f.address, f.size), (f.address, at)])
+            assert t.known_digest(f.address, f.size) is None
+            assert t.known_digest(f.address, at) is not None
+        m.remove_many(handles)
+        for f in funcs:
+            assert t.read(f.address, f.size) == before[f.address] == t.image.read(f.address, f.size)
+    finally:
+        m.detach()
+
+
 def test_a_new_patch_area_holds_the_fill_and_is_not_read(testbed: dict) -> None:
     """The module hands out a code block holding only its fill (kerninst.h: CLAIM),
     whatever freed patch code was there: a Manager writes its patches over bytes it

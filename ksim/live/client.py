@@ -335,6 +335,7 @@ class LiveTarget:
                  timeout: float = 60.0) -> None:
         self.name = f"live://{host}:{port}"
         self._original: dict[int, int] = {}  # text byte -> its value before our first poke
+        self._original_at: list[int] = []     # its addresses, sorted (a read finds its own)
         self._text_chunks: dict[int, bytes] = {}  # the image's reads of kernel text
         self._module_pages: dict[int, bytes] = {}  # ... and of other text, by page
         # ... and the exact ranges a batch read ahead (prefetch_text): starts, bytes
@@ -619,18 +620,22 @@ class LiveTarget:
         if self._digest_requests and (address, size) in self._digests_due:
             self._collect_digests()
         found = self._digests.get((address, size))
-        if found is not None and self._original and any(
-                a in self._original for a in range(address, address + size)):
+        if found is not None and self._poked_in(address, size):
             return None
         return found
+
+    def _poked_in(self, address: int, size: int) -> list[int]:
+        """The text bytes in address..+size this client's pokes changed, by bisection
+        (not a look at every byte of every read: a batch pokes some bytes of each of
+        thousands of functions, and the next batch reads them all)."""
+        at = self._original_at
+        return at[bisect.bisect_left(at, address):bisect.bisect_left(at, address + size)]
 
     def _as_before(self, address: int, out: bytearray) -> bytes:
         """``out``, read at ``address``, with the bytes this client's pokes changed
         back to what they were before them."""
-        for i in range(len(out)) if self._original else ():
-            b = self._original.get(address + i)
-            if b is not None:
-                out[i] = b
+        for a in self._poked_in(address, len(out)):
+            out[a - address] = self._original[a]
         return bytes(out)
 
     def _module_text(self, address: int, size: int) -> bytes:
@@ -842,9 +847,12 @@ class LiveTarget:
             self.conn.request("poke", reply_timeout=timeout, writes=writes, routes=routes)
         else:  # routes alone (the poke op takes one write at least)
             self.conn.request("routes", reply_timeout=timeout, routes=routes)
+        known = len(self._original)
         for w in change.text:  # kernel or module text, as it was before this client
             for i, b in enumerate(w.old):
                 self._original.setdefault(w.address + i, b)
+        if len(self._original) != known:
+            self._original_at = sorted(self._original)
 
     def _coalesced(self, writes: Sequence[Write], step: int) -> list[Write]:
         """``writes`` with each run of adjacent writes into one patch area joined, up to
