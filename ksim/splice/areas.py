@@ -120,7 +120,7 @@ class Areas:
             return
         if any(self._fits(area, size, near, self.align) is not None for area in self._areas.values()):
             return
-        size = max(self.chunk, -(-(size + self.align) // self.align) * self.align)
+        size = self._area_size(size + self.align)
         self._ahead = (size, self._take_ahead(size, near))
 
     def settle(self) -> None:
@@ -181,8 +181,8 @@ class Areas:
             if self._collect_ahead() is None:
                 break
         area = self._new(size + align, near)
-        address = area.fit(size, align)
-        if address is None or not self._reach(near, address, address + size):
+        address = self._fits(area, size, near, align)
+        if address is None:
             self._drop(area)
             raise AssertionError(f"{self.name}: a new area of {area.size} bytes at "
                                  f"{area.start:#x} does not hold {size} bytes near {near}")
@@ -196,8 +196,12 @@ class Areas:
     def _reach(self, near: int | None, start: int, end: int) -> bool:
         return near is None or self._reaches is None or self._reaches(near, start, end)
 
+    def _area_size(self, size: int) -> int:
+        """The size of the area taken for ``size`` bytes: a chunk, or more, aligned."""
+        return max(self.chunk, -(-size // self.align) * self.align)
+
     def _new(self, size: int, near: int | None) -> Area:
-        size = max(self.chunk, -(-size // self.align) * self.align)
+        size = self._area_size(size)
         start = self._take(size, near)
         area = self._areas[start] = Area(start, size, start)
         return area
