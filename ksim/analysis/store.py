@@ -522,26 +522,39 @@ class Store:
         a = self._arrays
         if i is None or a["derived"][i] & _LIVE or not self.settled(image, func):
             return
-        offsets = self._offsets["n_insns"]
-        n = min(HEAD_LIVE, offsets[i + 1] - offsets[i])    # its instructions, no filler
-        if len(live) < n:
-            return
-        masks = [self._derived_mask(names) for names in live[:n]]
-        if any(m is None for m in masks):
-            return
-        for k, m in enumerate(masks):
-            a[f"live{k}"][i] = m
-        a["derived"][i] |= _LIVE
-        self._learnt += 1
+        masks = self._head_masks(i, live)
+        if masks is not None:
+            self._keep_head(i, masks)
+            self._learnt += 1
 
     def learn_code_end(self, func: Function, end: int) -> None:
         """Keep where ``func``'s code ends (RecordView.code_end of its current record)."""
         i = self.index_of(func)
         if i is None or self._arrays["derived"][i] & _END or not func.address <= end <= func.end:
             return
-        self._arrays["code_end"][i] = end - func.address
-        self._arrays["derived"][i] |= _END
+        self._keep_code_end(i, end - func.address)
         self._learnt += 1
+
+    def _head_masks(self, i: int, live: Sequence[frozenset[str]]) -> tuple[int, ...] | None:
+        """``live`` (the registers live before function ``i``'s first instructions) as
+        the masks kept of them; None when it covers too few of its instructions (its
+        first HEAD_LIVE, filler left out) or names a register the masks cannot."""
+        offsets = self._offsets["n_insns"]
+        n = min(HEAD_LIVE, offsets[i + 1] - offsets[i])
+        if len(live) < n:
+            return None
+        masks = tuple(self._derived_mask(names) for names in live[:n])
+        return None if None in masks else cast(tuple[int, ...], masks)
+
+    def _keep_head(self, i: int, masks: Sequence[int]) -> None:
+        a = self._arrays
+        for k, m in enumerate(masks):
+            a[f"live{k}"][i] = m
+        a["derived"][i] |= _LIVE
+
+    def _keep_code_end(self, i: int, offset: int) -> None:
+        self._arrays["code_end"][i] = offset
+        self._arrays["derived"][i] |= _END
 
     def _derived_mask(self, names: frozenset[str]) -> int | None:
         """``names`` as a mask over the derived registers (None: one is not among them);
@@ -697,7 +710,6 @@ class Store:
         caller_saved = support.convention.caller_saved
         a = self._arrays
         status, derived, clob, chunk, own = a["status"], a["derived"], a["clob"], a["chunk"], a["own"]
-        offsets = self._offsets["n_insns"]
         functions = image.functions
         targets: dict[int, Target | None] = {}
 
@@ -736,25 +748,17 @@ class Store:
                 end = seen.code_end()
             except (Unsettled, KsimError):
                 continue
-            n = min(HEAD_LIVE, offsets[i + 1] - offsets[i])
-            masks = tuple(self._derived_mask(names) for names in live[:n])
-            out.append((i, cast(tuple[int, ...], masks) if len(live) >= n and None not in masks else None,
+            out.append((i, self._head_masks(i, live),
                         end - func.address if func.address <= end <= func.end else None))
         return out
 
     def _settle_heads(self, found: Iterable[tuple[int, tuple[int, ...] | None, int | None]]) -> None:
         """Keep what ``_heads`` found, as learn_head and learn_code_end keep it."""
-        a = self._arrays
-        derived, code_end = a["derived"], a["code_end"]
-        lives = [a[f"live{k}"] for k in range(HEAD_LIVE)]
         for i, masks, end in found:
             if masks is not None:
-                for k, m in enumerate(masks):
-                    lives[k][i] = m
-                derived[i] |= _LIVE
+                self._keep_head(i, masks)
             if end is not None:
-                code_end[i] = end
-                derived[i] |= _END
+                self._keep_code_end(i, end)
 
     def _derived_set(self, mask: int) -> frozenset[str]:
         names = self._derived_names.get(mask)
@@ -1013,9 +1017,9 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     functions = image.functions
     jobs = max(1, jobs if jobs is not None else os.cpu_count() or 1)
     parts = _parts(image, jobs * 6) if jobs > 1 and len(functions) > 64 else [(0, len(functions))]
-    forking = jobs > 1 and len(parts) > 1 and _can_fork()
+    workers = jobs if jobs > 1 and len(parts) > 1 and _can_fork() else 1
     bodies = _over_parts(image, _analyse_forked, lambda lo, hi: _analyse(image, lo, hi), parts,
-                         jobs if forking else 1)
+                         workers)
     decoded = [_decode(memoryview(b), derived=False) for b in bodies]
     for k, (_arrays, part_meta) in enumerate(decoded):
         if part_meta.get("missed"):
@@ -1038,8 +1042,7 @@ def build(image: Image, *, jobs: int | None = None) -> Store:
     # the entries' live registers and code ends, as a batch would learn them, in as
     # many processes as the analysis (2.9 s for Debian's 50,000 functions in one)
     for part in _over_parts((store, image), _heads_forked,
-                            lambda lo, hi: store._heads(image, lo, hi), parts,
-                            jobs if forking else 1):
+                            lambda lo, hi: store._heads(image, lo, hi), parts, workers):
         store._settle_heads(part)
     return store
 
