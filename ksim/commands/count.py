@@ -252,6 +252,29 @@ def _number(text: str, what: str, shown: str) -> int:
     return value
 
 
+def matching_functions(image: Any, pattern: str) -> list[Any]:
+    """The functions whose names match the glob ``pattern`` (fnmatchcase), in address
+    order, one per name and address: a name several functions have (static functions
+    of different files) means the last of them.  Those whose names start with the
+    glob's literal prefix are found in the kernel's analysis store's name index when
+    it has one, else every name is matched."""
+    from ksim.analysis.store import store_for
+
+    match = re.compile(fnmatch.translate(pattern)).match    # fnmatchcase, compiled once
+    prefix = _GLOB_SPECIAL.split(pattern, maxsplit=1)[0]
+    kept = store_for(image, build_missing=False) if prefix else None
+    indexed = kept.named(image, prefix) if kept is not None else None
+    functions = image.functions if indexed is None else indexed
+    matched = list(compress(functions, map(match, map(attrgetter("name"), functions))))
+    last = {f.name: f for f in matched}
+    out, seen = [], set()
+    for f in matched:
+        if last[f.name] is f and f.address not in seen:   # an alias matched: no new point
+            seen.add(f.address)
+            out.append(f)
+    return out
+
+
 def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
                    ) -> tuple[list[tuple[Any, int]], dict[str, str]]:
     """The points ``what`` names (see :func:`parse_point`), each with the address its
@@ -260,30 +283,14 @@ def resolve_points(m: Any, what: str, splice: str, *, plan: bool = True
     a wildcard's entries are not planned here: the caller inserts them with
     ``insert_many(..., refused=...)``, which plans each once and leaves out (and
     says why) those that cannot be spliced."""
-    from ksim.analysis.store import store_for
     from ksim.errors import OutsideText, UnknownSymbol
 
     spec = parse_point(what)
     image = m.target.image
     if spec.wildcard:
-        match = re.compile(fnmatch.translate(what)).match    # fnmatchcase, compiled once
-        # in address order: those whose names start with the glob's literal prefix,
-        # when the kernel's analysis store can say (its name index), else every one
-        prefix = _GLOB_SPECIAL.split(what, maxsplit=1)[0]
-        kept = store_for(image, build_missing=False) if prefix else None
-        indexed = kept.named(image, prefix) if kept is not None else None
-        functions = image.functions if indexed is None else indexed
-        matched = list(compress(functions, map(match, map(attrgetter("name"), functions))))
-        if not matched:
+        funcs = matching_functions(image, what)
+        if not funcs:
             raise UnknownSymbol(what, [])
-        # one point for a name several functions have (static functions of different
-        # files): the last one's
-        last = {f.name: f for f in matched}
-        funcs, seen = [], set()
-        for f in matched:
-            if last[f.name] is f and f.address not in seen:   # an alias matched: no new point
-                seen.add(f.address)
-                funcs.append(f)
         found, skipped = m.spliceable_entries(funcs, splice, plan=plan)
         out = [(point, f.address) for f, point in found]
         if not out:

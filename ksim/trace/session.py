@@ -308,8 +308,9 @@ class TraceSession:
                 if site is not None:
                     out.append((point, site))
             return out
-        funcs = sorted({f.name: f for f in image.functions
-                        if fnmatch.fnmatchcase(f.name, ap.func)}.values(), key=lambda f: f.address)
+        from ksim.commands.count import matching_functions
+
+        funcs = matching_functions(image, ap.func)
         if not funcs and not ap.wildcard:
             funcs = [self.m.find_function(ap.func)]
         for f in funcs:
@@ -714,18 +715,15 @@ class TraceSession:
                 out.append((point, Site(kind, name, f"kprobe:{name}{at}")))
             return out
         # kretprobe: every return of every matching function
-        funcs = sorted({f.name: f for f in image.functions
-                        if fnmatch.fnmatchcase(f.name, ap.func)}.values(), key=lambda f: f.address)
+        from ksim.commands.count import matching_functions
+
+        funcs = matching_functions(image, ap.func)
         if not funcs:
             if ap.wildcard:
                 raise UnknownSymbol(ap.func, [])
             funcs = [self.m.find_function(ap.func)]
         out = []
-        seen: set[int] = set()
         for f in funcs:
-            if f.address in seen:
-                continue
-            seen.add(f.address)
             out += [(p, Site("exit", f.name, f"kretprobe:{f.name}"))
                     for p in self._returns(f, f.name)]
         if not out and not ap.wildcard:
