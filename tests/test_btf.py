@@ -35,9 +35,24 @@ from ksim.errors import AuthError, ProtocolError, TargetError
 from ksim.live.testing import connect, testbed  # noqa: F401 - a fixture
 
 TESTBED = Path.home() / ".cache" / "ksim" / "testbed"
-VMLINUX = TESTBED / "vmlinux-6.1.0-56"
-MODULE = TESTBED / "linux-6.1.0-56" / "lib" / "modules" / "6.1.0-56-amd64" / "kernel" / \
-    "drivers" / "net" / "virtio_net.ko"
+
+
+def _kernel_files(abi: str) -> tuple[Path, Path]:
+    """The testbed kernel ``abi``'s ELF vmlinux and one of its modules (virtio_net)."""
+    return (TESTBED / f"vmlinux-{abi}",
+            TESTBED / f"linux-{abi}" / "lib" / "modules" / f"{abi}-amd64" / "kernel" / "drivers"
+            / "net" / "virtio_net.ko")
+
+
+def _testbed_abi() -> str | None:
+    from ksim.live import testbed as tb
+
+    return tb.recorded_abi()
+
+
+#: the kernel the testbed's cache holds (the newest Debian ABI when it was prepared);
+#: found again once testbed_kernel has prepared a new machine's cache
+VMLINUX, MODULE = _kernel_files(_testbed_abi() or "none")
 BPFTOOL = shutil.which("bpftool") or next(
     (p for p in ("/usr/sbin/bpftool", "/sbin/bpftool") if Path(p).exists()), None)
 
@@ -51,6 +66,7 @@ def testbed_kernel() -> None:
     """The testbed's kernel files (its ELF vmlinux, the unpacked package's modules):
     prepared when a new machine lacks them, as `ksim testbed prepare` does; skipped
     only where no package registry answers."""
+    global VMLINUX, MODULE
     if VMLINUX.exists() and MODULE.exists():
         return
     from ksim.errors import KsimError
@@ -60,8 +76,9 @@ def testbed_kernel() -> None:
         tb.prepare(progress=lambda m: print(f"testbed: {m}", flush=True))
     except KsimError as exc:
         pytest.skip(f"the testbed's kernel cannot be prepared: {exc}")
+    VMLINUX, MODULE = _kernel_files(_testbed_abi() or "none")
     if not (VMLINUX.exists() and MODULE.exists()):
-        pytest.skip(f"the testbed's kernel is not 6.1.0-56 ({VMLINUX} and {MODULE} absent)")
+        pytest.skip(f"the testbed's kernel files are absent after prepare ({VMLINUX}, {MODULE})")
 
 
 # --- the oracle: bpftool's raw dump ---------------------------------------------------
