@@ -1,7 +1,5 @@
 """``python -m ksim``: the ``ksim`` command line."""
 
-import sys
+from ksim.cli import run
 
-from ksim.cli import main
-
-sys.exit(main())
+run()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -108,6 +110,42 @@ def test_a_reader_that_leaves_early_gets_no_traceback(toy_path):
     proc.stdout.close()  # like `ksim funcs | head -0`
     err = proc.stderr.read().decode()
     assert proc.wait() == 141 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def _ksim_process(tmp_path, argv: list[str], prelude: str = "") -> subprocess.CompletedProcess:
+    """The ``ksim`` executable's entry (ksim.cli.run) in a process of its own, after
+    ``prelude``."""
+    script = tmp_path / "entry.py"
+    script.write_text(f"import sys\n{prelude}\nsys.argv = ['ksim', *{argv!r}]\n"
+                      "from ksim.cli import run\nrun()\n")
+    return subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+
+
+def test_the_executable_ends_with_mains_output_status_and_exit_handlers(tmp_path, capsys,
+                                                                        toy_path):
+    """run() skips the interpreter's teardown, not what anyone sees of an exit: the
+    output is main's, flushed; the status is main's; the exit handlers ran."""
+    ran = tmp_path / "atexit-ran"
+    proc = _ksim_process(tmp_path, ["funcs"], "import atexit\n"
+                         f"atexit.register(lambda: open({str(ran)!r}, 'w').write('yes'))")
+    assert main(["funcs"]) == 0
+    assert proc.returncode == 0 and proc.stdout.decode() == capsys.readouterr().out
+    assert ran.read_text() == "yes"
+    refused = _ksim_process(tmp_path, ["no-such-command"])
+    assert refused.returncode == 2 and b"invalid choice" in refused.stderr
+    assert not refused.stdout
+
+
+def test_the_executable_waits_for_a_thread_still_running(tmp_path):
+    """A thread (not a daemon) still running when the command ends: the process exits
+    as Python's does, after it."""
+    done = tmp_path / "thread-done"
+    proc = _ksim_process(tmp_path, ["--version"], "import threading, time\n"
+                         "def late():\n    time.sleep(0.3)\n"
+                         f"    open({str(done)!r}, 'w').write('yes')\n"
+                         "threading.Thread(target=late).start()")
+    assert proc.returncode == 0 and b"ksim" in proc.stdout
+    assert done.read_text() == "yes"
 
 
 def test_version(capsys):
