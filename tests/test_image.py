@@ -23,6 +23,8 @@ from ksim.image import (
     parse_kallsyms,
     to_kallsyms,
 )
+from ksim.image.kallsyms import symbol_table
+from ksim.image.model import Section, Symbol, SymbolTable
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +136,84 @@ def test_kallsyms_parsing(tmp_path: Path) -> None:
     bad.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(MalformedImage):
         load_kallsyms(bad)
+
+
+def _sized_as_specified(rows: list[tuple[int, str, str, str]],
+                        sections: list[Section]) -> list[Symbol]:
+    """What a kallsyms list's symbols are, symbol by symbol as kallsyms' module doc
+    says (the oracle of the loader's column-wise sizing): a text symbol is a function
+    up to the next start of its module that is not absolute, within its executable
+    section; outside every one a label; an absolute symbol "other"; the rest objects.
+    In (address, name) order, equal ones as listed."""
+    out = []
+    for addr, letter, name, module in rows:
+        if letter in "TtWw":
+            section = next((s for s in sections if s.executable and s.address <= addr < s.end),
+                           None)
+            if section is None:
+                out.append(Symbol(name, addr, 0, "other", module))
+                continue
+            later = [a for a, t, _n, m in rows if m == module and t not in "Aa" and a > addr]
+            end = min([*later, section.end])
+            out.append(Symbol(name, addr, end - addr, "func", module))
+        else:
+            out.append(Symbol(name, addr, 0, "other" if letter in "Aa" else "object", module))
+    return sorted(out, key=lambda s: (s.address, s.name))
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.sampled_from("TtWwAaDdbBrR?"),
+                          st.sampled_from(["vmlinux", "vmlinux", "e100", "ext4"])),
+                min_size=1, max_size=30),
+       st.lists(st.tuples(st.integers(0, 40), st.integers(1, 16)), max_size=3))
+def test_kallsyms_symbols_are_sized_as_specified(lines, spans) -> None:
+    """The loader's symbols, kinds and sizes equal a symbol-by-symbol reading of the
+    rules, with explicit executable sections and with the ones kallsyms implies."""
+    base = 0xFFFFFFFF81000000
+    rows = [(base + 4 * a, letter, f"s{i}", module)
+            for i, (a, letter, module) in enumerate(lines)]
+    text = "".join(f"{a:016x} {t} {n}" + ("" if m == "vmlinux" else f"\t[{m}]") + "\n"
+                   for a, t, n, m in rows)
+    if not any(a for a, *_ in rows):
+        return
+    sections = [Section(f".t{i}", base + 4 * a, 4 * n, True, False)
+                for i, (a, n) in enumerate(spans)]
+    if all(a[1] <= b[0] for a, b in zip(sorted((s.address, s.end) for s in sections),
+                                        sorted((s.address, s.end) for s in sections)[1:],
+                                        strict=False)):
+        addresses, letters, names, modules = (list(c) for c in zip(*rows, strict=True))
+        table = symbol_table(addresses, letters, names, modules, sections)
+        assert list(table) == _sized_as_specified(rows, sections)
+    image = load_kallsyms_text(text)
+    assert list(image.symbols) == _sized_as_specified(rows, list(image.sections))
+    assert tuple(image.symbols) == image.symbols[:]
+    for name in {n for _a, _t, n, _m in rows}:
+        assert image.find_symbol(name) == next(s for s in image.symbols if s.name == name)
+
+
+def load_kallsyms_text(text: str) -> Image:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".kallsyms") as f:
+        f.write(text)
+        f.flush()
+        return load_kallsyms(f.name, reader=lambda address, size: bytes(size))
+
+
+def test_a_symbol_table_is_in_address_and_name_order_and_made_when_asked() -> None:
+    rows = [Symbol("b", 8, 1, "func", "vmlinux"), Symbol("a", 8, 2, "object", "vmlinux"),
+            Symbol("c", 4, 0, "other", "m"), Symbol("a", 8, 3, "func", "vmlinux")]
+    table = SymbolTable.of(rows)
+    assert list(table) == sorted(rows, key=lambda s: (s.address, s.name))
+    assert table[0] == rows[2] and table[-1] == rows[0] and table[1] == rows[1]
+    assert table[1:3] == (rows[1], rows[3]) and table[5:] == () and len(table) == 4
+    with pytest.raises(IndexError):
+        table[4]
+    with pytest.raises(ValueError):
+        SymbolTable(["a"], [1, 2], [0], ["func"], ["vmlinux"])
+    image = Image("t", "x86_64", "vmlinux", [Section(".text", 0, 64, True, False)], rows)
+    assert image.find_symbol("a") == rows[1] and image.symbol_containing(9) == rows[3]
+    assert image.names_at(8) == ["a", "a", "b"] and image.find_symbol("z") is None
 
 
 def test_a_kallsyms_file_without_an_end_is_refused_at_the_bound(tmp_path: Path) -> None:

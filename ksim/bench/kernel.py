@@ -527,12 +527,13 @@ def load_arm64_image(image: Path, kallsyms: Path, base: int) -> Image:
     ``_etext``, read-only data to ``_sinittext``, init text to ``_einittext``,
     data to the end of the file and bss to ``_end``."""
     from ksim.image.image import Image
-    from ksim.image.kallsyms import _with_sizes, parse_kallsyms
+    from ksim.image.kallsyms import bindings, parse_kallsyms, symbol_table
     from ksim.image.model import Section
 
     data = image.read_bytes()
     entries = parse_kallsyms(kallsyms.read_text(), str(kallsyms))
     at = {name: addr for addr, _t, name, _m in entries}
+    addresses, letters, names, modules = (list(column) for column in zip(*entries, strict=True))
 
     def section(name: str, lo: int, hi: int, executable: bool, writable: bool,
                 with_data: bool = True) -> Section:
@@ -547,7 +548,6 @@ def load_arm64_image(image: Path, kallsyms: Path, base: int) -> Image:
         section(".data", at["_einittext"], end_of_file, False, True),
         section(".bss", end_of_file, max(at["_end"], end_of_file), False, True, False),
     )
-    symbols = list(_with_sizes(entries, sections))
-    return Image(str(image), "aarch64", "vmlinux", sections, symbols,
-                 bindings={name: "global" if t.isupper() else "local"
-                           for _a, t, name, _m in entries})
+    return Image(str(image), "aarch64", "vmlinux", sections,
+                 symbol_table(addresses, letters, names, modules, sections),
+                 bindings=bindings(letters, names))

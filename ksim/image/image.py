@@ -12,11 +12,10 @@ import difflib
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from functools import cached_property
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 from ksim.errors import ImageError, KsimError, UnknownSymbol
-from ksim.image.model import Function, Section, Symbol
+from ksim.image.model import Function, Section, Symbol, SymbolTable
 
 if TYPE_CHECKING:
     from ksim.image.tables import KernelTables
@@ -41,7 +40,7 @@ class Image:
         arch: str,
         module: str,
         sections: Iterable[Section],
-        symbols: Iterable[Symbol],
+        symbols: Iterable[Symbol] | SymbolTable,
         *,
         bindings: dict[str, str] | None = None,
         reader: MemoryReader | None = None,
@@ -63,13 +62,16 @@ class Image:
         self.arch = arch
         self.module = module
         self.sections: tuple[Section, ...] = tuple(sorted(sections, key=lambda s: (s.address, -s.size)))
-        self.symbols: tuple[Symbol, ...] = tuple(sorted(symbols, key=attrgetter("address", "name")))
+        #: every symbol, in (address, name) order
+        self.symbols = symbols if isinstance(symbols, SymbolTable) else SymbolTable.of(symbols)
         self._reader = reader
-        # the first symbol of each name (in address order) is the one a name means
-        self._by_name: dict[str, Symbol] = {sym.name: sym for sym in reversed(self.symbols)}
+        # the first symbol of each name (in address order) is the one a name means: its
+        # place in the table
+        names = self.symbols.names
+        self._by_name: dict[str, int] = dict(zip(reversed(names), range(len(names) - 1, -1, -1), strict=True))
         self.functions, self._func_by_name = _functions(self.symbols, self._bindings)
         self._func_starts = [f.address for f in self.functions]
-        self._sym_starts = [s.address for s in self.symbols]
+        self._sym_starts = self.symbols.addresses
         self._sec_starts = [s.address for s in self.sections]
         self.text_regions: tuple[tuple[int, int], ...] = merge_ranges(
             (s.address, s.end) for s in self.sections if s.executable and s.size
@@ -96,11 +98,12 @@ class Image:
 
     def find_symbol(self, name: str) -> Symbol | None:
         """The symbol named ``name``, or None (no suggestions looked for)."""
-        return self._by_name.get(name)
+        i = self._by_name.get(name)
+        return None if i is None else self.symbols[i]
 
     def symbol(self, name: str) -> Symbol:
         """Any symbol (function, object, absolute constant) by name."""
-        sym = self._by_name.get(name)
+        sym = self.find_symbol(name)
         if sym is None:
             raise UnknownSymbol(name, difflib.get_close_matches(name, self._by_name, n=5))
         return sym
@@ -118,10 +121,10 @@ class Image:
     def symbol_containing(self, addr: int) -> Symbol | None:
         """The sized symbol (object or function) whose extent contains ``addr``."""
         i = bisect.bisect_right(self._sym_starts, addr) - 1
+        starts, sizes = self._sym_starts, self.symbols.sizes
         for j in range(i, max(i - 16, -1), -1):
-            sym = self.symbols[j]
-            if sym.address <= addr < sym.address + sym.size:
-                return sym
+            if starts[j] <= addr < starts[j] + sizes[j]:
+                return self.symbols[j]
         return None
 
     def address_of(self, name: str) -> int:
@@ -317,7 +320,7 @@ def _name_rank(name: str, bindings: dict[str, str]) -> tuple[int, int, int, str]
 
 
 def _functions(
-    symbols: Sequence[Symbol], bindings: dict[str, str]
+    symbols: SymbolTable, bindings: dict[str, str]
 ) -> tuple[tuple[Function, ...], dict[str, Function]]:
     """Functions from STT_FUNC symbols with a size (sorted by address), one per start
     address (and module).
@@ -326,26 +329,30 @@ def _functions(
     ``__x64_sys_*`` pairs); the largest size wins, so that the function covers
     every alias's bytes.
     """
-    sized = [s for s in symbols if s.kind == "func" and s.size > 0]
+    starts, sizes, names_of, modules_of = (symbols.addresses, symbols.sizes, symbols.names,
+                                           symbols.modules)
+    sized = [i for i, kind, size in zip(range(len(starts)), symbols.kinds, sizes, strict=True)
+             if kind == "func" and size > 0]
     functions: list[Function] = []
     by_name: dict[str, Function] = {}
     i, count = 0, len(sized)
     while i < count:  # symbols come sorted by address: aliases are neighbours
         first = sized[i]
+        address = starts[first]
         j = i + 1
-        while j < count and sized[j].address == first.address:
+        while j < count and starts[sized[j]] == address:
             j += 1
         if j == i + 1:
-            func = Function(first.name, first.address, first.size, first.module)
+            func = Function(names_of[first], address, sizes[first], modules_of[first])
             functions.append(func)
             by_name.setdefault(func.name, func)
         else:
             modules: dict[str, list[Symbol]] = {}
-            for sym in sized[i:j]:
+            for sym in (symbols[k] for k in sized[i:j]):
                 modules.setdefault(sym.module, []).append(sym)
             for module, group in modules.items():
                 names = sorted({s.name for s in group}, key=lambda n: _name_rank(n, bindings))
-                func = Function(names[0], first.address, max(s.size for s in group), module)
+                func = Function(names[0], address, max(s.size for s in group), module)
                 functions.append(func)
                 for name in names:
                     by_name.setdefault(name, func)

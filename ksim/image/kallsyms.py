@@ -15,12 +15,14 @@ from __future__ import annotations
 import bisect
 import os
 import re
-from collections.abc import Iterable
+import string
+from collections.abc import Iterable, Sequence
+from itertools import repeat
 
 from ksim.errors import ImageError, MalformedImage
 from ksim.image.elf import load_image
 from ksim.image.image import DigestOf, Image, MemoryReader, Prefetcher
-from ksim.image.model import Section, Symbol
+from ksim.image.model import Section, SymbolTable
 
 _LINE = re.compile(r"^([0-9a-fA-F]{1,16})\s+([A-Za-z?])\s+(\S+)(?:\s+\[(\S+)\])?\s*$")
 #: kallsyms type letters that mark code (upper case: global; lower case: local)
@@ -34,18 +36,27 @@ _ABS_TYPES = frozenset("Aa")
 
 def parse_kallsyms(text: str, source: str = "<kallsyms>") -> list[tuple[int, str, str, str]]:
     """(address, type letter, name, module) per line; module is "vmlinux" for the kernel."""
+    return list(zip(*_columns(text, source), strict=True))
+
+
+def _columns(text: str, source: str) -> tuple[list[int], list[str], list[str], list[str]]:
+    """The addresses, type letters, names and modules ("vmlinux" for the kernel) of the
+    lines of ``text``, as four lists."""
     # The kernel's own format (one space, a tab before the module) matched in one
     # pass over the whole text; anything else goes line by line.
     found = _STRICT.findall(text)
     if found and len(found) == text.count("\n") + (not text.endswith("\n")):
-        entries = [(int(a, 16), t, n, m or "vmlinux") for a, t, n, m in found]
+        hexes, letters, names, modules = (list(column) for column in zip(*found, strict=True))
+        addresses = list(map(int, hexes, repeat(16)))
+        modules = [m or "vmlinux" for m in modules]
     else:
-        entries = _parse_lines(text, source)
-    if not entries:
-        raise MalformedImage(f"{source}: no symbols")
-    if all(addr == 0 for addr, *_ in entries):
+        rows = _parse_lines(text, source)
+        if not rows:
+            raise MalformedImage(f"{source}: no symbols")
+        addresses, letters, names, modules = (list(column) for column in zip(*rows, strict=True))
+    if not any(addresses):
         raise MalformedImage(f"{source}: every address is zero (kallsyms read without privilege?)")
-    return entries
+    return addresses, letters, names, modules
 
 
 _STRICT = re.compile(r"^([0-9a-fA-F]{1,16}) ([A-Za-z?]) (\S+)(?:\t\[(\S+)\])?$", re.M)
@@ -88,21 +99,20 @@ def load_kallsyms(
         raise ImageError(f"cannot read symbol file {source!r}: {exc.strerror or exc}") from exc
     except UnicodeDecodeError as exc:
         raise MalformedImage(f"{source}: not text ({exc})") from exc
-    entries = parse_kallsyms(text, source)
+    addresses, letters, names, modules = _columns(text, source)
     build_id = None
     if image_path is not None:
         base = load_image(image_path)
         sections, build_id = base.sections, base.build_id
     else:
-        sections = _synthetic_text(entries)
-    symbols = list(_with_sizes(entries, sections))
+        sections = _synthetic_text(addresses, letters, modules)
     return Image(
         str(image_path if image_path is not None else symbols_path),
         arch,
         "vmlinux",
         sections,
-        symbols,
-        bindings={name: "global" if t.isupper() else "local" for _a, t, name, _m in entries},
+        symbol_table(addresses, letters, names, modules, sections),
+        bindings=bindings(letters, names),
         reader=reader,
         build_id=build_id,
         identity=identity,
@@ -129,14 +139,15 @@ def to_kallsyms(image: Image) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _synthetic_text(entries: list[tuple[int, str, str, str]]) -> tuple[Section, ...]:
+def _synthetic_text(addresses: Sequence[int], letters: Sequence[str],
+                    modules: Sequence[str]) -> tuple[Section, ...]:
     """Without an ELF: one executable region per module, from its first text symbol
     to the first non-text, non-absolute symbol after its last one (``_etext`` in a
     real kallsyms).  The region's data stays empty; bytes come from the reader.
     """
     text: dict[str, list[int]] = {}
     other: dict[str, list[int]] = {}
-    for addr, letter, _name, module in entries:
+    for addr, letter, module in zip(addresses, letters, modules, strict=True):
         if letter in _TEXT_TYPES:
             text.setdefault(module, []).append(addr)
         elif letter not in _ABS_TYPES:
@@ -151,39 +162,54 @@ def _synthetic_text(entries: list[tuple[int, str, str, str]]) -> tuple[Section, 
     return tuple(out)
 
 
-def _with_sizes(
-    entries: list[tuple[int, str, str, str]], sections: Iterable[Section]
-) -> Iterable[Symbol]:
+def bindings(letters: Sequence[str], names: Sequence[str]) -> dict[str, str]:
+    """Each name's binding, as an Image takes them: "global" for an upper-case type
+    letter, else "local" (the last line of a name decides)."""
+    return dict(zip(names, map(_BINDING_OF.__getitem__, letters), strict=True))
+
+
+_BINDING_OF = {**{c: "global" for c in string.ascii_uppercase},
+               **{c: "local" for c in string.ascii_lowercase + "?"}}
+
+
+def symbol_table(addresses: Sequence[int], letters: Sequence[str], names: Sequence[str],
+                 modules: Sequence[str], sections: Iterable[Section]) -> SymbolTable:
+    """The symbols of kallsyms lines (as :func:`_columns` gives them), sized.
+
+    A text symbol (T, t, W, w) is a function that runs up to the next symbol of its
+    module that is not absolute, or to the end of its executable section; one
+    outside every executable section is a label ("other", size 0).  An absolute
+    symbol is "other", anything else an "object", both of size 0."""
     exec_sections = sorted((s.address, s.end) for s in sections if s.executable)
     exec_starts = [start for start, _end in exec_sections]
     disjoint = all(a[1] <= b[0] for a, b in zip(exec_sections, exec_sections[1:], strict=False))
-    by_module: dict[str, list[tuple[int, str, str]]] = {}
-    for addr, letter, name, module in entries:
-        by_module.setdefault(module, []).append((addr, letter, name))
-    out: list[Symbol] = []
-    append = out.append
+    kinds = [_KIND_OF.get(letter, "object") for letter in letters]
+    sizes = [0] * len(addresses)
+    by_module: dict[str, list[int]] = {}
+    for i, module in enumerate(modules):
+        by_module.setdefault(module, []).append(i)
     bisect_right = bisect.bisect_right
-    for module, items in by_module.items():
-        items.sort()
-        starts = sorted({addr for addr, letter, _n in items if letter not in _ABS_TYPES})
-        for addr, letter, name in items:
-            if letter in _TEXT_TYPES:
-                if disjoint:
-                    k = bisect_right(exec_starts, addr) - 1
-                    section_end = exec_sections[k][1] if k >= 0 and addr < exec_sections[k][1] else None
-                else:
-                    section_end = _section_end(exec_sections, addr)
-                if section_end is None:
-                    append(Symbol(name, addr, 0, "other", module))  # a text label outside text
-                    continue
-                i = bisect_right(starts, addr)
-                end = starts[i] if i < len(starts) else section_end
-                append(Symbol(name, addr, min(end, section_end) - addr, "func", module))
-            elif letter in _ABS_TYPES:
-                append(Symbol(name, addr, 0, "other", module))
+    for rows in by_module.values():
+        starts = sorted({addresses[i] for i in rows if letters[i] not in _ABS_TYPES})
+        for i in rows:
+            if kinds[i] != "func":
+                continue
+            addr = addresses[i]
+            if disjoint:
+                k = bisect_right(exec_starts, addr) - 1
+                section_end = exec_sections[k][1] if k >= 0 and addr < exec_sections[k][1] else None
             else:
-                append(Symbol(name, addr, 0, "object", module))
-    return out
+                section_end = _section_end(exec_sections, addr)
+            if section_end is None:
+                kinds[i] = "other"      # a text label outside text
+                continue
+            j = bisect_right(starts, addr)
+            end = starts[j] if j < len(starts) else section_end
+            sizes[i] = min(end, section_end) - addr
+    return SymbolTable.ordered(names, addresses, sizes, kinds, modules)
+
+
+_KIND_OF = {**{c: "func" for c in _TEXT_TYPES}, **{c: "other" for c in _ABS_TYPES}}
 
 
 def _section_end(exec_sections: list[tuple[int, int]], addr: int) -> int | None:
