@@ -200,6 +200,74 @@ def load_kallsyms_text(text: str) -> Image:
         return load_kallsyms(f.name, reader=lambda address, size: bytes(size))
 
 
+def _seen(image: Image) -> tuple:
+    """What an Image built from a kallsyms file is, for comparing two of them."""
+    return (list(image.symbols), image.functions, image.sections,
+            {name: image.function(name) for name in image._func_by_name},
+            [image.aliases(f) for f in image.functions])
+
+
+def test_parsed_kallsyms_kept_beside_the_file_give_the_same_image(kernel: Image,
+                                                                  tmp_path: Path) -> None:
+    """keep_parsed: the symbols parsed and sized once are kept (FILE.columns) and give
+    the very image parsing gives, aliases' names included; a file whose bytes changed
+    is parsed again and its columns replaced."""
+    text = to_kallsyms(kernel) + (
+        "ffffffff81f00000 t __do_sys_foo\nffffffff81f00000 T __x64_sys_foo\n"
+        "ffffffff81f00000 t _foo\nffffffff81f00040 T after_foo\n"
+        "ffffffff81f00080 D data_end\nffffffffc0001000 t e100_probe\t[e100]\n"
+        "ffffffffc0001000 t e100_alias\t[e100]\nffffffffc0001040 d e100_data\t[e100]\n")
+    syms = tmp_path / "kallsyms"
+    syms.write_text(text)
+    read = lambda address, size: bytes(size)  # noqa: E731
+    parsed = load_kallsyms(syms, reader=read)
+    assert not (tmp_path / "kallsyms.columns").exists()
+    first = load_kallsyms(syms, reader=read, keep_parsed=True)
+    kept = tmp_path / "kallsyms.columns"
+    assert kept.exists() and _seen(first) == _seen(parsed)
+    again = load_kallsyms(syms, reader=read, keep_parsed=True)
+    assert _seen(again) == _seen(parsed)
+    assert again.function("__do_sys_foo").name == parsed.function("_foo").name == "__x64_sys_foo"
+    before = kept.read_bytes()
+    syms.write_text(text + "ffffffff81f000c0 T late\n")
+    changed = load_kallsyms(syms, reader=read, keep_parsed=True)
+    assert changed.find_symbol("late") is not None and kept.read_bytes() != before
+    assert _seen(changed) == _seen(load_kallsyms(syms, reader=read))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "version", "empty", "directory"])
+def test_damaged_kept_columns_are_parsed_again(tmp_path: Path, damage: str) -> None:
+    """Kept columns that cannot be trusted (cut short, a byte changed anywhere, another
+    version, empty, not a file) are not used: the kallsyms file is parsed again."""
+    text = ("ffffffff81000000 T _stext\nffffffff81000010 T f\nffffffff81000010 t g\n"
+            "ffffffff81000040 T h\nffffffff81000080 D _etext\n"
+            "ffffffffc0001000 t m\t[mod]\nffffffffc0001040 d md\t[mod]\n")
+    syms = tmp_path / "kallsyms"
+    syms.write_text(text)
+    read = lambda address, size: bytes(size)  # noqa: E731
+    expected = _seen(load_kallsyms(syms, reader=read))
+    load_kallsyms(syms, reader=read, keep_parsed=True)
+    kept = tmp_path / "kallsyms.columns"
+    data = bytearray(kept.read_bytes())
+    for at in range(0, len(data), max(1, len(data) // 40)) if damage == "flipped" else [0]:
+        copy = bytearray(data)
+        if damage == "truncated":
+            copy = copy[:len(copy) // 2]
+        elif damage == "flipped":
+            copy[at] ^= 0x41
+        elif damage == "version":
+            copy[len(b"ksim-kallsyms-columns\0")] += 1
+        elif damage == "empty":
+            copy = bytearray()
+        if damage == "directory":
+            kept.unlink()
+            kept.mkdir()
+        else:
+            kept.write_bytes(bytes(copy))
+        image = load_kallsyms(syms, reader=read, keep_parsed=True)
+        assert _seen(image) == expected, (damage, at)
+
+
 def test_a_symbol_table_is_in_address_and_name_order_and_made_when_asked() -> None:
     rows = [Symbol("b", 8, 1, "func", "vmlinux"), Symbol("a", 8, 2, "object", "vmlinux"),
             Symbol("c", 4, 0, "other", "m"), Symbol("a", 8, 3, "func", "vmlinux")]

@@ -436,7 +436,7 @@ class LiveTarget:
 
         # the kallsyms file's name says which kernel, where its text is and which
         # modules are loaded: what an analysis store of this kernel is found by
-        return load_kallsyms(self.kallsyms_path, reader=self._image_read,
+        return load_kallsyms(self.kallsyms_path, reader=self._image_read, keep_parsed=True,
                              identity=self.kallsyms_path.stem.encode(), arch=self.arch.name,
                              prefetch=self.prefetch_text, digests=(self.prefetch_digests,
                                                                    self.known_digest))
