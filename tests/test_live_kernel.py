@@ -18,6 +18,7 @@ from ksim.core import Write
 from ksim.errors import (
     AuthError,
     Blacklisted,
+    KsimError,
     OutsideText,
     ProtocolError,
     StaleText,
@@ -73,6 +74,25 @@ def test_module_loads_and_reports_its_version(target: LiveTarget) -> None:
         assert end - lo < 1 << 31 and hi - start < 1 << 31
     # The per-cpu current_task really holds a task whose pid we can read.
     assert target.abi.current_task.segment == "gs" and target.abi.task_pid_offset > 0
+    # The functions snippets call, looked up together: kallsyms' addresses.
+    image = target.image
+    assert target.abi.read_nofault == image.address_of("copy_from_kernel_nofault")
+    assert target.abi.read_user_nofault == image.address_of("copy_from_user_nofault")
+    assert target.abi.clock_ns == image.address_of("ktime_get_mono_fast_ns")
+
+
+def test_lookups_asked_together_answer_as_one_by_one(target: LiveTarget) -> None:
+    """_looked_up: names asked for at once answer as lookup does, an unknown name
+    with lookup's error when it is looked up, a name not asked for by asking."""
+    lookup = target._looked_up(["vfs_read", "no_such_function_anywhere", "vfs_read"])
+    assert lookup("vfs_read") == target.lookup("vfs_read")
+    with pytest.raises(KsimError) as asked_together:
+        lookup("no_such_function_anywhere")
+    with pytest.raises(KsimError) as asked_alone:
+        target.lookup("no_such_function_anywhere")
+    assert type(asked_together.value) is type(asked_alone.value)
+    assert lookup("vfs_write") == target.lookup("vfs_write")
+    assert target.read(target.text[0], 4)          # the connection is in step
 
 
 def test_read_of_bad_addresses_is_an_error_not_an_oops(target: LiveTarget) -> None:

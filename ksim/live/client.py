@@ -373,8 +373,18 @@ class LiveTarget:
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
-        from ksim.images.abi import linux_clock_ns, linux_read_nofault, linux_read_user_nofault
+        from ksim.images.abi import (
+            CLOCK_NS,
+            NOFAULT_READERS,
+            USER_NOFAULT_READERS,
+            linux_clock_ns,
+            linux_read_nofault,
+            linux_read_user_nofault,
+        )
 
+        # the kernel functions snippets call, looked up in one round trip, not one each
+        # (their older names only if a kernel lacks these)
+        lookup = self._looked_up((NOFAULT_READERS[0], USER_NOFAULT_READERS[0], CLOCK_NS))
         self.abi = KernelABI(
             current_task=MemRef(int(i["current_task"]), "gs", 8),
             task_pid_offset=int(i["task_pid_offset"]),
@@ -383,10 +393,32 @@ class LiveTarget:
             task_comm_offset=int(i["task_comm_offset"]),
             cpu_number=MemRef(int(i["cpu_number"]), "gs", 4),
             # snippet loads through computed pointers go through it: they cannot fault
-            read_nofault=linux_read_nofault(self.lookup),
-            read_user_nofault=linux_read_user_nofault(self.lookup),
-            clock_ns=linux_clock_ns(self.lookup),
+            read_nofault=linux_read_nofault(lookup),
+            read_user_nofault=linux_read_user_nofault(lookup),
+            clock_ns=linux_clock_ns(lookup),
         )
+
+    def _looked_up(self, names: Sequence[str]) -> Callable[[str], int]:
+        """``lookup`` with the addresses of ``names`` asked for at once (the requests
+        sent together, then each reply read): a name's error is raised when it is
+        looked up, as ``lookup`` raises it; a name not among them is asked then."""
+        asked = {name: self.conn.send("lookup", name=name) for name in dict.fromkeys(names)}
+        found: dict[str, int | KsimError] = {}
+        for name, request_id in asked.items():
+            try:
+                found[name] = int(self.conn.collect(request_id)["address"])
+            except KsimError as exc:
+                found[name] = exc
+
+        def lookup(name: str) -> int:
+            answer = found.get(name)
+            if answer is None:
+                return self.lookup(name)
+            if isinstance(answer, KsimError):
+                raise answer
+            return answer
+
+        return lookup
 
     # -- what the engine asks for lazily -------------------------------------------
     @cached_property
