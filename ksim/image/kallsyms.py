@@ -158,12 +158,12 @@ _KINDS = ("func", "object", "other")
 def _save_parsed(path: Path, digest: int, table: SymbolTable, sections: Sequence[Section],
                  binds: dict[str, str]) -> None:
     """Keep ``table`` (and the sections and bindings it was loaded with) at ``path``, for
-    a kallsyms file of XXH3-64 ``digest``: a header (with the rest's XXH3-64), a JSON part (the modules, the
-    sections, and the bindings of the names that share an address with another
-    function, the only ones an Image looks up), the names joined by newlines (no name
-    holds one), then each symbol's address and size (u64), kind (u8) and module (u32).
-    Written to a new file renamed over the old; a cache that cannot be written is
-    left as it is."""
+    a kallsyms file of XXH3-64 ``digest``: a header (with the XXH3-64 of the rest), a
+    JSON part (the modules, the sections, and the bindings of the names that share an
+    address with another function, the only ones an Image looks up), the names joined
+    by newlines (no name holds one), then each symbol's address and size (u64), kind
+    (u8) and module (u32).  Written to a new file renamed over the old; a cache that
+    cannot be written is left as it is."""
     modules = sorted(set(table.modules))
     module_index = {m: i for i, m in enumerate(modules)}
     meta = json.dumps({
