@@ -292,6 +292,33 @@ def test_a_snippet_calling_an_int_subclass_is_refused_by_the_manager(m):
 
 
 # --- 6. token files, and keeping under a name that is taken -------------------------------------------
+def test_cached_kallsyms_files_are_pruned_to_the_most_recently_used(tmp_path):
+    """prune_kallsyms: the kallsyms files of a cache directory (one per kernel identity)
+    beyond the most recently used are removed with their parsed copies; the one in use
+    stays whatever its age; other files are not touched."""
+    import os
+
+    from ksim.image.kallsyms import kept_path
+    from ksim.live.client import prune_kallsyms
+
+    files = []
+    for age in range(6):
+        path = tmp_path / f"kallsyms-k-{age}.txt"
+        path.write_text("ffffffff81000000 T _stext\n")
+        kept_path(path).write_bytes(b"columns")
+        os.utime(path, (1_000_000 - age, 1_000_000 - age))
+        files.append(path)
+    other = tmp_path / "kernel.json"
+    other.write_text("{}")
+    in_use = files[-1]          # the oldest, but the one this target uses
+    removed = prune_kallsyms(in_use, most=3)
+    assert sorted(removed) == sorted(files[2:5])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([other.name, *(p.name for p in (*files[:2], in_use)),
+                           *(kept_path(p).name for p in (*files[:2], in_use))])
+    assert prune_kallsyms(in_use, most=3) == []
+
+
 def test_read_token_names_what_is_wrong_with_the_file(tmp_path):
     from ksim.live.client import MAX_TOKEN_BYTES, read_token
 

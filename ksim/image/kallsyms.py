@@ -109,7 +109,7 @@ def load_kallsyms(
                                  "kallsyms list is")
     except OSError as exc:
         raise ImageError(f"cannot read symbol file {source!r}: {exc.strerror or exc}") from exc
-    kept = Path(f"{source}.columns") if keep_parsed and image_path is None else None
+    kept = kept_path(symbols_path) if keep_parsed and image_path is None else None
     digest = xxhash.xxh3_64_intdigest(raw)
     parsed = _load_parsed(kept, digest) if kept is not None else None
     build_id = None
@@ -146,6 +146,11 @@ def load_kallsyms(
 
 
 # --- the parsed symbols kept beside a kallsyms file -----------------------------------
+def kept_path(symbols_path: str | os.PathLike[str]) -> Path:
+    """Where ``load_kallsyms(symbols_path, keep_parsed=True)`` keeps the parsed symbols."""
+    return Path(f"{os.fspath(symbols_path)}.columns")
+
+
 _PARSED_MAGIC = b"ksim-kallsyms-columns\0"
 #: the layout below; a file of another version is parsed again (and replaced)
 _PARSED_VERSION = 1

@@ -328,6 +328,41 @@ def _row_parts(rows: list[tuple[int, int]], most: int) -> Iterator[list[tuple[in
         i = j
 
 
+#: the guest kallsyms files a cache directory keeps (each with its parsed copy, some 8 MB
+#: together): one per kernel identity, and every module loaded or unloaded makes another
+KALLSYMS_KEPT = 16
+
+
+def prune_kallsyms(keep: Path, most: int = KALLSYMS_KEPT) -> list[Path]:
+    """Remove the cached kallsyms files beside ``keep``, with their parsed copies, that
+    were used least recently (their modification times: a target that uses one touches
+    it), so that ``most`` are left, ``keep`` among them.  The files removed."""
+    from ksim.image.kallsyms import kept_path
+
+    def used(p: Path) -> float:
+        try:
+            return p.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    others = sorted((p for p in keep.parent.glob("kallsyms-*.txt") if p != keep), key=used,
+                    reverse=True)
+    removed = []
+    for old in others[max(0, most - 1):]:
+        try:
+            old.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue        # not ours to remove
+        try:
+            kept_path(old).unlink(missing_ok=True)
+        except OSError:
+            pass
+        removed.append(old)
+    return removed
+
+
 class LiveTarget:
     """ksim's Target protocol over a kerninstd connection."""
 
@@ -460,6 +495,12 @@ class LiveTarget:
                     f.write(page["text"])
                     offset = page["next"]
             tmp.rename(path)
+            prune_kallsyms(path)
+        else:
+            try:
+                os.utime(path)      # used now: the last a prune removes
+            except OSError:
+                pass                # another user's cache, read-only here
         return path
 
     @cached_property
