@@ -58,7 +58,6 @@ class Image:
         #: where its text is, which modules are loaded), so that what is learnt about
         #: it can be found again; it does not vouch for the bytes, which can change
         self.identity = identity
-        self._bindings = bindings or {}
         self.arch = arch
         self.module = module
         self.sections: tuple[Section, ...] = tuple(sorted(sections, key=lambda s: (s.address, -s.size)))
@@ -69,7 +68,11 @@ class Image:
         # place in the table
         names = self.symbols.names
         self._by_name: dict[str, int] = dict(zip(reversed(names), range(len(names) - 1, -1, -1), strict=True))
-        self.functions, self._func_by_name = _functions(self.symbols, self._bindings)
+        self.functions, self._func_by_name, ranked = _functions(self.symbols, bindings or {})
+        #: the bindings ("global", "weak", "local") of the names that share an address
+        #: with another function's: the ones that decide which name names it, and all
+        #: an image keeps (a copy of it ranks the same names)
+        self.bindings = {n: bindings[n] for n in ranked if n in bindings} if bindings else {}
         self._func_starts = [f.address for f in self.functions]
         self._sym_starts = self.symbols.addresses
         self._sec_starts = [s.address for s in self.sections]
@@ -248,7 +251,7 @@ class Image:
                             pass
         pieces.sort()
         return Image(self.path, self.arch, self.module, self.sections, self.symbols,
-                     bindings=self._bindings, reader=_Snapshot(pieces), build_id=self.build_id,
+                     bindings=self.bindings, reader=_Snapshot(pieces), build_id=self.build_id,
                      identity=self.identity)
 
     def take_misses(self) -> list[tuple[int, int]]:
@@ -321,13 +324,13 @@ def _name_rank(name: str, bindings: dict[str, str]) -> tuple[int, int, int, str]
 
 def _functions(
     symbols: SymbolTable, bindings: dict[str, str]
-) -> tuple[tuple[Function, ...], dict[str, Function]]:
+) -> tuple[tuple[Function, ...], dict[str, Function], set[str]]:
     """Functions from STT_FUNC symbols with a size (sorted by address), one per start
-    address (and module).
+    address (and module), their names, and the names ranked by ``bindings``.
 
     Symbols at the same address are aliases of one function (``SYM_FUNC_ALIAS``,
     ``__x64_sys_*`` pairs); the largest size wins, so that the function covers
-    every alias's bytes.
+    every alias's bytes, and the name ranked first (_name_rank) names it.
     """
     starts, sizes, names_of, modules_of = (symbols.addresses, symbols.sizes, symbols.names,
                                            symbols.modules)
@@ -335,6 +338,7 @@ def _functions(
              if kind == "func" and size > 0]
     functions: list[Function] = []
     by_name: dict[str, Function] = {}
+    ranked: set[str] = set()
     i, count = 0, len(sized)
     while i < count:  # symbols come sorted by address: aliases are neighbours
         first = sized[i]
@@ -352,12 +356,13 @@ def _functions(
                 modules.setdefault(sym.module, []).append(sym)
             for module, group in modules.items():
                 names = sorted({s.name for s in group}, key=lambda n: _name_rank(n, bindings))
+                ranked.update(names)
                 func = Function(names[0], address, max(s.size for s in group), module)
                 functions.append(func)
                 for name in names:
                     by_name.setdefault(name, func)
         i = j
-    return tuple(functions), by_name
+    return tuple(functions), by_name, ranked
 
 
 class SnapshotMiss(ImageError):

@@ -128,9 +128,7 @@ def load_kallsyms(
             sections = _synthetic_text(addresses, letters, modules)
         table = symbol_table(addresses, letters, names, modules, sections)
         binds = bindings(letters, names)
-        if kept is not None:
-            _save_parsed(kept, digest, table, sections, binds)
-    return Image(
+    image = Image(
         str(image_path if image_path is not None else symbols_path),
         arch,
         "vmlinux",
@@ -143,6 +141,9 @@ def load_kallsyms(
         prefetch=prefetch,
         digests=digests,
     )
+    if kept is not None and parsed is None:
+        _save_parsed(kept, digest, table, sections, image.bindings)
+    return image
 
 
 # --- the parsed symbols kept beside a kallsyms file -----------------------------------
@@ -162,19 +163,19 @@ _KINDS = ("func", "object", "other")
 
 def _save_parsed(path: Path, digest: int, table: SymbolTable, sections: Sequence[Section],
                  binds: dict[str, str]) -> None:
-    """Keep ``table`` (and the sections and bindings it was loaded with) at ``path``, for
-    a kallsyms file of XXH3-64 ``digest``: a header (with the XXH3-64 of the rest), a
-    JSON part (the modules, the sections, and the bindings of the names that share an
-    address with another function, the only ones an Image looks up), the names joined
-    by newlines (no name holds one), then each symbol's address and size (u64), kind
-    (u8) and module (u32).  Written to a new file renamed over the old; a cache that
-    cannot be written is left as it is."""
+    """Keep ``table`` (and the sections and bindings it was loaded with: an Image's, those
+    of the names that share an address with another function) at ``path``, for a
+    kallsyms file of XXH3-64 ``digest``: a header (with the XXH3-64 of the rest), a
+    JSON part (the modules, the sections, the bindings), the names joined by newlines
+    (no name holds one), then each symbol's address and size (u64), kind (u8) and
+    module (u32).  Written to a new file renamed over the old; a cache that cannot be
+    written is left as it is."""
     modules = sorted(set(table.modules))
     module_index = {m: i for i, m in enumerate(modules)}
     meta = json.dumps({
         "modules": modules,
         "sections": [[s.name, s.address, s.size] for s in sections],
-        "bindings": {n: binds[n] for n in _alias_names(table) if n in binds},
+        "bindings": binds,
     }).encode()
     names = "\n".join(table.names).encode()
     body = b"".join([
@@ -235,25 +236,6 @@ def _load_parsed(path: Path, digest: int
         return SymbolTable(names, columns[0], columns[1], kinds, modules), sections, binds
     except (ValueError, TypeError, KeyError, IndexError, struct.error, UnicodeDecodeError):
         return None
-
-
-def _alias_names(table: SymbolTable) -> set[str]:
-    """The names of the functions that share their address with another function: the
-    names an Image ranks by their bindings (which one names the function)."""
-    out: set[str] = set()
-    starts, sizes, kinds, names = table.addresses, table.sizes, table.kinds, table.names
-    last: int | None = None
-    group: list[int] = []
-    for i in range(len(starts) + 1):
-        if i < len(starts) and not (kinds[i] == "func" and sizes[i] > 0):
-            continue
-        address = starts[i] if i < len(starts) else None
-        if address != last:
-            if len(group) > 1:
-                out.update(names[k] for k in group)
-            last, group = address, []
-        group.append(i)
-    return out
 
 
 def to_kallsyms(image: Image) -> str:
