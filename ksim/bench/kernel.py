@@ -527,13 +527,12 @@ def load_arm64_image(image: Path, kallsyms: Path, base: int) -> Image:
     ``_etext``, read-only data to ``_sinittext``, init text to ``_einittext``,
     data to the end of the file and bss to ``_end``."""
     from ksim.image.image import Image
-    from ksim.image.kallsyms import bindings, parse_kallsyms, symbol_table
+    from ksim.image.kallsyms import bindings, kallsyms_columns, symbol_table
     from ksim.image.model import Section
 
     data = image.read_bytes()
-    entries = parse_kallsyms(kallsyms.read_text(), str(kallsyms))
-    at = {name: addr for addr, _t, name, _m in entries}
-    addresses, letters, names, modules = (list(column) for column in zip(*entries, strict=True))
+    addresses, letters, names, modules = kallsyms_columns(kallsyms.read_text(), str(kallsyms))
+    at = dict(zip(names, addresses, strict=True))
 
     def section(name: str, lo: int, hi: int, executable: bool, writable: bool,
                 with_data: bool = True) -> Section:

@@ -42,10 +42,11 @@ _ABS_TYPES = frozenset("Aa")
 
 def parse_kallsyms(text: str, source: str = "<kallsyms>") -> list[tuple[int, str, str, str]]:
     """(address, type letter, name, module) per line; module is "vmlinux" for the kernel."""
-    return list(zip(*_columns(text, source), strict=True))
+    return list(zip(*kallsyms_columns(text, source), strict=True))
 
 
-def _columns(text: str, source: str) -> tuple[list[int], list[str], list[str], list[str]]:
+def kallsyms_columns(text: str, source: str = "<kallsyms>"
+                     ) -> tuple[list[int], list[str], list[str], list[str]]:
     """The addresses, type letters, names and modules ("vmlinux" for the kernel) of the
     lines of ``text``, as four lists."""
     # The kernel's own format (one space, a tab before the module) matched in one
@@ -120,7 +121,7 @@ def load_kallsyms(
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise MalformedImage(f"{source}: not text ({exc})") from exc
-        addresses, letters, names, modules = _columns(text, source)
+        addresses, letters, names, modules = kallsyms_columns(text, source)
         if image_path is not None:
             base = load_image(image_path)
             sections, build_id = base.sections, base.build_id
@@ -291,7 +292,7 @@ _BINDING_OF = {**{c: "global" for c in string.ascii_uppercase},
 
 def symbol_table(addresses: Sequence[int], letters: Sequence[str], names: Sequence[str],
                  modules: Sequence[str], sections: Iterable[Section]) -> SymbolTable:
-    """The symbols of kallsyms lines (as :func:`_columns` gives them), sized.
+    """The symbols of kallsyms lines (as :func:`kallsyms_columns` gives them), sized.
 
     A text symbol (T, t, W, w) is a function that runs up to the next symbol of its
     module that is not absolute, or to the end of its executable section; one
