@@ -188,6 +188,33 @@ def test_the_small_frame_limit_holds_until_auth_and_no_longer(serve) -> None:
     assert d.device.used == []
 
 
+def test_work_given_to_a_connection_runs_while_the_greeting_is_answered(serve) -> None:
+    """Connection's ``while_waiting`` runs once, connected and not yet authenticated
+    (the greeting asked for, its reply not read); the session it then authenticates
+    is like any other.  If that work fails, the connection is closed and the daemon
+    drops it."""
+    d = serve()
+    seen: list[tuple[int, int]] = []
+
+    def work() -> None:
+        d.wait_for(lambda: len(d.daemon.unauthenticated) == 1)
+        seen.append(d.counts())
+
+    with d.connect(while_waiting=work) as conn:
+        assert seen == [(1, 1)]                   # one connection, not authenticated yet
+        assert d.counts() == (1, 0)
+        assert conn.request("info")["text_start"] == LAYOUT["text_start"]
+    d.wait_for(lambda: not d.daemon.sessions)
+
+    def fails() -> None:
+        raise RuntimeError("the work went wrong")
+
+    with pytest.raises(RuntimeError, match="the work went wrong"):
+        d.connect(while_waiting=fails)
+    d.wait_for(lambda: not d.daemon.sessions and not d.daemon.unauthenticated)
+    assert d.device.used == []
+
+
 def test_idle_and_slow_peers_are_closed_at_the_auth_timeout(serve) -> None:
     d = serve(auth_timeout=0.5)
     start = time.monotonic()
@@ -335,6 +362,11 @@ def test_options_set_the_limits() -> None:
 
 # -- after authentication: malformed requests ----------------------------------------
 U64 = 1 << 64
+def _rows(*rows: tuple[int, int]) -> str:
+    """(address, length) rows packed as read_ranges and digests take them, as hex."""
+    return b"".join(struct.pack("<QQ", a, n) for a, n in rows).hex()
+
+
 MALFORMED: list[tuple[str, dict[str, Any], str]] = [
     ("u64 overflow", {"op": "read", "address": U64, "size": 8},
      r"read: argument 'address' must be int in 0\.\.2\*\*64-1, got int 18446744073709551616"),
@@ -406,6 +438,18 @@ MALFORMED: list[tuple[str, dict[str, Any], str]] = [
      r"hazards: argument 'ranges\[0\]\.length' must be int in 1\.\.16, got bool true"),
     ("range past 2**64", {"op": "hazards", "ranges": [[U64 - 2, 5]]},
      r"hazards: argument 'ranges\[0\]': 0xfffffffffffffffe\+5 passes the end"),
+    # row tables (read_ranges, digests): bounds checked for the whole table, the row
+    # at fault named; a row only a loose bound suspects is not one (test below)
+    ("row past 2**64", {"op": "digests", "ranges": _rows((0x1000, 4), (U64 - 2, 5))},
+     r"digests: argument 'ranges\[1\]': 0xfffffffffffffffe\+5 is not 1\.\."),
+    ("row of no bytes", {"op": "read_ranges", "ranges": _rows((0x1000, 4), (0x2000, 0))},
+     r"read_ranges: argument 'ranges\[1\]': 0x2000\+0 is not 1\.\."),
+    ("row over a read", {"op": "digests", "ranges": _rows((0x1000, wire.MAX_READ + 1))},
+     rf"digests: argument 'ranges\[0\]': 0x1000\+{wire.MAX_READ + 1} is not 1\.\."),
+    ("rows over a read in all", {"op": "read_ranges", "ranges": _rows(*[(0x1000, wire.MAX_READ)] * 2)},
+     rf"read_ranges: the ranges hold more than {wire.MAX_READ} bytes in all"),
+    ("part of a row", {"op": "digests", "ranges": _rows((0x1000, 4), (0x2000, 4))[:-2]},
+     r"digests: argument 'ranges' is 31 bytes, not a whole number of 16-byte rows"),
     ("empty data", {"op": "write", "address": LAYOUT["data_start"], "data": ""},
      r"write: argument 'data' has 0 bytes, fewer than 1"),
     ("missing argument", {"op": "read", "address": 0}, r"read: missing argument 'size'"),
@@ -445,6 +489,16 @@ def test_each_malformed_field_has_its_own_error_and_the_session_goes_on(
         assert re.search(message, r["error"]["message"]), r["error"]["message"]
         assert c.request("info")["ok"]
     assert d.device.used == []
+
+
+def test_rows_a_loose_bound_suspects_are_read(serve) -> None:
+    """A table whose highest start and longest row would pass 2**64 together, though
+    no row does, is not refused: the device is asked (NoDevice fails the request)."""
+    d = serve()
+    with d.connect() as c:
+        r = _request(c, {"op": "digests", "ranges": _rows((0x1000, 4096), (U64 - 8, 8))})
+        assert not r["ok"] and "device was used: read_rows" in r["error"]["message"]
+    assert d.device.used == ["read_rows"]
 
 
 @pytest.mark.parametrize("body, message", [

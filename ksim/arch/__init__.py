@@ -31,4 +31,13 @@ def get_arch(name: str) -> Arch:
     return arch
 
 
-__all__ = ["DEFAULT_ARCH", "REGISTRY", "Arch", "CallConvention", "Flow", "Insn", "get_arch"]
+def load_decoder() -> None:
+    """Load the instruction decoder every architecture here reads code with
+    (capstone's bindings: some 20 ms, most of a warm command's first decode).
+    Callers that wait on something else anyway -- a remote kernel's answer --
+    load it then; the first decode would load it otherwise."""
+    import capstone  # noqa: F401
+
+
+__all__ = ["DEFAULT_ARCH", "REGISTRY", "Arch", "CallConvention", "Flow", "Insn", "get_arch",
+           "load_decoder"]

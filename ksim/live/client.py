@@ -33,6 +33,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ksim.arch import load_decoder
 from ksim.btf.errors import BTFError
 from ksim.core import (
     HeldInterrupt,
@@ -114,7 +115,11 @@ class Connection:
     """One authenticated session with kerninstd."""
 
     def __init__(self, host: str, port: int, *, token_file: str | None = None,
-                 token: bytes | None = None, timeout: float = 30.0) -> None:
+                 token: bytes | None = None, timeout: float = 30.0,
+                 while_waiting: Callable[[], object] | None = None) -> None:
+        """Connect and authenticate.  ``while_waiting`` is called once the greeting
+        is asked for, before its answer is read: work the caller will need anyway,
+        done while the daemon (in an emulated guest, some 10 ms) answers."""
         self.host, self.port, self.timeout = host, port, timeout
         self._ids = itertools.count(1)
         # requests sent whose replies are not read yet, oldest first (kerninstd answers
@@ -129,7 +134,10 @@ class Connection:
             raise TargetDied(f"cannot reach kerninstd at {host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            hello = self.request("hello")
+            greeting = self.send("hello")
+            if while_waiting is not None:
+                while_waiting()
+            hello = self.collect(greeting)
             if hello.get("protocol") != wire.VERSION:
                 raise ProtocolError(f"kerninstd speaks protocol {hello.get('protocol')}, "
                                     f"this client {wire.VERSION}")
@@ -394,9 +402,26 @@ class LiveTarget:
         self._data_starts: list[int] = []
         # writes into those data areas sent, their replies not read yet (see write)
         self._posted: list[int] = []
-        self.conn = Connection(host, port, token_file=token_file, timeout=timeout)
+        # every use of a kernel decodes its instructions: the decoder is loaded (some
+        # 20 ms) while the daemon answers the greeting
+        self.conn = Connection(host, port, token_file=token_file, timeout=timeout,
+                               while_waiting=load_decoder)
         self._token_file, self._timeout = token_file, timeout
-        reply = self.conn.request("info")
+        from ksim.images.abi import (
+            CLOCK_NS,
+            NOFAULT_READERS,
+            USER_NOFAULT_READERS,
+            linux_clock_ns,
+            linux_read_nofault,
+            linux_read_user_nofault,
+        )
+
+        # the kernel functions snippets call, looked up in the round trip that asks
+        # for the daemon's info, not one each (their older names only if a kernel
+        # lacks these)
+        asked = self.conn.send("info")
+        lookup = self._looked_up((NOFAULT_READERS[0], USER_NOFAULT_READERS[0], CLOCK_NS))
+        reply = self.conn.collect(asked)
         self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
         i = self.info
         self.capabilities = Capabilities(
@@ -408,18 +433,6 @@ class LiveTarget:
         self.text = (int(i["text_start"]), int(i["text_end"]))
         self.code_region = (int(i["code_start"]), int(i["code_start"]) + int(i["code_size"]))
         self.data_region = (int(i["data_start"]), int(i["data_start"]) + int(i["data_size"]))
-        from ksim.images.abi import (
-            CLOCK_NS,
-            NOFAULT_READERS,
-            USER_NOFAULT_READERS,
-            linux_clock_ns,
-            linux_read_nofault,
-            linux_read_user_nofault,
-        )
-
-        # the kernel functions snippets call, looked up in one round trip, not one each
-        # (their older names only if a kernel lacks these)
-        lookup = self._looked_up((NOFAULT_READERS[0], USER_NOFAULT_READERS[0], CLOCK_NS))
         self.abi = KernelABI(
             current_task=MemRef(int(i["current_task"]), "gs", 8),
             task_pid_offset=int(i["task_pid_offset"]),

@@ -33,7 +33,6 @@ import bisect
 import hashlib
 import hmac
 import logging
-import operator
 import os
 import re
 import resource
@@ -732,10 +731,12 @@ class Daemon:
         if sys.byteorder != "little":
             packed.byteswap()
         starts, lengths = packed[0::2], packed[1::2]
-        # checked for the whole table at once (an emulated guest's Python pays tens of
-        # microseconds a row); the row at fault is looked for only when one is
+        # checked for the whole table at once, by bounds that hold for every row when
+        # they hold for the extremes (an emulated guest's Python pays microseconds a
+        # row: summing 3,000 rows' ends was 1.3 ms of a 11 ms request); the row at
+        # fault is looked for only when a bound does not hold
         if lengths and (min(lengths) < 1 or max(lengths) > wire.MAX_READ
-                        or max(map(operator.add, starts, lengths)) > wire.U64_MAX + 1):
+                        or max(starts) > wire.U64_MAX + 1 - max(lengths)):
             for i, (address, length) in enumerate(zip(starts, lengths, strict=True)):
                 if not 1 <= length <= wire.MAX_READ or address + length > wire.U64_MAX + 1:
                     raise ProtocolError(f"{op}: argument 'ranges[{i}]': {address:#x}+{length} "
