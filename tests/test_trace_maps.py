@@ -262,3 +262,38 @@ def test_config_blocks_are_checked(capsys, toy_path, program, message):
     assert main(["trace", "-e", program]) == 2
     err = capsys.readouterr().err
     assert message in err and "stdin:" in err
+
+
+def test_after_detach_each_map_is_read_once_and_a_write_is_seen(toy_path):
+    """Once the probes are gone nothing in the kernel changes a map: END's output and
+    the report read each of its words once, not once each; a write of END's (the
+    client's own) is seen by what reads the map after it, in the output and the
+    report.  The counts are the oracle's."""
+    hooks = Hooks(entry=lambda m, abi, site: m.reg("rdx"))       # arg2 (x86-64 toy)
+    reads: list[tuple[int, int]] = []
+
+    def attach(session):
+        hooks(session)
+        target = session.m.target
+        read = target.read
+
+        def counted(address: int, size: int, *args, **kwargs) -> bytes:
+            if not session.handles:         # detached
+                reads.append((address, size))
+            return read(address, size, *args, **kwargs)
+
+        target.read = counted
+
+    report, out = trace("kprobe:vfs_read { @n[func] = count(); @last = arg2; } "
+                        "END { print(@last); @last = 1000; print(@last); }",
+                        "unicorn:toy", on_attach=attach, seed=3)
+    calls = len(hooks.seen["entry"])
+    assert calls > 0
+    assert report["maps"]["@n"] == {"vfs_read": calls}
+    last = hooks.seen["entry"][-1]
+    assert last != 1000
+    assert out.startswith(f"@last: {last}\n\n@last: 1000\n\n@last: 1000\n")
+    assert report["maps"]["@last"] == 1000
+    # every read after the probes went: the same (address, size) twice only across
+    # END's write, which makes what was read before it stale
+    assert reads and len(reads) - len(set(reads)) <= 2

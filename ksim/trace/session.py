@@ -189,6 +189,10 @@ class TraceSession:
         self._name_at: dict[str, int] = {}
         self.layouts: dict[str, MapLayout] = {}
         self.tables: dict[str, Table] = {}
+        #: once detached, nothing in the kernel changes the maps: what the client read
+        #: of them, by (address, size), kept until it writes to one (END's output and
+        #: the report read each map once, not once each)
+        self._still: dict[tuple[int, int], bytes] | None = None
         #: per keyed map, the records constant keys got before the run, and the
         #: numbers of those that have words of their own instead
         self.placed: dict[str, dict[tuple[int, ...], int]] = {}
@@ -624,7 +628,7 @@ class TraceSession:
             if any(image):
                 self.m.copy_to_kernel(lay.base, image)
             # a map the kernel never searches is indexed by the client alone
-            self.tables[name] = Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel,
+            self.tables[name] = Table(lay, self._map_read, self._map_write,
                                       placed if not lay.slots else None, self.direct[name])
 
     def _allocate_maps(self, sizings: dict[str, Sizing]) -> None:
@@ -636,7 +640,21 @@ class TraceSession:
             lay = MapLayout(mtype, 0, sizings.get(name, Sizing(1, 0, 1)), self.names)
             lay.base = self.m.alloc_data(lay.size)
             self.layouts[name] = lay
-            self.tables[name] = Table(lay, self.m.copy_from_kernel, self.m.copy_to_kernel)
+            self.tables[name] = Table(lay, self._map_read, self._map_write)
+
+    def _map_read(self, address: int, size: int) -> bytes:
+        """A map's bytes, as they are now (once detached: as read last, see _still)."""
+        if self._still is None:
+            return self.m.copy_from_kernel(address, size)
+        found = self._still.get((address, size))
+        if found is None:
+            found = self._still[address, size] = self.m.copy_from_kernel(address, size)
+        return found
+
+    def _map_write(self, address: int, data: bytes) -> None:
+        if self._still is not None:
+            self._still.clear()
+        self.m.copy_to_kernel(address, data)
 
     def resolve(self) -> None:
         """The points every kprobe/kretprobe attach point names."""
@@ -774,6 +792,7 @@ class TraceSession:
         """Resolve the probes, allocate the maps (sized by the points found), compile
         and splice them in one batch; ``timings["attach_s"]`` is how long it took."""
         start = time.perf_counter()
+        self._still = None
         SYMBOLIZE[:] = [self.symbol]        # kernel addresses in output: this kernel's
         USER_SYMBOLIZE[:] = [self.user_symbols.frame]   # user ones: the traced machine's files
         CGROUP_PATHS[:] = [self.traced.cgroup_path]
@@ -850,6 +869,7 @@ class TraceSession:
         for lay in self.layouts.values():
             self.m.free(lay.base)
         self.layouts.clear()
+        self._still = None
         if self.ring is not None:
             self.m.free(self.ring.header)
             self.m.free(self.ring.base)
@@ -878,6 +898,8 @@ class TraceSession:
                 self.handles = []
         finally:
             self._release()
+        if not self.handles:
+            self._still = {}
         self.timings["detach_s"] = time.perf_counter() - start
 
     def tactics(self) -> dict[str, int]:
