@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import gc
 import itertools
 from collections.abc import Callable, Container, Iterable, Iterator, Sequence
@@ -29,7 +30,7 @@ from typing import Any, cast
 
 from ksim.analysis.points import Point, PointKind
 from ksim.analysis.store import flush as flush_store
-from ksim.analysis.store import for_batch
+from ksim.analysis.store import for_batch, store_for
 from ksim.arch.base import Arch, CallOperand
 from ksim.core import Write
 from ksim.errors import (
@@ -124,6 +125,10 @@ class Manager:
                                ask=target.text_hazards if caps.hazards else None,
                                ask_later=target.ask_hazards if caps.hazards else None,
                                trap_setup=caps.trap_setup)
+        # the image's analysis store, which finding and planning points read first,
+        # is found and loaded while a remote kernel answers (the heap's first area,
+        # taken below, is one such wait)
+        target.when_idle(functools.partial(store_for, target.image, build_missing=False))
         arch = self.arch
         #: patch code and heap variables are placed by the Manager inside areas the
         #: target hands out (ksim.splice.areas): planning costs no request

@@ -188,30 +188,38 @@ def test_the_small_frame_limit_holds_until_auth_and_no_longer(serve) -> None:
     assert d.device.used == []
 
 
-def test_work_given_to_a_connection_runs_while_the_greeting_is_answered(serve) -> None:
-    """Connection's ``while_waiting`` runs once, connected and not yet authenticated
-    (the greeting asked for, its reply not read); the session it then authenticates
-    is like any other.  If that work fails, the connection is closed and the daemon
-    drops it."""
+def test_idle_work_runs_while_a_reply_is_awaited(serve) -> None:
+    """Connection's idle work: what is given when connecting is done while the
+    greeting is answered (connected, not yet authenticated); work given later is done
+    at the next wait for a reply, all of it, in order -- work that asks the daemon
+    itself included, its own wait doing the rest -- and work that fails is dropped,
+    the session going on.  Work left at close is dropped."""
     d = serve()
-    seen: list[tuple[int, int]] = []
+    done: list[Any] = []
 
-    def work() -> None:
+    def first() -> None:
         d.wait_for(lambda: len(d.daemon.unauthenticated) == 1)
-        seen.append(d.counts())
-
-    with d.connect(while_waiting=work) as conn:
-        assert seen == [(1, 1)]                   # one connection, not authenticated yet
-        assert d.counts() == (1, 0)
-        assert conn.request("info")["text_start"] == LAYOUT["text_start"]
-    d.wait_for(lambda: not d.daemon.sessions)
+        done.append(d.counts())
 
     def fails() -> None:
+        done.append("fails")
         raise RuntimeError("the work went wrong")
 
-    with pytest.raises(RuntimeError, match="the work went wrong"):
-        d.connect(while_waiting=fails)
-    d.wait_for(lambda: not d.daemon.sessions and not d.daemon.unauthenticated)
+    def asks() -> None:
+        done.append("asks")
+        done.append(conn.request("info")["text_start"])
+
+    with d.connect(idle=(first,)) as conn:
+        assert done == [(1, 1)]                   # one connection, not authenticated yet
+        assert d.counts() == (1, 0)
+        for work in (fails, asks, lambda: done.append("third")):
+            conn.when_idle(work)
+        assert conn.request("info")["ok"]
+        assert done == [(1, 1), "fails", "asks", "third", LAYOUT["text_start"]]
+        assert conn.request("info")["ok"] and len(done) == 5
+        conn.when_idle(lambda: done.append("never"))
+    assert "never" not in done
+    d.wait_for(lambda: not d.daemon.sessions)
     assert d.device.used == []
 
 

@@ -533,6 +533,12 @@ class Arch(Protocol):
         one (None: generic code derives one from ``decode``)."""
         ...
 
+    def prepare(self) -> None:
+        """Load the modules decoding, scanning, relocating and emitting code use
+        (each is loaded when first used otherwise): a client waiting on a remote
+        kernel's answer loads them then."""
+        ...
+
     def is_filler(self, insn: Insn) -> bool:
         """Whether ``insn`` is alignment filler (x86-64: any nop, int3): padding that
         is no work of the function."""

@@ -28,7 +28,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -116,16 +116,16 @@ class Connection:
 
     def __init__(self, host: str, port: int, *, token_file: str | None = None,
                  token: bytes | None = None, timeout: float = 30.0,
-                 while_waiting: Callable[[], object] | None = None) -> None:
-        """Connect and authenticate.  ``while_waiting`` is called once the greeting
-        is asked for, before its answer is read: work the caller will need anyway,
-        done while the daemon (in an emulated guest, some 10 ms) answers."""
+                 idle: Iterable[Callable[[], object]] = ()) -> None:
+        """Connect and authenticate.  ``idle``: work for when_idle, done while the
+        daemon answers the greeting (in an emulated guest, some 10 ms)."""
         self.host, self.port, self.timeout = host, port, timeout
         self._ids = itertools.count(1)
         # requests sent whose replies are not read yet, oldest first (kerninstd answers
         # a connection's requests one by one, in order), and replies read early
         self._outstanding: deque[int] = deque()
         self._early: dict[int, dict[str, Any]] = {}
+        self._idle: deque[Callable[[], object]] = deque(idle)
         if token is None:  # before connecting: a token file that is no token sends nothing
             token = read_token(token_file)
         try:
@@ -134,10 +134,7 @@ class Connection:
             raise TargetDied(f"cannot reach kerninstd at {host}:{port}: {exc}") from None
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            greeting = self.send("hello")
-            if while_waiting is not None:
-                while_waiting()
-            hello = self.collect(greeting)
+            hello = self.request("hello")
             if hello.get("protocol") != wire.VERSION:
                 raise ProtocolError(f"kerninstd speaks protocol {hello.get('protocol')}, "
                                     f"this client {wire.VERSION}")
@@ -154,6 +151,7 @@ class Connection:
         self.close()
 
     def close(self) -> None:
+        self._idle.clear()
         self.sock.close()
 
     def send_raw(self, data: bytes) -> None:
@@ -218,8 +216,26 @@ class Connection:
         while request_id not in self._early:
             if not self._outstanding:
                 raise ProtocolError(f"no request {request_id} is waiting for its reply")
+            if self._idle:
+                self._do_idle()     # (it may ask and collect: the loop looks again)
+                continue
             self._read_early(reply_timeout)
         return wire.raise_for(self._early.pop(request_id))
+
+    def when_idle(self, work: Callable[[], object]) -> None:
+        """Do ``work`` the next time this client waits for a reply, before reading it
+        (the work given, in order; none once the connection closes): preparation
+        the client needs later -- loading the decoder, the analysis store -- done
+        while the daemon works, not after it answers.  Work that fails is dropped:
+        it is done again where it is needed, and fails there with its own error."""
+        self._idle.append(work)
+
+    def _do_idle(self) -> None:
+        work = self._idle.popleft()
+        try:
+            work()
+        except Exception:   # noqa: BLE001 -- preparation only (when_idle)
+            pass
 
     def _read_early(self, reply_timeout: float | None = None) -> None:
         """Read the reply to the oldest request waiting, and keep it for its collect."""
@@ -405,7 +421,7 @@ class LiveTarget:
         # every use of a kernel decodes its instructions: the decoder is loaded (some
         # 20 ms) while the daemon answers the greeting
         self.conn = Connection(host, port, token_file=token_file, timeout=timeout,
-                               while_waiting=load_decoder)
+                               idle=(load_decoder,))
         self._token_file, self._timeout = token_file, timeout
         from ksim.images.abi import (
             CLOCK_NS,
@@ -423,6 +439,9 @@ class LiveTarget:
         lookup = self._looked_up((NOFAULT_READERS[0], USER_NOFAULT_READERS[0], CLOCK_NS))
         reply = self.conn.collect(asked)
         self.info = {k: v for k, v in reply.items() if k not in ("v", "id", "ok")}
+        # the architecture's code readers and writers are loaded while the lookups
+        # are answered
+        self.conn.when_idle(lambda: self.arch.prepare())
         i = self.info
         self.capabilities = Capabilities(
             traps=True, hazards=True, exec=bool(i.get("allow_exec")), keep=True,
@@ -448,17 +467,19 @@ class LiveTarget:
 
     def _looked_up(self, names: Sequence[str]) -> Callable[[str], int]:
         """``lookup`` with the addresses of ``names`` asked for at once (the requests
-        sent together, then each reply read): a name's error is raised when it is
-        looked up, as ``lookup`` raises it; a name not among them is asked then."""
+        sent together now, every reply read at the first lookup): a name's error is
+        raised when it is looked up, as ``lookup`` raises it; a name not among them
+        is asked then."""
         asked = {name: self.conn.send("lookup", name=name) for name in dict.fromkeys(names)}
         found: dict[str, int | KsimError] = {}
-        for name, request_id in asked.items():
-            try:
-                found[name] = int(self.conn.collect(request_id)["address"])
-            except KsimError as exc:
-                found[name] = exc
 
         def lookup(name: str) -> int:
+            while asked:
+                other, request_id = asked.popitem()
+                try:
+                    found[other] = int(self.conn.collect(request_id)["address"])
+                except KsimError as exc:
+                    found[other] = exc
             answer = found.get(name)
             if answer is None:
                 return self.lookup(name)
@@ -824,6 +845,11 @@ class LiveTarget:
         return self._as_before(address, bytearray(self.read(address, size)))
 
     # -- memory ---------------------------------------------------------------------
+    def when_idle(self, work: Callable[[], object]) -> None:
+        """Target.when_idle: done while a request's reply has not come
+        (Connection.when_idle)."""
+        self.conn.when_idle(work)
+
     def read(self, address: int, size: int, kernel: bool = False) -> bytes:
         """Kernel memory as it is; ``kernel``: text another client (or a kept splice)
         changed read as it was before (what this client analyses: the kernel's own

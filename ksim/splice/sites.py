@@ -488,9 +488,6 @@ class SiteFacts:
         if reading and kept is not None:
             # the digests come last: the daemon digests while the functions are analysed
             self.image.prefetch_digests(self._checked_ahead(kept, here))
-            # the decoder the records' instructions are rebuilt with is loaded while the
-            # kernel answers (capstone's import was 15-20 ms of a command, after them)
-            self.arch.code_scan()
         if outer:
             yield
             return

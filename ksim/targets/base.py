@@ -99,6 +99,13 @@ class Target(Protocol):
         """Read kernel memory (text or data); TargetFault on a bad address."""
         ...
 
+    def when_idle(self, work: Callable[[], object]) -> None:
+        """Do ``work`` -- preparation the engine needs later, such as loading the
+        image's analysis store -- while waiting on the kernel's answer to a request
+        (a remote kernel's), or never: work that is not done, or fails, is done
+        again where it is needed.  A target that waits on nothing drops it."""
+        ...
+
     def apply(self, change: Change) -> None:
         """Make ``change`` (patch code, trap routes, text writes; see Change for the
         order), all or nothing: the only call that changes text or routes.

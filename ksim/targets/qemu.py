@@ -269,6 +269,9 @@ class QemuTarget:
                               f"read() works")
         return gdb
 
+    def when_idle(self, work: Callable[[], object]) -> None:
+        """Nothing: this target waits on no remote answer (Target.when_idle)."""
+
     def read(self, address: int, size: int) -> bytes:
         """Kernel memory.  While a run is in progress (a progress callback
         reading a counter) the image's addresses are read through QMP's ``xp``

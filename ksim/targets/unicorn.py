@@ -79,6 +79,9 @@ class UnicornTarget:
         self.machine.hook_interrupt(self._on_interrupt)
 
     # --- memory -------------------------------------------------------------------
+    def when_idle(self, work: Callable[[], object]) -> None:
+        """Nothing: this target waits on no remote answer (Target.when_idle)."""
+
     def read(self, address: int, size: int) -> bytes:
         try:
             return self.machine.read(address, size)

@@ -178,6 +178,9 @@ class AArch64:
     def code_scan(self) -> CodeScans | None:
         return None                 # generic code derives the bulk scan from decode
 
+    def prepare(self) -> None:
+        from . import emitter, reader, relocator  # noqa: F401
+
     def is_filler(self, insn: Insn) -> bool:
         return insn.size == 4 and int.from_bytes(insn.raw, "little") in _FILLERS
 

@@ -124,6 +124,9 @@ class X86_64:
 
         return scan, scan_many, rebuild, EFFECTS
 
+    def prepare(self) -> None:
+        from . import emitter, reader, relocator, scan  # noqa: F401
+
     def is_filler(self, insn: Insn) -> bool:
         return insn.mnemonic.rsplit(" ", 1)[-1] in regs.FILLERS
 
