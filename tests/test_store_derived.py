@@ -182,6 +182,27 @@ def test_a_new_store_has_the_debian_kernels_entries(debian_kernel) -> None:
     assert answered > 0.9 * ok and n_live > 2 * answered, (answered, n_live, ok)
 
 
+def test_a_learnt_entry_answers_without_a_view_of_its_function(tmp_path: Path) -> None:
+    """live_at of an entry whose live registers the store learnt answers from the
+    store, building no record view (a batch over more functions than SiteFacts keeps
+    views of made each twice): the analysis's answer.  One the store does not know
+    is answered through a view, as before."""
+    image = load_image(kernels()[0])
+    store = _learnt(image, analyze_image(image, save=False), image.functions, tmp_path / "s.ksa")
+    facts = SiteFacts(image, get_arch(image.arch))
+    known = [f for f in image.functions if store.head_live(image, f, f.address) is not None]
+    assert len(known) >= 5
+    for func in known:
+        live = facts.live_at(Point(func.address, PointKind.ENTRY, func.name))
+        assert live == analyze(image, func).live_at(func.address), func.name
+    assert not facts._views
+    func = next(f for f in known if len(analyze(image, f).insns) > HEAD_LIVE)
+    second = analyze(image, func).insns[HEAD_LIVE]     # past what the store keeps
+    assert facts.live_at(Point(second.address, PointKind.INSN, func.name)) == \
+        analyze(image, func).live_at(second.address)
+    assert list(facts._views) == [func.address]
+
+
 def test_a_changed_callee_turns_derived_facts_off() -> None:
     """An image read through a reader (a running kernel's kind): once a callee's
     bytes change, its callers' derived clobbers and learnt live sets are not used, and

@@ -206,23 +206,31 @@ class SiteFacts:
         live = self._live.get(point.address)
         if live is None:
             func = self.function_of(point)
-            seen = self._view(func)
-            if seen is not None and seen.is_boundary(point.address):
-                # a function's first instructions (entry points): as a batch learnt
-                # them, while everything the function reaches is as it was then
-                kept = store_for(self.image, build_missing=False)
-                live = kept.head_live(self.image, func, point.address) if kept is not None else None
-                head = seen.addresses[:HEAD_LIVE]
-                if live is None and kept is not None and point.address in head:
-                    found = seen.live_head(len(head))
-                    kept.learn_head(self.image, func, found)
-                    live = found[head.index(point.address)]
-                elif live is None:
-                    live = seen.live_before(point.address)
-            else:
-                live = self.analysis(point).live_at(point.address)
+            # a function's first instructions (entry points): as a batch learnt them,
+            # while the function and everything it reaches are as they were then (its
+            # record current: the point is one of its instructions' starts) -- without
+            # a view of it, which a batch of more functions than VIEWS made when it
+            # found its entries, and would make again
+            kept = store_for(self.image, build_missing=False)
+            if kept is not None and not self.image.freed(func.address):
+                live = kept.head_live(self.image, func, point.address)
+            if live is None:
+                live = self._live_seen(func, point, kept)
             self._live[point.address] = live
         return live
+
+    def _live_seen(self, func: Function, point: Point, kept: Store | None) -> frozenset[str]:
+        """live_at's answer from the function's record view (what is live before a
+        head instruction is learnt for the store), else from its analysis."""
+        seen = self._view(func)
+        if seen is None or not seen.is_boundary(point.address):
+            return self.analysis(point).live_at(point.address)
+        head = seen.addresses[:HEAD_LIVE]
+        if kept is None or point.address not in head:
+            return seen.live_before(point.address)
+        found = seen.live_head(len(head))
+        kept.learn_head(self.image, func, found)
+        return found[head.index(point.address)]
 
     def _classify(self, target: int) -> Target:
         """What a call or jump to ``target`` reaches (analysis.function.classify_target),
