@@ -658,3 +658,30 @@ def test_an_interrupt_is_a_json_error_record_under_json(tmp_path):
             out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130 and b"Traceback" not in err
     assert json.loads(out)["error"] == "interrupted"
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 64), max_size=200), st.integers(1, 256), st.integers(1, 40))
+def test_row_tables_are_cut_as_few_as_the_limits_allow(sizes, most, max_rows) -> None:
+    """_row_parts: the rows in order, in parts of at most ``max_rows`` rows and ``most``
+    bytes (a row over ``most`` alone), each part as long as the next row lets it be:
+    the rules written out as an oracle, part by part."""
+    from ksim.live import client as live_client
+    from ksim.live import protocol as wire
+
+    rows = [(0x1000 * k, n) for k, n in enumerate(sizes)]
+    old = wire.MAX_RANGES
+    wire.MAX_RANGES = max_rows
+    try:
+        parts = list(live_client._row_parts(rows, most))
+    finally:
+        wire.MAX_RANGES = old
+    assert [r for part in parts for r in part] == rows
+    at = 0
+    for part in parts:
+        assert part and len(part) <= max_rows
+        total = sum(n for _, n in part)
+        assert total <= most or len(part) == 1
+        at += len(part)
+        if at < len(rows):   # the next row would break a limit
+            assert len(part) == max_rows or total + rows[at][1] > most

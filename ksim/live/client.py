@@ -341,15 +341,16 @@ def _table(rows: Sequence[tuple[int, int]]) -> str:
 
 def _row_parts(rows: list[tuple[int, int]], most: int) -> Iterator[list[tuple[int, int]]]:
     """(address, length) ``rows`` cut into as few requests' tables as the protocol
-    allows: MAX_RANGES rows and ``most`` bytes each."""
-    i = 0
+    allows: MAX_RANGES rows and ``most`` bytes each (a row over ``most`` on its own).
+    Cut by bisection over the rows' running total: a batch's digests are thousands
+    of rows."""
+    ends = list(itertools.accumulate(n for _a, n in rows))
+    i, before = 0, 0
     while i < len(rows):
-        j, total = i, 0
-        while j < len(rows) and j - i < wire.MAX_RANGES and total + rows[j][1] <= most:
-            total += rows[j][1]
-            j += 1
+        j = min(bisect.bisect_right(ends, before + most, i), i + wire.MAX_RANGES)
+        j = max(j, i + 1)
         yield rows[i:j]
-        i = j
+        i, before = j, ends[j - 1]
 
 
 #: the guest kallsyms files a cache directory keeps (each with its parsed copy, some 8 MB
