@@ -796,6 +796,13 @@ struct ki_hz {
 static struct ki_hz *ki_core_hz;	/* sorted by address */
 static unsigned int ki_core_nhz;
 static u32 ki_core_hz_reach;		/* the longest entry */
+/*
+ * The index holds core text's exception-table entries too: a range's
+ * instructions are then one search, not one search_exception_tables() a byte
+ * (which also walks the module and BPF tables, where no core text address is),
+ * some 40% of a hazard question under emulation.
+ */
+static bool ki_core_extable;
 
 /* lib/bug.c's bug_addr() */
 static unsigned long ki_bug_addr(const struct bug_entry *bug)
@@ -810,6 +817,16 @@ static unsigned long ki_bug_addr(const struct bug_entry *bug)
 static u32 ki_bug_flag(const struct bug_entry *bug)
 {
 	return bug->flags & BUGFLAG_WARNING ? KERNINST_HAZARD_WARN : KERNINST_HAZARD_BUG;
+}
+
+/* The instruction an exception-table entry is for (lib/extable.c's ex_to_insn). */
+static unsigned long ki_extable_insn(const struct exception_table_entry *e)
+{
+#ifdef ARCH_HAS_RELATIVE_EXTABLE	/* asm/extable.h */
+	return (unsigned long)&e->insn + e->insn;
+#else
+	return e->insn;
+#endif
 }
 
 /* What addr_conflict() in kernel/jump_label.c takes a site to cover. */
@@ -856,7 +873,8 @@ static void ki_index_core_tables(void)
 {
 	struct jump_entry *jumps;
 	struct bug_entry *bugs;
-	unsigned long nj, nb, ns = 0, i, n = 0;
+	struct exception_table_entry *ex;
+	unsigned long nj, nb, ns = 0, nx, i, n = 0;
 	struct ki_hz *z;
 #ifdef CONFIG_HAVE_STATIC_CALL_INLINE
 	struct static_call_site *sites;
@@ -864,6 +882,7 @@ static void ki_index_core_tables(void)
 
 	nj = ki_table("__start___jump_table", "__stop___jump_table", sizeof(*jumps), (void **)&jumps);
 	nb = ki_table("__start___bug_table", "__stop___bug_table", sizeof(*bugs), (void **)&bugs);
+	nx = ki_table("__start___ex_table", "__stop___ex_table", sizeof(*ex), (void **)&ex);
 #ifdef CONFIG_HAVE_STATIC_CALL_INLINE
 	ns = ki_table("__start_static_call_sites", "__stop_static_call_sites", sizeof(*sites),
 		      (void **)&sites);
@@ -872,7 +891,7 @@ static void ki_index_core_tables(void)
 #endif
 	if ((!nj && ki_jump_label_text_reserved) || (!nb && ki_find_bug))
 		return;
-	z = kvmalloc_array(nj + nb + ns, sizeof(*z), GFP_KERNEL);
+	z = kvmalloc_array(nj + nb + ns + nx, sizeof(*z), GFP_KERNEL);
 	if (!z)
 		return;
 	for (i = 0; i < nj; i++)
@@ -887,13 +906,18 @@ static void ki_index_core_tables(void)
 			z[n++] = (struct ki_hz){ ki_static_call_addr(&sites[i]), CALL_INSN_SIZE,
 						 KERNINST_HAZARD_STATIC_CALL };
 #endif
+	/* keyed by the instruction's first byte, as search_exception_tables looks */
+	for (i = 0; i < nx; i++)
+		z[n++] = (struct ki_hz){ ki_extable_insn(&ex[i]), KI_INSN_ALIGN,
+					 KERNINST_HAZARD_EXTABLE };
 	sort(z, n, sizeof(*z), ki_hz_cmp, NULL);
 	for (i = 0; i < n; i++)
 		ki_core_hz_reach = max(ki_core_hz_reach, z[i].len);
 	ki_core_hz = z;
 	ki_core_nhz = n;
-	pr_info("indexed %lu jump-label sites, %lu static-call sites, %lu bug-table entries\n",
-		nj, ns, nb);
+	ki_core_extable = nx > 0;
+	pr_info("indexed %lu jump-label sites, %lu static-call sites, %lu bug-table entries, "
+		"%lu exception-table entries\n", nj, ns, nb, nx);
 }
 
 /* What index @hz (@n entries by address, none longer than @reach) records over [addr, end]. */
@@ -1194,9 +1218,11 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 				h |= KERNINST_HAZARD_KPROBE;
 				break;
 			}
-	for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN); a <= end; a += KI_INSN_ALIGN)
-		if (ki_search_exception_tables && ki_search_exception_tables(a))
-			h |= KERNINST_HAZARD_EXTABLE;
+	/* core text's entries are in the index (ki_core_extable) */
+	if (mod || !ki_core_hz || !ki_core_extable)
+		for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN); a <= end; a += KI_INSN_ALIGN)
+			if (ki_search_exception_tables && ki_search_exception_tables(a))
+				h |= KERNINST_HAZARD_EXTABLE;
 	if (ki_unchecked)
 		h |= KERNINST_HAZARD_UNKNOWN;
 out:

@@ -170,6 +170,14 @@ def test_exception_table_instructions_answer_extable(target: LiveTarget) -> None
         [(hex(a), n) for a, n in zip(sites, answers, strict=True) if "extable" not in n]
     # the entry is keyed by the instruction's first byte: a range starting before it still has it
     assert "extable" in target.text_hazards([(sites[0] - 2, 3)])[0]
+    # ... and one that ends before it, or starts after it, has not (unless another
+    # entry is there): the module's index of core text's table answers as the kernel's
+    every = set(extable_sites(target))
+    near = [(a - 2, 2) for a in sites if not every & {a - 2, a - 1}] + \
+        [(a + 1, 2) for a in sites if not every & {a + 1, a + 2}]
+    assert len(near) > 50
+    answers = target.text_hazards(near)
+    assert not [(hex(a), n) for (a, _), n in zip(near, answers, strict=True) if "extable" in n]
 
 
 def test_jump_label_sites_answer_jump_label(target: LiveTarget) -> None:
