@@ -247,6 +247,8 @@ def test_the_image_reads_text_as_it_was_before_this_clients_pokes(testbed: dict)
     the poked bytes or hold none; a digest of a range holding a poked byte is not
     trusted (read instead); the target's own read gives the bytes as they are.  Once
     the batch is out, both agree again."""
+    from ksim.analysis.store import code_digest
+
     m = Manager.attach(testbed["address"], token_file=testbed["token_file"])
     t = m.target
     try:
@@ -265,6 +267,8 @@ def test_the_image_reads_text_as_it_was_before_this_clients_pokes(testbed: dict)
             t.prefetch_digests([(f.address, f.size), (f.address, at)])
             assert t.known_digest(f.address, f.size) is None
             assert t.known_digest(f.address, at) is not None
+            assert t.known_digests([(f.address, f.size), (f.address, at)]) == \
+                [None, code_digest(before[f.address][:at])]
         m.remove_many(handles)
         for f in funcs:
             assert t.read(f.address, f.size) == before[f.address] == t.image.read(f.address, f.size)
@@ -387,6 +391,10 @@ def test_digests_are_the_stores_digests_of_the_bytes_read(testbed: dict) -> None
         assert t.known_digest(*rows[0]) == code_digest(t.read(*rows[0], kernel=True))
         assert t.known_digest(rows[0][0], rows[0][1] - 1) is None   # only the range asked
         assert t.known_digest(*rows[-1]) is None                    # unreadable: read later
+        # asked at once, as a batch's reach is: each as asked alone, the oracle's
+        asked = [*rows, (rows[0][0], rows[0][1] - 1)]
+        assert t.image.known_digests(asked) == [t.known_digest(*r) for r in asked] == \
+            [code_digest(t.read(a, n, kernel=True)) for a, n in rows[:-1]] + [None, None]
         for bad in (table[:-2], struct.pack("<2Q", funcs[0].address, 0).hex()):
             with pytest.raises(ProtocolError, match="digests"):
                 t.conn.request("digests", ranges=bad, kernel=False)

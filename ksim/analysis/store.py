@@ -797,21 +797,17 @@ class Store:
         a = self._arrays
         status, digest, size, addr = a["status"], a["digest"], a["size"], self._addr
         image = self._image() if self._image is not None else None
-        known = image.known_digest if image is not None else None
-        for i in indices:
-            address = addr[i]
-            if freed(address):
-                continue
-            if status[i] != _OK:
-                return False
+        checked = [i for i in indices if not freed(addr[i])]
+        if any(status[i] != _OK for i in checked):
+            return False
+        if image is None:
+            return True
+        found = image.known_digests([(addr[i], size[i]) for i in checked])
+        for i, known in zip(checked, found, strict=True):
             if known is None:
-                continue
-            found = known(address, size[i])
-            if found is None:
-                assert image is not None
                 if not self._current_at(i, image.functions[i]):
                     return False
-            elif found != digest[i]:
+            elif known != digest[i]:
                 return False
         return True
 

@@ -24,9 +24,10 @@ if TYPE_CHECKING:
 MemoryReader = Callable[[int, int], bytes]
 #: told the (address, size) ranges a reader is about to be asked for (Image.prefetch)
 Prefetcher = Callable[[Sequence[tuple[int, int]]], None]
-#: the digest (ksim.analysis.store.code_digest) of exactly the range (address, size)
-#: as the reader would read it, when known without reading it (Image.known_digest)
-DigestOf = Callable[[int, int], "int | None"]
+#: the digests (ksim.analysis.store.code_digest) of exactly the ranges (address, size)
+#: as the reader would read them, each when known without reading it, else None
+#: (Image.known_digests)
+DigestOf = Callable[[Sequence[tuple[int, int]]], "list[int | None]"]
 
 _BINDING_RANK = {"global": 0, "weak": 1, "local": 2}
 
@@ -198,7 +199,14 @@ class Image:
     def known_digest(self, addr: int, size: int) -> int | None:
         """The digest of the ``size`` bytes at ``addr`` as ``read`` would give them, when
         the reader knows it without reading them; None otherwise (read them)."""
-        return self._digests[1](addr, size) if self._digests is not None else None
+        return self.known_digests(((addr, size),))[0]
+
+    def known_digests(self, ranges: Sequence[tuple[int, int]]) -> list[int | None]:
+        """known_digest of each of ``ranges`` (address, size), asked at once: a batch
+        checks the thousands of functions its functions reach."""
+        if self._digests is None:
+            return [None] * len(ranges)
+        return self._digests[1](ranges)
 
     def freed(self, address: int) -> bool:
         """Whether a running kernel has freed the memory at ``address``: its init

@@ -547,7 +547,7 @@ class LiveTarget:
         return load_kallsyms(self.kallsyms_path, reader=self._image_read, keep_parsed=True,
                              identity=self.kallsyms_path.stem.encode(), arch=self.arch.name,
                              prefetch=self.prefetch_text, digests=(self.prefetch_digests,
-                                                                   self.known_digest))
+                                                                   self.known_digests))
 
     def _image_read(self, address: int, size: int) -> bytes:
         """What the image reads: core kernel text as it was before this client's pokes
@@ -696,11 +696,12 @@ class LiveTarget:
             if len(data) != wire.DIGEST * len(part):
                 error = error or ProtocolError(f"digests: {len(data)} bytes for {len(part)} rows")
                 continue
-            failed = set(reply.get("failed", ()))
-            for k, r in enumerate(part):
-                if k not in failed:     # an unreadable range is read as asked, later
-                    self._digests[r] = int.from_bytes(data[k * wire.DIGEST:(k + 1) * wire.DIGEST],
-                                                      "little")
+            sums = array.array("Q", data)   # (DIGEST: 8 bytes, little-endian)
+            if sys.byteorder != "little":
+                sums.byteswap()
+            self._digests.update(zip(part, sums, strict=True))
+            for k in reply.get("failed", ()):   # an unreadable range is read as asked, later
+                self._digests.pop(part[k], None)
         if error is not None:
             raise error
 
@@ -725,11 +726,17 @@ class LiveTarget:
         """The digest prefetch_digests learnt of exactly this range, as the image reads
         it; None when it was not asked, or this client has poked a byte of it since
         (the image reads that byte as it was before)."""
-        if self._digest_requests and (address, size) in self._digests_due:
+        return self.known_digests(((address, size),))[0]
+
+    def known_digests(self, ranges: Sequence[tuple[int, int]]) -> list[int | None]:
+        """known_digest of each of ``ranges``, at once (a batch's reach: thousands)."""
+        due = self._digests_due
+        if self._digest_requests and any(r in due for r in ranges):
             self._collect_digests()
-        found = self._digests.get((address, size))
-        if found is not None and self._poked_in(address, size):
-            return None
+        found = list(map(self._digests.get, ranges))
+        if self._original_at:   # this client poked text: those ranges are read instead
+            found = [None if d is not None and self._poked_in(*r) else d
+                     for r, d in zip(ranges, found, strict=True)]
         return found
 
     def _poked_in(self, address: int, size: int) -> list[int]:
