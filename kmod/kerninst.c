@@ -1218,8 +1218,8 @@ static u32 ki_text_hazards(unsigned long addr, u32 len)
 				h |= KERNINST_HAZARD_KPROBE;
 				break;
 			}
-	/* core text's entries are in the index (ki_core_extable) */
-	if (mod || !ki_core_hz || !ki_core_extable)
+	/* core text's entries are in the index (ki_core_extable: it was built with them) */
+	if (mod || !ki_core_extable)
 		for (a = ALIGN_DOWN(addr, KI_INSN_ALIGN); a <= end; a += KI_INSN_ALIGN)
 			if (ki_search_exception_tables && ki_search_exception_tables(a))
 				h |= KERNINST_HAZARD_EXTABLE;

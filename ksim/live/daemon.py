@@ -735,8 +735,9 @@ class Daemon:
         # they hold for the extremes (an emulated guest's Python pays microseconds a
         # row: summing 3,000 rows' ends was 1.3 ms of a 11 ms request); the row at
         # fault is looked for only when a bound does not hold
-        if lengths and (min(lengths) < 1 or max(lengths) > wire.MAX_READ
-                        or max(starts) > wire.U64_MAX + 1 - max(lengths)):
+        longest = max(lengths, default=0)
+        if lengths and (min(lengths) < 1 or longest > wire.MAX_READ
+                        or max(starts) > wire.U64_MAX + 1 - longest):
             for i, (address, length) in enumerate(zip(starts, lengths, strict=True)):
                 if not 1 <= length <= wire.MAX_READ or address + length > wire.U64_MAX + 1:
                     raise ProtocolError(f"{op}: argument 'ranges[{i}]': {address:#x}+{length} "
